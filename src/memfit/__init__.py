@@ -1,0 +1,19 @@
+"""memfit: run diffusers pipelines inside a memory budget, fast, on whatever hardware you have."""
+
+__version__ = "0.1.0"
+
+from .embeddings import Embeddings
+from .errors import MemfitError
+from .report import RunReport, StageReport
+from .staged import Generation, encode, generate
+
+__all__ = [
+    "Embeddings",
+    "Generation",
+    "MemfitError",
+    "RunReport",
+    "StageReport",
+    "__version__",
+    "encode",
+    "generate",
+]

@@ -1,0 +1,76 @@
+"""What a backend is: a named way to turn a module (or function) into a callable that runs faster.
+
+A backend's contract, tested for every backend in tests/test_backends.py:
+
+* ``compile(fn, example_inputs, options=None, cache=None, weights_fingerprint=None)`` returns a
+  callable with the same positional signature whose outputs are PLAIN ``torch.Tensor`` objects
+  (never subclasses or fake tensors: failure 5 of DESIGN.md), equal to eager within the backend's
+  stated tolerance, on every call, not just the first.
+* Compiling or running never leaves torch's global settings changed (see ``torch_settings``).
+* ``available()`` says, without side effects, whether the backend can run here and, if not,
+  what to install.
+* Compile errors surface in ``compile()`` (it runs the example inputs once), not in the middle
+  of a generation.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Mapping, NamedTuple, Sequence
+
+from memfit.errors import MemfitError
+
+
+class Availability(NamedTuple):
+    """``ok, reason = backend.available()``; ``reason`` says what to do when ``ok`` is False."""
+
+    ok: bool
+    reason: str
+
+
+class Backend:
+    """Base class of every backend; subclasses set ``name`` and implement ``compile``."""
+
+    name: str = ""
+    # Maximum absolute difference from eager the tests accept for float32 on the tiny model.
+    float32_tolerance: float = 1e-5
+    # Every option a backend understands, with its default; unknown options are an error.
+    default_options: Mapping[str, Any] = {}
+
+    def available(self) -> Availability:
+        return Availability(True, f"{self.name} is available")
+
+    def version(self) -> str:
+        """The version of the library doing the work, for cache keys."""
+        import torch
+
+        return torch.__version__
+
+    def compile(
+        self,
+        fn: Callable[..., Any],
+        example_inputs: Sequence[Any],
+        options: Mapping[str, Any] | None = None,
+        cache: Any = None,
+        weights_fingerprint: str | None = None,
+    ) -> Callable[..., Any]:
+        raise NotImplementedError
+
+    def resolve_options(self, options: Mapping[str, Any] | None) -> dict[str, Any]:
+        """Defaults overlaid with ``options``; an unknown option names the valid ones."""
+        options = dict(options or {})
+        unknown = sorted(set(options) - set(self.default_options))
+        if unknown:
+            valid = ", ".join(sorted(self.default_options)) or "none"
+            raise MemfitError(
+                f"Unknown option(s) {', '.join(unknown)} for backend {self.name!r}; "
+                f"valid options: {valid}."
+            )
+        return {**self.default_options, **options}
+
+    def require_available(self) -> None:
+        ok, reason = self.available()
+        if not ok:
+            raise MemfitError(f"Backend {self.name!r} cannot run here: {reason}")
+
+    def __repr__(self) -> str:
+        return f"<memfit backend {self.name!r}>"

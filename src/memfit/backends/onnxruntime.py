@@ -1,0 +1,195 @@
+"""ONNX Runtime: export the module once with ``torch.onnx.export`` and run the ONNX graph.
+
+The exported ``model.onnx`` (plus its external weights file) is an ordinary file artifact, so it is
+what memfit's content-addressed cache stores: given ``cache=`` and a ``weights_fingerprint``, the
+export is keyed by weights, graph, input signature, options and library versions, and a second
+start (or a second pipeline sharing the component) loads it without exporting.
+
+Shapes are static: the graph is exported for the example inputs' shapes and dtypes, and calling it
+with others is an error that says so (compile again for those shapes).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import json
+import tempfile
+from pathlib import Path
+from typing import Any, Callable, Mapping, Sequence
+
+import torch
+
+from memfit.backends.base import Availability, Backend
+from memfit.backends.outputs import plain_outputs
+from memfit.backends.torch_settings import preserved_torch_settings
+from memfit.errors import MemfitError
+
+MODEL_FILE = "model.onnx"
+OUTPUTS_FILE = "outputs.json"
+_REQUIRED_MODULES = ("onnxruntime", "onnx", "onnxscript")
+
+
+class ONNXRuntimeBackend(Backend):
+    name = "onnxruntime"
+    float32_tolerance = 1e-4
+    default_options: Mapping[str, Any] = {
+        "providers": ("CPUExecutionProvider",),  # ORT execution providers, in preference order
+        "opset": None,  # ONNX opset for export; None lets torch choose
+        "intra_op_threads": 0,  # 0 = ORT's default (all cores)
+    }
+
+    def available(self) -> Availability:
+        missing = [m for m in _REQUIRED_MODULES if importlib.util.find_spec(m) is None]
+        if missing:
+            return Availability(
+                False,
+                f"{', '.join(missing)} {'is' if len(missing) == 1 else 'are'} not installed: "
+                "pip install memfit[onnxruntime]",
+            )
+        return Availability(True, f"onnxruntime {self.version()} is available")
+
+    def version(self) -> str:
+        from importlib import metadata
+
+        try:
+            return metadata.version("onnxruntime")
+        except metadata.PackageNotFoundError:
+            return "absent"
+
+    def compile(
+        self,
+        fn: Callable[..., Any],
+        example_inputs: Sequence[Any],
+        options: Mapping[str, Any] | None = None,
+        cache: Any = None,
+        weights_fingerprint: str | None = None,
+    ) -> Callable[..., Any]:
+        opts = self.resolve_options(options)
+        self.require_available()
+        signature = _input_signature(example_inputs)
+
+        def build(out_dir: Path) -> dict[str, Any]:
+            return _export(fn, example_inputs, out_dir, opts["opset"])
+
+        if cache is not None and weights_fingerprint:
+            from memfit.cache import compile_key
+
+            key = compile_key(
+                weights_fingerprint=weights_fingerprint,
+                graph=_graph_id(fn),
+                input_signature=signature,
+                backend=self.name,
+                backend_options={"opset": opts["opset"]},  # providers act at load, not in the file
+                backend_distributions=_REQUIRED_MODULES,
+            )
+            return _load(cache.get_or_build(key, build), signature, opts)
+        with tempfile.TemporaryDirectory(prefix="memfit-onnx-") as tmp:
+            build(Path(tmp))
+            # The session reads the whole model (external weights included) at creation, so the
+            # files are not needed afterwards.
+            return _load(Path(tmp), signature, opts)
+
+
+def _input_signature(example_inputs: Sequence[Any]) -> list[list[Any]]:
+    signature = []
+    for index, value in enumerate(example_inputs):
+        if not isinstance(value, torch.Tensor):
+            raise MemfitError(
+                f"Backend 'onnxruntime' takes tensor inputs only; input {index} is "
+                f"{type(value).__name__}. Bind non-tensor arguments with functools.partial first."
+            )
+        if value.dtype == torch.bfloat16:
+            raise MemfitError(
+                "Backend 'onnxruntime' cannot feed bfloat16 inputs (numpy has no bfloat16); "
+                "run this component in float32 or float16."
+            )
+        signature.append([list(value.shape), str(value.dtype)])
+    return signature
+
+
+def _graph_id(fn: Callable[..., Any]) -> str:
+    """What identifies the computation besides its weights: the module's class and structure."""
+    if isinstance(fn, torch.nn.Module):
+        cls = type(fn)
+        return f"{cls.__module__}.{cls.__qualname__}:{hashlib.sha256(repr(fn).encode()).hexdigest()[:16]}"
+    code = getattr(fn, "__code__", None)
+    body = hashlib.sha256(code.co_code).hexdigest()[:16] if code is not None else "nocode"
+    return f"{getattr(fn, '__module__', '?')}.{getattr(fn, '__qualname__', repr(fn))}:{body}"
+
+
+def _export(fn: Callable[..., Any], example_inputs: Sequence[Any], out_dir: Path, opset: int | None) -> dict[str, Any]:
+    module = fn if isinstance(fn, torch.nn.Module) else _FunctionModule(fn)
+    with preserved_torch_settings(), torch.no_grad():
+        expected = module(*example_inputs)
+        if isinstance(expected, torch.Tensor):
+            structure = {"kind": "tensor", "count": 1}
+        elif isinstance(expected, (tuple, list)) and all(isinstance(t, torch.Tensor) for t in expected):
+            structure = {"kind": type(expected).__name__, "count": len(expected)}
+        else:
+            raise MemfitError(
+                f"Backend 'onnxruntime' supports modules returning a tensor or a tuple/list of "
+                f"tensors; this one returns {type(expected).__name__}. Use backend='eager' or "
+                "'inductor' for it."
+            )
+        try:
+            torch.onnx.export(
+                module,
+                tuple(example_inputs),
+                str(out_dir / MODEL_FILE),
+                dynamo=True,
+                external_data=True,
+                opset_version=opset,
+                verbose=False,
+            )
+        except Exception as exc:
+            raise MemfitError(
+                f"Exporting {type(module).__name__} to ONNX failed ({type(exc).__name__}: {exc}). "
+                "Use another backend for this component (e.g. backend='inductor' or 'eager')."
+            ) from exc
+    (out_dir / OUTPUTS_FILE).write_text(json.dumps(structure))
+    return {"outputs": structure}
+
+
+def _load(model_dir: Path, signature: list[list[Any]], opts: Mapping[str, Any]) -> Callable[..., Any]:
+    import onnxruntime as ort
+
+    session_options = ort.SessionOptions()
+    session_options.intra_op_num_threads = int(opts["intra_op_threads"])
+    session = ort.InferenceSession(
+        str(model_dir / MODEL_FILE), sess_options=session_options, providers=list(opts["providers"])
+    )
+    structure = json.loads((model_dir / OUTPUTS_FILE).read_text())
+    input_names = [i.name for i in session.get_inputs()]
+    if len(input_names) != len(signature):
+        raise MemfitError(
+            f"The ONNX model in {model_dir} has {len(input_names)} inputs but the example had "
+            f"{len(signature)}; clear it with `memfit cache clear --kind compiled` and retry."
+        )
+
+    def run(*args: Any) -> Any:
+        actual = [[list(a.shape), str(a.dtype)] if isinstance(a, torch.Tensor) else type(a).__name__ for a in args]
+        if actual != signature:
+            raise MemfitError(
+                f"Backend 'onnxruntime' compiled this component for inputs {signature} but got "
+                f"{actual}; shapes are static, so compile again with example inputs of the new shape."
+            )
+        feeds = {name: a.detach().cpu().contiguous().numpy() for name, a in zip(input_names, args)}
+        outputs = [torch.from_numpy(o) for o in session.run(None, feeds)]
+        if structure["kind"] == "tensor":
+            return plain_outputs(outputs[0])
+        return plain_outputs(tuple(outputs) if structure["kind"] == "tuple" else outputs)
+
+    run.session = session  # type: ignore[attr-defined]  (for inspection and tests)
+    return run
+
+
+class _FunctionModule(torch.nn.Module):
+    """Lets a plain function be exported like a module (torch.onnx.export takes modules)."""
+
+    def __init__(self, wrapped: Callable[..., Any]) -> None:
+        super().__init__()
+        self.wrapped = wrapped
+
+    def forward(self, *args: Any) -> Any:
+        return self.wrapped(*args)

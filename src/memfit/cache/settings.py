@@ -1,0 +1,94 @@
+"""Where the cache lives, whether it is on, and how big it may grow (read from the environment).
+
+    MEMFIT_CACHE_DIR        root directory (default: the platform's user cache dir + /memfit)
+    MEMFIT_CACHE            "1"/"on" (default), "0"/"off" (every lookup misses, writes are
+                            skipped), "require" (a miss raises instead of building: lets CI prove
+                            that a start was fully served from the cache)
+    MEMFIT_CACHE_MAX_BYTES  size limit, bytes or "20GiB"/"500MB"; least recently used entries
+                            are evicted past it (default 20 GiB)
+"""
+
+from __future__ import annotations
+
+import enum
+import os
+import re
+import sys
+from pathlib import Path
+
+from memfit.errors import MemfitError
+
+DEFAULT_MAX_BYTES = 20 * 1024**3
+
+
+class CacheMode(enum.Enum):
+    ON = "on"
+    OFF = "off"
+    REQUIRE = "require"
+
+
+_MODE_WORDS = {
+    "": CacheMode.ON,
+    "1": CacheMode.ON,
+    "on": CacheMode.ON,
+    "true": CacheMode.ON,
+    "yes": CacheMode.ON,
+    "0": CacheMode.OFF,
+    "off": CacheMode.OFF,
+    "false": CacheMode.OFF,
+    "no": CacheMode.OFF,
+    "require": CacheMode.REQUIRE,
+}
+
+
+def mode_from_env() -> CacheMode:
+    raw = os.environ.get("MEMFIT_CACHE", "")
+    try:
+        return _MODE_WORDS[raw.strip().lower()]
+    except KeyError:
+        raise MemfitError(
+            f"MEMFIT_CACHE={raw!r} is not understood. Use 1 (cache on), 0 (cache off) or "
+            "'require' (fail on any cache miss)."
+        ) from None
+
+
+def default_root() -> Path:
+    """MEMFIT_CACHE_DIR, else the platform's per-user cache directory followed by /memfit."""
+    override = os.environ.get("MEMFIT_CACHE_DIR")
+    if override:
+        return Path(override).expanduser()
+    if sys.platform == "win32":
+        base = os.environ.get("LOCALAPPDATA") or str(Path.home() / "AppData" / "Local")
+        return Path(base) / "memfit" / "Cache"
+    if sys.platform == "darwin":
+        return Path.home() / "Library" / "Caches" / "memfit"
+    xdg = os.environ.get("XDG_CACHE_HOME")
+    return (Path(xdg) if xdg else Path.home() / ".cache") / "memfit"
+
+
+# Kept local (and tiny) so the cache does not depend on the budget layer; same rules as the
+# budget strings: "GiB" = 2**30, "GB" = 10**9, bytes only (never bits).
+_SIZE_PATTERN = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]i?b|b)?\s*$", re.IGNORECASE)
+_SIZE_FACTORS = {
+    "b": 1,
+    "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
+    "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40,
+}
+
+
+def parse_size(text: str, *, source: str) -> int:
+    match = _SIZE_PATTERN.match(text)
+    if not match:
+        raise MemfitError(
+            f"{source}={text!r} is not a size. Use a number of bytes or a value like "
+            "'20GiB' or '500MB'."
+        )
+    number, unit = match.groups()
+    return int(float(number) * _SIZE_FACTORS[(unit or "b").lower()])
+
+
+def max_bytes_from_env() -> int:
+    raw = os.environ.get("MEMFIT_CACHE_MAX_BYTES")
+    if raw is None or not raw.strip():
+        return DEFAULT_MAX_BYTES
+    return parse_size(raw, source="MEMFIT_CACHE_MAX_BYTES")

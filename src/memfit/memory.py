@@ -1,0 +1,105 @@
+"""Measuring peak memory of a stretch of work: peak RSS on the CPU, peak allocated memory on a GPU.
+
+Peak RSS comes from the kernel's high-water mark (VmHWM), reset at the start of each stretch by
+writing "5" to /proc/self/clear_refs. Where that file is not writable (non-Linux, some sandboxes)
+a background thread samples RSS every few milliseconds instead, which can miss a short spike;
+`PeakMemory.method` says which one was used so reports never overstate their precision.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import gc
+import threading
+import time
+from dataclasses import dataclass
+
+import psutil
+import torch
+
+_CLEAR_REFS = "/proc/self/clear_refs"
+_STATUS = "/proc/self/status"
+
+
+def current_rss() -> int:
+    return psutil.Process().memory_info().rss
+
+
+def _read_hwm() -> int | None:
+    try:
+        with open(_STATUS) as status:
+            for line in status:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        return None
+    return None
+
+
+def _reset_hwm() -> bool:
+    try:
+        with open(_CLEAR_REFS, "w") as clear_refs:
+            clear_refs.write("5")
+    except OSError:
+        return False
+    return _read_hwm() is not None
+
+
+def release_freed_memory() -> None:
+    """Collect garbage and hand freed heap pages back to the OS.
+
+    glibc keeps freed heap memory in its arenas; without malloc_trim a stage's weights, though
+    freed, would still count in the RSS of the next stage and stages would look like they overlap.
+    """
+    gc.collect()
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):
+        pass
+
+
+@dataclass
+class PeakMemory:
+    """Context manager: `with PeakMemory(device) as peak: ...` then read `peak.peak_bytes`."""
+
+    device: torch.device | str = "cpu"
+    start_bytes: int = 0
+    peak_bytes: int = 0
+    method: str = ""
+
+    def __enter__(self) -> "PeakMemory":
+        self.device = torch.device(self.device)
+        self._stop = threading.Event()
+        self._sampler: threading.Thread | None = None
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+            torch.cuda.reset_peak_memory_stats(self.device)
+            self.start_bytes = torch.cuda.memory_allocated(self.device)
+            self.method = "torch.cuda.max_memory_allocated"
+            return self
+        self.start_bytes = current_rss()
+        if _reset_hwm():
+            self.method = "VmHWM"
+        else:
+            self.method = "sampled RSS"
+            self._sampled_peak = self.start_bytes
+            self._sampler = threading.Thread(target=self._sample, daemon=True)
+            self._sampler.start()
+        return self
+
+    def _sample(self) -> None:
+        while not self._stop.is_set():
+            self._sampled_peak = max(self._sampled_peak, current_rss())
+            time.sleep(0.002)
+
+    def __exit__(self, *exc_info) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+            self.peak_bytes = torch.cuda.max_memory_allocated(self.device)
+            return
+        if self._sampler is not None:
+            self._stop.set()
+            self._sampler.join()
+            self.peak_bytes = max(self._sampled_peak, current_rss())
+        else:
+            self.peak_bytes = _read_hwm() or current_rss()

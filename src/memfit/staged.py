@@ -1,0 +1,243 @@
+"""Staged generation: encode (text encoders only), denoise (denoiser only), decode (VAE only).
+
+Each stage loads just its components from the model folder, runs, and releases them before the
+next stage loads, so peak memory is the largest stage rather than the sum of all components. Each
+stage runs the pipeline's own code through its adapter, so the image equals plain diffusers'.
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from .embeddings import Embeddings
+from .errors import MemfitError
+from .fingerprint import fingerprint_components
+from .memory import PeakMemory, release_freed_memory
+from .model_folder import ModelFolder, parse_dtype
+from .pipelines import Settings
+from .report import RunReport, StageReport
+
+
+def _default_device() -> torch.device:
+    return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+
+def _open_model(model: str | Path | ModelFolder | None) -> ModelFolder:
+    if isinstance(model, ModelFolder):
+        return model
+    if model is None:
+        from .demo import model_dir
+
+        model = model_dir()
+    return ModelFolder.open(model)
+
+
+def _resident_bytes(pipe, names) -> int:
+    total = 0
+    for name in names:
+        module = getattr(pipe, name, None)
+        if isinstance(module, torch.nn.Module):
+            total += sum(t.numel() * t.element_size() for t in [*module.parameters(), *module.buffers()])
+    return total
+
+
+def _run_stage(report: RunReport, device, name: str, components, work: Callable[[], tuple[object, int]]):
+    release_freed_memory()
+    with PeakMemory(device) as peak:
+        started = time.perf_counter()
+        result, weights = work()
+        release_freed_memory()  # the stage's pipeline is gone once `work` returns
+        seconds = time.perf_counter() - started
+    report.stages.append(
+        StageReport(name, list(components), seconds, peak.peak_bytes, peak.start_bytes, weights, peak.method)
+    )
+    return result
+
+
+def _present(model: ModelFolder, names) -> list[str]:
+    return [name for name in names if name in model.components]
+
+
+def text_fingerprint(model: ModelFolder) -> str:
+    return fingerprint_components(model.path, _present(model, model.adapter.text_encoders))
+
+
+def _encode_stage(model, settings, report, dtype, device, with_negative) -> dict[str, torch.Tensor]:
+    adapter = model.adapter
+    names = _present(model, adapter.encode_components)
+
+    def work():
+        pipe = model.load_stage(names, dtype, device)
+        with torch.inference_mode():
+            embeddings = adapter.encode(pipe, settings, with_negative)
+        return {k: v.clone() for k, v in embeddings.items()}, _resident_bytes(pipe, names)
+
+    return _run_stage(report, device, "encode", names, work)
+
+
+def encode(
+    prompt: str,
+    *,
+    model: str | Path | None = None,
+    negative_prompt: str | None = None,
+    dtype: str = "fp32",
+    device: str | torch.device | None = None,
+) -> tuple[Embeddings, RunReport]:
+    """Run only the encode stage; the embeddings carry both guidance branches."""
+    folder = _open_model(model)
+    device = torch.device(device) if device is not None else _default_device()
+    adapter = folder.adapter
+    settings = adapter.resolve(prompt, negative_prompt, 1, None, 0, None, None, folder.defaults)
+    report = RunReport(device=str(device), dtype=dtype, model=str(folder.path))
+    tensors = _encode_stage(folder, settings, report, parse_dtype(dtype), device, with_negative=True)
+    embeddings = Embeddings(tensors, folder.class_name, text_fingerprint(folder), settings.prompt, settings.negative_prompt)
+    return embeddings, report
+
+
+@dataclass
+class Generation:
+    """What memfit.generate returns: the images, the settings actually used, and the run report."""
+
+    images: list
+    settings: Settings
+    report: RunReport
+    metadata: dict[str, str] = field(default_factory=dict)
+
+    def save(self, path: str | Path, index: int = 0) -> Path:
+        return save_png(self.images[index], path, self.metadata)
+
+
+def save_png(image, path: str | Path, metadata: dict[str, str]) -> Path:
+    """Write a PNG with text metadata atomically: no partial file is ever left at `path`."""
+    from PIL.PngImagePlugin import PngInfo
+
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    info = PngInfo()
+    for key, value in metadata.items():
+        info.add_text(key, str(value))
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    os.close(fd)
+    try:
+        image.save(tmp, format="PNG", pnginfo=info)
+        os.replace(tmp, path)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+    return path
+
+
+def _load_embeddings(source, model: ModelFolder) -> Embeddings:
+    embeddings = source if isinstance(source, Embeddings) else Embeddings.load(source)
+    where = f"{source}" if not isinstance(source, Embeddings) else "The embeddings"
+    if embeddings.pipeline_class != model.class_name:
+        raise MemfitError(
+            f"{where} were made for a {embeddings.pipeline_class}, but {model.path} is a {model.class_name}; "
+            f"encode the prompt again with memfit encode --model {model.path}."
+        )
+    if embeddings.text_fingerprint != text_fingerprint(model):
+        raise MemfitError(
+            f"{where} were made by a different text encoder than the one in {model.path}; "
+            f"encode the prompt again with memfit encode --model {model.path}."
+        )
+    return embeddings
+
+
+def generate(
+    prompt: str | None = None,
+    *,
+    model: str | Path | None = None,
+    embeddings: str | Path | Embeddings | None = None,
+    negative_prompt: str | None = None,
+    steps: int | None = None,
+    guidance: float | None = None,
+    seed: int = 0,
+    width: int | None = None,
+    height: int | None = None,
+    dtype: str = "fp32",
+    device: str | torch.device | None = None,
+    progress: bool = True,
+) -> Generation:
+    """Generate an image with a diffusers model folder, one stage resident at a time.
+
+    `model` defaults to memfit's built-in demo model. With `embeddings` (a file from
+    `memfit encode` or an Embeddings object) the encode stage is skipped entirely.
+    """
+    folder = _open_model(model)
+    adapter = folder.adapter
+    torch_dtype = parse_dtype(dtype)
+    device = torch.device(device) if device is not None else _default_device()
+
+    loaded = None
+    if embeddings is not None:
+        if prompt is not None or negative_prompt is not None:
+            raise MemfitError("Pass either a prompt or an embeddings file, not both: the embeddings already fix the prompt.")
+        loaded = _load_embeddings(embeddings, folder)
+        prompt, negative_prompt = loaded.prompt, loaded.negative_prompt
+    settings = adapter.resolve(prompt, negative_prompt, steps, guidance, seed, width, height, folder.defaults)
+    guided = adapter.uses_guidance(settings.guidance)
+    report = RunReport(device=str(device), dtype=dtype, model=str(folder.path), settings=settings.__dict__.copy())
+
+    if loaded is None:
+        tensors = _encode_stage(folder, settings, report, torch_dtype, device, with_negative=guided)
+    else:
+        if guided and not loaded.has_negative:
+            raise MemfitError("These embeddings have no negative prompt branch; generate with --guidance 1 or encode again.")
+        tensors = {name: t.to(device) for name, t in loaded.tensors.items()}
+        report.notes.append("encode stage skipped: embeddings loaded from file")
+
+    negative = tensors.get("negative_prompt_embeds") if guided else None
+    if negative is not None and negative.shape[1] != tensors["prompt_embeds"].shape[1]:
+        report.notes.append(
+            f"prompt embeddings of lengths {tensors['prompt_embeds'].shape[1]} (positive) and {negative.shape[1]} "
+            f"(negative): {adapter.unequal_lengths}"
+        )
+    generator = torch.Generator(device="cpu").manual_seed(settings.seed)
+
+    denoise_names = _present(folder, adapter.denoise_components)
+
+    def denoise():
+        pipe = folder.load_stage(denoise_names, torch_dtype, device)
+        pipe.set_progress_bar_config(disable=not progress, desc="denoise", leave=False)
+        with torch.inference_mode():
+            latents = adapter.denoise(pipe, tensors, settings, generator)
+        return latents.clone(), _resident_bytes(pipe, denoise_names)
+
+    latents = _run_stage(report, device, "denoise", denoise_names, denoise)
+    del tensors
+
+    decode_names = _present(folder, adapter.decode_components)
+
+    def decode():
+        pipe = folder.load_stage(decode_names, torch_dtype, device)
+        with torch.inference_mode():
+            images = adapter.decode(pipe, latents, generator)
+        return images, _resident_bytes(pipe, decode_names)
+
+    images = _run_stage(report, device, "decode", decode_names, decode)
+    return Generation(images, settings, report, _png_metadata(settings, folder, dtype))
+
+
+def _png_metadata(settings: Settings, folder: ModelFolder, dtype: str) -> dict[str, str]:
+    from . import __version__
+
+    return {
+        "prompt": settings.prompt,
+        "negative_prompt": settings.negative_prompt or "",
+        "seed": str(settings.seed),
+        "steps": str(settings.steps),
+        "guidance": str(settings.guidance),
+        "width": str(settings.width),
+        "height": str(settings.height),
+        "dtype": dtype,
+        "model": str(folder.path),
+        "pipeline": folder.class_name,
+        "memfit_version": __version__,
+    }

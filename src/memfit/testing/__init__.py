@@ -1,0 +1,17 @@
+"""Helpers for testing memfit and code built on it: tiny pipelines, local tokenizers, parity checks."""
+
+from .pipelines import DEFAULT_SIZE, PIPELINE_KINDS, build_pipeline, save_pipeline
+from .parity import assert_matches_diffusers, diffusers_image, max_pixel_difference
+from .tokenizers import clip_tokenizer, word_tokenizer
+
+__all__ = [
+    "DEFAULT_SIZE",
+    "PIPELINE_KINDS",
+    "assert_matches_diffusers",
+    "build_pipeline",
+    "clip_tokenizer",
+    "diffusers_image",
+    "max_pixel_difference",
+    "save_pipeline",
+    "word_tokenizer",
+]

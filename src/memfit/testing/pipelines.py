@@ -1,0 +1,244 @@
+"""Tiny diffusers pipelines built from configs with a fixed seed: no hub, no downloads.
+
+These are the oracle every memfit optimization is held to: build one, save it in the diffusers
+layout, and compare memfit's output with plain diffusers' on the same folder (see `parity.py`).
+`scale` multiplies every width, so the same architectures serve as seconds-long unit tests
+(scale=1) and as models big enough for memory measurements to rise above noise (scale=8 or more).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+
+from .tokenizers import clip_tokenizer, word_tokenizer
+
+PIPELINE_KINDS = ("sd", "sdxl", "lumina2", "cogview4")
+
+
+def _vae(scale: int, *, levels: int = 2, latent_channels: int = 4, **extra):
+    from diffusers import AutoencoderKL
+
+    width = 16 * scale
+    return AutoencoderKL(
+        block_out_channels=[width * (2 ** min(i, 1)) for i in range(levels)],
+        in_channels=3,
+        out_channels=3,
+        down_block_types=["DownEncoderBlock2D"] * levels,
+        up_block_types=["UpDecoderBlock2D"] * levels,
+        latent_channels=latent_channels,
+        norm_num_groups=8,
+        sample_size=32,
+        **extra,
+    )
+
+
+def _clip_text(cls_name: str, tokenizer, hidden: int, layers: int, **extra):
+    import transformers
+
+    config = transformers.CLIPTextConfig(
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+        hidden_size=hidden,
+        intermediate_size=hidden * 2,
+        num_attention_heads=4,
+        num_hidden_layers=layers,
+        layer_norm_eps=1e-5,
+        vocab_size=len(tokenizer),
+        max_position_embeddings=tokenizer.model_max_length,
+        **extra,
+    )
+    return getattr(transformers, cls_name)(config).eval()
+
+
+def _sd(scale: int, text_layers: int):
+    from diffusers import DDIMScheduler, StableDiffusionPipeline, UNet2DConditionModel
+
+    tokenizer = clip_tokenizer()
+    hidden = 32 * scale
+    unet = UNet2DConditionModel(
+        block_out_channels=(16 * scale, 32 * scale),
+        layers_per_block=1,
+        sample_size=16,
+        in_channels=4,
+        out_channels=4,
+        down_block_types=("DownBlock2D", "CrossAttnDownBlock2D"),
+        up_block_types=("CrossAttnUpBlock2D", "UpBlock2D"),
+        cross_attention_dim=hidden,
+        norm_num_groups=8,
+        attention_head_dim=4,
+    )
+    scheduler = DDIMScheduler(
+        beta_start=0.00085,
+        beta_end=0.012,
+        beta_schedule="scaled_linear",
+        clip_sample=False,
+        set_alpha_to_one=False,
+        steps_offset=1,
+    )
+    return StableDiffusionPipeline(
+        vae=_vae(scale),
+        text_encoder=_clip_text("CLIPTextModel", tokenizer, hidden, text_layers),
+        tokenizer=tokenizer,
+        unet=unet,
+        scheduler=scheduler,
+        safety_checker=None,
+        feature_extractor=None,
+        requires_safety_checker=False,
+    )
+
+
+def _sdxl(scale: int, text_layers: int):
+    from diffusers import EulerDiscreteScheduler, StableDiffusionXLPipeline, UNet2DConditionModel
+
+    tokenizer = clip_tokenizer()
+    hidden = 16 * scale
+    projection = 16 * scale
+    time_embed = 8
+    unet = UNet2DConditionModel(
+        block_out_channels=(16 * scale, 32 * scale),
+        layers_per_block=1,
+        sample_size=16,
+        in_channels=4,
+        out_channels=4,
+        down_block_types=("DownBlock2D", "CrossAttnDownBlock2D"),
+        up_block_types=("CrossAttnUpBlock2D", "UpBlock2D"),
+        attention_head_dim=(2, 4),
+        use_linear_projection=True,
+        addition_embed_type="text_time",
+        addition_time_embed_dim=time_embed,
+        transformer_layers_per_block=(1, 2),
+        projection_class_embeddings_input_dim=projection + 6 * time_embed,
+        cross_attention_dim=2 * hidden,
+        norm_num_groups=8,
+    )
+    scheduler = EulerDiscreteScheduler(
+        beta_start=0.00085, beta_end=0.012, beta_schedule="scaled_linear", timestep_spacing="leading", steps_offset=1
+    )
+    return StableDiffusionXLPipeline(
+        vae=_vae(scale, force_upcast=False),
+        text_encoder=_clip_text("CLIPTextModel", tokenizer, hidden, text_layers),
+        text_encoder_2=_clip_text("CLIPTextModelWithProjection", tokenizer, hidden, text_layers, projection_dim=projection),
+        tokenizer=tokenizer,
+        tokenizer_2=clip_tokenizer(),
+        unet=unet,
+        scheduler=scheduler,
+        force_zeros_for_empty_prompt=False,
+    )
+
+
+def _lumina2(scale: int, text_layers: int):
+    from diffusers import FlowMatchEulerDiscreteScheduler, Lumina2Pipeline, Lumina2Transformer2DModel
+    from transformers import Gemma2Config, Gemma2Model
+
+    tokenizer = word_tokenizer()
+    text_hidden = 16 * scale
+    transformer = Lumina2Transformer2DModel(
+        sample_size=4,
+        patch_size=2,
+        in_channels=4,
+        hidden_size=8 * scale,
+        num_layers=2,
+        num_refiner_layers=1,
+        num_attention_heads=scale,
+        num_kv_heads=scale,
+        multiple_of=16,
+        norm_eps=1e-5,
+        axes_dim_rope=(4, 2, 2),
+        axes_lens=(300, 64, 64),
+        cap_feat_dim=text_hidden,
+    )
+    text_encoder = Gemma2Model(
+        Gemma2Config(
+            head_dim=4,
+            hidden_size=text_hidden,
+            intermediate_size=2 * text_hidden,
+            num_attention_heads=4,
+            num_hidden_layers=text_layers,
+            num_key_value_heads=2,
+            vocab_size=len(tokenizer),
+            pad_token_id=tokenizer.pad_token_id,
+            bos_token_id=tokenizer.bos_token_id,
+            eos_token_id=tokenizer.eos_token_id,
+        )
+    ).eval()
+    return Lumina2Pipeline(
+        transformer=transformer,
+        scheduler=FlowMatchEulerDiscreteScheduler(),
+        # Lumina2Pipeline hard-codes a VAE scale factor of 8, so the VAE needs three downsamplings.
+        vae=_vae(scale, levels=4, scaling_factor=1.5035, shift_factor=0.0609),
+        text_encoder=text_encoder,
+        tokenizer=tokenizer,
+    )
+
+
+def _cogview4(scale: int, text_layers: int):
+    from diffusers import CogView4Pipeline, CogView4Transformer2DModel, FlowMatchEulerDiscreteScheduler
+    from transformers import GlmConfig, GlmModel
+
+    tokenizer = word_tokenizer()
+    text_hidden = 16 * scale
+    transformer = CogView4Transformer2DModel(
+        patch_size=2,
+        in_channels=4,
+        num_layers=2,
+        attention_head_dim=4,
+        num_attention_heads=2 * scale,
+        out_channels=4,
+        text_embed_dim=text_hidden,
+        time_embed_dim=8,
+        condition_dim=4,
+    )
+    text_encoder = GlmModel(
+        GlmConfig(
+            hidden_size=text_hidden,
+            intermediate_size=2 * text_hidden,
+            num_hidden_layers=text_layers,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            head_dim=4,
+            vocab_size=len(tokenizer),
+            pad_token_id=tokenizer.pad_token_id,
+        )
+    ).eval()
+    scheduler = FlowMatchEulerDiscreteScheduler(
+        base_shift=0.25, max_shift=0.75, base_image_seq_len=256, use_dynamic_shifting=True, time_shift_type="linear"
+    )
+    return CogView4Pipeline(
+        tokenizer=tokenizer,
+        text_encoder=text_encoder,
+        vae=_vae(scale),
+        transformer=transformer,
+        scheduler=scheduler,
+    )
+
+
+_BUILDERS: dict[str, Callable[[int, int], object]] = {"sd": _sd, "sdxl": _sdxl, "lumina2": _lumina2, "cogview4": _cogview4}
+
+# Sizes each tiny architecture accepts (multiples of what its VAE and patching need).
+DEFAULT_SIZE = {"sd": 32, "sdxl": 32, "lumina2": 32, "cogview4": 32}
+
+
+def build_pipeline(kind: str, *, seed: int = 0, scale: int = 1, text_layers: int = 2):
+    """A fresh, randomly initialised pipeline of `kind` (one of PIPELINE_KINDS), in eval mode.
+
+    `scale` multiplies every width; `text_layers` sets the depth of the text encoders, so memory
+    tests can give each stage a comparable share of the weights.
+    """
+    if kind not in _BUILDERS:
+        raise ValueError(f"unknown tiny pipeline kind {kind!r}; choose one of {', '.join(PIPELINE_KINDS)}")
+    torch.manual_seed(seed)
+    pipe = _BUILDERS[kind](scale, text_layers)
+    pipe.set_progress_bar_config(disable=True)
+    return pipe
+
+
+def save_pipeline(kind: str, path: str | Path, *, seed: int = 0, scale: int = 1, text_layers: int = 2) -> Path:
+    """Build a tiny pipeline and save it in the diffusers layout (safetensors) at `path`."""
+    path = Path(path)
+    pipe = build_pipeline(kind, seed=seed, scale=scale, text_layers=text_layers)
+    pipe.save_pretrained(path, safe_serialization=True)
+    return path
