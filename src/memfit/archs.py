@@ -1,0 +1,493 @@
+"""Built-in architectures: the configs of real pipelines, so ``memfit plan --arch sdxl`` needs no files.
+
+Each config is what the model's config.json on the Hub holds (fields that only affect loading,
+such as ``_diffusers_version`` or ``torch_dtype``, are left out). No weights are involved: meta.py
+builds these on the meta device to size them. ``expected_params`` are the parameter counts
+published for (or measured from the real checkpoints of) each component; a test checks that our
+meta sizing agrees with them, which guards both these configs and the sizing code.
+
+The stage layout says which components each stage of a generation needs, and for components used
+only in part (the VAE's decoder) which submodules.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from types import MappingProxyType
+from typing import Any, Mapping
+
+from memfit.errors import MemfitError
+
+__all__ = ["ARCHS", "Arch", "ComponentSpec", "StageSpec", "get_arch"]
+
+
+@dataclasses.dataclass(frozen=True)
+class ComponentSpec:
+    """One model of a pipeline: its folder name in the pipeline, library, class and config.
+
+    ``role`` is what memfit needs to know about it: "text_encoder", "denoiser" or "vae".
+    """
+
+    name: str
+    library: str
+    class_name: str
+    config: Mapping[str, Any]
+    role: str
+    expected_params: int | None = None
+    # How far our meta count may stray from expected_params: tight where the exact checkpoint
+    # count is known, loose where only a rounded marketing figure ("6B") is published.
+    params_tolerance: float = 0.01
+
+
+@dataclasses.dataclass(frozen=True)
+class StageSpec:
+    """A stage and the (component, submodule prefixes or None for all) pairs it runs."""
+
+    name: str
+    uses: tuple[tuple[str, tuple[str, ...] | None], ...]
+
+
+@dataclasses.dataclass(frozen=True)
+class Arch:
+    name: str
+    description: str
+    components: tuple[ComponentSpec, ...]
+    stages: tuple[StageSpec, ...]
+    # Batch the denoiser sees per image: 2 when the pipeline batches cond + uncond for
+    # classifier-free guidance, 1 for guidance-distilled models (Flux dev).
+    denoise_batch: int
+    default_size: int
+    text_tokens: int
+
+    def component(self, name: str) -> ComponentSpec:
+        for spec in self.components:
+            if spec.name == name:
+                return spec
+        raise MemfitError(f"Architecture {self.name!r} has no component {name!r}.")
+
+
+def standard_stages(text_encoders: tuple[str, ...], denoiser: str) -> tuple[StageSpec, ...]:
+    """encode (all text encoders) -> denoise (the denoiser) -> decode (the VAE's decoder half)."""
+    return (
+        StageSpec("encode", tuple((name, None) for name in text_encoders)),
+        StageSpec("denoise", ((denoiser, None),)),
+        # The VAE's top-level "rest" block holds post_quant_conv, which runs on the latents right
+        # before the decoder (and quant_conv, a few KB, which comes along). The encoder half is
+        # only needed for img2img, so a text-to-image plan does not place it.
+        StageSpec("decode", (("vae", ("decoder", "rest")),)),
+    )
+
+
+def _frozen(d: dict) -> Mapping[str, Any]:
+    return MappingProxyType(d)
+
+
+# --- shared configs -------------------------------------------------------------------------------
+
+CLIP_L_TEXT = {  # openai/clip-vit-large-patch14 text tower, as in SD 1.5 / SDXL / Flux text_encoder
+    "architectures": ["CLIPTextModel"],
+    "attention_dropout": 0.0,
+    "bos_token_id": 0,
+    "dropout": 0.0,
+    "eos_token_id": 2,
+    "hidden_act": "quick_gelu",
+    "hidden_size": 768,
+    "initializer_factor": 1.0,
+    "initializer_range": 0.02,
+    "intermediate_size": 3072,
+    "layer_norm_eps": 1e-05,
+    "max_position_embeddings": 77,
+    "model_type": "clip_text_model",
+    "num_attention_heads": 12,
+    "num_hidden_layers": 12,
+    "pad_token_id": 1,
+    "projection_dim": 768,
+    "vocab_size": 49408,
+}
+
+OPENCLIP_BIGG_TEXT = {  # SDXL text_encoder_2 (OpenCLIP ViT-bigG/14 text tower with projection)
+    "architectures": ["CLIPTextModelWithProjection"],
+    "attention_dropout": 0.0,
+    "bos_token_id": 0,
+    "dropout": 0.0,
+    "eos_token_id": 2,
+    "hidden_act": "gelu",
+    "hidden_size": 1280,
+    "initializer_factor": 1.0,
+    "initializer_range": 0.02,
+    "intermediate_size": 5120,
+    "layer_norm_eps": 1e-05,
+    "max_position_embeddings": 77,
+    "model_type": "clip_text_model",
+    "num_attention_heads": 20,
+    "num_hidden_layers": 32,
+    "pad_token_id": 1,
+    "projection_dim": 1280,
+    "vocab_size": 49408,
+}
+
+SD_VAE = {  # AutoencoderKL of SD 1.5 (SDXL's differs only in sample_size / scaling_factor)
+    "act_fn": "silu",
+    "block_out_channels": [128, 256, 512, 512],
+    "down_block_types": ["DownEncoderBlock2D"] * 4,
+    "in_channels": 3,
+    "latent_channels": 4,
+    "layers_per_block": 2,
+    "norm_num_groups": 32,
+    "out_channels": 3,
+    "sample_size": 512,
+    "up_block_types": ["UpDecoderBlock2D"] * 4,
+}
+
+SDXL_VAE = {**SD_VAE, "sample_size": 1024, "scaling_factor": 0.13025, "force_upcast": True}
+
+FLUX_VAE = {  # 16-channel AutoencoderKL of Flux.1, also used by Lumina-Image 2.0
+    **SD_VAE,
+    "latent_channels": 16,
+    "sample_size": 1024,
+    "scaling_factor": 0.3611,
+    "shift_factor": 0.1159,
+    "use_quant_conv": False,
+    "use_post_quant_conv": False,
+    "mid_block_add_attention": True,
+    "force_upcast": True,
+}
+
+COGVIEW_VAE = {
+    **SD_VAE,
+    "block_out_channels": [128, 512, 1024, 1024],
+    "latent_channels": 16,
+    "layers_per_block": 3,
+    "mid_block_add_attention": False,
+    "sample_size": 1024,
+    "scaling_factor": 1.0,
+    "shift_factor": 0.0,
+    "use_quant_conv": False,
+    "use_post_quant_conv": False,
+    "force_upcast": True,
+}
+
+# Published / checkpoint parameter counts.
+CLIP_L_TEXT_PARAMS = 123_060_480
+SD_VAE_PARAMS = 83_653_863
+FLUX_VAE_PARAMS = 83_819_683
+
+# --- architectures ----------------------------------------------------------------------------
+
+SD15 = Arch(
+    name="sd15",
+    description="Stable Diffusion 1.5 (UNet 860M, CLIP ViT-L/14 text, AutoencoderKL)",
+    components=(
+        ComponentSpec("text_encoder", "transformers", "CLIPTextModel", _frozen(CLIP_L_TEXT), "text_encoder", CLIP_L_TEXT_PARAMS),
+        ComponentSpec(
+            "unet",
+            "diffusers",
+            "UNet2DConditionModel",
+            _frozen(
+                {
+                    "act_fn": "silu",
+                    "attention_head_dim": 8,
+                    "block_out_channels": [320, 640, 1280, 1280],
+                    "center_input_sample": False,
+                    "cross_attention_dim": 768,
+                    "down_block_types": ["CrossAttnDownBlock2D", "CrossAttnDownBlock2D", "CrossAttnDownBlock2D", "DownBlock2D"],
+                    "downsample_padding": 1,
+                    "flip_sin_to_cos": True,
+                    "freq_shift": 0,
+                    "in_channels": 4,
+                    "layers_per_block": 2,
+                    "mid_block_scale_factor": 1,
+                    "norm_eps": 1e-05,
+                    "norm_num_groups": 32,
+                    "out_channels": 4,
+                    "sample_size": 64,
+                    "up_block_types": ["UpBlock2D", "CrossAttnUpBlock2D", "CrossAttnUpBlock2D", "CrossAttnUpBlock2D"],
+                }
+            ),
+            "denoiser",
+            859_520_964,
+        ),
+        ComponentSpec("vae", "diffusers", "AutoencoderKL", _frozen(SD_VAE), "vae", SD_VAE_PARAMS),
+    ),
+    stages=standard_stages(("text_encoder",), "unet"),
+    denoise_batch=2,
+    default_size=512,
+    text_tokens=77,
+)
+
+SDXL = Arch(
+    name="sdxl",
+    description="Stable Diffusion XL base 1.0 (UNet 2.6B, CLIP-L + OpenCLIP-bigG, AutoencoderKL)",
+    components=(
+        ComponentSpec("text_encoder", "transformers", "CLIPTextModel", _frozen(CLIP_L_TEXT), "text_encoder", CLIP_L_TEXT_PARAMS),
+        ComponentSpec(
+            "text_encoder_2", "transformers", "CLIPTextModelWithProjection", _frozen(OPENCLIP_BIGG_TEXT), "text_encoder", 694_659_840
+        ),
+        ComponentSpec(
+            "unet",
+            "diffusers",
+            "UNet2DConditionModel",
+            _frozen(
+                {
+                    "act_fn": "silu",
+                    "addition_embed_type": "text_time",
+                    "addition_embed_type_num_heads": 64,
+                    "addition_time_embed_dim": 256,
+                    "attention_head_dim": [5, 10, 20],
+                    "block_out_channels": [320, 640, 1280],
+                    "center_input_sample": False,
+                    "cross_attention_dim": 2048,
+                    "down_block_types": ["DownBlock2D", "CrossAttnDownBlock2D", "CrossAttnDownBlock2D"],
+                    "downsample_padding": 1,
+                    "flip_sin_to_cos": True,
+                    "freq_shift": 0,
+                    "in_channels": 4,
+                    "layers_per_block": 2,
+                    "mid_block_scale_factor": 1,
+                    "norm_eps": 1e-05,
+                    "norm_num_groups": 32,
+                    "num_attention_heads": None,
+                    "out_channels": 4,
+                    "projection_class_embeddings_input_dim": 2816,
+                    "resnet_time_scale_shift": "default",
+                    "sample_size": 128,
+                    "transformer_layers_per_block": [1, 2, 10],
+                    "up_block_types": ["CrossAttnUpBlock2D", "CrossAttnUpBlock2D", "UpBlock2D"],
+                    "use_linear_projection": True,
+                }
+            ),
+            "denoiser",
+            2_567_463_684,
+        ),
+        ComponentSpec("vae", "diffusers", "AutoencoderKL", _frozen(SDXL_VAE), "vae", SD_VAE_PARAMS),
+    ),
+    stages=standard_stages(("text_encoder", "text_encoder_2"), "unet"),
+    denoise_batch=2,
+    default_size=1024,
+    text_tokens=77,
+)
+
+FLUX = Arch(
+    name="flux",
+    description="FLUX.1 dev (MMDiT transformer 12B, CLIP-L, T5-XXL encoder, 16-channel VAE)",
+    components=(
+        ComponentSpec("text_encoder", "transformers", "CLIPTextModel", _frozen(CLIP_L_TEXT), "text_encoder", CLIP_L_TEXT_PARAMS),
+        ComponentSpec(
+            "text_encoder_2",
+            "transformers",
+            "T5EncoderModel",
+            _frozen(
+                {
+                    "architectures": ["T5EncoderModel"],
+                    "d_ff": 10240,
+                    "d_kv": 64,
+                    "d_model": 4096,
+                    "decoder_start_token_id": 0,
+                    "dense_act_fn": "gelu_new",
+                    "dropout_rate": 0.1,
+                    "eos_token_id": 1,
+                    "feed_forward_proj": "gated-gelu",
+                    "initializer_factor": 1.0,
+                    "is_encoder_decoder": True,
+                    "is_gated_act": True,
+                    "layer_norm_epsilon": 1e-06,
+                    "model_type": "t5",
+                    "num_decoder_layers": 24,
+                    "num_heads": 64,
+                    "num_layers": 24,
+                    "output_past": True,
+                    "pad_token_id": 0,
+                    "relative_attention_max_distance": 128,
+                    "relative_attention_num_buckets": 32,
+                    "tie_word_embeddings": False,
+                    "use_cache": True,
+                    "vocab_size": 32128,
+                }
+            ),
+            "text_encoder",
+            4_762_310_656,
+        ),
+        ComponentSpec(
+            "transformer",
+            "diffusers",
+            "FluxTransformer2DModel",
+            _frozen(
+                {
+                    "attention_head_dim": 128,
+                    "axes_dims_rope": [16, 56, 56],
+                    "guidance_embeds": True,
+                    "in_channels": 64,
+                    "joint_attention_dim": 4096,
+                    "num_attention_heads": 24,
+                    "num_layers": 19,
+                    "num_single_layers": 38,
+                    "patch_size": 1,
+                    "pooled_projection_dim": 768,
+                }
+            ),
+            "denoiser",
+            11_901_408_320,
+        ),
+        ComponentSpec("vae", "diffusers", "AutoencoderKL", _frozen(FLUX_VAE), "vae", FLUX_VAE_PARAMS),
+    ),
+    stages=standard_stages(("text_encoder", "text_encoder_2"), "transformer"),
+    denoise_batch=1,
+    default_size=1024,
+    text_tokens=512,
+)
+
+LUMINA2 = Arch(
+    name="lumina2",
+    description="Lumina-Image 2.0 (Lumina2 transformer 2.6B, Gemma-2 2B text encoder, Flux VAE)",
+    components=(
+        ComponentSpec(
+            "text_encoder",
+            "transformers",
+            "Gemma2Model",
+            _frozen(
+                {
+                    "architectures": ["Gemma2Model"],
+                    "attention_bias": False,
+                    "attention_dropout": 0.0,
+                    "attn_logit_softcapping": 50.0,
+                    "bos_token_id": 2,
+                    "cache_implementation": "hybrid",
+                    "eos_token_id": 1,
+                    "final_logit_softcapping": 30.0,
+                    "head_dim": 256,
+                    "hidden_act": "gelu_pytorch_tanh",
+                    "hidden_activation": "gelu_pytorch_tanh",
+                    "hidden_size": 2304,
+                    "initializer_range": 0.02,
+                    "intermediate_size": 9216,
+                    "max_position_embeddings": 8192,
+                    "model_type": "gemma2",
+                    "num_attention_heads": 8,
+                    "num_hidden_layers": 26,
+                    "num_key_value_heads": 4,
+                    "pad_token_id": 0,
+                    "query_pre_attn_scalar": 256,
+                    "rms_norm_eps": 1e-06,
+                    "rope_theta": 10000.0,
+                    "sliding_window": 4096,
+                    "vocab_size": 256000,
+                }
+            ),
+            "text_encoder",
+            2_614_341_888,  # Gemma-2 2B: 2.61B, lm_head tied to the embedding (absent in Gemma2Model)
+        ),
+        ComponentSpec(
+            "transformer",
+            "diffusers",
+            "Lumina2Transformer2DModel",
+            _frozen(
+                {
+                    "axes_dim_rope": [32, 32, 32],
+                    "axes_lens": [300, 512, 512],
+                    "cap_feat_dim": 2304,
+                    "ffn_dim_multiplier": None,
+                    "hidden_size": 2304,
+                    "in_channels": 16,
+                    "multiple_of": 256,
+                    "norm_eps": 1e-05,
+                    "num_attention_heads": 24,
+                    "num_kv_heads": 8,
+                    "num_layers": 26,
+                    "num_refiner_layers": 2,
+                    "out_channels": None,
+                    "patch_size": 2,
+                    "sample_size": 128,
+                    "scaling_factor": 1.0,
+                }
+            ),
+            "denoiser",
+            2_600_000_000,  # published only as "2.6B"
+            0.03,
+        ),
+        ComponentSpec("vae", "diffusers", "AutoencoderKL", _frozen(FLUX_VAE), "vae", FLUX_VAE_PARAMS),
+    ),
+    stages=standard_stages(("text_encoder",), "transformer"),
+    denoise_batch=2,
+    default_size=1024,
+    text_tokens=256,
+)
+
+COGVIEW4 = Arch(
+    name="cogview4",
+    description="CogView4-6B (CogView4 transformer 6B, GLM-4-9B text encoder, Flux-style VAE)",
+    components=(
+        ComponentSpec(
+            "text_encoder",
+            "transformers",
+            "GlmModel",
+            _frozen(
+                {
+                    "architectures": ["GlmModel"],
+                    "attention_bias": True,
+                    "attention_dropout": 0.0,
+                    "eos_token_id": [151329, 151336, 151338],
+                    "head_dim": 128,
+                    "hidden_act": "silu",
+                    "hidden_size": 4096,
+                    "initializer_range": 0.02,
+                    "intermediate_size": 13696,
+                    "max_position_embeddings": 8192,
+                    "model_type": "glm",
+                    "num_attention_heads": 32,
+                    "num_hidden_layers": 40,
+                    "num_key_value_heads": 2,
+                    "pad_token_id": 151329,
+                    "partial_rotary_factor": 0.5,
+                    "rms_norm_eps": 1.5625e-07,
+                    "rope_theta": 10000.0,
+                    "tie_word_embeddings": False,
+                    "vocab_size": 151552,
+                }
+            ),
+            "text_encoder",
+            # GLM-4-9B is 9.40B with its 0.62B lm_head; CogView4 loads the bare GlmModel.
+            9_399_951_360 - 151_552 * 4096,
+        ),
+        ComponentSpec(
+            "transformer",
+            "diffusers",
+            "CogView4Transformer2DModel",
+            _frozen(
+                {
+                    "attention_head_dim": 128,
+                    "condition_dim": 256,
+                    "in_channels": 16,
+                    "num_attention_heads": 32,
+                    "num_layers": 28,
+                    "out_channels": 16,
+                    "patch_size": 2,
+                    "pos_embed_max_size": 128,
+                    "rope_axes_dim": [256, 256],
+                    "sample_size": 128,
+                    "text_embed_dim": 4096,
+                    "time_embed_dim": 512,
+                }
+            ),
+            "denoiser",
+            # Published only as "6B"; the transformer itself holds about 6.4B (the name rounds down).
+            6_000_000_000,
+            0.08,
+        ),
+        # CogView3-Plus / CogView4 VAE: wider (up to 1024 channels), 3 layers per block, no
+        # mid-block attention. No published parameter count to check against.
+        ComponentSpec("vae", "diffusers", "AutoencoderKL", _frozen(COGVIEW_VAE), "vae", None),
+    ),
+    stages=standard_stages(("text_encoder",), "transformer"),
+    denoise_batch=2,
+    default_size=1024,
+    text_tokens=224,
+)
+
+ARCHS: Mapping[str, Arch] = MappingProxyType({a.name: a for a in (SD15, SDXL, FLUX, LUMINA2, COGVIEW4)})
+
+
+def get_arch(name: str) -> Arch:
+    try:
+        return ARCHS[name.lower()]
+    except KeyError:
+        raise MemfitError(f"Unknown architecture {name!r}; choose one of {', '.join(ARCHS)}.") from None

@@ -1,0 +1,174 @@
+"""`memfit plan` through an argparse parser built here, on built-in archs and on a tiny folder."""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+import pytest
+
+from memfit._plan_cli import register
+from memfit.archs import get_arch
+from memfit.budget import parse_size
+from memfit.errors import MemfitError
+from memfit.meta import measure_component
+
+
+def run(argv, capsys):
+    parser = argparse.ArgumentParser(prog="memfit")
+    register(parser.add_subparsers(dest="command", required=True))
+    args = parser.parse_args(["plan", *argv])
+    code = args.func(args)
+    return code, capsys.readouterr().out
+
+
+def run_json(argv, capsys):
+    code, out = run([*argv, "--json"], capsys)
+    assert code == 0
+    return json.loads(out)
+
+
+def test_sdxl_table_fits_the_budget(capsys):
+    code, out = run(["--arch", "sdxl", "--budget", "4GiB"], capsys)
+    assert code == 0
+    for word in ("encode", "denoise", "decode", "unet", "text_encoder_2", "vae", "peak"):
+        assert word in out
+
+
+def test_sdxl_json_places_every_measured_block_within_budget(capsys):
+    report = run_json(["--arch", "sdxl", "--budget", "4GiB"], capsys)
+    plan = report["plan"]
+    assert all(stage["peak_bytes"] <= 4 * 2**30 for stage in plan["stages"])
+    unet = get_arch("sdxl").component("unet")
+    measured = measure_component("unet", unet.library, unet.class_name, unet.config, "bf16")
+    denoise = next(s for s in plan["stages"] if s["name"] == "denoise")
+    assert sum(p["bytes"] for p in denoise["placements"]) == measured.total_bytes
+    assert {p["where"] for p in denoise["placements"]} == {"device", "host"}  # 4.8 GiB UNet: partial
+
+
+def test_bigger_budget_keeps_more_resident(capsys):
+    def resident(budget):
+        plan = run_json(["--arch", "sd15", "--budget", budget, "--width", "512", "--height", "512"], capsys)["plan"]
+        return next(s for s in plan["stages"] if s["name"] == "denoise")["resident_bytes"]
+
+    assert resident("1GiB") < resident("1.5GiB") <= resident("8GiB")
+
+
+def test_fp16_upcasts_a_force_upcast_vae(capsys):
+    def decode_bytes(dtype):
+        plan = run_json(["--arch", "sdxl", "--budget", "8GiB", "--dtype", dtype], capsys)["plan"]
+        return next(s for s in plan["stages"] if s["name"] == "decode")["resident_bytes"]
+
+    assert decode_bytes("fp16") == decode_bytes("fp32") == 2 * decode_bytes("bf16")
+
+
+def test_too_small_budget_raises_with_the_smallest_that_works(capsys):
+    with pytest.raises(MemfitError, match="smallest device budget"):
+        run(["--arch", "flux", "--budget", "256MiB"], capsys)
+
+
+def test_bad_budget_string_raises(capsys):
+    with pytest.raises(MemfitError, match="4 gigs"):
+        run(["--arch", "sd15", "--budget", "4 gigs"], capsys)
+
+
+def test_unknown_arch_is_an_argparse_error(capsys):
+    with pytest.raises(SystemExit):
+        run(["--arch", "sd3", "--budget", "4GiB"], capsys)
+
+
+# --- --model DIR -----------------------------------------------------------------------------
+
+TINY = {
+    "unet": {
+        "_class_name": "UNet2DConditionModel",
+        "block_out_channels": [4, 8],
+        "layers_per_block": 1,
+        "sample_size": 32,
+        "in_channels": 4,
+        "out_channels": 4,
+        "down_block_types": ["DownBlock2D", "CrossAttnDownBlock2D"],
+        "up_block_types": ["CrossAttnUpBlock2D", "UpBlock2D"],
+        "cross_attention_dim": 32,
+        "norm_num_groups": 2,
+    },
+    "vae": {
+        "_class_name": "AutoencoderKL",
+        "block_out_channels": [4, 8],
+        "down_block_types": ["DownEncoderBlock2D", "DownEncoderBlock2D"],
+        "up_block_types": ["UpDecoderBlock2D", "UpDecoderBlock2D"],
+        "latent_channels": 4,
+        "norm_num_groups": 2,
+    },
+    "text_encoder": {
+        "model_type": "clip_text_model",
+        "hidden_size": 32,
+        "intermediate_size": 37,
+        "num_attention_heads": 4,
+        "num_hidden_layers": 5,
+        "vocab_size": 1000,
+        "max_position_embeddings": 77,
+    },
+}
+INDEX = {
+    "_class_name": "StableDiffusionPipeline",
+    "_diffusers_version": "0.42.1",
+    "unet": ["diffusers", "UNet2DConditionModel"],
+    "vae": ["diffusers", "AutoencoderKL"],
+    "text_encoder": ["transformers", "CLIPTextModel"],
+    "tokenizer": ["transformers", "CLIPTokenizer"],
+    "scheduler": ["diffusers", "PNDMScheduler"],
+    "safety_checker": [None, None],
+    "image_encoder": ["transformers", "CLIPVisionModelWithProjection"],
+}
+
+
+@pytest.fixture
+def tiny_pipeline(tmp_path):
+    (tmp_path / "model_index.json").write_text(json.dumps(INDEX))
+    for name, config in TINY.items():
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "config.json").write_text(json.dumps(config))
+    return tmp_path
+
+
+def test_model_folder_is_planned_from_configs_alone(tiny_pipeline, capsys):
+    report = run_json(["--model", str(tiny_pipeline), "--budget", "1GiB"], capsys)
+    stages = {s["name"]: s for s in report["plan"]["stages"]}
+    assert {p["component"] for p in stages["encode"]["placements"]} == {"text_encoder"}
+    assert {p["component"] for p in stages["denoise"]["placements"]} == {"unet"}
+    assert all(p["block"].startswith("decoder") or p["block"] == "rest" for p in stages["decode"]["placements"])
+    assert report["width"] == 32 * 2  # sample_size x the tiny VAE's 2x downscale
+    unet = measure_component("unet", "diffusers", "UNet2DConditionModel", TINY["unet"], "bf16")
+    assert stages["denoise"]["resident_bytes"] == unet.total_bytes
+
+
+def test_model_folder_table_mentions_models_it_leaves_out(tiny_pipeline, capsys):
+    code, out = run(["--model", str(tiny_pipeline), "--budget", "1GiB"], capsys)
+    assert code == 0
+    assert "not planned: image_encoder" in out
+
+
+def test_missing_model_index_names_the_file(tmp_path, capsys):
+    with pytest.raises(MemfitError, match="model_index.json"):
+        run(["--model", str(tmp_path), "--budget", "1GiB"], capsys)
+
+
+def test_missing_component_config_names_the_file(tiny_pipeline, capsys):
+    (tiny_pipeline / "vae" / "config.json").unlink()
+    with pytest.raises(MemfitError, match=r"vae.config\.json"):
+        run(["--model", str(tiny_pipeline), "--budget", "1GiB"], capsys)
+
+
+def test_broken_json_names_the_file_and_line(tiny_pipeline, capsys):
+    (tiny_pipeline / "unet" / "config.json").write_text('{"block_out_channels": [4, 8],\n oops}')
+    with pytest.raises(MemfitError, match=r"unet.config\.json is not valid JSON \(line 2"):
+        run(["--model", str(tiny_pipeline), "--budget", "1GiB"], capsys)
+
+
+def test_host_and_disk_flags_reach_the_planner(capsys):
+    report = run_json(["--arch", "flux", "--budget", "8GiB", "--host", "16GiB", "--disk", "/var/tmp/mf"], capsys)
+    plan = report["plan"]
+    assert plan["budget"] == {"device": 8 * 2**30, "host": parse_size("16GiB"), "disk": "/var/tmp/mf"}
+    assert plan["host_peak_bytes"] <= 16 * 2**30
+    assert any(home == "disk" for _key, home in plan["homes"])
