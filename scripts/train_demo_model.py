@@ -1,0 +1,337 @@
+#!/usr/bin/env python
+"""Train memfit's built-in demo model: a tiny Stable Diffusion pipeline on coloured shapes.
+
+    python scripts/train_demo_model.py                 # full run, ~30 min on 2 CPU cores
+    python scripts/train_demo_model.py --quick --out /tmp/demo   # smoke run, ~1 min
+
+Phases (each timed):
+1. data: render the synthetic shapes data set (memfit.demo.shapes), training combos only;
+2. vae: train a small AutoencoderKL (64x64x3 <-> 16x16x4) on those images, then set its
+   scaling_factor so the scaled latents have unit standard deviation;
+3. diffusion: encode the images once, then train a CLIPTextModel (from scratch) jointly with a
+   UNet2DConditionModel as a latent diffusion model (v-prediction, zero-terminal-SNR schedule,
+   10% empty captions so classifier-free guidance works), keeping an EMA of both;
+4. save: a StableDiffusionPipeline with a DDIMScheduler of the same noise schedule, written with
+   save_pretrained(safe_serialization=True), plus memfit_defaults.json.
+
+Deterministic from --seed (same seed, same thread count -> same weights). Offline: nothing is
+loaded from a hub.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import math
+import os
+import pathlib
+import random
+import shutil
+import sys
+import time
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+os.environ.setdefault("DIFFUSERS_VERBOSITY", "error")
+os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "src"))
+
+import numpy as np  # noqa: E402
+import torch  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+from tqdm import tqdm  # noqa: E402
+
+from memfit.demo import shapes  # noqa: E402
+from memfit.testing.tokenizers import clip_tokenizer  # noqa: E402
+
+MAX_TOKENS = 16
+DEFAULT_OUT = ROOT / "src" / "memfit" / "demo" / "model"
+
+# The noise schedule used for training; the shipped DDIMScheduler gets the same one.
+SCHEDULE = dict(
+    num_train_timesteps=1000,
+    beta_start=0.00085,
+    beta_end=0.012,
+    beta_schedule="scaled_linear",
+    prediction_type="v_prediction",
+    rescale_betas_zero_snr=True,
+    clip_sample=False,
+)
+
+FULL = dict(
+    vae_images=4096, vae_steps=1200, vae_batch=32, vae_lr=1e-3,
+    images=12000, two_shape_fraction=0.15, steps=4200, batch=64, lr=1e-3, warmup=200,
+    ema_decay=0.999,
+)
+QUICK = dict(
+    vae_images=256, vae_steps=40, vae_batch=32, vae_lr=1e-3,
+    images=512, two_shape_fraction=0.15, steps=60, batch=64, lr=1e-3, warmup=10,
+    ema_decay=0.99,
+)
+DEFAULTS = {"steps": 25, "guidance": 4.0, "width": 64, "height": 64}
+
+
+def seed_everything(seed: int) -> None:
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)
+    torch.use_deterministic_algorithms(True)
+
+
+def build_vae():
+    from diffusers import AutoencoderKL
+
+    return AutoencoderKL(
+        in_channels=3,
+        out_channels=3,
+        down_block_types=("DownEncoderBlock2D",) * 3,
+        up_block_types=("UpDecoderBlock2D",) * 3,
+        block_out_channels=(32, 64, 64),
+        layers_per_block=1,
+        latent_channels=4,
+        norm_num_groups=16,
+        sample_size=64,
+    )
+
+
+def build_text_encoder(vocab_size: int, tokenizer):
+    from transformers import CLIPTextConfig, CLIPTextModel
+
+    config = CLIPTextConfig(
+        vocab_size=vocab_size,
+        hidden_size=64,
+        intermediate_size=256,
+        num_hidden_layers=3,
+        num_attention_heads=4,
+        max_position_embeddings=MAX_TOKENS,
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+    )
+    return CLIPTextModel(config)
+
+
+def build_unet():
+    from diffusers import UNet2DConditionModel
+
+    return UNet2DConditionModel(
+        sample_size=16,
+        in_channels=4,
+        out_channels=4,
+        layers_per_block=1,
+        block_out_channels=(64, 128, 128),
+        down_block_types=("CrossAttnDownBlock2D", "CrossAttnDownBlock2D", "DownBlock2D"),
+        up_block_types=("UpBlock2D", "CrossAttnUpBlock2D", "CrossAttnUpBlock2D"),
+        cross_attention_dim=64,
+        attention_head_dim=4,
+        norm_num_groups=32,
+    )
+
+
+def to_tensor(images: np.ndarray) -> torch.Tensor:
+    """uint8 (n, h, w, 3) -> float (n, 3, h, w) in [-1, 1]."""
+    return torch.from_numpy(images).permute(0, 3, 1, 2).float().div(127.5).sub(1.0)
+
+
+def lr_at(step: int, total: int, base: float, warmup: int) -> float:
+    if step < warmup:
+        return base * (step + 1) / warmup
+    progress = (step - warmup) / max(total - warmup, 1)
+    return base * (0.05 + 0.95 * 0.5 * (1 + math.cos(math.pi * progress)))
+
+
+def train_vae(cfg: dict, seed: int):
+    images, _, _ = shapes.make_dataset(cfg["vae_images"], seed + 1, two_shape_fraction=0.3)
+    data = to_tensor(images)
+    vae = build_vae()
+    vae.train()
+    opt = torch.optim.AdamW(vae.parameters(), lr=cfg["vae_lr"], weight_decay=0.0)
+    gen = torch.Generator().manual_seed(seed + 2)
+    bar = tqdm(range(cfg["vae_steps"]), desc="vae", dynamic_ncols=True, mininterval=2)
+    for step in bar:
+        for group in opt.param_groups:
+            group["lr"] = lr_at(step, cfg["vae_steps"], cfg["vae_lr"], 50)
+        idx = torch.randint(0, len(data), (cfg["vae_batch"],), generator=gen)
+        x = data[idx]
+        posterior = vae.encode(x).latent_dist
+        z = posterior.mean + posterior.std * torch.randn(posterior.mean.shape, generator=gen)
+        recon = vae.decode(z).sample
+        mse = F.mse_loss(recon, x)
+        kl = posterior.kl().mean() / z[0].numel()
+        loss = mse + 1e-4 * kl
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(vae.parameters(), 1.0)
+        opt.step()
+        if step % 10 == 0:
+            bar.set_postfix(mse=f"{mse.item():.5f}", kl=f"{kl.item():.3f}")
+    vae.eval()
+    return vae
+
+
+@torch.no_grad()
+def encode_all(vae, images: np.ndarray, batch: int = 128) -> tuple[torch.Tensor, torch.Tensor]:
+    means, stds = [], []
+    for start in tqdm(range(0, len(images), batch), desc="encode", dynamic_ncols=True, mininterval=2):
+        dist = vae.encode(to_tensor(images[start : start + batch])).latent_dist
+        means.append(dist.mean)
+        stds.append(dist.std)
+    return torch.cat(means), torch.cat(stds)
+
+
+class EMA:
+    def __init__(self, modules, decay: float):
+        self.decay = decay
+        self.params = [p for m in modules for p in m.parameters()]
+        self.shadow = [p.detach().clone() for p in self.params]
+
+    @torch.no_grad()
+    def update(self, step: int):
+        decay = min(self.decay, (1 + step) / (10 + step))
+        torch._foreach_lerp_(self.shadow, [p.detach() for p in self.params], 1 - decay)
+
+    @torch.no_grad()
+    def copy_to(self):
+        for p, s in zip(self.params, self.shadow):
+            p.copy_(s)
+
+
+def train_diffusion(cfg: dict, seed: int, vae, tokenizer):
+    from diffusers import DDPMScheduler
+
+    images, captions, _ = shapes.make_dataset(cfg["images"], seed + 3, two_shape_fraction=cfg["two_shape_fraction"])
+    means, stds = encode_all(vae, images)
+    scale = float(1.0 / means.std())
+    vae.register_to_config(scaling_factor=scale)
+    print(f"latent std {means.std():.4f} -> scaling_factor {scale:.4f}", flush=True)
+
+    ids = tokenizer(captions, padding="max_length", max_length=MAX_TOKENS, truncation=True, return_tensors="pt").input_ids
+    empty = tokenizer([""], padding="max_length", max_length=MAX_TOKENS, return_tensors="pt").input_ids[0]
+
+    text_encoder = build_text_encoder(len(tokenizer), tokenizer)
+    unet = build_unet()
+    n_unet = sum(p.numel() for p in unet.parameters())
+    n_text = sum(p.numel() for p in text_encoder.parameters())
+    print(f"unet {n_unet / 1e6:.2f}M params, text encoder {n_text / 1e6:.2f}M params", flush=True)
+    text_encoder.train()
+    unet.train()
+    params = list(unet.parameters()) + list(text_encoder.parameters())
+    opt = torch.optim.AdamW(params, lr=cfg["lr"], weight_decay=0.01)
+    ema = EMA([unet, text_encoder], cfg["ema_decay"])
+    noise_scheduler = DDPMScheduler(**SCHEDULE)
+    alphas_cumprod = noise_scheduler.alphas_cumprod
+    gen = torch.Generator().manual_seed(seed + 4)
+
+    bar = tqdm(range(cfg["steps"]), desc="diffusion", dynamic_ncols=True, mininterval=2)
+    running = None
+    for step in bar:
+        for group in opt.param_groups:
+            group["lr"] = lr_at(step, cfg["steps"], cfg["lr"], cfg["warmup"])
+        idx = torch.randint(0, len(means), (cfg["batch"],), generator=gen)
+        latents = (means[idx] + stds[idx] * torch.randn(means[idx].shape, generator=gen)) * scale
+        batch_ids = ids[idx].clone()
+        drop = torch.rand(len(idx), generator=gen) < 0.1
+        batch_ids[drop] = empty
+        noise = torch.randn(latents.shape, generator=gen)
+        t = torch.randint(0, SCHEDULE["num_train_timesteps"], (len(idx),), generator=gen)
+        noisy = noise_scheduler.add_noise(latents, noise, t)
+        target = noise_scheduler.get_velocity(latents, noise, t)
+        hidden = text_encoder(batch_ids)[0]
+        pred = unet(noisy, t, encoder_hidden_states=hidden).sample
+        loss = F.mse_loss(pred, target)
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(params, 1.0)
+        opt.step()
+        ema.update(step)
+        running = loss.item() if running is None else 0.98 * running + 0.02 * loss.item()
+        if step % 10 == 0:
+            bar.set_postfix(loss=f"{running:.4f}", lr=f"{opt.param_groups[0]['lr']:.1e}")
+    del alphas_cumprod
+    ema.copy_to()
+    unet.eval()
+    text_encoder.eval()
+    return text_encoder, unet
+
+
+def folder_size(path: pathlib.Path) -> int:
+    return sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--out", type=pathlib.Path, default=DEFAULT_OUT)
+    parser.add_argument("--quick", action="store_true", help="a smoke run of about a minute (useless weights)")
+    parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
+    args = parser.parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    cfg = QUICK if args.quick else FULL
+    seed_everything(args.seed)
+
+    from diffusers import DDIMScheduler, StableDiffusionPipeline
+
+    times = {}
+    start = time.perf_counter()
+    tokenizer = clip_tokenizer(shapes.vocabulary(), model_max_length=MAX_TOKENS)
+
+    t0 = time.perf_counter()
+    vae = train_vae(cfg, args.seed)
+    times["vae"] = time.perf_counter() - t0
+    print(f"[time] vae {times['vae']:.0f}s", flush=True)
+
+    t0 = time.perf_counter()
+    text_encoder, unet = train_diffusion(cfg, args.seed, vae, tokenizer)
+    times["diffusion"] = time.perf_counter() - t0
+    print(f"[time] diffusion (incl. data + encoding) {times['diffusion']:.0f}s", flush=True)
+
+    t0 = time.perf_counter()
+    scheduler = DDIMScheduler(**SCHEDULE, timestep_spacing="trailing", set_alpha_to_one=False)
+    pipe = StableDiffusionPipeline(
+        vae=vae,
+        text_encoder=text_encoder,
+        tokenizer=tokenizer,
+        unet=unet,
+        scheduler=scheduler,
+        safety_checker=None,
+        feature_extractor=None,
+        requires_safety_checker=False,
+    )
+    out = args.out.resolve()
+    tmp = out.with_name(out.name + ".tmp")
+    if tmp.exists():
+        shutil.rmtree(tmp)
+    pipe.save_pretrained(tmp, safe_serialization=True)
+    total = time.perf_counter() - start
+    (tmp / "memfit_defaults.json").write_text(json.dumps(DEFAULTS, indent=2) + "\n")
+    (tmp / "training.json").write_text(
+        json.dumps(
+            {
+                "seed": args.seed,
+                "quick": args.quick,
+                "config": cfg,
+                "threads": torch.get_num_threads(),
+                "seconds": {k: round(v, 1) for k, v in times.items()} | {"total": round(total, 1)},
+                "torch": torch.__version__,
+            },
+            indent=2,
+        )
+        + "\n"
+    )
+    if out.exists():
+        shutil.rmtree(out)
+    tmp.rename(out)
+    times["save"] = time.perf_counter() - t0
+    size = folder_size(out)
+    print(f"[time] save {times['save']:.1f}s", flush=True)
+    print(f"[time] total {total / 60:.1f} min ({total:.0f}s)", flush=True)
+    print(f"saved {out} ({size / 2**20:.2f} MiB)", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

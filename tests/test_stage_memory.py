@@ -1,0 +1,60 @@
+"""Stages do not overlap: while one stage runs, the other stages' weights are not resident.
+
+Run in fresh subprocesses (memfit's CLI and plain diffusers side by side) on a pipeline whose
+components are each 150-350 MB, so the differences asserted are well above allocator noise.
+"""
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+PLAIN = r"""
+import json, sys, diffusers, psutil, torch
+from memfit.memory import PeakMemory
+diffusers.utils.logging.disable_progress_bar()
+with PeakMemory("cpu") as peak:
+    pipe = diffusers.DiffusionPipeline.from_pretrained(sys.argv[1])
+    pipe.set_progress_bar_config(disable=True)
+    pipe("a red circle", num_inference_steps=1, guidance_scale=2.0, width=32, height=32)
+print(json.dumps({"start": peak.start_bytes, "peak": peak.peak_bytes}))
+"""
+
+MiB = 2**20
+
+
+@pytest.fixture(scope="module")
+def big_model(tmp_path_factory):
+    from memfit.testing import save_pipeline
+
+    return str(save_pipeline("sd", tmp_path_factory.mktemp("big") / "sd", scale=16, text_layers=40))
+
+
+def test_stage_peaks_follow_the_largest_stage_not_the_sum(big_model, tmp_path):
+    report_path = tmp_path / "report.json"
+    subprocess.run(
+        [sys.executable, "-m", "memfit", "generate", "--model", big_model, "--prompt", "a red circle", "--steps", "1",
+         "--guidance", "2", "--width", "32", "--height", "32", "--quiet", "--out", str(tmp_path / "o.png"),
+         "--report", str(report_path)],
+        check=True, timeout=600,
+    )
+    stages = {s["stage"]: s for s in json.loads(report_path.read_text())["stages"]}
+    if stages["encode"]["memory_method"] != "VmHWM":
+        pytest.skip("peak RSS can only be sampled here (no /proc/self/clear_refs); too coarse for this test")
+    weights = {name: s["weights_bytes"] for name, s in stages.items()}
+    assert min(weights.values()) > 140 * MiB, weights
+
+    for name, stage in stages.items():
+        others = min(w for other, w in weights.items() if other != name)
+        grew = stage["peak_bytes"] - stage["start_bytes"]
+        # Half of the smallest other component would show if any other stage's weights were resident.
+        assert grew < weights[name] + others / 2, (name, grew / MiB, weights[name] / MiB)
+
+    plain = json.loads(subprocess.run([sys.executable, "-c", PLAIN, big_model], check=True, capture_output=True,
+                                      text=True, timeout=600).stdout.strip().splitlines()[-1])
+    plain_growth = plain["peak"] - plain["start"]
+    memfit_growth = max(s["peak_bytes"] for s in stages.values()) - stages["encode"]["start_bytes"]
+    total, largest = sum(weights.values()), max(weights.values())
+    assert plain_growth > total, "plain diffusers holds every component at once"
+    assert memfit_growth < plain_growth - (total - largest) / 2, (memfit_growth / MiB, plain_growth / MiB)
