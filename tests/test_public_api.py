@@ -18,6 +18,7 @@ def test_import_stays_lean():
 
 
 EXPECTED_ALL = [
+    "Budget",
     "Embeddings",
     "Generation",
     "MemfitError",
@@ -26,4 +27,5 @@ EXPECTED_ALL = [
     "__version__",
     "encode",
     "generate",
+    "parse_size",
 ]

@@ -2,12 +2,14 @@
 
 __version__ = "0.1.0"
 
+from .budget import Budget, parse_size
 from .embeddings import Embeddings
 from .errors import MemfitError
 from .report import RunReport, StageReport
 from .staged import Generation, encode, generate
 
 __all__ = [
+    "Budget",
     "Embeddings",
     "Generation",
     "MemfitError",
@@ -16,4 +18,5 @@ __all__ = [
     "__version__",
     "encode",
     "generate",
+    "parse_size",
 ]
