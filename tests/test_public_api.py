@@ -27,5 +27,7 @@ EXPECTED_ALL = [
     "__version__",
     "encode",
     "generate",
+    "optimize",
     "parse_size",
+    "restore",
 ]

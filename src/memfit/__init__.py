@@ -5,6 +5,7 @@ __version__ = "0.1.0"
 from .budget import Budget, parse_size
 from .embeddings import Embeddings
 from .errors import MemfitError
+from .executor import optimize, restore
 from .report import RunReport, StageReport
 from .staged import Generation, encode, generate
 
@@ -18,5 +19,7 @@ __all__ = [
     "__version__",
     "encode",
     "generate",
+    "optimize",
     "parse_size",
+    "restore",
 ]

@@ -1,0 +1,363 @@
+"""The executor: carry out a Plan on a live diffusers pipeline, and undo it.
+
+    pipe = memfit.optimize(pipe, budget="6GiB")   # same object; pipe._memfit_plan holds the Plan
+    memfit.restore(pipe)                          # every hook gone, every parameter as before
+
+What each tier means for a block's weights (the plan's "device" / "host" / "disk"):
+
+  execution device   device                 host                            disk
+  CUDA               moved to the GPU       pinned host tensor; copied in   mmap'd view of the model's own
+                     for the whole run      for each forward (next block    safetensors; copied in per forward
+                                            prefetched on a side stream)    (converted on the host if dtypes differ)
+  CPU                untouched              untouched (host RAM *is* the    the parameter's data IS the mmap'd view
+                                            device)                         (no copy; the kernel may drop and re-read
+                                                                            pages); if the run dtype differs from the
+                                                                            file's, converted into a temporary just
+                                                                            before the forward, next block converted
+                                                                            ahead on a background thread
+
+A weight is never parked on ``meta`` and never replaced by a fake tensor; only ``param.data``
+changes, between real storages (DESIGN.md failure 1). Blocks are found on the live modules with
+the same splitting rule as meta.py, so plan keys ("unet/down_blocks.0") match ``memfit plan``;
+no meta model is ever built or attached here (failure 3).
+
+Known limits, chosen on purpose:
+  * The first parameter of every component is never offloaded: diffusers' and transformers'
+    ``module.dtype`` / ``module.device`` read it, and the pipeline uses them to place latents and
+    cast embeddings. It is a single tensor (usually a small embedding or conv).
+  * A disk-tier weight must equal what the model's safetensors file holds (after conversion to the
+    run dtype); optimize checks this once, block by block, and raises naming the first weight that
+    differs (e.g. after fusing a LoRA), instead of silently running other weights.
+  * Buffers are not put on the disk tier (they are small and often not saved); on CUDA they travel
+    with their block like host-tier weights.
+  * ``.to()`` after optimize is supported where it is a no-op for the placed tensors (``.to("cpu")``
+    on a CPU run); to move an optimized pipeline elsewhere, restore, move, and optimize again.
+  * A weight read by a parent module directly (``self.child.weight``) inside a forward that is not
+    its own block's runs on its home form: correct on a CPU run with matching dtypes (the home is the
+    weight), a device/dtype error otherwise, never wrong numbers.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import fnmatch
+from pathlib import Path
+from typing import Mapping
+
+import torch
+
+from memfit.budget import Budget, BudgetLike, detect_budget
+from memfit.errors import MemfitError
+from memfit.offload import HookRegistry, MappedSafetensors, Runtime, Shared, Slot, SwapHook
+from memfit.planner import DEVICE, DISK, HOST, BlockSpec, Plan, StageInput, make_plan
+
+__all__ = ["optimize", "restore", "is_optimized", "live_blocks"]
+
+STATE_ATTR = "_memfit_state"
+PLAN_ATTR = "_memfit_plan"
+TIERS = (DEVICE, HOST, DISK)
+
+
+@dataclasses.dataclass
+class LiveBlock:
+    """A block of a live component: plan key, size, and the (hooked module, tensors) units it is made of."""
+
+    component: str
+    name: str
+    bytes: int
+    # (module whose forward covers the tensors, [(owner module, attribute name, tensor, is_param, full name)])
+    units: list
+
+    @property
+    def key(self) -> str:
+        return f"{self.component}/{self.name}"
+
+
+@dataclasses.dataclass
+class _State:
+    runtime: Runtime
+    slots: list  # every Slot memfit changed, hooked or not
+    hooked: list  # modules that carry a SwapHook
+
+
+# --- public -------------------------------------------------------------------------------------
+
+
+def is_optimized(pipe) -> bool:
+    return STATE_ATTR in vars(pipe)
+
+
+def optimize(
+    pipe,
+    budget: BudgetLike | None = None,
+    *,
+    plan: Plan | None = None,
+    force_tiers: Mapping[str, str] | None = None,
+    model_dir: str | Path | None = None,
+    device: str | torch.device | None = None,
+    prefetch: bool = True,
+):
+    """Apply a plan to the live pipeline ``pipe`` and return the same object.
+
+    budget:      bytes, "6GiB", or Budget(device=, host=, disk=); None detects what is free now.
+    plan:        an explicit Plan (e.g. from ``memfit plan``) instead of planning here.
+    force_tiers: {pattern: "device"|"host"|"disk"}, patterns matched (fnmatch) against block keys
+                 ("unet/down_blocks.0", "text_encoder/*", or a bare component name); later patterns
+                 win; blocks matched by none stay on the device. For tests and experiments.
+    model_dir:   the pipeline folder whose safetensors back the disk tier, when a component's
+                 ``config._name_or_path`` does not point at its own folder.
+    device:      execution device; default: where the pipeline's weights are now.
+    """
+    if is_optimized(pipe):
+        raise MemfitError("This pipeline is already optimized; call memfit.restore(pipe) before optimizing it again.")
+    if sum(x is not None for x in (budget, plan, force_tiers)) > 1:
+        raise MemfitError("Pass at most one of budget=, plan= and force_tiers=.")
+    components = _components(pipe)
+    if not components:
+        raise MemfitError(f"{type(pipe).__name__} has no torch module components to optimize.")
+    device = torch.device(device) if device is not None else _first_param(next(iter(components.values()))).device
+    if device.type not in ("cpu", "cuda"):
+        raise MemfitError(f"memfit's executor runs on 'cpu' or 'cuda' devices, not {device}.")
+
+    blocks = {name: live_blocks(name, module) for name, module in components.items()}
+    stages = [
+        StageInput(name, tuple(BlockSpec(b.component, b.name, b.bytes) for b in component_blocks), 0)
+        for name, component_blocks in blocks.items()
+    ]
+    if plan is None and force_tiers is not None:
+        plan = _forced_plan(stages, force_tiers)
+    elif plan is None:
+        resolved = Budget.of(budget) if budget is not None else detect_budget(str(device))
+        plan = make_plan(stages, resolved)
+    tiers = _tiers_from_plan(plan, blocks)
+
+    runtime = Runtime(device, prefetch=prefetch)
+    state = _State(runtime=runtime, slots=[], hooked=[])
+    try:
+        for name, module in components.items():
+            _apply_component(name, module, blocks[name], tiers, state, model_dir)
+    except BaseException:
+        _undo(state)
+        raise
+    object.__setattr__(pipe, STATE_ATTR, state)
+    object.__setattr__(pipe, PLAN_ATTR, plan)
+    return pipe
+
+
+def restore(pipe):
+    """Remove every memfit hook and attribute from ``pipe`` and put every tensor back as it was
+    (same objects, same values, dtype and device). Returns ``pipe``. A no-op on a plain pipeline."""
+    state = vars(pipe).pop(STATE_ATTR, None)
+    vars(pipe).pop(PLAN_ATTR, None)
+    if state is not None:
+        _undo(state)
+    return pipe
+
+
+# --- blocks -------------------------------------------------------------------------------------
+
+
+def live_blocks(component: str, module: torch.nn.Module) -> list[LiveBlock]:
+    """Split a live component into blocks with meta.py's rule; sizes from the live tensors.
+
+    Every tensor belongs to exactly one block (tied weights to the first); order is registration
+    order, as in meta.py.
+    """
+    from memfit.meta import DEFAULT_MAX_BLOCK_FRACTION, _DirectTensors, _split_blocks
+
+    names = {id(t): n for n, t in module.named_parameters()}
+    names.update({id(t): n for n, t in module.named_buffers()})
+    threshold = max(1, int(sum(p.numel() for p in module.parameters()) * DEFAULT_MAX_BLOCK_FRACTION))
+    seen: set[int] = set()
+    out = []
+    for block_name, members in _split_blocks(module, "", threshold):
+        units, size = [], 0
+        for member in members:
+            if isinstance(member, _DirectTensors):
+                hooked = member.module
+                owned = [(hooked, n, t, True) for n, t in hooked.named_parameters(recurse=False)]
+                owned += [(hooked, n, t, False) for n, t in hooked.named_buffers(recurse=False)]
+            else:
+                hooked = member
+                owned = []
+                for sub in member.modules():
+                    owned += [(sub, n, t, True) for n, t in sub.named_parameters(recurse=False)]
+                    owned += [(sub, n, t, False) for n, t in sub.named_buffers(recurse=False)]
+            tensors = []
+            for owner, attr, tensor, is_param in owned:
+                if tensor is None or id(tensor) in seen:
+                    continue
+                seen.add(id(tensor))
+                size += tensor.numel() * tensor.element_size()
+                tensors.append((owner, attr, tensor, is_param, names.get(id(tensor), attr)))
+            if tensors:
+                units.append((hooked, tensors))
+        out.append(LiveBlock(component, block_name, size, units))
+    return out
+
+
+def _components(pipe) -> dict[str, torch.nn.Module]:
+    out, seen = {}, set()
+    for name, value in getattr(pipe, "components", {}).items():
+        if isinstance(value, torch.nn.Module) and id(value) not in seen and _first_param(value) is not None:
+            seen.add(id(value))  # a component shared under two names is placed once
+            out[name] = value
+    return out
+
+
+def _first_param(module):
+    return next(iter(module.parameters()), None)
+
+
+# --- plans --------------------------------------------------------------------------------------
+
+
+def _forced_plan(stages: list[StageInput], force_tiers: Mapping[str, str]) -> Plan:
+    from memfit.planner import _host_need, _stage_plan
+
+    for pattern, tier in force_tiers.items():
+        if tier not in TIERS:
+            raise MemfitError(f"force_tiers[{pattern!r}] is {tier!r}; use one of {', '.join(TIERS)}.")
+    wanted: dict[str, str] = {}
+    for stage in stages:
+        for block in stage.blocks:
+            wanted[block.key] = DEVICE
+            for pattern, tier in force_tiers.items():
+                if fnmatch.fnmatchcase(block.key, pattern) or block.component == pattern:
+                    wanted[block.key] = tier
+    unmatched = [p for p in force_tiers if not any(fnmatch.fnmatchcase(k, p) or k.split("/")[0] == p for k in wanted)]
+    if unmatched:
+        raise MemfitError(f"force_tiers pattern(s) {unmatched} match no block; keys look like {next(iter(wanted))!r}.")
+    resident = [frozenset(b.key for b in s.blocks if wanted[b.key] == DEVICE) for s in stages]
+    homes = {key: (DISK if tier == DISK else HOST) for key, tier in wanted.items()}
+    stage_plans = tuple(_stage_plan(s, r, homes, 1) for s, r in zip(stages, resident))
+    sizes = {b.key: b.bytes for s in stages for b in s.blocks}
+    host_keys = [k for k, h in homes.items() if h == HOST]
+    return Plan(
+        budget=Budget(),
+        prefetch=1,
+        stages=stage_plans,
+        homes=tuple(homes.items()),
+        host_peak_bytes=_host_need(host_keys, sizes, resident),
+    )
+
+
+def _tiers_from_plan(plan: Plan, blocks: dict[str, list[LiveBlock]]) -> dict[str, str]:
+    """One tier per block: "device" where any stage keeps it resident, else its home."""
+    live = {b.key for component_blocks in blocks.values() for b in component_blocks}
+    tiers: dict[str, str] = {}
+    unknown = []
+    for stage in plan.stages:
+        for p in stage.placements:
+            key = f"{p.component}/{p.block}"
+            if key not in live:
+                unknown.append(key)
+            elif p.where == DEVICE or tiers.get(key) == DEVICE:
+                tiers[key] = DEVICE
+            else:
+                tiers[key] = p.where
+    if unknown:
+        raise MemfitError(
+            f"The plan names block(s) this pipeline does not have, e.g. {unknown[0]!r}; make the plan for "
+            f"this pipeline (its blocks look like {sorted(live)[0]!r})."
+        )
+    return tiers
+
+
+# --- applying -----------------------------------------------------------------------------------
+
+
+def _apply_component(name, module, component_blocks, tiers, state: _State, model_dir) -> None:
+    runtime = state.runtime
+    anchor = _first_param(module)
+    files: MappedSafetensors | None = None
+    for block in component_blocks:
+        tier = tiers.get(block.key, DEVICE)
+        for hooked, tensors in block.units:
+            slots = []
+            for owner, attr, tensor, is_param, full_name in tensors:
+                if tensor is anchor:
+                    continue  # module.dtype / module.device read it: see the module docstring
+                if runtime.is_cuda and tensor.device != runtime.device and tier == DEVICE:
+                    slot = Slot(owner, attr, tensor, home=None, kind="device")
+                    tensor.data = tensor.data.to(runtime.device)
+                    state.slots.append(slot)
+                    continue
+                if tier == DEVICE or (not runtime.is_cuda and (tier == HOST or not is_param)):
+                    continue  # on the CPU host RAM is the device; buffers stay where they are
+                if tier == DISK and is_param:
+                    if files is None:
+                        files = _open_files(name, module, model_dir)
+                    view = _checked_view(files, name, full_name, tensor, module)
+                    slot = Slot(owner, attr, tensor, home=Shared(view), kind="mmap")
+                    state.slots.append(slot)
+                    if view.dtype != tensor.dtype or runtime.is_cuda:
+                        slots.append(slot)  # the hook converts / copies it for each forward
+                    tensor.data = view  # outside a forward the weight IS the mapped file
+                    continue
+                # host tier on CUDA (or a buffer of a disk block): a pinned host copy is the home.
+                home = tensor.data.to("cpu")
+                home = home.pin_memory() if runtime.is_cuda else home
+                slot = Slot(owner, attr, tensor, home=home, kind="host")
+                tensor.data = home
+                state.slots.append(slot)
+                slots.append(slot)
+            if slots:
+                HookRegistry.of(hooked).register(SwapHook(block.key, slots, runtime))
+                state.hooked.append(hooked)
+
+
+def _open_files(name: str, module, model_dir) -> MappedSafetensors:
+    candidates = []
+    if model_dir is not None:
+        candidates += [Path(model_dir) / name, Path(model_dir)]
+    source = getattr(getattr(module, "config", None), "_name_or_path", None) or getattr(module, "name_or_path", None)
+    if source:
+        candidates += [Path(source), Path(source) / name]
+    for folder in candidates:
+        if folder.is_dir() and any(folder.glob("*.safetensors")):
+            return MappedSafetensors(folder)
+    raise MemfitError(
+        f"Component {name!r} has no safetensors files to map for the disk tier (looked in "
+        f"{[str(c) for c in candidates] or 'nothing: its config has no _name_or_path'}). Load the pipeline "
+        "with from_pretrained from a saved folder, or pass model_dir= the pipeline folder."
+    )
+
+
+def _checked_view(files: MappedSafetensors, component: str, full_name: str, tensor, module) -> torch.Tensor:
+    prefix = getattr(module, "base_model_prefix", "") or ""
+    for key in (full_name, f"{prefix}.{full_name}", full_name.removeprefix(prefix + ".")):
+        if key in files:
+            break
+    else:
+        raise MemfitError(
+            f"{component}.{full_name} is not in {files.folder}'s safetensors files, so it cannot be read "
+            "from disk; keep this block on the host tier or save the pipeline again."
+        )
+    view = files.tensor(key)
+    if tuple(view.shape) != tuple(tensor.shape) or not torch.equal(view.to(tensor.dtype), tensor.data.cpu()):
+        raise MemfitError(
+            f"{component}.{full_name} differs from {key} in {files.folder} (was the model changed after "
+            "loading, e.g. a fused LoRA?). The disk tier would run the file's weights; save the pipeline "
+            "and load it again, or keep this block off the disk tier."
+        )
+    return view
+
+
+def _undo(state: _State) -> None:
+    for module in state.hooked:
+        registry = HookRegistry.get(module)
+        if registry is not None:
+            registry.remove(SwapHook.name)
+    state.runtime.close()
+    for slot in reversed(state.slots):
+        kind = slot.kind
+        if kind == "device":
+            data = slot.tensor.data.to(slot.device)
+        else:
+            data = slot.home_tensor().to(device=slot.device, dtype=slot.dtype)
+            if kind == "mmap" and data.data_ptr() == slot.home_tensor().data_ptr():
+                data = data.clone()  # restore an owned tensor, not a view of the mapped file
+        slot.tensor.data = data
+    state.slots.clear()
+    state.hooked.clear()

@@ -1,0 +1,355 @@
+"""Hook mechanics for the executor: one registry of named hooks per module, real-storage swapping.
+
+Nothing here knows about pipelines or plans (executor.py does); a hook only knows the tensors it
+swaps and the runtime it prefetches through.
+
+Lifecycle (after diffusers' hooks/hooks.py, with one system instead of two):
+  * ``HookRegistry.of(module)`` returns the module's registry, creating it on first use. The
+    registry installs exactly one torch forward pre-hook and one forward hook (``always_call``, so
+    weights are swapped back even when the forward raises) that dispatch to its named hooks in
+    registration order (pre) and reverse order (post).
+  * ``registry.register(hook)`` calls ``hook.initialize(module)``; ``registry.remove(name)`` calls
+    ``hook.deinitialize(module)``. Removing the last hook removes the torch hooks and the
+    ``_memfit_hooks`` attribute, so a restored module carries nothing of memfit.
+  * Only the torch hook *ids* are kept (not RemovableHandles: their weak reference would survive a
+    ``copy.deepcopy`` pointing at the original module, and removing hooks from a copy would strip
+    the original).
+
+Why swapping ``param.data`` between real storages and never parking on ``meta``: any code that
+reads a weight outside a forward (``.item()``, a dtype check, a cache sized from a weight) must see
+real data (failure 1 of DESIGN.md). A parameter object is never replaced, so optimizers, tied
+weights and user references keep pointing at the live parameter.
+"""
+
+from __future__ import annotations
+
+import json
+import mmap
+import os
+import struct
+import threading
+from concurrent.futures import Future, ThreadPoolExecutor
+from pathlib import Path
+
+import torch
+
+from memfit.errors import MemfitError
+
+__all__ = ["HookRegistry", "MappedSafetensors", "ModuleHook", "Runtime", "Shared", "Slot", "SwapHook"]
+
+REGISTRY_ATTR = "_memfit_hooks"
+
+
+class ModuleHook:
+    """A named hook; subclasses override what they need. ``name`` is unique per module."""
+
+    name = "memfit.hook"
+
+    def initialize(self, module: torch.nn.Module) -> None:
+        pass
+
+    def deinitialize(self, module: torch.nn.Module) -> None:
+        pass
+
+    def pre_forward(self, module: torch.nn.Module) -> None:
+        pass
+
+    def post_forward(self, module: torch.nn.Module) -> None:
+        pass
+
+
+class HookRegistry:
+    """The named, ordered, removable hooks of one module (stored as ``module._memfit_hooks``)."""
+
+    def __init__(self, module: torch.nn.Module):
+        self.module = module
+        self.hooks: dict[str, ModuleHook] = {}
+        self._pre_id: int | None = None
+        self._post_id: int | None = None
+
+    @classmethod
+    def of(cls, module: torch.nn.Module) -> "HookRegistry":
+        registry = module.__dict__.get(REGISTRY_ATTR)
+        if registry is None:
+            registry = cls(module)
+            # object.__setattr__: nn.Module.__setattr__ would be fine too, but this keeps the
+            # registry out of any module-specific __setattr__ logic.
+            object.__setattr__(module, REGISTRY_ATTR, registry)
+        return registry
+
+    @staticmethod
+    def get(module: torch.nn.Module) -> "HookRegistry | None":
+        return module.__dict__.get(REGISTRY_ATTR)
+
+    def register(self, hook: ModuleHook) -> None:
+        if hook.name in self.hooks:
+            raise MemfitError(
+                f"{type(self.module).__name__} already has a memfit hook named {hook.name!r}; "
+                "call memfit.restore(pipe) before optimizing it again."
+            )
+        hook.initialize(self.module)
+        self.hooks[hook.name] = hook
+        if self._pre_id is None:
+            self._pre_id = self.module.register_forward_pre_hook(self._pre, with_kwargs=True).id
+            self._post_id = self.module.register_forward_hook(self._post, always_call=True).id
+
+    def remove(self, name: str) -> None:
+        hook = self.hooks.pop(name, None)
+        if hook is None:
+            return
+        hook.deinitialize(self.module)
+        if not self.hooks:
+            self.module._forward_pre_hooks.pop(self._pre_id, None)
+            self.module._forward_pre_hooks_with_kwargs.pop(self._pre_id, None)
+            self.module._forward_hooks.pop(self._post_id, None)
+            self.module._forward_hooks_always_called.pop(self._post_id, None)
+            self._pre_id = self._post_id = None
+            self.module.__dict__.pop(REGISTRY_ATTR, None)
+
+    def remove_all(self) -> None:
+        for name in reversed(list(self.hooks)):
+            self.remove(name)
+
+    def _pre(self, module, args, kwargs):
+        for hook in self.hooks.values():
+            hook.pre_forward(module)
+        return None  # inputs unchanged
+
+    def _post(self, module, args, output):
+        for hook in reversed(list(self.hooks.values())):
+            hook.post_forward(module)
+        return None  # output unchanged
+
+
+# --- shared, read-only storage --------------------------------------------------------------------
+
+
+class Shared:
+    """A read-only tensor that copies of a pipeline share instead of cloning.
+
+    ``copy.deepcopy(pipe)`` would otherwise clone every memory-mapped weight into RAM (and fail on
+    the mmap object itself). The file behind it never changes while memfit runs, so sharing is safe.
+    """
+
+    __slots__ = ("tensor",)
+
+    def __init__(self, tensor: torch.Tensor):
+        self.tensor = tensor
+
+    def __deepcopy__(self, memo):
+        return self
+
+    def __copy__(self):
+        return self
+
+
+_ST_DTYPES = {
+    "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
+    "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
+    "BOOL": torch.bool,
+}
+
+
+class MappedSafetensors:
+    """The safetensors files of one folder, memory-mapped; ``tensor(key)`` is a zero-copy view.
+
+    The mapping is private copy-on-write (``ACCESS_COPY``): pages are the page cache's own, the
+    kernel may drop and re-read them under pressure, and an accidental in-place write to a weight
+    makes a private page instead of corrupting the model file (or crashing on a read-only page).
+    """
+
+    def __init__(self, folder: str | os.PathLike):
+        self.folder = Path(folder)
+        self.files = sorted(self.folder.glob("*.safetensors"))
+        self._maps: dict[Path, mmap.mmap] = {}
+        self._entries: dict[str, tuple[Path, dict, int]] = {}
+        for path in self.files:
+            with path.open("rb") as handle:
+                (length,) = struct.unpack("<Q", handle.read(8))
+                header = json.loads(handle.read(length))
+            for key, entry in header.items():
+                if key != "__metadata__":
+                    self._entries.setdefault(key, (path, entry, 8 + length))
+
+    def __contains__(self, key: str) -> bool:
+        return key in self._entries
+
+    def keys(self):
+        return self._entries.keys()
+
+    def tensor(self, key: str) -> torch.Tensor:
+        path, entry, data_start = self._entries[key]
+        if path not in self._maps:
+            with path.open("rb") as handle:
+                self._maps[path] = mmap.mmap(handle.fileno(), 0, access=mmap.ACCESS_COPY)
+        dtype = _ST_DTYPES.get(entry["dtype"])
+        if dtype is None:
+            raise MemfitError(f"{path} stores {key} as {entry['dtype']}, which memfit cannot memory-map.")
+        begin, end = entry["data_offsets"]
+        shape = entry["shape"]
+        count = (end - begin) // torch.empty((), dtype=dtype).element_size()
+        if count == 0:
+            return torch.empty(shape, dtype=dtype)
+        flat = torch.frombuffer(self._maps[path], dtype=dtype, count=count, offset=data_start + begin)
+        return flat.view(shape)
+
+
+# --- swapping -------------------------------------------------------------------------------------
+
+
+class Slot:
+    """One tensor memfit placed: where it lives outside a forward (``home``) and what to restore
+    (its original dtype and device; the values come back from the home, which equals them)."""
+
+    def __init__(self, owner: torch.nn.Module, name: str, tensor: torch.Tensor, home, kind: str):
+        self.owner = owner
+        self.kind = kind  # "mmap" (home is a mapped view), "host" (home is a host tensor), "device" (moved)
+        self.name = name
+        self.tensor = tensor  # the Parameter / buffer object itself (never replaced)
+        self.home = home  # Shared (mmap view) or a host tensor
+        self.dtype = tensor.dtype
+        self.device = tensor.device
+
+    def home_tensor(self) -> torch.Tensor:
+        return self.home.tensor if isinstance(self.home, Shared) else self.home
+
+
+class Runtime:
+    """What the hooks of one optimized pipeline share: the execution device, the order blocks ran in
+    (learned on the first pass, updated on every pass) and the prefetcher.
+
+    Prefetch: on a CUDA device a side stream copies the next block's pinned host tensors while the
+    current block computes; on the CPU a background thread converts the next block's memory-mapped
+    weights to the run dtype. The "next block" is the block that followed this one the last time it
+    ran, which learns loops (denoising steps) as well as straight sequences.
+    """
+
+    def __init__(self, device: torch.device, prefetch: bool = True):
+        self.device = torch.device(device)
+        self.prefetch = prefetch
+        self.next_of: dict[int, "SwapHook"] = {}
+        self.last: "SwapHook | None" = None
+        self._pool: ThreadPoolExecutor | None = None
+        self._stream = None
+        self._lock = threading.Lock()
+
+    def __deepcopy__(self, memo):
+        # A copy gets its own prefetcher and learns its own order; threads and streams cannot be copied.
+        copy = Runtime(self.device, self.prefetch)
+        memo[id(self)] = copy
+        return copy
+
+    @property
+    def is_cuda(self) -> bool:
+        return self.device.type == "cuda"
+
+    def stream(self):
+        if self._stream is None:
+            self._stream = torch.cuda.Stream(self.device)
+        return self._stream
+
+    def pool(self) -> ThreadPoolExecutor:
+        if self._pool is None:
+            self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="memfit-prefetch")
+        return self._pool
+
+    def entered(self, hook: "SwapHook") -> None:
+        if self.last is not None and self.last is not hook:
+            self.next_of[id(self.last)] = hook
+        self.last = hook
+        upcoming = self.next_of.get(id(hook))
+        if self.prefetch and upcoming is not None and upcoming is not hook:
+            upcoming.start_prefetch()
+
+    def close(self) -> None:
+        if self._pool is not None:
+            self._pool.shutdown(wait=True)
+            self._pool = None
+
+
+class SwapHook(ModuleHook):
+    """Swap a block's tensors to their run form for the forward and back to their home after.
+
+    Run form: on CUDA, a device copy of the home (pinned host tensor or mmap view); on the CPU, the
+    mmap view converted to the run dtype. Outside a forward every tensor is its home: real data.
+    """
+
+    name = "memfit.swap"
+
+    def __init__(self, block: str, slots: list[Slot], runtime: Runtime):
+        self.block = block
+        self.slots = slots
+        self.runtime = runtime
+        self._pending: Future | tuple | None = None
+        self._depth = 0  # a module re-entered (rare; e.g. a shared submodule) swaps once
+
+    def _materialize(self, cuda_stream=None) -> list[torch.Tensor]:
+        out = []
+        for slot in self.slots:
+            home = slot.home_tensor()
+            if self.runtime.is_cuda:
+                if home.device.type == "cpu" and home.dtype != slot.dtype:
+                    home = home.to(slot.dtype)  # mmap view in the file dtype: convert on the host first
+                out.append(home.to(self.runtime.device, dtype=slot.dtype, non_blocking=True))
+            else:
+                out.append(home.to(slot.dtype, copy=home.dtype != slot.dtype))
+        return out
+
+    def start_prefetch(self) -> None:
+        if self._pending is not None or self._depth:
+            return
+        if self.runtime.is_cuda:
+            stream = self.runtime.stream()
+            stream.wait_stream(torch.cuda.current_stream(self.runtime.device))
+            with torch.cuda.stream(stream):
+                tensors = self._materialize()
+                event = torch.cuda.Event()
+                event.record(stream)
+            self._pending = (tensors, event)
+        else:
+            self._pending = self.runtime.pool().submit(self._materialize)
+
+    def _take(self) -> list[torch.Tensor]:
+        pending, self._pending = self._pending, None
+        if pending is None:
+            return self._materialize()
+        if isinstance(pending, Future):
+            return pending.result()
+        tensors, event = pending
+        torch.cuda.current_stream(self.runtime.device).wait_event(event)
+        for t in tensors:  # the side stream's allocations are now used on the compute stream
+            t.record_stream(torch.cuda.current_stream(self.runtime.device))
+        return tensors
+
+    def pre_forward(self, module) -> None:
+        self._depth += 1
+        if self._depth > 1:
+            return
+        for slot, tensor in zip(self.slots, self._take()):
+            slot.tensor.data = tensor
+        self.runtime.entered(self)
+
+    def post_forward(self, module) -> None:
+        self._depth -= 1
+        if self._depth > 0:
+            return
+        for slot in self.slots:
+            slot.tensor.data = slot.home_tensor()
+
+    def deinitialize(self, module) -> None:
+        pending, self._pending = self._pending, None
+        if isinstance(pending, Future):
+            pending.result()
+
+    def __deepcopy__(self, memo):
+        import copy
+
+        new = SwapHook.__new__(SwapHook)
+        memo[id(self)] = new
+        new.block = self.block
+        new.slots = copy.deepcopy(self.slots, memo)
+        new.runtime = copy.deepcopy(self.runtime, memo)
+        new._pending = None  # a prefetch in flight belongs to the original
+        new._depth = 0
+        return new
+
