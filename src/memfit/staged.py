@@ -32,11 +32,26 @@ def _default_device() -> torch.device:
 def _open_model(model: str | Path | ModelFolder | None) -> ModelFolder:
     if isinstance(model, ModelFolder):
         return model
-    if model is None:
-        from .demo import model_dir
+    return ModelFolder.open(_default_model() if model is None else model)
 
-        model = model_dir()
-    return ModelFolder.open(model)
+
+def _default_model() -> Path:
+    """The built-in demo model; until its trained weights ship, a tiny pipeline built in place."""
+    from .demo import model_dir
+
+    try:
+        return model_dir()
+    except MemfitError as missing:
+        import warnings
+
+        from .cache.settings import default_root
+        from .testing import save_pipeline
+
+        folder = default_root() / "untrained-demo-sd"
+        warnings.warn(f"{missing} Using an untrained tiny pipeline at {folder} instead.", stacklevel=3)
+        if not (folder / "model_index.json").is_file():
+            save_pipeline("sd", folder, seed=0)
+        return folder
 
 
 def _resident_bytes(pipe, names) -> int:
