@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import enum
 import os
-import re
 import sys
 from pathlib import Path
 
@@ -66,25 +65,14 @@ def default_root() -> Path:
     return (Path(xdg) if xdg else Path.home() / ".cache") / "memfit"
 
 
-# Kept local (and tiny) so the cache does not depend on the budget layer; same rules as the
-# budget strings: "GiB" = 2**30, "GB" = 10**9, bytes only (never bits).
-_SIZE_PATTERN = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]i?b|b)?\s*$", re.IGNORECASE)
-_SIZE_FACTORS = {
-    "b": 1,
-    "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
-    "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40,
-}
-
-
 def parse_size(text: str, *, source: str) -> int:
-    match = _SIZE_PATTERN.match(text)
-    if not match:
-        raise MemfitError(
-            f"{source}={text!r} is not a size. Use a number of bytes or a value like "
-            "'20GiB' or '500MB'."
-        )
-    number, unit = match.groups()
-    return int(float(number) * _SIZE_FACTORS[(unit or "b").lower()])
+    """A size from the environment variable `source`, with the budget layer's rules."""
+    from ..budget import parse_size as parse_budget_size
+
+    try:
+        return parse_budget_size(text)
+    except MemfitError as error:
+        raise MemfitError(f"{source}={text!r} is not a size: {error}") from None
 
 
 def max_bytes_from_env() -> int:
