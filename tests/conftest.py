@@ -1,7 +1,9 @@
 import os
+import tempfile
 
 os.environ["HF_HUB_OFFLINE"] = "1"  # tests must never reach a hub
-os.environ.setdefault("MEMFIT_CACHE_DIR", os.path.join(os.environ.get("TMPDIR", "/tmp"), "memfit-test-cache"))
+# A fresh store per session: a prompt-cache hit left by an earlier run would change what runs.
+os.environ["MEMFIT_CACHE_DIR"] = tempfile.mkdtemp(prefix="memfit-test-cache-")
 
 import pytest  # noqa: E402
 
@@ -33,3 +35,9 @@ def tiny_models(tmp_path_factory):
         return cache[kind]
 
     return get
+
+
+def pytest_sessionfinish(session, exitstatus):
+    import shutil
+
+    shutil.rmtree(os.environ["MEMFIT_CACHE_DIR"], ignore_errors=True)

@@ -44,6 +44,10 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--seed", type=int, default=0)
     gen.add_argument("--width", type=int)
     gen.add_argument("--height", type=int)
+    gen.add_argument("--budget", help="memory budget for each stage's weights, e.g. 2GiB or 6GB (=6*10^9 bytes)")
+    gen.add_argument("--backend", help="compile with a backend: NAME (eager, inductor, openvino, onnxruntime) or per "
+                     "component, e.g. unet=openvino,vae=eager")
+    gen.add_argument("--fallback", choices=("eager",), help="if a backend fails on a component, run it eagerly (reported)")
     gen.add_argument("--out", default="memfit.png", help="output PNG (default memfit.png)")
     gen.add_argument("--report", help="also write the per-stage report as JSON here")
     gen.add_argument("--quiet", action="store_true", help="no progress bar, no report table")
@@ -91,6 +95,7 @@ def _check_out_path(path: str, suffix: str) -> Path:
 
 
 def _generate(args) -> int:
+    from .compile import parse_backend_arg
     from .staged import generate
 
     out = _check_out_path(args.out, ".png")
@@ -108,6 +113,9 @@ def _generate(args) -> int:
         height=args.height,
         dtype=args.dtype,
         device=args.device,
+        budget=args.budget,
+        backend=parse_backend_arg(args.backend) if args.backend else None,
+        fallback=args.fallback,
         progress=not args.quiet,
     )
     result.save(out)

@@ -55,6 +55,7 @@ __all__ = ["optimize", "restore", "is_optimized", "live_blocks"]
 
 STATE_ATTR = "_memfit_state"
 PLAN_ATTR = "_memfit_plan"
+COMPILE_RECORDS_ATTR = "_memfit_compile_records"
 TIERS = (DEVICE, HOST, DISK)
 
 
@@ -96,6 +97,8 @@ def optimize(
     model_dir: str | Path | None = None,
     device: str | torch.device | None = None,
     prefetch: bool = True,
+    backend=None,
+    fallback: str | None = None,
 ):
     """Apply a plan to the live pipeline ``pipe`` and return the same object.
 
@@ -107,7 +110,13 @@ def optimize(
     model_dir:   the pipeline folder whose safetensors back the disk tier, when a component's
                  ``config._name_or_path`` does not point at its own folder.
     device:      execution device; default: where the pipeline's weights are now.
+    backend:     compile each component's entry points (memfit.compile.compile_components): a name,
+                 a Backend, or {component: backend}. Alone (no budget/plan/force_tiers) it only
+                 compiles and places nothing. ``fallback="eager"`` runs a failing component eagerly;
+                 the records are in ``pipe._memfit_compile_records``.
     """
+    if backend is not None and budget is None and plan is None and force_tiers is None:
+        return _compile(pipe, backend, fallback)
     if is_optimized(pipe):
         raise MemfitError("This pipeline is already optimized; call memfit.restore(pipe) before optimizing it again.")
     if sum(x is not None for x in (budget, plan, force_tiers)) > 1:
@@ -141,12 +150,30 @@ def optimize(
         raise
     object.__setattr__(pipe, STATE_ATTR, state)
     object.__setattr__(pipe, PLAN_ATTR, plan)
+    if backend is not None:
+        try:
+            _compile(pipe, backend, fallback)
+        except BaseException:
+            restore(pipe)
+            raise
+    return pipe
+
+
+def _compile(pipe, backend, fallback):
+    from memfit.compile import compile_components
+
+    records = compile_components(pipe, backend, fallback=fallback)
+    object.__setattr__(pipe, COMPILE_RECORDS_ATTR, records)
     return pipe
 
 
 def restore(pipe):
     """Remove every memfit hook and attribute from ``pipe`` and put every tensor back as it was
     (same objects, same values, dtype and device). Returns ``pipe``. A no-op on a plain pipeline."""
+    if vars(pipe).pop(COMPILE_RECORDS_ATTR, None) is not None:
+        from memfit.compile import uncompile
+
+        uncompile(pipe)
     state = vars(pipe).pop(STATE_ATTR, None)
     vars(pipe).pop(PLAN_ATTR, None)
     if state is not None:

@@ -25,6 +25,9 @@ class StageReport:
     weights_bytes: int
     memory_method: str
     note: str = ""
+    # One dict per compiled entry point (memfit.compile.CompileRecord.to_dict()): component, entry,
+    # backend asked for, backend_used, status (compiled / fallback / ...), reason, compile_seconds.
+    compiled: list = field(default_factory=list)
 
 
 @dataclass
@@ -44,7 +47,7 @@ class RunReport:
         memory = "peak device memory" if self.device.startswith("cuda") else "peak RSS"
         header = ("stage", "components resident", "wall s", memory, "weights")
         rows = [
-            (s.stage, ", ".join(s.components) or "-", f"{s.seconds:.2f}", format_bytes(s.peak_bytes), format_bytes(s.weights_bytes))
+            (s.stage, ", ".join(s.components) or ("-" if not s.note else f"- ({s.note})"), f"{s.seconds:.2f}", format_bytes(s.peak_bytes), format_bytes(s.weights_bytes))
             for s in self.stages
         ]
         widths = [max(len(str(r[i])) for r in [header, *rows]) for i in range(len(header))]

@@ -22,6 +22,7 @@ from .fingerprint import fingerprint_components
 from .memory import PeakMemory, release_freed_memory
 from .model_folder import ModelFolder, parse_dtype
 from .pipelines import Settings
+from .compile import compile_stage
 from .report import RunReport, StageReport
 
 
@@ -63,7 +64,7 @@ def _resident_bytes(pipe, names) -> int:
     return total
 
 
-def _run_stage(report: RunReport, device, name: str, components, work: Callable[[], tuple[object, int]]):
+def _run_stage(report: RunReport, device, name: str, components, work: Callable[[], tuple[object, int]], compiled=None):
     release_freed_memory()
     with PeakMemory(device) as peak:
         started = time.perf_counter()
@@ -73,7 +74,33 @@ def _run_stage(report: RunReport, device, name: str, components, work: Callable[
     report.stages.append(
         StageReport(name, list(components), seconds, peak.peak_bytes, peak.start_bytes, weights, peak.method)
     )
+    if compiled:
+        from .compile import report_records
+
+        report_records(report, compiled)
     return result
+
+
+def _load_stage(model: ModelFolder, names, dtype, device, budget, report: RunReport):
+    """Load a stage's components; with a budget, carry out a plan for them (memfit.optimize)."""
+    pipe = model.load_stage(names, dtype, device)
+    if budget is not None:
+        from .budget import Budget
+        from .executor import PLAN_ATTR, optimize
+
+        budget = Budget.of(budget)
+        if device.type == "cpu":
+            # Host RAM is the execution device here: what does not fit stays memory-mapped from the
+            # model's own safetensors files (the disk tier), never a second copy in RAM.
+            budget = Budget(device=budget.device, host=0, disk=str(model.path))
+        optimize(pipe, budget, model_dir=model.path, device=device)
+        for stage in getattr(pipe, PLAN_ATTR).stages:
+            report.notes.append(
+                f"plan {stage.name}: {stage.resident_bytes / 2**20:.0f} MiB resident, "
+                f"{stage.streamed_from_host_bytes / 2**20:.0f} MiB streamed from host, "
+                f"{stage.streamed_from_disk_bytes / 2**20:.0f} MiB streamed from disk (memory-mapped)"
+            )
+    return pipe
 
 
 def _present(model: ModelFolder, names) -> list[str]:
@@ -84,17 +111,31 @@ def text_fingerprint(model: ModelFolder) -> str:
     return fingerprint_components(model.path, _present(model, model.adapter.text_encoders))
 
 
-def _encode_stage(model, settings, report, dtype, device, with_negative) -> dict[str, torch.Tensor]:
+def _encode_stage(model, settings, report, dtype, device, with_negative, budget=None, backend=None, fallback=None) -> dict[str, torch.Tensor]:
+    from .prompt_cache import PromptCache, embeddings_key, text_backend_label
+
     adapter = model.adapter
     names = _present(model, adapter.encode_components)
+    fingerprint = text_fingerprint(model)
+    prompts = PromptCache(embeddings_key(fingerprint, model.class_name, settings.prompt, settings.negative_prompt,
+                                         with_negative, dtype, text_backend_label(backend, names)))
+    cached = prompts.lookup()  # a hit never loads a text encoder
+    if cached is not None:
+        tensors = _run_stage(report, device, "encode", [], lambda: ({k: v.to(device) for k, v in cached.items()}, 0))
+        report.stages[-1].note = "cache hit"
+        return tensors
+    compiled: list = []
 
     def work():
-        pipe = model.load_stage(names, dtype, device)
+        pipe = _load_stage(model, names, dtype, device, budget, report)
+        compile_stage(pipe, model.path, backend, fallback, compiled)
         with torch.inference_mode():
             embeddings = adapter.encode(pipe, settings, with_negative)
         return {k: v.clone() for k, v in embeddings.items()}, _resident_bytes(pipe, names)
 
-    return _run_stage(report, device, "encode", names, work)
+    tensors = _run_stage(report, device, "encode", names, work, compiled)
+    prompts.save(tensors, model.class_name, fingerprint, settings.prompt, settings.negative_prompt)
+    return tensors
 
 
 def encode(
@@ -178,12 +219,19 @@ def generate(
     height: int | None = None,
     dtype: str = "fp32",
     device: str | torch.device | None = None,
+    budget=None,
+    backend=None,
+    fallback: str | None = None,
     progress: bool = True,
 ) -> Generation:
     """Generate an image with a diffusers model folder, one stage resident at a time.
 
     `model` defaults to memfit's built-in demo model. With `embeddings` (a file from
-    `memfit encode` or an Embeddings object) the encode stage is skipped entirely.
+    `memfit encode` or an Embeddings object) the encode stage is skipped entirely. `budget`
+    (bytes, "2GiB", or a Budget) bounds each stage's resident weights: blocks that do not fit
+    are streamed (memfit.optimize), and the plan appears in the report's notes. `backend` (a name,
+    a Backend, or {component: backend}) compiles each stage's entry points after loading
+    (memfit.compile); a backend failure raises unless `fallback="eager"`, and the report says so.
     """
     folder = _open_model(model)
     adapter = folder.adapter
@@ -201,7 +249,8 @@ def generate(
     report = RunReport(device=str(device), dtype=dtype, model=str(folder.path), settings=settings.__dict__.copy())
 
     if loaded is None:
-        tensors = _encode_stage(folder, settings, report, torch_dtype, device, with_negative=guided)
+        tensors = _encode_stage(folder, settings, report, torch_dtype, device, with_negative=guided, budget=budget,
+                                backend=backend, fallback=fallback)
     else:
         if guided and not loaded.has_negative:
             raise MemfitError("These embeddings have no negative prompt branch; generate with --guidance 1 or encode again.")
@@ -217,26 +266,30 @@ def generate(
     generator = torch.Generator(device="cpu").manual_seed(settings.seed)
 
     denoise_names = _present(folder, adapter.denoise_components)
+    denoise_compiled: list = []
 
     def denoise():
-        pipe = folder.load_stage(denoise_names, torch_dtype, device)
+        pipe = _load_stage(folder, denoise_names, torch_dtype, device, budget, report)
+        compile_stage(pipe, folder.path, backend, fallback, denoise_compiled)
         pipe.set_progress_bar_config(disable=not progress, desc="denoise", leave=False)
         with torch.inference_mode():
             latents = adapter.denoise(pipe, tensors, settings, generator)
         return latents.clone(), _resident_bytes(pipe, denoise_names)
 
-    latents = _run_stage(report, device, "denoise", denoise_names, denoise)
+    latents = _run_stage(report, device, "denoise", denoise_names, denoise, denoise_compiled)
     del tensors
 
     decode_names = _present(folder, adapter.decode_components)
+    decode_compiled: list = []
 
     def decode():
-        pipe = folder.load_stage(decode_names, torch_dtype, device)
+        pipe = _load_stage(folder, decode_names, torch_dtype, device, budget, report)
+        compile_stage(pipe, folder.path, backend, fallback, decode_compiled)
         with torch.inference_mode():
             images = adapter.decode(pipe, latents, generator)
         return images, _resident_bytes(pipe, decode_names)
 
-    images = _run_stage(report, device, "decode", decode_names, decode)
+    images = _run_stage(report, device, "decode", decode_names, decode, decode_compiled)
     return Generation(images, settings, report, _png_metadata(settings, folder, dtype))
 
 

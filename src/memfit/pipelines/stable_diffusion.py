@@ -20,6 +20,8 @@ from .base import PipelineAdapter, Settings, pad_to_length
 def split_guidance_passes(unet: torch.nn.Module, negative_length: int, positive_length: int):
     """While active, a batched [uncond, cond] UNet call runs as two calls on unpadded embeddings."""
     original_forward = unet.forward
+    # An instance-level forward (a compiled entry point) must come back, not just the class's.
+    instance_forward = vars(unet).get("forward")
 
     def forward(sample, timestep, encoder_hidden_states, *args, added_cond_kwargs=None, **kwargs):
         half = sample.shape[0] // 2
@@ -45,7 +47,10 @@ def split_guidance_passes(unet: torch.nn.Module, negative_length: int, positive_
     try:
         yield
     finally:
-        del unet.forward
+        if instance_forward is None:
+            del unet.forward
+        else:
+            unet.forward = instance_forward
 
 
 class StableDiffusionAdapter(PipelineAdapter):
