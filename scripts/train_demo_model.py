@@ -61,15 +61,24 @@ SCHEDULE = dict(
     clip_sample=False,
 )
 
+# Sized for ~25 min on 2 shared CPU cores (one torch thread: ~0.5 s per VAE step of 16 images,
+# ~1.2 s per diffusion step of 64 latents. Tried: 1700 steps of 32 latents, worse on shape).
 FULL = dict(
-    vae_images=4096, vae_steps=1200, vae_batch=32, vae_lr=1e-3,
-    images=12000, two_shape_fraction=0.15, steps=4200, batch=64, lr=1e-3, warmup=200,
-    ema_decay=0.999,
+    vae_images=4096, vae_steps=1100, vae_batch=8, vae_lr=2e-3,
+    images=8000, two_shape_fraction=0.1, steps=950, batch=64, lr=1e-3, warmup=50,
+    ema_decay=0.995,
+)
+# Fine-tuning an existing model (--resume-from): its VAE is loaded frozen (latent scale kept), its
+# UNet and text encoder continue training on freshly drawn images (a different data seed), from a
+# short warmup to a cosine decay. Checkpoints of the EMA weights can be written on the way.
+FINETUNE = dict(
+    images=8000, two_shape_fraction=0.1, steps=800, batch=64, lr=5e-4, warmup=20,
+    ema_decay=0.995, data_seed_offset=100,
 )
 QUICK = dict(
-    vae_images=256, vae_steps=40, vae_batch=32, vae_lr=1e-3,
-    images=512, two_shape_fraction=0.15, steps=60, batch=64, lr=1e-3, warmup=10,
-    ema_decay=0.99,
+    vae_images=256, vae_steps=20, vae_batch=16, vae_lr=2e-3,
+    images=512, two_shape_fraction=0.1, steps=30, batch=64, lr=1e-3, warmup=10,
+    ema_decay=0.9,
 )
 DEFAULTS = {"steps": 25, "guidance": 4.0, "width": 64, "height": 64}
 
@@ -89,10 +98,12 @@ def build_vae():
         out_channels=3,
         down_block_types=("DownEncoderBlock2D",) * 3,
         up_block_types=("UpDecoderBlock2D",) * 3,
-        block_out_channels=(32, 64, 64),
+        block_out_channels=(16, 32, 64),
         layers_per_block=1,
         latent_channels=4,
-        norm_num_groups=16,
+        # One group: GroupNorm with one channel per group is instance norm, which maps every flat
+        # colour to the same zeros; the decoder could then not paint a plain background.
+        norm_num_groups=1,
         sample_size=64,
     )
 
@@ -122,12 +133,14 @@ def build_unet():
         in_channels=4,
         out_channels=4,
         layers_per_block=1,
-        block_out_channels=(64, 128, 128),
-        down_block_types=("CrossAttnDownBlock2D", "CrossAttnDownBlock2D", "DownBlock2D"),
-        up_block_types=("UpBlock2D", "CrossAttnUpBlock2D", "CrossAttnUpBlock2D"),
+        # Attention only at 8x8 and 4x4 (and the mid block): 16x16 self-attention costs more on a
+        # CPU than it brings for flat shapes.
+        block_out_channels=(48, 96, 96),
+        down_block_types=("DownBlock2D", "CrossAttnDownBlock2D", "CrossAttnDownBlock2D"),
+        up_block_types=("CrossAttnUpBlock2D", "CrossAttnUpBlock2D", "UpBlock2D"),
         cross_attention_dim=64,
         attention_head_dim=4,
-        norm_num_groups=32,
+        norm_num_groups=8,  # 6-12 channels per group, so flat colours survive normalisation
     )
 
 
@@ -153,7 +166,7 @@ def train_vae(cfg: dict, seed: int):
     bar = tqdm(range(cfg["vae_steps"]), desc="vae", dynamic_ncols=True, mininterval=2)
     for step in bar:
         for group in opt.param_groups:
-            group["lr"] = lr_at(step, cfg["vae_steps"], cfg["vae_lr"], 50)
+            group["lr"] = lr_at(step, cfg["vae_steps"], cfg["vae_lr"], 20)
         idx = torch.randint(0, len(data), (cfg["vae_batch"],), generator=gen)
         x = data[idx]
         posterior = vae.encode(x).latent_dist
@@ -169,6 +182,11 @@ def train_vae(cfg: dict, seed: int):
         if step % 10 == 0:
             bar.set_postfix(mse=f"{mse.item():.5f}", kl=f"{kl.item():.3f}")
     vae.eval()
+    with torch.no_grad():
+        held, _, _ = shapes.make_dataset(64, seed + 5, combos=shapes.held_out_combos())
+        x = to_tensor(held)
+        mse = F.mse_loss(vae.decode(vae.encode(x).latent_dist.mean).sample, x).item()
+    print(f"vae reconstruction mse on held-out combos: {mse:.5f}", flush=True)
     return vae
 
 
@@ -199,20 +217,33 @@ class EMA:
             p.copy_(s)
 
 
-def train_diffusion(cfg: dict, seed: int, vae, tokenizer):
+def train_diffusion(cfg: dict, seed: int, vae, tokenizer, init=None, checkpoint=None):
+    """Train (or with init=(text_encoder, unet), continue training) the text encoder and UNet.
+
+    checkpoint: optional (every_n_steps, callback(step, text_encoder, unet)) called with copies of
+    the models holding the EMA weights.
+    """
     from diffusers import DDPMScheduler
 
-    images, captions, _ = shapes.make_dataset(cfg["images"], seed + 3, two_shape_fraction=cfg["two_shape_fraction"])
+    data_seed = seed + 3 + cfg.get("data_seed_offset", 0)
+    images, captions, _ = shapes.make_dataset(cfg["images"], data_seed, two_shape_fraction=cfg["two_shape_fraction"])
     means, stds = encode_all(vae, images)
-    scale = float(1.0 / means.std())
-    vae.register_to_config(scaling_factor=scale)
-    print(f"latent std {means.std():.4f} -> scaling_factor {scale:.4f}", flush=True)
+    if init is None:
+        scale = float(1.0 / means.std())
+        vae.register_to_config(scaling_factor=scale)
+        print(f"latent std {means.std():.4f} -> scaling_factor {scale:.4f}", flush=True)
+    else:
+        scale = float(vae.config.scaling_factor)
+        print(f"latent std {means.std():.4f}; keeping the loaded scaling_factor {scale:.4f}", flush=True)
 
     ids = tokenizer(captions, padding="max_length", max_length=MAX_TOKENS, truncation=True, return_tensors="pt").input_ids
     empty = tokenizer([""], padding="max_length", max_length=MAX_TOKENS, return_tensors="pt").input_ids[0]
 
-    text_encoder = build_text_encoder(len(tokenizer), tokenizer)
-    unet = build_unet()
+    if init is None:
+        text_encoder = build_text_encoder(len(tokenizer), tokenizer)
+        unet = build_unet()
+    else:
+        text_encoder, unet = init
     n_unet = sum(p.numel() for p in unet.parameters())
     n_text = sum(p.numel() for p in text_encoder.parameters())
     print(f"unet {n_unet / 1e6:.2f}M params, text encoder {n_text / 1e6:.2f}M params", flush=True)
@@ -250,6 +281,20 @@ def train_diffusion(cfg: dict, seed: int, vae, tokenizer):
         running = loss.item() if running is None else 0.98 * running + 0.02 * loss.item()
         if step % 10 == 0:
             bar.set_postfix(loss=f"{running:.4f}", lr=f"{opt.param_groups[0]['lr']:.1e}")
+        if checkpoint is not None and (step + 1) % checkpoint[0] == 0 and step + 1 < cfg["steps"]:
+            te_copy, unet_copy = copy.deepcopy(text_encoder), copy.deepcopy(unet)
+            with torch.no_grad():
+                for p, sh in zip(list(te_copy.parameters()) + list(unet_copy.parameters()),
+                                 [sh for p0, sh in zip(ema.params, ema.shadow)]):
+                    pass
+            # ema.params is [unet..., text_encoder...]; map shadows onto the copies in that order
+            with torch.no_grad():
+                for p, sh in zip(list(unet_copy.parameters()) + list(te_copy.parameters()), ema.shadow):
+                    p.copy_(sh)
+            te_copy.eval()
+            unet_copy.eval()
+            checkpoint[1](step + 1, te_copy, unet_copy)
+            print(f"checkpoint at step {step + 1} (loss {running:.4f})", flush=True)
     del alphas_cumprod
     ema.copy_to()
     unet.eval()
@@ -266,10 +311,15 @@ def main(argv=None) -> int:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", type=pathlib.Path, default=DEFAULT_OUT)
     parser.add_argument("--quick", action="store_true", help="a smoke run of about a minute (useless weights)")
-    parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
+    parser.add_argument(
+        "--threads",
+        type=int,
+        default=1,
+        help="torch threads (default 1: on a small shared machine, two OpenMP threads fighting other "
+        "processes for two cores ran 2-10x slower than one)",
+    )
     args = parser.parse_args(argv)
-    if args.threads:
-        torch.set_num_threads(args.threads)
+    torch.set_num_threads(args.threads)
     cfg = QUICK if args.quick else FULL
     seed_everything(args.seed)
 
@@ -322,6 +372,8 @@ def main(argv=None) -> int:
         )
         + "\n"
     )
+    for path in tmp.rglob("*"):  # safetensors are written 0600; package data must be readable by all
+        path.chmod(0o755 if path.is_dir() else 0o644)
     if out.exists():
         shutil.rmtree(out)
     tmp.rename(out)

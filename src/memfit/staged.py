@@ -33,26 +33,11 @@ def _default_device() -> torch.device:
 def _open_model(model: str | Path | ModelFolder | None) -> ModelFolder:
     if isinstance(model, ModelFolder):
         return model
-    return ModelFolder.open(_default_model() if model is None else model)
+    if model is None:
+        from .demo import model_dir
 
-
-def _default_model() -> Path:
-    """The built-in demo model; until its trained weights ship, a tiny pipeline built in place."""
-    from .demo import model_dir
-
-    try:
-        return model_dir()
-    except MemfitError as missing:
-        import warnings
-
-        from .cache.settings import default_root
-        from .testing import save_pipeline
-
-        folder = default_root() / "untrained-demo-sd"
-        warnings.warn(f"{missing} Using an untrained tiny pipeline at {folder} instead.", stacklevel=3)
-        if not (folder / "model_index.json").is_file():
-            save_pipeline("sd", folder, seed=0)
-        return folder
+        model = model_dir()
+    return ModelFolder.open(model)
 
 
 def _resident_bytes(pipe, names) -> int:
@@ -223,6 +208,8 @@ def generate(
     backend=None,
     fallback: str | None = None,
     progress: bool = True,
+    refiner: str | Path | None = None,
+    refiner_start: float | None = None,
 ) -> Generation:
     """Generate an image with a diffusers model folder, one stage resident at a time.
 
@@ -232,7 +219,22 @@ def generate(
     are streamed (memfit.optimize), and the plan appears in the report's notes. `backend` (a name,
     a Backend, or {component: backend}) compiles each stage's entry points after loading
     (memfit.compile); a backend failure raises unless `fallback="eager"`, and the report says so.
+    `refiner` (an SDXL refiner folder) runs diffusers' base + refiner workflow: the base stops at
+    `refiner_start` (default 0.8) of the schedule and the refiner finishes (memfit.refiner).
     """
+    if refiner is not None:
+        from .refiner import DEFAULT_REFINER_START, generate_with_refiner
+
+        if embeddings is not None:
+            raise MemfitError("--embeddings cannot be combined with --refiner yet: the refiner needs its own encode; pass --prompt.")
+        return generate_with_refiner(
+            prompt, model=model, refiner=refiner,
+            refiner_start=DEFAULT_REFINER_START if refiner_start is None else refiner_start,
+            negative_prompt=negative_prompt, steps=steps, guidance=guidance, seed=seed, width=width, height=height,
+            dtype=dtype, device=device, budget=budget, backend=backend, fallback=fallback, progress=progress,
+        )
+    if refiner_start is not None:
+        raise MemfitError("--refiner-start only applies with --refiner REFINER.")
     folder = _open_model(model)
     adapter = folder.adapter
     torch_dtype = parse_dtype(dtype)

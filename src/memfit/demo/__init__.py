@@ -20,7 +20,7 @@ _REQUIRED = (
     "unet/diffusion_pytorch_model.safetensors",
     "vae/diffusion_pytorch_model.safetensors",
     "text_encoder/model.safetensors",
-    "tokenizer/vocab.json",
+    "tokenizer/tokenizer_config.json",
     "scheduler/scheduler_config.json",
 )
 
