@@ -119,7 +119,10 @@ def main() -> None:
         for r in rows
     ]
     title = f"# Memory ladder: {args.arch}, {args.dtype}, {args.size}x{args.size}, {args.steps} steps, guidance 7.5\n\n"
-    table = title + "Each run: a fresh process in a child memory cgroup; page cache evicted first and counted.\n\n" + header + "\n".join(lines) + "\n"
+    footnote = ("\nFor memfit, stages load and run one at a time, so the last column is the largest stage's peak RSS "
+                "(load included); for the diffusers systems it is the peak RSS once everything is loaded.\n")
+    table = (title + "Each run: a fresh process in a child memory cgroup; page cache evicted first and counted.\n\n"
+             + header + "\n".join(lines) + "\n" + footnote)
     write_outputs(f"memory_ladder_{args.arch}_{args.dtype}", {"machine": machine(), "args": vars(args), "rows": rows}, table)
 
 
