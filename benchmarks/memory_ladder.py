@@ -44,8 +44,11 @@ def run_one(system: str, model: str, dtype_name: str, size: int, steps: int, bud
 
         result = memfit.generate("a lighthouse at dusk", model=model, steps=steps, guidance=7.5, width=size, height=size,
                                  dtype=dtype_name, budget=budget, progress=False)
-        load_peak = max(s.peak_bytes for s in result.report.stages)
-        notes = result.report.notes
+        # memfit resets VmHWM at each stage, so the process peak is the largest stage's peak;
+        # stages load and run one at a time, so there is no separate load-time peak.
+        stage_peak = max(s.peak_bytes for s in result.report.stages)
+        return {"wall_s": time.perf_counter() - started, "peak_rss": stage_peak, "load_peak_rss": None,
+                "notes": result.report.notes}
     else:
         import diffusers
 
@@ -62,8 +65,7 @@ def run_one(system: str, model: str, dtype_name: str, size: int, steps: int, bud
                     )
         load_peak = _hwm()
         pipe("a lighthouse at dusk", **kwargs)
-        notes = []
-    return {"wall_s": time.perf_counter() - started, "peak_rss": _hwm(), "load_peak_rss": load_peak, "notes": notes}
+    return {"wall_s": time.perf_counter() - started, "peak_rss": _hwm(), "load_peak_rss": load_peak, "notes": []}
 
 
 def main() -> None:
@@ -112,19 +114,42 @@ def main() -> None:
             print(f"cap {cap} GiB  {system:30s} {status:8s} wall {row.get('wall_s', 0):7.1f} s  "
                   f"cgroup peak {run.max_usage_bytes / GiB:5.2f} GiB  peak RSS {row.get('peak_rss', 0) / GiB:5.2f} GiB", flush=True)
 
+    write_outputs(f"memory_ladder_{args.arch}_{args.dtype}", {"machine": machine(), "args": vars(args), "rows": rows},
+                  render(rows, args.arch, args.dtype, args.size, args.steps))
+
+
+def render(rows: list[dict], arch: str, dtype: str, size: int, steps: int) -> str:
+    def gib(value):
+        return "n/a" if value is None else f"{value / GiB:.2f}"
+
     header = "| cap | system | result | wall s | cgroup peak GiB | peak RSS GiB | load peak RSS GiB |\n|---|---|---|---|---|---|---|\n"
-    lines = [
-        f"| {r['cap_gib'] if r['cap_gib'] else 'none'} | {r['system']} | {'ok' if r['completed'] else ('killed' if r['killed'] else 'failed')} | "
-        f"{r.get('wall_s', float('nan')):.1f} | {r['cgroup_peak'] / GiB:.2f} | {r.get('peak_rss', 0) / GiB:.2f} | {r.get('load_peak_rss', 0) / GiB:.2f} |"
-        for r in rows
-    ]
-    title = f"# Memory ladder: {args.arch}, {args.dtype}, {args.size}x{args.size}, {args.steps} steps, guidance 7.5\n\n"
-    footnote = ("\nFor memfit, stages load and run one at a time, so the last column is the largest stage's peak RSS "
-                "(load included); for the diffusers systems it is the peak RSS once everything is loaded.\n")
-    table = (title + "Each run: a fresh process in a child memory cgroup; page cache evicted first and counted.\n\n"
-             + header + "\n".join(lines) + "\n" + footnote)
-    write_outputs(f"memory_ladder_{args.arch}_{args.dtype}", {"machine": machine(), "args": vars(args), "rows": rows}, table)
+    lines = []
+    for r in rows:
+        result = "ok" if r["completed"] else ("killed" if r["killed"] else "failed")
+        done = r["completed"]
+        lines.append(
+            f"| {r['cap_gib'] if r['cap_gib'] else 'none'} | {r['system']} | {result} | "
+            f"{r['wall_s']:.1f} | " if done else f"| {r['cap_gib'] if r['cap_gib'] else 'none'} | {r['system']} | {result} | - | "
+        )
+        lines[-1] += f"{r['cgroup_peak'] / GiB:.2f} | {gib(r.get('peak_rss')) if done else '-'} | {gib(r.get('load_peak_rss')) if done else '-'} |"
+    return (
+        f"# Memory ladder: {arch}, {dtype}, {size}x{size}, {steps} steps, guidance 7.5\n\n"
+        "Each run: a fresh process in a child memory cgroup; page cache evicted first and counted against the cap.\n"
+        "Peak RSS counts memory-mapped weight pages too, so it can exceed a cap that the kernel enforces by\n"
+        "dropping and re-reading those pages; the cgroup peak is the honest figure. memfit loads and runs one stage\n"
+        "at a time, so it has no separate load-time peak.\n\n" + header + "\n".join(lines) + "\n"
+    )
+
+
+def rerender(json_path: str) -> None:
+    """Re-write the markdown table of a recorded run (no new measurements)."""
+    data = json.loads(Path(json_path).read_text())
+    args = data["args"]
+    Path(json_path).with_suffix(".md").write_text(render(data["rows"], args["arch"], args["dtype"], args["size"], args["steps"]))
 
 
 if __name__ == "__main__":
-    main()
+    if len(sys.argv) == 3 and sys.argv[1] == "--rerender":
+        rerender(sys.argv[2])
+    else:
+        main()
