@@ -214,12 +214,29 @@ def write_docs(report: dict, docs: pathlib.Path) -> None:
         f"- training: {secs.get('total', float('nan')) / 60:.1f} min on this machine (2 shared CPU cores, "
         f"one torch thread; VAE {secs.get('vae', float('nan')) / 60:.1f} min, text encoder + UNet "
         f"{secs.get('diffusion', float('nan')) / 60:.1f} min), seed {training.get('seed')}",
+    ]
+    fine = training.get("fine_tune")
+    if fine:
+        base_secs = training.get("fine_tuned_from", {}).get("seconds", {})
+        lines += [
+            f"  (a {base_secs.get('total', float('nan')) / 60:.1f} min from-scratch run, then "
+            f"`--resume-from` fine-tuning of the UNet + text encoder for {fine['config']['steps']} more "
+            f"steps with the VAE frozen, {fine['seconds']['total'] / 60:.1f} min)",
+        ]
+    lines += [
         "- AutoencoderKL 64x64x3 <-> 16x16x4; CLIPTextModel (3 layers, width 64) trained from scratch with",
         "  the UNet2DConditionModel (48/96/96 channels); v-prediction on a zero-terminal-SNR schedule;",
         "  DDIMScheduler with trailing timesteps; tokenizer over the 15-word caption vocabulary.",
         f"- generation defaults (memfit_defaults.json): `{json.dumps(report['defaults'])}`",
         "",
-        "Retrain with `python scripts/train_demo_model.py`; re-measure with `python scripts/eval_demo_model.py`.",
+        (
+            "Retrain with `python scripts/train_demo_model.py --out /tmp/demo_base` then `python "
+            f"scripts/train_demo_model.py --resume-from /tmp/demo_base --steps {fine['config']['steps']}`"
+            " (default --out: the shipped folder)"
+            if fine
+            else "Retrain with `python scripts/train_demo_model.py`"
+        )
+        + "; re-measure with `python scripts/eval_demo_model.py`.",
         "",
     ]
     docs.mkdir(parents=True, exist_ok=True)

@@ -3,6 +3,8 @@
 
     python scripts/train_demo_model.py                 # full run, ~30 min on 2 CPU cores
     python scripts/train_demo_model.py --quick --out /tmp/demo   # smoke run, ~1 min
+    python scripts/train_demo_model.py --resume-from /tmp/demo_base --steps 1100 --out /tmp/demo_ft
+        # fine-tune an existing model: VAE frozen, UNet + text encoder trained further (~20-25 min)
 
 Phases (each timed):
 1. data: render the synthetic shapes data set (memfit.demo.shapes), training combos only;
@@ -283,10 +285,6 @@ def train_diffusion(cfg: dict, seed: int, vae, tokenizer, init=None, checkpoint=
             bar.set_postfix(loss=f"{running:.4f}", lr=f"{opt.param_groups[0]['lr']:.1e}")
         if checkpoint is not None and (step + 1) % checkpoint[0] == 0 and step + 1 < cfg["steps"]:
             te_copy, unet_copy = copy.deepcopy(text_encoder), copy.deepcopy(unet)
-            with torch.no_grad():
-                for p, sh in zip(list(te_copy.parameters()) + list(unet_copy.parameters()),
-                                 [sh for p0, sh in zip(ema.params, ema.shadow)]):
-                    pass
             # ema.params is [unet..., text_encoder...]; map shadows onto the copies in that order
             with torch.no_grad():
                 for p, sh in zip(list(unet_copy.parameters()) + list(te_copy.parameters()), ema.shadow):
@@ -306,40 +304,10 @@ def folder_size(path: pathlib.Path) -> int:
     return sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
 
 
-def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--out", type=pathlib.Path, default=DEFAULT_OUT)
-    parser.add_argument("--quick", action="store_true", help="a smoke run of about a minute (useless weights)")
-    parser.add_argument(
-        "--threads",
-        type=int,
-        default=1,
-        help="torch threads (default 1: on a small shared machine, two OpenMP threads fighting other "
-        "processes for two cores ran 2-10x slower than one)",
-    )
-    args = parser.parse_args(argv)
-    torch.set_num_threads(args.threads)
-    cfg = QUICK if args.quick else FULL
-    seed_everything(args.seed)
-
+def save_pipeline(out: pathlib.Path, vae, text_encoder, tokenizer, unet, training: dict) -> int:
+    """Write a StableDiffusionPipeline (+ memfit_defaults.json, training.json) to out atomically."""
     from diffusers import DDIMScheduler, StableDiffusionPipeline
 
-    times = {}
-    start = time.perf_counter()
-    tokenizer = clip_tokenizer(shapes.vocabulary(), model_max_length=MAX_TOKENS)
-
-    t0 = time.perf_counter()
-    vae = train_vae(cfg, args.seed)
-    times["vae"] = time.perf_counter() - t0
-    print(f"[time] vae {times['vae']:.0f}s", flush=True)
-
-    t0 = time.perf_counter()
-    text_encoder, unet = train_diffusion(cfg, args.seed, vae, tokenizer)
-    times["diffusion"] = time.perf_counter() - t0
-    print(f"[time] diffusion (incl. data + encoding) {times['diffusion']:.0f}s", flush=True)
-
-    t0 = time.perf_counter()
     scheduler = DDIMScheduler(**SCHEDULE, timestep_spacing="trailing", set_alpha_to_one=False)
     pipe = StableDiffusionPipeline(
         vae=vae,
@@ -351,34 +319,138 @@ def main(argv=None) -> int:
         feature_extractor=None,
         requires_safety_checker=False,
     )
-    out = args.out.resolve()
+    out = out.resolve()
     tmp = out.with_name(out.name + ".tmp")
     if tmp.exists():
         shutil.rmtree(tmp)
     pipe.save_pretrained(tmp, safe_serialization=True)
-    total = time.perf_counter() - start
+    for config in tmp.glob("*/config.json"):  # a loaded (--resume-from) model records where it came from
+        data = json.loads(config.read_text())
+        if data.pop("_name_or_path", None) is not None:
+            config.write_text(json.dumps(data, indent=2, sort_keys=True) + "\n")
     (tmp / "memfit_defaults.json").write_text(json.dumps(DEFAULTS, indent=2) + "\n")
-    (tmp / "training.json").write_text(
-        json.dumps(
-            {
-                "seed": args.seed,
-                "quick": args.quick,
-                "config": cfg,
-                "threads": torch.get_num_threads(),
-                "seconds": {k: round(v, 1) for k, v in times.items()} | {"total": round(total, 1)},
-                "torch": torch.__version__,
-            },
-            indent=2,
-        )
-        + "\n"
-    )
+    (tmp / "training.json").write_text(json.dumps(training, indent=2) + "\n")
     for path in tmp.rglob("*"):  # safetensors are written 0600; package data must be readable by all
         path.chmod(0o755 if path.is_dir() else 0o644)
     if out.exists():
         shutil.rmtree(out)
     tmp.rename(out)
+    return folder_size(out)
+
+
+def load_parts(model: pathlib.Path):
+    """The VAE (frozen), text encoder, UNet and training.json of an existing demo model folder."""
+    from diffusers import AutoencoderKL, UNet2DConditionModel
+    from transformers import CLIPTextModel
+
+    vae = AutoencoderKL.from_pretrained(model / "vae")
+    vae.requires_grad_(False)
+    vae.eval()
+    text_encoder = CLIPTextModel.from_pretrained(model / "text_encoder")
+    unet = UNet2DConditionModel.from_pretrained(model / "unet")
+    path = model / "training.json"
+    previous = json.loads(path.read_text()) if path.is_file() else {}
+    return vae, text_encoder, unet, previous
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--out", type=pathlib.Path, default=DEFAULT_OUT)
+    parser.add_argument("--quick", action="store_true", help="a smoke run of about a minute (useless weights)")
+    parser.add_argument(
+        "--resume-from",
+        type=pathlib.Path,
+        default=None,
+        help="fine-tune this demo model folder: keep its VAE (frozen), continue training its UNet and "
+        "text encoder (FINETUNE config; --steps/--lr override)",
+    )
+    parser.add_argument("--steps", type=int, default=None, help="diffusion steps (override)")
+    parser.add_argument("--lr", type=float, default=None, help="peak diffusion learning rate (override)")
+    parser.add_argument("--save-every", type=int, default=0, help="also save EMA checkpoints to OUT-stepN every N steps")
+    parser.add_argument(
+        "--threads",
+        type=int,
+        default=1,
+        help="torch threads (default 1: on a small shared machine, two OpenMP threads fighting other "
+        "processes for two cores ran 2-10x slower than one)",
+    )
+    args = parser.parse_args(argv)
+    torch.set_num_threads(args.threads)
+    if args.resume_from is not None:
+        cfg = dict(FINETUNE)
+        if args.quick:
+            cfg.update(images=512, steps=10, warmup=2)
+    else:
+        cfg = dict(QUICK if args.quick else FULL)
+    if args.steps is not None:
+        cfg["steps"] = args.steps
+    if args.lr is not None:
+        cfg["lr"] = args.lr
+    seed_everything(args.seed)
+
+    times = {}
+    start = time.perf_counter()
+    tokenizer = clip_tokenizer(shapes.vocabulary(), model_max_length=MAX_TOKENS)
+    out = args.out.resolve()
+
+    previous = None
+    init = None
+    if args.resume_from is not None:
+        if args.resume_from.resolve() == out:
+            parser.error("--out must differ from --resume-from")
+        vae, text_encoder, unet, previous = load_parts(args.resume_from)
+        init = (text_encoder, unet)
+        print(f"fine-tuning {args.resume_from} (VAE frozen)", flush=True)
+    else:
+        t0 = time.perf_counter()
+        vae = train_vae(cfg, args.seed)
+        times["vae"] = time.perf_counter() - t0
+        print(f"[time] vae {times['vae']:.0f}s", flush=True)
+
+    def training_record(step_count: int, elapsed: dict) -> dict:
+        record = {
+            "seed": args.seed,
+            "quick": args.quick,
+            "config": cfg | {"steps": step_count},
+            "threads": torch.get_num_threads(),
+            "seconds": {k: round(v, 1) for k, v in elapsed.items()},
+            "torch": torch.__version__,
+        }
+        if previous is not None:
+            prev_secs = previous.get("seconds", {})
+            record = {
+                "fine_tuned_from": previous,
+                "fine_tune": record,
+                "seconds": {
+                    "vae": prev_secs.get("vae"),
+                    "diffusion": round(prev_secs.get("diffusion", 0) + elapsed.get("diffusion", 0), 1),
+                    "total": round(prev_secs.get("total", 0) + elapsed.get("total", 0), 1),
+                },
+                "seed": previous.get("seed"),
+            }
+        return record
+
+    checkpoint = None
+    if args.save_every:
+        t_start = time.perf_counter()
+
+        def save_checkpoint(step, te, un):
+            elapsed = time.perf_counter() - t_start
+            ck = out.with_name(f"{out.name}-step{step}")
+            save_pipeline(ck, vae, te, tokenizer, un, training_record(step, {"diffusion": elapsed, "total": elapsed}))
+
+        checkpoint = (args.save_every, save_checkpoint)
+
+    t0 = time.perf_counter()
+    text_encoder, unet = train_diffusion(cfg, args.seed, vae, tokenizer, init=init, checkpoint=checkpoint)
+    times["diffusion"] = time.perf_counter() - t0
+    print(f"[time] diffusion (incl. data + encoding) {times['diffusion']:.0f}s", flush=True)
+
+    t0 = time.perf_counter()
+    total = time.perf_counter() - start
+    size = save_pipeline(out, vae, text_encoder, tokenizer, unet, training_record(cfg["steps"], times | {"total": total}))
     times["save"] = time.perf_counter() - t0
-    size = folder_size(out)
     print(f"[time] save {times['save']:.1f}s", flush=True)
     print(f"[time] total {total / 60:.1f} min ({total:.0f}s)", flush=True)
     print(f"saved {out} ({size / 2**20:.2f} MiB)", flush=True)

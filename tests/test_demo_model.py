@@ -2,7 +2,7 @@
 
 The quality test runs a small version of scripts/eval_demo_model.py (12 held-out captions, the
 shipped generation defaults) on the shipped weights. Bars: background and shape colour >= 90%,
-shape >= 40% (below the issue's 60%, which the model does not meet yet); see QUALITY_BARS.
+shape >= 75%; see QUALITY_BARS.
 """
 
 from __future__ import annotations
@@ -20,11 +20,12 @@ from memfit.errors import MemfitError
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 
 # On 12 captions one miss costs 8.3 points. The full evaluation (56 held-out captions,
-# docs/demo_model.md) measured background 100%, shape colour 96.4%, shape 51.8%: the colour bars
-# are the issue's 90% (the small set currently has no colour miss; 90% allows one). The shape bar
-# is NOT the issue's 60%: the shipped model does not reach it yet (51.8% on 56, 6/12 on this set),
-# so this test guards against regressions at 40% (5/12) until a better model lands; raise it then.
-QUALITY_BARS = {"background": 0.90, "colour": 0.90, "shape": 0.40}
+# docs/demo_model.md) measured background 100%, shape colour 94.6%, shape 96.4% for the shipped
+# model (seed-0 run fine-tuned 1100 more steps). On this 12-caption set it scores background 12/12,
+# shape colour 11/12 (91.7%; one caption, "a cyan circle on a green background", draws no shape),
+# shape 10/12 (83.3%). The colour bars are the issue's 90% (the current single miss uses up the
+# margin). The shape bar is 75% (9/12): one miss below what the set achieves, above the issue's 60%.
+QUALITY_BARS = {"background": 0.90, "colour": 0.90, "shape": 0.75}
 
 
 def _eval_module():
