@@ -48,6 +48,10 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--backend", help="compile with a backend: NAME (eager, inductor, openvino, onnxruntime) or per "
                      "component, e.g. unet=openvino,vae=eager")
     gen.add_argument("--fallback", choices=("eager",), help="if a backend fails on a component, run it eagerly (reported)")
+    gen.add_argument("--refiner", help="SDXL refiner folder: the base (--model) denoises up to --refiner-start, "
+                     "the refiner finishes (diffusers' base + refiner workflow)")
+    gen.add_argument("--refiner-start", type=float, help="fraction of the schedule the base runs before the refiner "
+                     "takes over (default 0.8; needs --refiner)")
     gen.add_argument("--out", default="memfit.png", help="output PNG (default memfit.png)")
     gen.add_argument("--report", help="also write the per-stage report as JSON here")
     gen.add_argument("--quiet", action="store_true", help="no progress bar, no report table")
@@ -117,6 +121,8 @@ def _generate(args) -> int:
         backend=parse_backend_arg(args.backend) if args.backend else None,
         fallback=args.fallback,
         progress=not args.quiet,
+        refiner=args.refiner,
+        refiner_start=args.refiner_start,
     )
     result.save(out)
     if args.report:

@@ -6,11 +6,18 @@ from ..errors import MemfitError
 from .base import PipelineAdapter, Settings
 from .cogview4 import CogView4Adapter
 from .lumina2 import Lumina2Adapter
+from .sdxl_img2img import StableDiffusionXLImg2ImgAdapter
 from .stable_diffusion import StableDiffusionAdapter, StableDiffusionXLAdapter
 
 ADAPTERS: dict[str, type[PipelineAdapter]] = {
     adapter.class_name: adapter
-    for adapter in (StableDiffusionAdapter, StableDiffusionXLAdapter, Lumina2Adapter, CogView4Adapter)
+    for adapter in (
+        StableDiffusionAdapter,
+        StableDiffusionXLAdapter,
+        StableDiffusionXLImg2ImgAdapter,
+        Lumina2Adapter,
+        CogView4Adapter,
+    )
 }
 
 

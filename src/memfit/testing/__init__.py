@@ -1,6 +1,7 @@
 """Helpers for testing memfit and code built on it: tiny pipelines, local tokenizers, parity checks."""
 
 from .pipelines import DEFAULT_SIZE, PIPELINE_KINDS, build_pipeline, save_pipeline
+from .refiner import build_base_and_refiner, build_refiner, diffusers_refined_image, save_base_and_refiner
 from .parity import assert_matches_diffusers, diffusers_image, max_pixel_difference
 from .tokenizers import clip_tokenizer, word_tokenizer
 
@@ -8,10 +9,14 @@ __all__ = [
     "DEFAULT_SIZE",
     "PIPELINE_KINDS",
     "assert_matches_diffusers",
+    "build_base_and_refiner",
     "build_pipeline",
+    "build_refiner",
     "clip_tokenizer",
     "diffusers_image",
+    "diffusers_refined_image",
     "max_pixel_difference",
+    "save_base_and_refiner",
     "save_pipeline",
     "word_tokenizer",
 ]
