@@ -1,10 +1,10 @@
 """The memfit command: happy paths, and one clear sentence (exit 2, no traceback, no file) for bad input."""
 
 import json
+import os
 import shutil
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 from PIL import Image
@@ -24,6 +24,9 @@ def test_generate_writes_png_with_metadata_and_report(tiny_models, tmp_path):
     code = main(["generate", "--model", tiny_models("sd"), "--prompt", "a red circle", "--negative-prompt", "blurry",
                  "--guidance", "3.5", "--seed", "11", *ARGS, "--out", str(out), "--report", str(report)])
     assert code == 0
+    umask = os.umask(0)
+    os.umask(umask)
+    assert out.stat().st_mode & 0o777 == 0o666 & ~umask, "written like any new file, not 0600 like a temp file"
     text = Image.open(out).text
     assert text["prompt"] == "a red circle" and text["negative_prompt"] == "blurry"
     assert (text["seed"], text["steps"], text["guidance"], text["width"], text["height"]) == ("11", "2", "3.5", "32", "32")

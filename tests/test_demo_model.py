@@ -8,7 +8,6 @@ shape >= 75%; see QUALITY_BARS.
 from __future__ import annotations
 
 import importlib.util
-import os
 import pathlib
 
 import numpy as np

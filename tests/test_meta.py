@@ -10,7 +10,7 @@ import torch
 
 from memfit.archs import ARCHS, get_arch
 from memfit.errors import MemfitError
-from memfit.meta import ComponentSize, activation_estimate, is_model_class, measure_component
+from memfit.meta import activation_estimate, is_model_class, measure_component
 
 TINY_UNET = {
     "block_out_channels": [4, 8],

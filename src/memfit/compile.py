@@ -34,7 +34,7 @@ import hashlib
 import json
 import time
 import types
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from typing import Any, Callable, Mapping, Union
 
 import torch

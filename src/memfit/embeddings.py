@@ -9,13 +9,12 @@ and the shapes. A file is only used with a model whose text encoders have the sa
 from __future__ import annotations
 
 import json
-import os
-import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 
+from ._atomic import write_atomically
 from .errors import MemfitError
 from .model_folder import check_safetensors
 
@@ -53,18 +52,8 @@ class Embeddings:
         """Write atomically: a crash leaves either the old file or none, never a partial one."""
         from safetensors.torch import save_file
 
-        path = Path(path)
-        path.parent.mkdir(parents=True, exist_ok=True)
         tensors = {name: t.detach().contiguous().cpu() for name, t in self.tensors.items()}
-        fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-        os.close(fd)
-        try:
-            save_file(tensors, tmp, metadata=self.metadata())
-            os.replace(tmp, path)
-        finally:
-            if os.path.exists(tmp):
-                os.unlink(tmp)
-        return path
+        return write_atomically(path, lambda tmp: save_file(tensors, tmp, metadata=self.metadata()))
 
     @classmethod
     def load(cls, path: str | Path) -> "Embeddings":

@@ -7,8 +7,6 @@ stage runs the pipeline's own code through its adapter, so the image equals plai
 
 from __future__ import annotations
 
-import os
-import tempfile
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -16,6 +14,7 @@ from pathlib import Path
 
 import torch
 
+from ._atomic import write_atomically
 from .embeddings import Embeddings
 from .errors import MemfitError
 from .fingerprint import fingerprint_components
@@ -159,20 +158,10 @@ def save_png(image, path: str | Path, metadata: dict[str, str]) -> Path:
     """Write a PNG with text metadata atomically: no partial file is ever left at `path`."""
     from PIL.PngImagePlugin import PngInfo
 
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
     info = PngInfo()
     for key, value in metadata.items():
         info.add_text(key, str(value))
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    os.close(fd)
-    try:
-        image.save(tmp, format="PNG", pnginfo=info)
-        os.replace(tmp, path)
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-    return path
+    return write_atomically(path, lambda tmp: image.save(tmp, format="PNG", pnginfo=info))
 
 
 def _load_embeddings(source, model: ModelFolder) -> Embeddings:
