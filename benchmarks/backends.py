@@ -1,0 +1,393 @@
+"""Backends side by side (issue 4's benchmark): SD 1.5 architecture, random weights, this CPU.
+
+    python benchmarks/backends.py                 # sd15, 512x512, 3 steps -> docs/backends_sd15.{json,md}
+    python benchmarks/backends.py --tiny          # tiny pipeline, seconds: develop / smoke-test the script
+
+Per backend (eager, inductor, openvino, onnxruntime; every torch component compiled with it) and for
+plain diffusers eager, each run is a *fresh process* making one image with `memfit.generate` (plain:
+`from_pretrained` + `__call__`):
+
+  cold start   launch -> first image, with an empty memfit cache dir (and an empty inductor cache dir):
+               imports + load + compile + encode + steps + VAE decode
+  warm start   the same, in a new process, on the cache the cold run filled
+  s/step       steady seconds per denoising step: median interval between scheduler steps after the
+               first (the first UNet call is where a backend compiles or loads), CFG batch of 2
+  VAE decode   a second decode of the same latents in the cold process (the first one compiled)
+  max abs diff largest |difference| of the decoded image (0..1 scale) from plain diffusers fp32 eager
+
+Then the best backend per component (UNet by s/step, VAE by decode time; the text encoders stay
+eager: they run once per image, a fraction of a second, less than any compile or cache load costs)
+runs warm end to end, against plain diffusers eager. Where a backend keeps its compiled artifacts:
+onnxruntime in memfit's store; inductor in its own cache dir (TORCHINDUCTOR_CACHE_DIR, carried from
+the cold run to the warm one); openvino none (memfit refuses its model_caching: DESIGN.md failure 5),
+so its warm start compiles again.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+BACKENDS = ("eager", "onnxruntime", "openvino", "inductor")
+PROMPT = "a lighthouse at dusk"
+GUIDANCE = 7.5
+
+
+# ---- inside a child process --------------------------------------------------------------------
+
+
+class _Probe:
+    """Timestamps of scheduler steps and VAE decodes, installed without touching what is measured."""
+
+    def __init__(self):
+        self.steps: list[float] = []
+        self.decodes: list[tuple[float, float]] = []  # (start, end)
+        self.decoded = None  # the first decode's image tensor, [-1, 1]
+        self.decode_input = None
+
+    def patch_scheduler(self):
+        import diffusers
+
+        probe = self
+        for cls in (diffusers.EulerDiscreteScheduler, diffusers.DDIMScheduler, diffusers.PNDMScheduler):
+            original = cls.step
+
+            def step(self, *args, _original=original, **kwargs):
+                out = _original(self, *args, **kwargs)
+                probe.steps.append(time.perf_counter())
+                return out
+
+            cls.step = step
+
+    def wrap_decode(self, vae):
+        """Replace vae.decode (eager method or memfit's compiled entry) with a timing wrapper."""
+        inner = vae.decode
+        probe = self
+
+        def decode(latents, *args, **kwargs):
+            started = time.perf_counter()
+            out = inner(latents, *args, **kwargs)
+            probe.decodes.append((started, time.perf_counter()))
+            if probe.decoded is None:
+                probe.decode_input = (latents.clone(), args, kwargs)
+                probe.decoded = (out[0] if isinstance(out, tuple) else out.sample).detach().float().clone()
+            return out
+
+        vae.decode = decode
+        return inner
+
+    def steady_step(self) -> float | None:
+        intervals = [b - a for a, b in zip(self.steps, self.steps[1:])]
+        return statistics.median(intervals) if intervals else None
+
+
+def child(spec: dict) -> dict:
+    import torch
+
+    launched = spec["launched"]
+    probe = _Probe()
+    probe.patch_scheduler()
+    result: dict = {}
+    size, steps = spec["size"], spec["steps"]
+    if spec["system"] == "diffusers":
+        import diffusers
+
+        diffusers.utils.logging.disable_progress_bar()
+        pipe = diffusers.DiffusionPipeline.from_pretrained(spec["model"], torch_dtype=torch.float32)
+        pipe.set_progress_bar_config(disable=True)
+        probe.wrap_decode(pipe.vae)
+        pipe(PROMPT, num_inference_steps=steps, guidance_scale=GUIDANCE, width=size, height=size,
+             generator=torch.Generator().manual_seed(0))
+        result["first_image_at"] = time.time()
+        decode_again = pipe.vae.decode
+    else:
+        import memfit
+        from memfit.pipelines.stable_diffusion import StableDiffusionAdapter
+
+        original_decode = StableDiffusionAdapter.decode
+        holder = {}
+
+        def decode(self, pipe, latents, generator):
+            installed = vars(pipe.vae).get("decode")  # memfit's compiled entry, or None (eager)
+            probe.wrap_decode(pipe.vae)
+            images = original_decode(self, pipe, latents, generator)
+            holder["at"] = time.time()
+            if spec.get("decode_again"):
+                started = time.perf_counter()
+                with torch.inference_mode():
+                    pipe.vae.decode(probe.decode_input[0], *probe.decode_input[1], **probe.decode_input[2])
+                holder["decode_again"] = time.perf_counter() - started
+            if installed is None:  # put memfit's entry (or the eager method) back
+                del vars(pipe.vae)["decode"]
+            else:
+                vars(pipe.vae)["decode"] = installed
+            return images
+
+        StableDiffusionAdapter.decode = decode
+        generation = memfit.generate(PROMPT, model=spec["model"], steps=steps, guidance=GUIDANCE, width=size,
+                                     height=size, backend=spec["backend"], progress=False)
+        result["first_image_at"] = holder["at"]
+        result["stages"] = {s.stage: round(s.seconds, 3) for s in generation.report.stages}
+        result["compiled"] = [f"{r['component']}.{r['entry']}: {r['backend_used']} {r['status']}"
+                              for s in generation.report.stages for r in s.compiled]
+        result["notes"] = generation.report.notes
+        decode_again = None
+        if "decode_again" in holder:
+            result["vae_decode_s"] = holder["decode_again"]
+    result["start_s"] = result.pop("first_image_at") - launched
+    result["first_vae_decode_s"] = probe.decodes[0][1] - probe.decodes[0][0]
+    result["s_per_step"] = probe.steady_step()
+    if decode_again is not None and spec.get("decode_again"):
+        started = time.perf_counter()
+        with torch.inference_mode():
+            decode_again(probe.decode_input[0], *probe.decode_input[1], **probe.decode_input[2])
+        result["vae_decode_s"] = time.perf_counter() - started
+    # Full run minus the load: the sum of what the staged runner did (memfit) is in `stages`.
+    image = (probe.decoded / 2 + 0.5).clamp(0, 1)
+    torch.save(image, spec["image_out"])
+    return result
+
+
+# ---- the parent --------------------------------------------------------------------------------
+
+
+def run_child(spec: dict, env: dict, timeout: int) -> dict:
+    spec = {**spec, "launched": time.time()}
+    started = time.perf_counter()
+    run = subprocess.run([sys.executable, __file__, "--child", json.dumps(spec)], capture_output=True, text=True,
+                         timeout=timeout, env=env)
+    wall = time.perf_counter() - started
+    line = next((l for l in reversed(run.stdout.splitlines()) if l.startswith("RESULT ")), None)
+    if run.returncode != 0 or line is None:
+        tail = (run.stderr.strip().splitlines() or ["(no output)"])[-1]
+        return {"ok": False, "error": tail[-400:], "process_s": wall}
+    return {"ok": True, "process_s": wall, **json.loads(line[7:])}
+
+
+def max_abs_diff(a_path: str, b_path: str) -> float | None:
+    import torch
+
+    if not (os.path.exists(a_path) and os.path.exists(b_path)):
+        return None
+    return float((torch.load(a_path) - torch.load(b_path)).abs().max())
+
+
+def fmt(value, digits=2):
+    if value is None:
+        return "-"
+    if isinstance(value, float):
+        return f"{value:.{digits}e}" if 0 < abs(value) < 10 ** -digits else f"{value:.{digits}f}"
+    return str(value)
+
+
+def render(data: dict) -> str:
+    a = data["args"]
+    lines = [
+        f"# Backends: {data['arch']}, random weights, fp32, {a['size']}x{a['size']}, {a['steps']} steps, guidance {GUIDANCE}, CPU",
+        "",
+        f"Machine: {data['machine'].get('cpu_count')} CPUs (shared), {data['machine'].get('memory_gib')} GiB, "
+        f"torch {data['machine'].get('torch')}. Generated by `python benchmarks/backends.py` "
+        f"({data['finished'] or 'partial: still running or stopped early'}).",
+        "",
+        "Every start is a fresh process, launch to first image (imports, load, compile or cache load, encode, "
+        "steps, VAE decode). s/step: steady seconds per denoising step (CFG batch 2). VAE decode: a second decode "
+        "in the same process. Diff: max |image - plain diffusers fp32 eager| on a 0..1 scale.",
+        "",
+        "| system | backend | cold start s | warm start s | warm / plain start | s/step | VAE decode s | max abs diff | notes |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    plain = data["rows"].get("diffusers", {})
+    plain_start = (plain.get("cold") or {}).get("start_s")
+    for name, row in data["rows"].items():
+        cold, warm = row.get("cold") or {}, row.get("warm") or {}
+        warm_start = warm.get("start_s") if "warm" in row else cold.get("start_s")
+        warm_text = fmt(warm.get("start_s"), 1) if "warm" in row else ("= cold" if cold.get("start_s") else "-")
+        ratio = warm_start / plain_start if warm_start and plain_start else None
+        notes = "; ".join(filter(None, [cold.get("error") and f"cold failed: {cold['error']}",
+                                        warm.get("error") and f"warm failed: {warm['error']}", row.get("note")]))
+        lines.append(
+            f"| {row['system']} | {row['backend_label']} | {fmt(cold.get('start_s'), 1)} | {warm_text} | "
+            f"{fmt(ratio)} | {fmt(cold.get('s_per_step') or warm.get('s_per_step'))} | "
+            f"{fmt(cold.get('vae_decode_s') or warm.get('vae_decode_s'))} | {fmt(row.get('max_abs_diff'), 6)} | {notes} |"
+        )
+    summary = data.get("summary") or {}
+    if summary:
+        lines += ["", "## Targets", ""]
+        for line in summary.get("lines", []):
+            lines.append(f"- {line}")
+    lines.append("")
+    return "\n".join(lines)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--tiny", action="store_true", help="a tiny SD pipeline (32x32): check the script in seconds")
+    parser.add_argument("--size", type=int, help="image size (default 512; tiny: 32)")
+    parser.add_argument("--steps", type=int, default=3, help="denoising steps per image (default 3)")
+    parser.add_argument("--backends", default=",".join(BACKENDS))
+    parser.add_argument("--models", default=str(Path(tempfile.gettempdir()) / "memfit-bench-models"))
+    parser.add_argument("--work", default=None, help="scratch folder for caches and images (default: a temp dir)")
+    parser.add_argument("--timeout", type=int, default=1800, help="seconds allowed per child process")
+    parser.add_argument("--late", default="inductor", help="backends measured after a first best choice (slow compiles)")
+    parser.add_argument("--all-warm", action="store_true", help="also measure warm starts of eager and openvino")
+    parser.add_argument("--child", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.child:
+        print("RESULT " + json.dumps(child(json.loads(args.child))), flush=True)
+        return
+
+    from common import build_real_size, machine, write_outputs
+
+    size = args.size or (32 if args.tiny else 512)
+    work = Path(args.work or tempfile.mkdtemp(prefix="memfit-backends-"))
+    work.mkdir(parents=True, exist_ok=True)
+    if args.tiny:
+        from memfit.testing import save_pipeline
+
+        arch, model = "tiny-sd", work / "tiny-sd"
+        if not (model / "model_index.json").is_file():
+            save_pipeline("sd", model, seed=0)
+    else:
+        arch, model = "sd15", build_real_size("sd15", Path(args.models) / "sd15-fp32")
+    data = {"arch": arch, "machine": machine(), "args": {**vars(args), "size": size}, "rows": {}, "summary": {},
+            "finished": None}
+    base_env = {**os.environ, "HF_HUB_OFFLINE": "1"}
+    base_env.pop("MEMFIT_CACHE", None)
+
+    def save():
+        name = f"backends_{'tiny' if args.tiny else arch}"
+        text = render(data)
+        if args.tiny:  # a smoke test: keep docs/ for the real numbers
+            (work / f"{name}.json").write_text(json.dumps(data, indent=2) + "\n")
+            (work / f"{name}.md").write_text(text)
+            print(f"wrote {work / name}.md")
+        else:
+            write_outputs(name, data, text)
+
+    def env_for(label: str, fresh_inductor: bool = False) -> dict:
+        cache, inductor = work / f"cache-{label}", work / f"inductor-{label}"
+        if fresh_inductor:
+            shutil.rmtree(inductor, ignore_errors=True)
+        return {**base_env, "MEMFIT_CACHE_DIR": str(cache), "TORCHINDUCTOR_CACHE_DIR": str(inductor)}
+
+    common = {"model": str(model), "size": size, "steps": args.steps}
+    reference = str(work / "image-diffusers.pt")
+
+    def measure(label: str, system: str, backend, backend_label: str, *, cold: bool = True, warm: bool = True,
+                note: str = ""):
+        row = data["rows"].setdefault(label, {"system": system, "backend_label": backend_label, "backend": backend,
+                                              "note": note})
+        image = str(work / f"image-{label}.pt")
+        spec = {**common, "system": system, "backend": backend, "image_out": image, "decode_again": True}
+        if cold:
+            shutil.rmtree(work / f"cache-{label}", ignore_errors=True)
+            row["cold"] = run_child(spec, env_for(label, fresh_inductor=True), args.timeout)
+            print(f"{label:28s} cold {json.dumps(row['cold'])[:400]}", flush=True)
+            save()
+        if warm:
+            row["warm"] = run_child({**spec, "decode_again": not cold, "image_out": image + ".warm"}, env_for(label),
+                                    args.timeout)
+            print(f"{label:28s} warm {json.dumps(row['warm'])[:400]}", flush=True)
+        row["max_abs_diff"] = max_abs_diff(image if cold else image + ".warm", reference)
+        save()
+        return row
+
+
+    tolerance = 1e-3
+
+    def start_of(row):
+        return (row.get("warm") or row.get("cold") or {}).get("start_s")
+
+    def measure_best(previous):
+        """The best backend per component from the steady numbers so far (within tolerance of eager)."""
+        candidates = {
+            label: row for label, row in data["rows"].items()
+            if label.startswith("memfit-") and label != "memfit-best" and (row.get("cold") or {}).get("ok")
+            and (row.get("max_abs_diff") is not None and row["max_abs_diff"] <= tolerance)
+        }
+        if not candidates:
+            return previous
+        best_unet = min(candidates, key=lambda l: candidates[l]["cold"].get("s_per_step") or float("inf"))
+        best_vae = min(candidates, key=lambda l: candidates[l]["cold"].get("vae_decode_s") or float("inf"))
+        spec = {"unet": candidates[best_unet]["backend"], "vae": candidates[best_vae]["backend"], "*": "eager"}
+        if spec == previous:
+            return previous
+        label = "memfit-best"
+        data["rows"].pop(label, None)
+        # Its warm start uses the artifacts the per-backend cold runs stored (content-addressed:
+        # merging two stores is copying their entries).
+        for kind in ("cache", "inductor"):
+            shutil.rmtree(work / f"{kind}-{label}", ignore_errors=True)
+        for source in {best_unet, best_vae}:
+            for kind in ("cache", "inductor"):
+                if (work / f"{kind}-{source}").exists():
+                    shutil.copytree(work / f"{kind}-{source}", work / f"{kind}-{label}", dirs_exist_ok=True)
+        text = ",".join(f"{k}={v}" for k, v in spec.items())
+        row = measure(label, "memfit", spec, f"per component: {text}", cold=False,
+                      note="warm only: its artifacts come from the per-backend cold runs")
+        plain = data["rows"]["diffusers"]
+        lines = []
+        p, b = plain.get("cold") or {}, row.get("warm") or {}
+        if b.get("ok") and p.get("ok"):
+            start_ratio = b["start_s"] / p["start_s"]
+            lines.append(f"warm start (best per component) {b['start_s']:.1f} s vs plain diffusers eager start "
+                         f"{p['start_s']:.1f} s: {start_ratio:.2f}x (target <= 1.2x: {'met' if start_ratio <= 1.2 else 'NOT met'})")
+            for name, r in data["rows"].items():
+                w = start_of(r)
+                if name.startswith("memfit-") and name != label and w:
+                    kind = "warm" if r.get("warm") else "cold (= warm)"
+                    lines.append(f"{kind} start {r['backend_label']}: {w:.1f} s = {w / p['start_s']:.2f}x plain")
+            speedup = p["start_s"] / b["start_s"]
+            lines.append(f"end to end, fresh process to image: plain {p['start_s']:.1f} s / best {b['start_s']:.1f} s = "
+                         f"{speedup:.2f}x faster (target >= 1.25x: {'met' if speedup >= 1.25 else 'NOT met'})")
+            be_unet, be_vae = candidates[best_unet]["cold"], candidates[best_vae]["cold"]
+            if p.get("s_per_step") and be_unet.get("s_per_step") and p.get("vae_decode_s") and be_vae.get("vae_decode_s"):
+                steps = args.steps
+                plain_gen = steps * p["s_per_step"] + p["vae_decode_s"]
+                best_gen = steps * be_unet["s_per_step"] + be_vae["vae_decode_s"]
+                lines.append(f"steady generation ({steps} steps + VAE decode, loaded and compiled): plain {plain_gen:.1f} s, "
+                             f"best {best_gen:.1f} s = {plain_gen / best_gen:.2f}x")
+            lines.append(f"best per component: {text}; max abs diff from fp32 eager {fmt(row.get('max_abs_diff'), 6)} "
+                         f"(tolerance {tolerance})")
+        data["summary"] = {"best": spec, "lines": lines}
+        save()
+        return spec
+
+    # Plain diffusers eager has no cache to be cold about: one fresh-process start is its start.
+    # memfit eager compiles nothing (its warm start differs only by the prompt-embedding cache) and
+    # openvino keeps no artifacts (memfit refuses its model_caching, failure 5): a warm start is a
+    # cold one, so those get one run each unless --all-warm.
+    measure("diffusers", "diffusers", None, "plain diffusers eager", warm=False)
+    backends = [b.strip() for b in args.backends.split(",") if b.strip()]
+    late = [b for b in backends if b in args.late.split(",")]
+
+    def run_backend(backend):
+        measure(f"memfit-{backend}", "memfit", backend, backend,
+                warm=args.all_warm or backend not in ("eager", "openvino"),
+                note="" if args.all_warm or backend not in ("eager", "openvino") else
+                ("no compile: warm = cold but for the prompt-embedding cache" if backend == "eager"
+                 else "no artifact cache (model_caching refused): warm start = cold start"))
+
+    for backend in backends:
+        if backend not in late:
+            run_backend(backend)
+    best = measure_best(None)
+    for backend in late:  # slow to compile (inductor): measured after a best choice is on record
+        run_backend(backend)
+        best = measure_best(best)
+    data["finished"] = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
+    save()
+
+
+if __name__ == "__main__":
+    main()
