@@ -24,16 +24,11 @@ SYSTEMS = ("diffusers", "diffusers-group-offload-disk", "memfit")
 GiB = 2**30
 
 
-def _hwm() -> int:
-    for line in open("/proc/self/status"):
-        if line.startswith("VmHWM:"):
-            return int(line.split()[1]) * 1024
-    return 0
-
-
 def run_one(system: str, model: str, dtype_name: str, size: int, steps: int, budget: str | None) -> dict:
     """Inside the capped child: one generation, with its own timings and peaks."""
     import torch
+
+    from memfit.memory import _read_hwm
 
     dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[dtype_name]
     started = time.perf_counter()
@@ -63,9 +58,9 @@ def run_one(system: str, model: str, dtype_name: str, size: int, steps: int, bud
                         onload_device=torch.device("cpu"), offload_type="block_level", num_blocks_per_group=1,
                         offload_to_disk_path=f"{offload_dir}/{name}",
                     )
-        load_peak = _hwm()
+        load_peak = _read_hwm()
         pipe("a lighthouse at dusk", **kwargs)
-    return {"wall_s": time.perf_counter() - started, "peak_rss": _hwm(), "load_peak_rss": load_peak, "notes": []}
+    return {"wall_s": time.perf_counter() - started, "peak_rss": _read_hwm(), "load_peak_rss": load_peak, "notes": []}
 
 
 def main() -> None:

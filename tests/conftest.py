@@ -8,17 +8,9 @@ os.environ["MEMFIT_CACHE_DIR"] = tempfile.mkdtemp(prefix="memfit-test-cache-")
 import pytest  # noqa: E402
 
 
-def _quiet():
-    import diffusers
-    import transformers
+from memfit.cli import _quiet_libraries  # noqa: E402
 
-    diffusers.utils.logging.disable_progress_bar()
-    diffusers.utils.logging.set_verbosity_error()
-    transformers.utils.logging.disable_progress_bar()
-    transformers.utils.logging.set_verbosity_error()
-
-
-_quiet()
+_quiet_libraries()
 
 
 @pytest.fixture(scope="session")

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import struct
+from functools import cached_property
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -108,6 +109,14 @@ class ModelFolder:
         folder = cls(path, class_name, components, configs, defaults)
         folder.adapter  # fails early on an unsupported pipeline class
         return folder
+
+    @cached_property
+    def text_fingerprint(self) -> str:
+        """Content fingerprint of the text encoders and tokenizers: hashed once per folder object."""
+        from .fingerprint import fingerprint_components
+
+        names = [name for name in self.adapter.text_encoders if name in self.components]
+        return fingerprint_components(self.path, names)
 
     @property
     def adapter(self) -> PipelineAdapter:

@@ -17,7 +17,6 @@ import torch
 from ._atomic import write_atomically
 from .embeddings import Embeddings
 from .errors import MemfitError
-from .fingerprint import fingerprint_components
 from .memory import PeakMemory, release_freed_memory
 from .model_folder import ModelFolder, parse_dtype
 from .pipelines import Settings
@@ -92,7 +91,7 @@ def _present(model: ModelFolder, names) -> list[str]:
 
 
 def text_fingerprint(model: ModelFolder) -> str:
-    return fingerprint_components(model.path, _present(model, model.adapter.text_encoders))
+    return model.text_fingerprint
 
 
 def _encode_stage(model, settings, report, dtype, device, with_negative, budget=None, backend=None, fallback=None) -> dict[str, torch.Tensor]:
