@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
+import shutil
 import sys
 import tempfile
 import time
@@ -42,8 +44,10 @@ def run_one(system: str, model: str, dtype_name: str, size: int, steps: int, bud
         # memfit resets VmHWM at each stage, so the process peak is the largest stage's peak;
         # stages load and run one at a time, so there is no separate load-time peak.
         stage_peak = max(s.peak_bytes for s in result.report.stages)
+        stages = [{"stage": s.stage, "seconds": s.seconds, "peak_rss": s.peak_bytes, "planned_peak": s.planned_peak_bytes,
+                   "strategy": s.strategy} for s in result.report.stages]
         return {"wall_s": time.perf_counter() - started, "peak_rss": stage_peak, "load_peak_rss": None,
-                "notes": result.report.notes}
+                "stages": stages, "notes": result.report.notes}
     else:
         import diffusers
 
@@ -66,10 +70,12 @@ def run_one(system: str, model: str, dtype_name: str, size: int, steps: int, bud
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--arch", default="sd15", choices=("sd15", "sdxl"))
-    parser.add_argument("--dtype", default="fp32", choices=("fp32", "bf16"))
+    parser.add_argument("--dtype", default="fp32", choices=("fp32", "bf16"), help="run dtype")
+    parser.add_argument("--file-dtype", default="fp32", choices=("fp32", "bf16"), help="dtype of the saved weights")
     parser.add_argument("--caps", default="1,1.5,2,2.5,3,4,6,none", help="GiB, comma-separated; 'none' = no cap")
     parser.add_argument("--systems", default=",".join(SYSTEMS))
     parser.add_argument("--size", type=int, default=512)
+    parser.add_argument("--repeat", type=int, default=1, help="rounds over every cap and system")
     parser.add_argument("--steps", type=int, default=2)
     parser.add_argument("--models", default=str(Path(tempfile.gettempdir()) / "memfit-bench-models"))
     parser.add_argument("--run", help=argparse.SUPPRESS)  # internal: the capped child
@@ -83,64 +89,170 @@ def main() -> None:
 
     from common import build_real_size, machine, write_outputs
 
-    from memfit.testing.cgroup import cgroup_unavailable_reason, evict_page_cache, run_capped
+    from memfit.testing.cgroup import cgroup_unavailable_reason
 
+    # Every memfit run encodes its prompt like the others do: a prompt-embedding cache hit left
+    # by the previous run would skip memfit's encode stage and flatter it.
+    os.environ["MEMFIT_CACHE"] = "0"
+    args.prompt_cache = "off"
     reason = cgroup_unavailable_reason()
     if reason:
         sys.exit(f"cannot cap memory here ({reason}); run where a child memory cgroup can be made")
-    model = str(build_real_size(args.arch, Path(args.models) / f"{args.arch}-fp32"))
+    import torch
+
+    file_dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[args.file_dtype]
+    model = str(build_real_size(args.arch, Path(args.models) / f"{args.arch}-{args.file_dtype}", file_dtype=file_dtype))
     caps = [None if c.strip() == "none" else float(c) for c in args.caps.split(",")]
     rows = []
-    for cap in caps:
-        for system in args.systems.split(","):
-            command = [sys.executable, __file__, "--run", system, "--model", model, "--dtype", args.dtype,
-                       "--size", str(args.size), "--steps", str(args.steps)]
-            if system == "memfit" and cap is not None:
-                command += ["--budget", f"{cap}GiB"]
-            evict_page_cache(model)
-            run = run_capped(command, int(cap * GiB) if cap else None, timeout=3600)
-            result = next((json.loads(line[7:]) for line in run.stdout.splitlines() if line.startswith("RESULT ")), None)
-            row = {"system": system, "cap_gib": cap, "completed": run.completed and result is not None, "killed": run.killed,
-                   "returncode": run.returncode, "cgroup_peak": run.max_usage_bytes, "process_s": run.seconds, **(result or {})}
-            if not row["completed"] and not run.killed:
-                row["error"] = run.stderr.strip().splitlines()[-1:] 
-            rows.append(row)
-            status = "ok" if row["completed"] else ("killed" if run.killed else f"failed {row.get('error')}")
-            print(f"cap {cap} GiB  {system:30s} {status:8s} wall {row.get('wall_s', 0):7.1f} s  "
-                  f"cgroup peak {run.max_usage_bytes / GiB:5.2f} GiB  peak RSS {row.get('peak_rss', 0) / GiB:5.2f} GiB", flush=True)
+    for round_ in range(args.repeat):  # rounds interleave systems and caps, so machine noise hits all alike
+        for cap in caps:
+            for system in args.systems.split(","):
+                row = measure_capped(system, model, cap, args)
+                row["round"] = round_
+                rows.append(row)
+                status = "ok" if row["completed"] else ("killed" if row["killed"] else f"failed {row.get('error')}")
+                print(f"round {round_} cap {cap} GiB  {system:30s} {status:8s} wall {row.get('wall_s', 0):7.1f} s  "
+                      f"cgroup peak {row['cgroup_peak'] / GiB:5.2f} GiB  peak RSS {row.get('peak_rss', 0) / GiB:5.2f} GiB",
+                      flush=True)
 
-    write_outputs(f"memory_ladder_{args.arch}_{args.dtype}", {"machine": machine(), "args": vars(args), "rows": rows},
-                  render(rows, args.arch, args.dtype, args.size, args.steps))
+    name = f"memory_ladder_{args.arch}_{args.dtype}"
+    write_outputs(name, {"machine": machine(), "args": vars(args), "rows": rows}, render(rows, vars(args)))
+    plot(rows, name, vars(args))
 
 
-def render(rows: list[dict], arch: str, dtype: str, size: int, steps: int) -> str:
+def measure_capped(system: str, model: str, cap: float | None, args) -> dict:
+    """One run of ``system`` in a fresh process under ``cap`` GiB (None: uncapped)."""
+    from memfit.testing.cgroup import evict_page_cache, run_capped
+
+    command = [sys.executable, __file__, "--run", system, "--model", model, "--dtype", args.dtype,
+               "--size", str(args.size), "--steps", str(args.steps)]
+    if system == "memfit" and cap is not None:
+        command += ["--budget", f"{cap}GiB"]
+    evict_page_cache(model)
+    run = run_capped(command, int(cap * GiB) if cap else None, timeout=3600)
+    for leftover in Path(tempfile.gettempdir()).glob("group-offload-*"):
+        shutil.rmtree(leftover, ignore_errors=True)  # a killed run cannot clean up its offload files
+    result = next((json.loads(line[7:]) for line in run.stdout.splitlines() if line.startswith("RESULT ")), None)
+    row = {"system": system, "cap_gib": cap, "completed": run.completed and result is not None, "killed": run.killed,
+           "returncode": run.returncode, "cgroup_peak": run.max_usage_bytes, "process_s": run.seconds, **(result or {})}
+    if not row["completed"] and not run.killed:
+        row["error"] = run.stderr.strip().splitlines()[-1:]
+    return row
+
+
+def aggregate(rows: list[dict]) -> list[dict]:
+    """One row per (cap, system) over the rounds: how many rounds completed; over those, the median
+    wall time (every one kept in ``walls``) and the largest peaks."""
+    import statistics
+
+    groups: dict[tuple, list[dict]] = {}
+    for row in rows:
+        groups.setdefault((row["cap_gib"], row["system"]), []).append(row)
+    out = []
+    for runs in groups.values():
+        done = [r for r in runs if r["completed"]]
+        first = dict(done[0] if done else runs[0])
+        first["rounds"], first["rounds_ok"] = len(runs), len(done)
+        first["completed"] = bool(done)
+        first["killed"] = any(r["killed"] for r in runs)
+        first["cgroup_peak"] = max(r["cgroup_peak"] for r in runs)
+        if done:
+            first["walls"] = [round(r["wall_s"], 1) for r in done]
+            first["wall_s"] = statistics.median(r["wall_s"] for r in done)
+            first["peak_rss"] = max(r["peak_rss"] for r in done)
+            first["stages"] = [s for r in done for s in r.get("stages", [])]
+        out.append(first)
+    return out
+
+
+def render(rows: list[dict], args: dict) -> str:
     def gib(value):
-        return "n/a" if value is None else f"{value / GiB:.2f}"
+        return "-" if value is None else f"{value / GiB:.2f}"
 
-    header = "| cap | system | result | wall s | cgroup peak GiB | peak RSS GiB | load peak RSS GiB |\n|---|---|---|---|---|---|---|\n"
-    lines = []
-    for r in rows:
-        result = "ok" if r["completed"] else ("killed" if r["killed"] else "failed")
+    lines = [
+        f"# Memory ladder: {args['arch']}, {args['dtype']} run from {args.get('file_dtype', 'fp32')} files, "
+        f"{args['size']}x{args['size']}, {args['steps']} steps, guidance 7.5",
+        "",
+        "Each run: a fresh process in a child memory cgroup (cgroup v1 memory.limit_in_bytes); the model's page cache",
+        "is evicted first and counted against the cap. memfit runs with its budget set to the cap. Peak RSS is the",
+        "kernel's high-water mark (VmHWM); memfit resets it per stage and reports the largest stage. The cgroup peak",
+        "includes page cache, which the kernel reclaims under a cap. memfit loads and runs one stage at a time, so",
+        "it has no separate load-time peak. Planned peak: memfit's prediction for its largest stage (process memory",
+        "at stage start + resident weights + streaming window + activations); error = (measured - planned) / planned,",
+        "worst stage.",
+        "",
+        "memfit ran with MEMFIT_CACHE=0, so every run encoded its prompt." if args.get("prompt_cache") == "off" else
+        "memfit's prompt cache was on in this run: runs after the first reused the prompt embeddings and skipped "
+        "the encode stage (under 1 s instead of several).",
+        "",
+        "| cap GiB | system | result | wall s | cgroup peak GiB | peak RSS GiB | load peak RSS GiB | planned peak GiB | plan error |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    rounds = args.get("repeat", 1)
+    if rounds > 1:
+        lines[-3:-3] = [f"{rounds} rounds, interleaved; wall s is the median (every round's in the JSON), peaks the largest.", ""]
+    for r in aggregate(rows):
         done = r["completed"]
+        result = "ok" if done else ("killed" if r["killed"] else "failed")
+        if 0 < r.get("rounds_ok", 1) < r.get("rounds", 1):
+            result = f"ok {r['rounds_ok']}/{r['rounds']}, killed {r['rounds'] - r['rounds_ok']}/{r['rounds']}"
+        planned, error = _plan_accuracy(r) if done else (None, None)
+        wall = f"{r['wall_s']:.1f}" if done else "-"
         lines.append(
-            f"| {r['cap_gib'] if r['cap_gib'] else 'none'} | {r['system']} | {result} | "
-            f"{r['wall_s']:.1f} | " if done else f"| {r['cap_gib'] if r['cap_gib'] else 'none'} | {r['system']} | {result} | - | "
+            f"| {r['cap_gib'] or 'none'} | {r['system']} | {result} | {wall} | "
+            f"{r['cgroup_peak'] / GiB:.2f} | {gib(r.get('peak_rss')) if done else '-'} | "
+            f"{gib(r.get('load_peak_rss')) if done else '-'} | {gib(planned)} | "
+            f"{'-' if error is None else f'{error:+.0%}'} |"
         )
-        lines[-1] += f"{r['cgroup_peak'] / GiB:.2f} | {gib(r.get('peak_rss')) if done else '-'} | {gib(r.get('load_peak_rss')) if done else '-'} |"
-    return (
-        f"# Memory ladder: {arch}, {dtype}, {size}x{size}, {steps} steps, guidance 7.5\n\n"
-        "Each run: a fresh process in a child memory cgroup; page cache evicted first and counted against the cap.\n"
-        "Peak RSS counts memory-mapped weight pages too, so it can exceed a cap that the kernel enforces by\n"
-        "dropping and re-reading those pages; the cgroup peak is the honest figure. memfit loads and runs one stage\n"
-        "at a time, so it has no separate load-time peak.\n\n" + header + "\n".join(lines) + "\n"
-    )
+    return "\n".join(lines) + "\n"
+
+
+def _plan_accuracy(row: dict) -> tuple[int | None, float | None]:
+    """The largest planned stage peak, and the worst relative error of any planned stage."""
+    stages = [s for s in row.get("stages", []) if s.get("planned_peak")]
+    if not stages:
+        return None, None
+    worst = max(stages, key=lambda s: abs(s["peak_rss"] - s["planned_peak"]) / s["planned_peak"])
+    return max(s["planned_peak"] for s in stages), (worst["peak_rss"] - worst["planned_peak"]) / worst["planned_peak"]
+
+
+def plot(rows: list[dict], name: str, args: dict) -> None:
+    """Wall time against cap per system (killed runs marked at the bottom); docs/<name>.png."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("matplotlib is not installed (pip install memfit[bench]); no plot written")
+        return
+    caps = sorted({r["cap_gib"] for r in rows if r["cap_gib"]})
+    uncapped_at = (max(caps) if caps else 1) * 1.25
+    fig, ax = plt.subplots(figsize=(7, 4))
+    rows = aggregate(rows)
+    for system in dict.fromkeys(r["system"] for r in rows):
+        mine = [r for r in rows if r["system"] == system]
+        done = sorted((r["cap_gib"] or uncapped_at, r["wall_s"]) for r in mine if r["completed"])
+        killed = [r["cap_gib"] or uncapped_at for r in mine if not r["completed"]]
+        line = ax.plot([x for x, _ in done], [y for _, y in done], marker="o", label=system)[0]
+        ax.scatter(killed, [0] * len(killed), marker="x", color=line.get_color(), s=60)
+    ax.set_xticks(caps + [uncapped_at], [f"{c:g}" for c in caps] + ["none"])
+    ax.set_xlabel("memory cap (GiB); x at 0 = killed")
+    ax.set_ylabel("wall time (s)")
+    ax.set_title(f"{args['arch']} {args['dtype']} {args['size']}x{args['size']}, {args['steps']} steps")
+    ax.legend()
+    fig.tight_layout()
+    path = Path(__file__).resolve().parent.parent / "docs" / f"{name}.png"
+    fig.savefig(path, dpi=110)
+    print(f"wrote {path}")
 
 
 def rerender(json_path: str) -> None:
     """Re-write the markdown table of a recorded run (no new measurements)."""
     data = json.loads(Path(json_path).read_text())
     args = data["args"]
-    Path(json_path).with_suffix(".md").write_text(render(data["rows"], args["arch"], args["dtype"], args["size"], args["steps"]))
+    Path(json_path).with_suffix(".md").write_text(render(data["rows"], args))
+    plot(data["rows"], Path(json_path).stem, args)
 
 
 if __name__ == "__main__":

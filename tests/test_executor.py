@@ -194,7 +194,7 @@ def test_restore_leaves_no_trace(tiny_models, dtype):
     optimize(pipe, force_tiers=TIERS["sd"])
     memfit_maps = {(s, e) for s, e, path in mapped_files() if path.endswith(".safetensors")} - loaded_maps
     assert memfit_maps
-    assert any(REGISTRY_ATTR in vars(m) for m in pipe.unet.modules()) == (dtype != torch.float32)
+    assert any(REGISTRY_ATTR in vars(m) for m in pipe.unet.modules())  # disk blocks convert or release pages
     restore(pipe)
 
     assert set(vars(pipe)) == pipe_attrs

@@ -201,18 +201,23 @@ def test_every_stage_uses_known_components():
     [("unet", TINY_UNET), ("vae_decoder", TINY_VAE), ("transformer", {"hidden_size": 64}), ("text_encoder", TINY_CLIP)],
 )
 def test_activation_estimate_scales_with_batch_and_dtype(kind, config):
-    base = activation_estimate(kind, config, width=512, height=512, batch=1, dtype="fp16")
+    from memfit.meta import ACTIVATION_OFFSETS
+
+    offset = ACTIVATION_OFFSETS[kind]  # workspace that does not scale
+    base = activation_estimate(kind, config, width=512, height=512, batch=1, dtype="fp16") - offset
     assert base > 0
-    assert activation_estimate(kind, config, width=512, height=512, batch=2, dtype="fp16") == 2 * base
-    assert activation_estimate(kind, config, width=512, height=512, batch=1, dtype="fp32") == 2 * base
+    assert abs(activation_estimate(kind, config, width=512, height=512, batch=2, dtype="fp16") - offset - 2 * base) <= 1
+    assert abs(activation_estimate(kind, config, width=512, height=512, batch=1, dtype="fp32") - offset - 2 * base) <= 1
 
 
 @pytest.mark.parametrize("kind", ["unet", "vae_decoder"])
 def test_image_activations_grow_with_pixels(kind):
     config = TINY_UNET if kind == "unet" else TINY_VAE
-    small = activation_estimate(kind, config, width=512, height=512)
-    large = activation_estimate(kind, config, width=1024, height=1024)
-    assert 3.5 * small <= large <= 4 * small
+    from memfit.meta import ACTIVATION_OFFSETS
+
+    small = activation_estimate(kind, config, width=512, height=512) - ACTIVATION_OFFSETS[kind]
+    large = activation_estimate(kind, config, width=1024, height=1024) - ACTIVATION_OFFSETS[kind]
+    assert 3.5 * small <= large <= 4 * small + 4  # + rounding to whole bytes
 
 
 def test_flux_tokens_cover_two_by_two_latent_patches():

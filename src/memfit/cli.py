@@ -44,7 +44,7 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--seed", type=int, default=0)
     gen.add_argument("--width", type=int)
     gen.add_argument("--height", type=int)
-    gen.add_argument("--budget", help="memory budget for each stage's weights, e.g. 2GiB or 6GB (=6*10^9 bytes)")
+    gen.add_argument("--budget", help="memory budget for each stage (the process, weights and activations), e.g. 2GiB or 6GB (=6*10^9 bytes)")
     gen.add_argument("--backend", help="compile with a backend: NAME (eager, inductor, openvino, onnxruntime) or per "
                      "component, e.g. unet=openvino,vae=eager")
     gen.add_argument("--fallback", choices=("eager",), help="if a backend fails on a component, run it eagerly (reported)")

@@ -99,6 +99,8 @@ def optimize(
     prefetch: bool = True,
     backend=None,
     fallback: str | None = None,
+    stage: str | None = None,
+    activation_bytes: int = 0,
 ):
     """Apply a plan to the live pipeline ``pipe`` and return the same object.
 
@@ -110,6 +112,9 @@ def optimize(
     model_dir:   the pipeline folder whose safetensors back the disk tier, when a component's
                  ``config._name_or_path`` does not point at its own folder.
     device:      execution device; default: where the pipeline's weights are now.
+    stage:       plan all components as one stage of that name (they are resident together, as in
+                 one stage of memfit.generate); default: each component is its own stage.
+    activation_bytes: the activation peak the plan reserves room for (one stage, or each).
     backend:     compile each component's entry points (memfit.compile.compile_components): a name,
                  a Backend, or {component: backend}. Alone (no budget/plan/force_tiers) it only
                  compiles and places nothing. ``fallback="eager"`` runs a failing component eagerly;
@@ -129,10 +134,7 @@ def optimize(
         raise MemfitError(f"memfit's executor runs on 'cpu' or 'cuda' devices, not {device}.")
 
     blocks = {name: live_blocks(name, module) for name, module in components.items()}
-    stages = [
-        StageInput(name, tuple(BlockSpec(b.component, b.name, b.bytes) for b in component_blocks), 0)
-        for name, component_blocks in blocks.items()
-    ]
+    stages = _stage_inputs(blocks, stage, activation_bytes)
     if plan is None and force_tiers is not None:
         plan = _forced_plan(stages, force_tiers)
     elif plan is None:
@@ -157,6 +159,19 @@ def optimize(
             restore(pipe)
             raise
     return pipe
+
+
+def plan_stage(pipe, budget: BudgetLike, stage: str, activation_bytes: int = 0) -> Plan:
+    """The plan ``optimize(pipe, budget, stage=stage, activation_bytes=...)`` would carry out."""
+    blocks = {name: live_blocks(name, module) for name, module in _components(pipe).items()}
+    return make_plan(_stage_inputs(blocks, stage, activation_bytes), Budget.of(budget))
+
+
+def _stage_inputs(blocks: dict[str, list[LiveBlock]], stage: str | None, activation_bytes: int) -> list[StageInput]:
+    specs = {name: tuple(BlockSpec(b.component, b.name, b.bytes) for b in found) for name, found in blocks.items()}
+    if stage is not None:
+        return [StageInput(stage, tuple(spec for found in specs.values() for spec in found), activation_bytes)]
+    return [StageInput(name, found, activation_bytes) for name, found in specs.items()]
 
 
 def _compile(pipe, backend, fallback):
@@ -315,12 +330,15 @@ def _apply_component(name, module, component_blocks, tiers, state: _State, model
                 if tier == DISK and is_param:
                     if files is None:
                         files = _open_files(name, module, model_dir)
-                    view = _checked_view(files, name, full_name, tensor, module)
-                    slot = Slot(owner, attr, tensor, home=Shared(view), kind="mmap")
+                    mapped = _checked_view(files, name, full_name, tensor, module)
+                    slot = Slot(owner, attr, tensor, home=mapped, kind="mmap")
                     state.slots.append(slot)
-                    if view.dtype != tensor.dtype or runtime.is_cuda:
-                        slots.append(slot)  # the hook converts / copies it for each forward
-                    tensor.data = view  # outside a forward the weight IS the mapped file
+                    # The hook converts / copies it for each forward, or (same dtype, CPU) reads it
+                    # ahead and drops its pages from this process after the block ran.
+                    slots.append(slot)
+                    tensor.data = mapped.tensor  # outside a forward the weight IS the mapped file
+                    if mapped.pages is not None:
+                        mapped.pages.release()  # the check above read every page
                     continue
                 # host tier on CUDA (or a buffer of a disk block): a pinned host copy is the home.
                 home = tensor.data.to("cpu")
@@ -351,7 +369,7 @@ def _open_files(name: str, module, model_dir) -> MappedSafetensors:
     )
 
 
-def _checked_view(files: MappedSafetensors, component: str, full_name: str, tensor, module) -> torch.Tensor:
+def _checked_view(files: MappedSafetensors, component: str, full_name: str, tensor, module) -> Shared:
     prefix = getattr(module, "base_model_prefix", "") or ""
     for key in (full_name, f"{prefix}.{full_name}", full_name.removeprefix(prefix + ".")):
         if key in files:
@@ -361,14 +379,31 @@ def _checked_view(files: MappedSafetensors, component: str, full_name: str, tens
             f"{component}.{full_name} is not in {files.folder}'s safetensors files, so it cannot be read "
             "from disk; keep this block on the host tier or save the pipeline again."
         )
-    view = files.tensor(key)
-    if tuple(view.shape) != tuple(tensor.shape) or not torch.equal(view.to(tensor.dtype), tensor.data.cpu()):
+    mapped = files.shared(key)
+    view = mapped.tensor
+    if tuple(view.shape) != tuple(tensor.shape) or not _same_samples(view, tensor.data):
         raise MemfitError(
             f"{component}.{full_name} differs from {key} in {files.folder} (was the model changed after "
             "loading, e.g. a fused LoRA?). The disk tier would run the file's weights; save the pipeline "
             "and load it again, or keep this block off the disk tier."
         )
-    return view
+    return mapped
+
+
+def _same_samples(view: torch.Tensor, loaded: torch.Tensor, count: int = 4096) -> bool:
+    """Whether the file's tensor and the loaded one agree at the start, middle and end.
+
+    A changed model (a fused LoRA, a merged or requantized weight) changes values everywhere, so
+    samples catch it; comparing every element would read the whole model twice while loading, which
+    is exactly the memory peak the disk tier exists to avoid.
+    """
+    flat_view, flat_loaded = view.reshape(-1), loaded.reshape(-1)
+    size = flat_view.numel()
+    for start in {0, max(0, size // 2 - count // 2), max(0, size - count)}:
+        part = slice(start, start + count)
+        if not torch.equal(flat_view[part].to(loaded.dtype), flat_loaded[part].cpu()):
+            return False
+    return True
 
 
 def _undo(state: _State) -> None:

@@ -271,15 +271,26 @@ def _all_tensors(modules):
 
 # --- activations --------------------------------------------------------------------------------
 
-# Per-architecture multipliers: how many tensors the size of the largest feature map are alive at
-# the peak. First guesses from reading the forward code (input, normalized copy, conv/linear
-# output, residual; the feed-forward's wider intermediate); TO BE CALIBRATED against measured
-# peaks (torch.cuda.max_memory_allocated minus weights) in a benchmark, then replaced here.
+# Per kind: how many tensors the size of the shape model's feature map are alive at the peak, plus
+# workspace that does not scale with it. Calibrated on real-size SD 1.5 (fp32) and SDXL (bf16)
+# components, 256 and 512 px, batch 1 and 2 (benchmarks/calibrate_activations.py; measured peaks,
+# fits and each estimate's error in docs/activation_calibration.md). "transformer" has no real-size
+# measurement yet (Flux, Lumina2, CogView4 did not fit this machine's time budget): a first guess.
 ACTIVATION_FACTORS = {
-    "unet": 4.0,
+    "unet": 2.15,
     "transformer": 4.0,
-    "vae_decoder": 6.0,
-    "text_encoder": 4.0,
+    "vae_decoder": 7.42,
+    "vae_decoder_banded": 3.97,
+    "text_encoder": 8.67,
+}
+
+# Workspace that does not scale with the feature maps (kernels' scratch buffers, attention blocks).
+ACTIVATION_OFFSETS = {
+    "unet": 61 * 2**20,
+    "transformer": 0,
+    "vae_decoder": 22 * 2**20,
+    "vae_decoder_banded": 46 * 2**20,
+    "text_encoder": 0,
 }
 
 # Flux packs 2x2 latent patches into 64 channels outside the model, so its config says
@@ -301,11 +312,11 @@ def activation_estimate(
 ) -> int:
     """A first estimate of the peak activation bytes of one forward pass.
 
-    kind is "unet", "transformer", "vae_decoder" or "text_encoder"; ``config`` is the component's
+    kind is "unet", "transformer", "vae_decoder", "vae_decoder_banded" or "text_encoder"; ``config`` is the component's
     config.json; width/height are the *image* size in pixels; ``batch`` is the batch the model
     really sees (2 when classifier-free guidance batches cond and uncond).
 
-    Model: peak = factor[kind] * batch * dtype bytes * widest activation, where the widest
+    Model: peak = factor[kind] * batch * dtype bytes * widest activation + offset[kind], where the widest
     activation is, per kind:
       unet:         max over resolution levels of tokens * channels * (4 with attention for the
                     GEGLU feed-forward's 8x-wide hidden / 2 with SDPA's O(n) memory, else 1), plus the
@@ -314,20 +325,29 @@ def activation_estimate(
       vae_decoder:  width * height * block_out_channels[0] (the full-resolution last up block);
       text_encoder: text_tokens * max(hidden size, intermediate size).
     Attention is assumed to run through a memory-efficient kernel (SDPA), so no n^2 score matrix
-    is counted. This is deliberately simple and must be calibrated against measured runs later;
-    the factors live in ACTIVATION_FACTORS.
+    is counted. Factors and offsets are calibrated on measured runs (ACTIVATION_FACTORS,
+    ACTIVATION_OFFSETS; docs/activation_calibration.md); vae_decoder_banded is the banded decode
+    of memfit.banded_decode.
     """
     if kind not in ACTIVATION_FACTORS:
         raise MemfitError(f"Unknown activation kind {kind!r}; use one of {sorted(ACTIVATION_FACTORS)}.")
     if width <= 0 or height <= 0 or batch <= 0:
         raise MemfitError(f"Width, height and batch must be positive, got {width}x{height}, batch {batch}.")
-    elems = {
+    elems = activation_elements(kind, config, width=width, height=height, vae_scale=vae_scale,
+                                text_tokens=text_tokens, class_name=class_name)
+    return int(ACTIVATION_FACTORS[kind] * batch * dtype_bytes(dtype) * elems + ACTIVATION_OFFSETS[kind])
+
+
+def activation_elements(kind: str, config: Mapping[str, Any], *, width: int, height: int, vae_scale: int = 8,
+                        text_tokens: int = 512, class_name: str = "") -> int:
+    """The shape model's element count for one sample (what ACTIVATION_FACTORS multiply)."""
+    return {
         "unet": _unet_elems,
         "transformer": _transformer_elems,
         "vae_decoder": _vae_decoder_elems,
+        "vae_decoder_banded": _vae_decoder_elems,
         "text_encoder": _text_encoder_elems,
     }[kind](config, width=width, height=height, vae_scale=vae_scale, text_tokens=text_tokens, class_name=class_name)
-    return int(ACTIVATION_FACTORS[kind] * batch * dtype_bytes(dtype) * elems)
 
 
 def _unet_elems(config, *, width, height, vae_scale, **_):

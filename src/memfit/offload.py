@@ -23,6 +23,7 @@ weights and user references keep pointing at the live parameter.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import mmap
 import os
@@ -30,12 +31,13 @@ import struct
 import threading
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
+from typing import Iterator
 
 import torch
 
 from memfit.errors import MemfitError
 
-__all__ = ["HookRegistry", "MappedSafetensors", "ModuleHook", "Runtime", "Shared", "Slot", "SwapHook"]
+__all__ = ["HookRegistry", "MappedSafetensors", "ModuleHook", "MappedPages", "Runtime", "Shared", "Slot", "SwapHook", "weights_ready"]
 
 REGISTRY_ATTR = "_memfit_hooks"
 
@@ -121,6 +123,23 @@ class HookRegistry:
         return None  # output unchanged
 
 
+@contextlib.contextmanager
+def weights_ready(*modules: torch.nn.Module) -> Iterator[None]:
+    """Run the memfit hooks of ``modules`` around code that uses their weights without calling them
+    (a fused, banded computation): their tensors are in run form inside, back home after."""
+    entered = []
+    try:
+        for module in modules:
+            registry = HookRegistry.get(module)
+            if registry is not None:
+                registry._pre(module, (), {})
+                entered.append((registry, module))
+        yield
+    finally:
+        for registry, module in reversed(entered):
+            registry._post(module, (), None)
+
+
 # --- shared, read-only storage --------------------------------------------------------------------
 
 
@@ -129,18 +148,49 @@ class Shared:
 
     ``copy.deepcopy(pipe)`` would otherwise clone every memory-mapped weight into RAM (and fail on
     the mmap object itself). The file behind it never changes while memfit runs, so sharing is safe.
+    ``pages`` (for a mapped view) lets the hooks hint the kernel about its pages.
     """
 
-    __slots__ = ("tensor",)
+    __slots__ = ("tensor", "pages")
 
-    def __init__(self, tensor: torch.Tensor):
+    def __init__(self, tensor: torch.Tensor, pages: "MappedPages | None" = None):
         self.tensor = tensor
+        self.pages = pages
 
     def __deepcopy__(self, memo):
         return self
 
     def __copy__(self):
         return self
+
+
+class MappedPages:
+    """The page range of one mapped tensor.
+
+    release(): drop the pages from this process's mapping (MADV_DONTNEED). They stay in the page
+    cache, which the kernel may reclaim, but no longer count in the process's RSS, so a streamed
+    block costs its bytes only while it runs and memory figures follow the plan instead of growing
+    to the whole model. prefetch(): ask the kernel to read the range ahead (MADV_WILLNEED).
+    """
+
+    __slots__ = ("mapping", "start", "length")
+
+    def __init__(self, mapping: mmap.mmap, begin: int, end: int):
+        page = mmap.PAGESIZE
+        self.mapping = mapping
+        self.start = begin // page * page
+        self.length = end - self.start
+
+    def release(self) -> None:
+        self._advise(getattr(mmap, "MADV_DONTNEED", None))
+
+    def prefetch(self) -> None:
+        self._advise(getattr(mmap, "MADV_WILLNEED", None))
+
+    def _advise(self, option) -> None:
+        if option is None or self.length <= 0 or self.mapping.closed:
+            return  # not Linux/Unix, or nothing mapped: advice is only ever an optimization
+        self.mapping.madvise(option, self.start, self.length)
 
 
 _ST_DTYPES = {
@@ -178,6 +228,10 @@ class MappedSafetensors:
         return self._entries.keys()
 
     def tensor(self, key: str) -> torch.Tensor:
+        return self.shared(key).tensor
+
+    def shared(self, key: str) -> Shared:
+        """A zero-copy view of ``key`` with its page range (for release/prefetch advice)."""
         path, entry, data_start = self._entries[key]
         if path not in self._maps:
             with path.open("rb") as handle:
@@ -189,9 +243,10 @@ class MappedSafetensors:
         shape = entry["shape"]
         count = (end - begin) // torch.empty((), dtype=dtype).element_size()
         if count == 0:
-            return torch.empty(shape, dtype=dtype)
-        flat = torch.frombuffer(self._maps[path], dtype=dtype, count=count, offset=data_start + begin)
-        return flat.view(shape)
+            return Shared(torch.empty(shape, dtype=dtype))
+        mapping = self._maps[path]
+        flat = torch.frombuffer(mapping, dtype=dtype, count=count, offset=data_start + begin)
+        return Shared(flat.view(shape), MappedPages(mapping, data_start + begin, data_start + end))
 
 
 # --- swapping -------------------------------------------------------------------------------------
@@ -212,6 +267,10 @@ class Slot:
 
     def home_tensor(self) -> torch.Tensor:
         return self.home.tensor if isinstance(self.home, Shared) else self.home
+
+    @property
+    def pages(self) -> MappedPages | None:
+        return self.home.pages if isinstance(self.home, Shared) else None
 
 
 class Runtime:
@@ -292,7 +351,12 @@ class SwapHook(ModuleHook):
                     home = home.to(slot.dtype)  # mmap view in the file dtype: convert on the host first
                 out.append(home.to(self.runtime.device, dtype=slot.dtype, non_blocking=True))
             else:
+                pages = slot.pages
+                if pages is not None and home.dtype == slot.dtype:
+                    pages.prefetch()  # used in place: let the kernel read it ahead
                 out.append(home.to(slot.dtype, copy=home.dtype != slot.dtype))
+                if pages is not None and home.dtype != slot.dtype:
+                    pages.release()  # converted: the mapped pages are not needed any more
         return out
 
     def start_prefetch(self) -> None:
@@ -335,6 +399,8 @@ class SwapHook(ModuleHook):
             return
         for slot in self.slots:
             slot.tensor.data = slot.home_tensor()
+            if slot.pages is not None:
+                slot.pages.release()
 
     def deinitialize(self, module) -> None:
         pending, self._pending = self._pending, None

@@ -28,6 +28,10 @@ class StageReport:
     # One dict per compiled entry point (memfit.compile.CompileRecord.to_dict()): component, entry,
     # backend asked for, backend_used, status (compiled / fallback / ...), reason, compile_seconds.
     compiled: list = field(default_factory=list)
+    # Under a budget: the peak the plan predicts (process memory at stage start + the stage plan's
+    # resident weights, streaming window and activations) and the activation strategy it chose.
+    planned_peak_bytes: int | None = None
+    strategy: str = ""
 
 
 @dataclass
@@ -45,11 +49,15 @@ class RunReport:
 
     def table(self) -> str:
         memory = "peak device memory" if self.device.startswith("cuda") else "peak RSS"
-        header = ("stage", "components resident", "wall s", memory, "weights")
-        rows = [
-            (s.stage, ", ".join(s.components) or ("-" if not s.note else f"- ({s.note})"), f"{s.seconds:.2f}", format_bytes(s.peak_bytes), format_bytes(s.weights_bytes))
-            for s in self.stages
-        ]
+        planned = any(s.planned_peak_bytes is not None for s in self.stages)
+        header = ("stage", "components resident", "wall s", memory, "weights") + (("planned peak", "strategy") if planned else ())
+        rows = []
+        for s in self.stages:
+            row = (s.stage, ", ".join(s.components) or ("-" if not s.note else f"- ({s.note})"), f"{s.seconds:.2f}",
+                   format_bytes(s.peak_bytes), format_bytes(s.weights_bytes))
+            if planned:
+                row += ("-" if s.planned_peak_bytes is None else format_bytes(s.planned_peak_bytes), s.strategy or "-")
+            rows.append(row)
         widths = [max(len(str(r[i])) for r in [header, *rows]) for i in range(len(header))]
         lines = ["  ".join(str(cell).ljust(w) for cell, w in zip(row, widths)).rstrip() for row in [header, *rows]]
         lines.insert(1, "  ".join("-" * w for w in widths))

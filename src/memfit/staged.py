@@ -17,11 +17,11 @@ import torch
 from ._atomic import write_atomically
 from .embeddings import Embeddings
 from .errors import MemfitError
-from .memory import PeakMemory, release_freed_memory
+from .memory import PeakMemory, current_rss, release_freed_memory, return_large_frees_to_os
 from .model_folder import ModelFolder, parse_dtype
 from .pipelines import Settings
 from .compile import compile_stage
-from .report import RunReport, StageReport
+from .report import RunReport, StageReport, format_bytes
 
 
 def _default_device() -> torch.device:
@@ -47,7 +47,8 @@ def _resident_bytes(pipe, names) -> int:
     return total
 
 
-def _run_stage(report: RunReport, device, name: str, components, work: Callable[[], tuple[object, int]], compiled=None):
+def _run_stage(report: RunReport, device, name: str, components, work: Callable[[], tuple[object, int]], compiled=None,
+               fit: _Fit | None = None):
     release_freed_memory()
     with PeakMemory(device) as peak:
         started = time.perf_counter()
@@ -55,7 +56,8 @@ def _run_stage(report: RunReport, device, name: str, components, work: Callable[
         release_freed_memory()  # the stage's pipeline is gone once `work` returns
         seconds = time.perf_counter() - started
     report.stages.append(
-        StageReport(name, list(components), seconds, peak.peak_bytes, peak.start_bytes, weights, peak.method)
+        StageReport(name, list(components), seconds, peak.peak_bytes, peak.start_bytes, weights, peak.method,
+                    planned_peak_bytes=fit.planned_peak if fit else None, strategy=fit.strategy if fit else "")
     )
     if compiled:
         from .compile import report_records
@@ -64,26 +66,87 @@ def _run_stage(report: RunReport, device, name: str, components, work: Callable[
     return result
 
 
-def _load_stage(model: ModelFolder, names, dtype, device, budget, report: RunReport):
-    """Load a stage's components; with a budget, carry out a plan for them (memfit.optimize)."""
-    pipe = model.load_stage(names, dtype, device)
-    if budget is not None:
-        from .budget import Budget
-        from .executor import PLAN_ATTR, optimize
+@dataclass
+class _Fit:
+    """What a stage needs to be fitted into the budget with its activations (memfit.activations)."""
 
-        budget = Budget.of(budget)
-        if device.type == "cpu":
-            # Host RAM is the execution device here: what does not fit stays memory-mapped from the
-            # model's own safetensors files (the disk tier), never a second copy in RAM.
-            budget = Budget(device=budget.device, host=0, disk=str(model.path))
+    stage: str
+    settings: Settings
+    guided: bool
+    dtype: str
+    strategy: str = ""
+    planned_peak: int | None = None
+
+
+def _load_stage(model: ModelFolder, names, dtype, device, budget, report: RunReport, fit: _Fit | None = None):
+    """Load a stage's components; with a budget, carry out a plan for them (memfit.optimize).
+
+    With ``fit``, the stage is planned as one unit with its activations: the strategy (see
+    memfit.activations) and the predicted peak are written into ``fit``.
+    """
+    already_used = _memory_in_use(device)
+    pipe = model.load_stage(names, dtype, device)
+    if budget is None:
+        return pipe
+    from .budget import Budget
+    from .executor import PLAN_ATTR, optimize, plan_stage
+
+    budget = Budget.of(budget)
+    if device.type == "cpu":
+        # Host RAM is the execution device here: what does not fit stays memory-mapped from the
+        # model's own safetensors files (the disk tier), never a second copy in RAM.
+        budget = Budget(device=budget.device, host=0, disk=str(model.path))
+    if fit is None:
         optimize(pipe, budget, model_dir=model.path, device=device)
-        for stage in getattr(pipe, PLAN_ATTR).stages:
+    else:
+        from .activations import choose, stage_strategies
+
+        room = _room_left(budget, already_used)
+        options = stage_strategies(model.adapter, fit.stage, fit.settings, fit.guided, fit.dtype)
+        try:
+            strategy, plan = choose(options, lambda activations: plan_stage(pipe, room, fit.stage, activations))
+        except MemfitError as exc:
+            raise MemfitError(
+                f"{exc} These figures leave out the {format_bytes(already_used)} this process already holds "
+                "(Python, torch and the libraries loaded): add that to any budget named above."
+            ) from exc
+        optimize(pipe, plan=plan, model_dir=model.path, device=device)
+        fit.strategy = strategy.name
+        fit.planned_peak = already_used + plan.stages[0].peak_bytes
+        if strategy is not options[0]:
             report.notes.append(
-                f"plan {stage.name}: {stage.resident_bytes / 2**20:.0f} MiB resident, "
-                f"{stage.streamed_from_host_bytes / 2**20:.0f} MiB streamed from host, "
-                f"{stage.streamed_from_disk_bytes / 2**20:.0f} MiB streamed from disk (memory-mapped)"
+                f"{fit.stage}: {strategy.name} (activations {format_bytes(strategy.activation_bytes)} instead of "
+                f"{format_bytes(options[0].activation_bytes)} for {options[0].name}), so more weights stay resident"
             )
+    for stage in getattr(pipe, PLAN_ATTR).stages:
+        report.notes.append(
+            f"plan {stage.name}: {stage.resident_bytes / 2**20:.0f} MiB resident, "
+            f"{stage.streamed_from_host_bytes / 2**20:.0f} MiB streamed from host, "
+            f"{stage.streamed_from_disk_bytes / 2**20:.0f} MiB streamed from disk (memory-mapped), "
+            f"activations {stage.activation_bytes / 2**20:.0f} MiB"
+        )
     return pipe
+
+
+def _memory_in_use(device) -> int:
+    if device.type == "cuda":
+        return torch.cuda.memory_allocated(device)
+    return current_rss()
+
+
+def _room_left(budget, already_used: int):
+    """The budget left for this stage's weights and activations once the process's own memory is counted."""
+    from .budget import Budget
+
+    if budget.device is None:
+        return budget
+    if budget.device <= already_used:
+        raise MemfitError(
+            f"The budget of {format_bytes(budget.device)} is already used up by this process before any weight is "
+            f"loaded ({format_bytes(already_used)}: Python, torch and the libraries memfit loaded). Give a budget "
+            "above that, or none to let memfit detect one."
+        )
+    return Budget(device=budget.device - already_used, host=budget.host, disk=budget.disk)
 
 
 def _present(model: ModelFolder, names) -> list[str]:
@@ -94,7 +157,8 @@ def text_fingerprint(model: ModelFolder) -> str:
     return model.text_fingerprint
 
 
-def _encode_stage(model, settings, report, dtype, device, with_negative, budget=None, backend=None, fallback=None) -> dict[str, torch.Tensor]:
+def _encode_stage(model, settings, report, dtype, device, with_negative, budget=None, backend=None, fallback=None,
+                  dtype_name: str = "fp32") -> dict[str, torch.Tensor]:
     from .prompt_cache import PromptCache, embeddings_key, text_backend_label
 
     adapter = model.adapter
@@ -108,15 +172,16 @@ def _encode_stage(model, settings, report, dtype, device, with_negative, budget=
         report.stages[-1].note = "cache hit"
         return tensors
     compiled: list = []
+    fit = _Fit("encode", settings, with_negative, dtype_name)
 
     def work():
-        pipe = _load_stage(model, names, dtype, device, budget, report)
+        pipe = _load_stage(model, names, dtype, device, budget, report, fit)
         compile_stage(pipe, model.path, backend, fallback, compiled)
         with torch.inference_mode():
             embeddings = adapter.encode(pipe, settings, with_negative)
         return {k: v.clone() for k, v in embeddings.items()}, _resident_bytes(pipe, names)
 
-    tensors = _run_stage(report, device, "encode", names, work, compiled)
+    tensors = _run_stage(report, device, "encode", names, work, compiled, fit)
     prompts.save(tensors, model.class_name, fingerprint, settings.prompt, settings.negative_prompt)
     return tensors
 
@@ -203,8 +268,11 @@ def generate(
 
     `model` defaults to memfit's built-in demo model. With `embeddings` (a file from
     `memfit encode` or an Embeddings object) the encode stage is skipped entirely. `budget`
-    (bytes, "2GiB", or a Budget) bounds each stage's resident weights: blocks that do not fit
-    are streamed (memfit.optimize), and the plan appears in the report's notes. `backend` (a name,
+    (bytes, "2GiB", or a Budget) bounds each stage's peak: the process's own memory, resident
+    weights, streamed blocks in flight and activations. Blocks that do not fit are streamed
+    (memfit.optimize); activations are bounded by an exact strategy where needed (banded VAE
+    decode, split guidance passes: memfit.activations). The report shows each stage's planned
+    peak and strategy; its notes show the plan. `backend` (a name,
     a Backend, or {component: backend}) compiles each stage's entry points after loading
     (memfit.compile); a backend failure raises unless `fallback="eager"`, and the report says so.
     `refiner` (an SDXL refiner folder) runs diffusers' base + refiner workflow: the base stops at
@@ -237,10 +305,12 @@ def generate(
     settings = adapter.resolve(prompt, negative_prompt, steps, guidance, seed, width, height, folder.defaults)
     guided = adapter.uses_guidance(settings.guidance)
     report = RunReport(device=str(device), dtype=dtype, model=str(folder.path), settings=settings.__dict__.copy())
+    if budget is not None:
+        return_large_frees_to_os()  # freed activations leave RSS at once, so stages stay within plan
 
     if loaded is None:
         tensors = _encode_stage(folder, settings, report, torch_dtype, device, with_negative=guided, budget=budget,
-                                backend=backend, fallback=fallback)
+                                backend=backend, fallback=fallback, dtype_name=dtype)
     else:
         if guided and not loaded.has_negative:
             raise MemfitError("These embeddings have no negative prompt branch; generate with --guidance 1 or encode again.")
@@ -257,29 +327,35 @@ def generate(
 
     denoise_names = _present(folder, adapter.denoise_components)
     denoise_compiled: list = []
+    denoise_fit = _Fit("denoise", settings, guided, dtype)
 
     def denoise():
-        pipe = _load_stage(folder, denoise_names, torch_dtype, device, budget, report)
+        pipe = _load_stage(folder, denoise_names, torch_dtype, device, budget, report, denoise_fit)
         compile_stage(pipe, folder.path, backend, fallback, denoise_compiled)
         pipe.set_progress_bar_config(disable=not progress, desc="denoise", leave=False)
         with torch.inference_mode():
-            latents = adapter.denoise(pipe, tensors, settings, generator)
+            latents = adapter.denoise(pipe, tensors, settings, generator, split=denoise_fit.strategy == "split")
         return latents.clone(), _resident_bytes(pipe, denoise_names)
 
-    latents = _run_stage(report, device, "denoise", denoise_names, denoise, denoise_compiled)
+    latents = _run_stage(report, device, "denoise", denoise_names, denoise, denoise_compiled, denoise_fit)
     del tensors
 
     decode_names = _present(folder, adapter.decode_components)
     decode_compiled: list = []
+    decode_fit = _Fit("decode", settings, guided, dtype)
 
     def decode():
-        pipe = _load_stage(folder, decode_names, torch_dtype, device, budget, report)
+        pipe = _load_stage(folder, decode_names, torch_dtype, device, budget, report, decode_fit)
+        if decode_fit.strategy == "banded":
+            from .banded_decode import enable_banded_decode
+
+            enable_banded_decode(pipe.vae)
         compile_stage(pipe, folder.path, backend, fallback, decode_compiled)
         with torch.inference_mode():
             images = adapter.decode(pipe, latents, generator)
         return images, _resident_bytes(pipe, decode_names)
 
-    images = _run_stage(report, device, "decode", decode_names, decode, decode_compiled)
+    images = _run_stage(report, device, "decode", decode_names, decode, decode_compiled, decode_fit)
     return Generation(images, settings, report, _png_metadata(settings, folder, dtype))
 
 

@@ -40,6 +40,11 @@ class PipelineAdapter:
     text_encoders: ClassVar[tuple[str, ...]]
     # How unequal positive/negative embedding lengths are handled; shown in reports and docs.
     unequal_lengths: ClassVar[str]
+    # For activation estimates (memfit.activations): the longest prompt the text encoders see, the
+    # batch the denoiser sees under guidance, and whether the two guidance passes can be split.
+    max_text_tokens: ClassVar[int] = 77
+    guidance_batch: ClassVar[int] = 2
+    splits_guidance: ClassVar[bool] = False
 
     def __init__(self, configs: dict[str, dict]):
         # Component configs read from the model folder: enough to resolve defaults and shapes
@@ -92,8 +97,13 @@ class PipelineAdapter:
         """Run the text encoders; returns the keyword arguments the denoise stage passes on."""
         raise NotImplementedError
 
-    def denoise(self, pipe, embeddings: dict[str, torch.Tensor], settings: Settings, generator) -> torch.Tensor:
-        """Run the denoising loop with precomputed embeddings; returns the final latents."""
+    def denoise(self, pipe, embeddings: dict[str, torch.Tensor], settings: Settings, generator, split: bool = False) -> torch.Tensor:
+        """Run the denoising loop with precomputed embeddings; returns the final latents.
+
+        split: run the two guidance passes one after the other (only where splits_guidance).
+        """
+        if split and not self.splits_guidance:
+            raise MemfitError(f"{self.class_name} cannot split its guidance passes; plan it without 'split'.")
         kwargs = self.embedding_kwargs(embeddings, self.uses_guidance(settings.guidance))
         return pipe(
             **kwargs,

@@ -16,6 +16,8 @@ class CogView4Adapter(PipelineAdapter):
     denoise_components = ("transformer", "scheduler")
     text_encoders = ("text_encoder", "tokenizer")
     unequal_lengths = "native: the pipeline runs the two guidance passes separately"
+    max_text_tokens = 1024
+    guidance_batch = 1  # the pipeline runs the two guidance passes separately
 
     def size_multiple(self) -> int:
         return 16

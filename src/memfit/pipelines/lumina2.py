@@ -16,6 +16,7 @@ class Lumina2Adapter(PipelineAdapter):
     denoise_components = ("transformer", "scheduler")
     text_encoders = ("text_encoder", "tokenizer")
     unequal_lengths = "pad the shorter embedding with masked zeros (attention mask 0)"
+    max_text_tokens = 256
 
     def vae_scale_factor(self) -> int:
         return 8  # Lumina2Pipeline hard-codes it, whatever the VAE.
@@ -40,7 +41,7 @@ class Lumina2Adapter(PipelineAdapter):
             embeddings["negative_prompt_attention_mask"] = negative_mask
         return embeddings
 
-    def denoise(self, pipe, embeddings, settings, generator):
+    def denoise(self, pipe, embeddings, settings, generator, split=False):
         negative = embeddings.get("negative_prompt_embeds")
         positive = embeddings["prompt_embeds"]
         if self.uses_guidance(settings.guidance) and negative is not None and negative.shape[1] != positive.shape[1]:
@@ -51,7 +52,7 @@ class Lumina2Adapter(PipelineAdapter):
                 embeddings[f"{prefix}prompt_attention_mask"] = pad_to_length(
                     embeddings[f"{prefix}prompt_attention_mask"], length
                 )
-        return super().denoise(pipe, embeddings, settings, generator)
+        return super().denoise(pipe, embeddings, settings, generator, split)
 
     def decode(self, pipe, latents, generator):
         # Copied from Lumina2Pipeline.__call__ after its denoising loop.

@@ -59,6 +59,7 @@ class StableDiffusionAdapter(PipelineAdapter):
     denoise_components = ("unet", "scheduler")
     text_encoders = ("text_encoder", "tokenizer")
     unequal_lengths = "split guidance passes (two UNet calls, each on its unpadded embeddings)"
+    splits_guidance = True
 
     def default_size(self) -> int:
         return self.configs["unet"]["sample_size"] * self.vae_scale_factor()
@@ -79,11 +80,11 @@ class StableDiffusionAdapter(PipelineAdapter):
             embeddings["negative_prompt_embeds"] = negative
         return embeddings
 
-    def denoise(self, pipe, embeddings, settings, generator):
+    def denoise(self, pipe, embeddings, settings, generator, split=False):
         guided = self.uses_guidance(settings.guidance)
         positive = embeddings["prompt_embeds"]
         negative = embeddings.get("negative_prompt_embeds")
-        if not guided or negative is None or negative.shape[1] == positive.shape[1]:
+        if not guided or negative is None or (negative.shape[1] == positive.shape[1] and not split):
             return super().denoise(pipe, embeddings, settings, generator)
         length = max(positive.shape[1], negative.shape[1])
         padded = dict(embeddings)
