@@ -76,6 +76,7 @@ def main() -> None:
     parser.add_argument("--systems", default=",".join(SYSTEMS))
     parser.add_argument("--size", type=int, default=512)
     parser.add_argument("--repeat", type=int, default=1, help="rounds over every cap and system")
+    parser.add_argument("--name", help="output name under docs/ (default memory_ladder_<arch>_<dtype>)")
     parser.add_argument("--steps", type=int, default=2)
     parser.add_argument("--models", default=str(Path(tempfile.gettempdir()) / "memfit-bench-models"))
     parser.add_argument("--run", help=argparse.SUPPRESS)  # internal: the capped child
@@ -115,7 +116,7 @@ def main() -> None:
                       f"cgroup peak {row['cgroup_peak'] / GiB:5.2f} GiB  peak RSS {row.get('peak_rss', 0) / GiB:5.2f} GiB",
                       flush=True)
 
-    name = f"memory_ladder_{args.arch}_{args.dtype}"
+    name = args.name or f"memory_ladder_{args.arch}_{args.dtype}"
     write_outputs(name, {"machine": machine(), "args": vars(args), "rows": rows}, render(rows, vars(args)))
     plot(rows, name, vars(args))
 
