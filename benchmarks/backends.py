@@ -17,10 +17,10 @@ plain diffusers eager, each run is a *fresh process* making one image with `memf
 
 Then the best backend per component (UNet by s/step, VAE by decode time; the text encoders stay
 eager: they run once per image, a fraction of a second, less than any compile or cache load costs)
-runs warm end to end, against plain diffusers eager. Where a backend keeps its compiled artifacts:
-onnxruntime in memfit's store; inductor in its own cache dir (TORCHINDUCTOR_CACHE_DIR, carried from
-the cold run to the warm one); openvino none (memfit refuses its model_caching: DESIGN.md failure 5),
-so its warm start compiles again.
+runs warm end to end, against plain diffusers eager. Every compiling backend keeps its artifacts in
+memfit's store (MEMFIT_CACHE_DIR, carried from the cold run to the warm one): onnxruntime its ONNX
+file, openvino its compiled blob, inductor its cache artifacts (the inductor cache dir is emptied
+for the warm run too, so only memfit's store can make it warm).
 """
 
 from __future__ import annotations
@@ -239,7 +239,7 @@ def main() -> None:
     parser.add_argument("--work", default=None, help="scratch folder for caches and images (default: a temp dir)")
     parser.add_argument("--timeout", type=int, default=1800, help="seconds allowed per child process")
     parser.add_argument("--late", default="inductor", help="backends measured after a first best choice (slow compiles)")
-    parser.add_argument("--all-warm", action="store_true", help="also measure warm starts of eager and openvino")
+    parser.add_argument("--all-warm", action="store_true", help="also measure the warm start of eager")
     parser.add_argument("--child", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
@@ -295,8 +295,8 @@ def main() -> None:
             print(f"{label:28s} cold {json.dumps(row['cold'])[:400]}", flush=True)
             save()
         if warm:
-            row["warm"] = run_child({**spec, "decode_again": not cold, "image_out": image + ".warm"}, env_for(label),
-                                    args.timeout)
+            row["warm"] = run_child({**spec, "decode_again": not cold, "image_out": image + ".warm"},
+                                    env_for(label, fresh_inductor=True), args.timeout)
             print(f"{label:28s} warm {json.dumps(row['warm'])[:400]}", flush=True)
         row["max_abs_diff"] = max_abs_diff(image if cold else image + ".warm", reference)
         save()
@@ -364,19 +364,16 @@ def main() -> None:
         return spec
 
     # Plain diffusers eager has no cache to be cold about: one fresh-process start is its start.
-    # memfit eager compiles nothing (its warm start differs only by the prompt-embedding cache) and
-    # openvino keeps no artifacts (memfit refuses its model_caching, failure 5): a warm start is a
-    # cold one, so those get one run each unless --all-warm.
+    # memfit eager compiles nothing (its warm start differs only by the prompt-embedding cache), so
+    # it gets one run unless --all-warm.
     measure("diffusers", "diffusers", None, "plain diffusers eager", warm=False)
     backends = [b.strip() for b in args.backends.split(",") if b.strip()]
     late = [b for b in backends if b in args.late.split(",")]
 
     def run_backend(backend):
-        measure(f"memfit-{backend}", "memfit", backend, backend,
-                warm=args.all_warm or backend not in ("eager", "openvino"),
-                note="" if args.all_warm or backend not in ("eager", "openvino") else
-                ("no compile: warm = cold but for the prompt-embedding cache" if backend == "eager"
-                 else "no artifact cache (model_caching refused): warm start = cold start"))
+        measure(f"memfit-{backend}", "memfit", backend, backend, warm=args.all_warm or backend != "eager",
+                note="" if args.all_warm or backend != "eager" else
+                "no compile: warm = cold but for the prompt-embedding cache")
 
     for backend in backends:
         if backend not in late:
