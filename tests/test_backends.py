@@ -6,6 +6,8 @@ tolerance on every call, torch's global settings unchanged, errors that name wha
 
 from __future__ import annotations
 
+import inspect
+import json
 import os
 import subprocess
 import sys
@@ -73,7 +75,7 @@ def test_unknown_backend_error_lists_the_valid_names():
 def test_a_backend_instance_passes_through_and_options_are_checked():
     eager = get_backend("eager")
     assert get_backend(eager) is eager
-    with pytest.raises(MemfitError, match="valid options: aot_autograd, config, device"):
+    with pytest.raises(MemfitError, match="valid options: config, device"):
         get_backend("openvino").resolve_options({"precision": "f32"})
     with pytest.raises(MemfitError, match="name or a memfit Backend"):
         get_backend(42)
@@ -212,6 +214,67 @@ def test_inductor_leaves_global_settings_unchanged(model_and_inputs, inductor_ru
     assert snapshot_torch_settings() == before
 
 
+_INDUCTOR_START = """
+import json
+import torch
+from torch._dynamo.utils import counters
+from memfit.backends import get_backend
+from memfit.cache import open_store
+
+model = tiny_conv_model()
+x = torch.randn(1, 4, 8, 8, generator=torch.Generator().manual_seed(1))
+run = get_backend("inductor").compile(model, (x,), cache=open_store(), weights_fingerprint="tiny-conv-seed0")
+with torch.no_grad():
+    expected = model(x)
+    outputs = [run(x) for _ in range(3)]
+print(json.dumps({
+    "types": sorted({type(o).__name__ for o in outputs}),
+    "numpy_shapes": sorted({o.numpy().shape for o in outputs}),
+    "max_difference": max((o - expected).abs().max().item() for o in outputs),
+    "runs_equal": all(torch.equal(o, outputs[0]) for o in outputs),
+    "fxgraph_cache_miss": counters["inductor"]["fxgraph_cache_miss"],
+    "fxgraph_cache_hit": counters["inductor"]["fxgraph_cache_hit"],
+    "autograd_cache_miss": counters["aot_autograd"]["autograd_cache_miss"],
+}))
+"""
+
+
+def _inductor_start(env: dict) -> dict:
+    code = "import torch\nfrom torch import nn\n" + inspect.getsource(tiny_conv_model) + _INDUCTOR_START
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr[-3000:]
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def test_inductor_artifacts_are_stored_then_loaded_in_a_fresh_process(tmp_path):
+    """The second start has an empty inductor cache directory and MEMFIT_CACHE=require: its
+    AOTAutograd and FX graph cache hits can only come from the entry in memfit's store."""
+    if not get_backend("inductor").available().ok:
+        pytest.skip(get_backend("inductor").available().reason)
+    env = dict(os.environ, PYTHONPATH=SRC_DIR, MEMFIT_CACHE_DIR=str(tmp_path / "store"))
+    cold = _inductor_start(dict(env, TORCHINDUCTOR_CACHE_DIR=str(tmp_path / "inductor-cold")))
+    warm = _inductor_start(dict(env, MEMFIT_CACHE="require", TORCHINDUCTOR_CACHE_DIR=str(tmp_path / "inductor-warm")))
+
+    assert cold["fxgraph_cache_miss"] == 1  # the cold start really compiled
+    assert warm["fxgraph_cache_miss"] == 0 and warm["autograd_cache_miss"] == 0 and warm["fxgraph_cache_hit"] >= 1
+    for start in (cold, warm):
+        assert start["types"] == ["Tensor"] and start["numpy_shapes"] == [[1, 4, 8, 8]]
+        assert start["max_difference"] <= get_backend("inductor").float32_tolerance and start["runs_equal"]
+    [entry] = CacheStore(tmp_path / "store").ls()
+    assert entry.parts["backend"] == "inductor" and entry.meta["artifacts"]["inductor"] >= 1
+
+
+def test_inductor_under_cache_require_raises_instead_of_compiling(model_and_inputs, tmp_path, monkeypatch):
+    model, inputs, _ = model_and_inputs
+    if not get_backend("inductor").available().ok:
+        pytest.skip(get_backend("inductor").available().reason)
+    monkeypatch.setattr(torch, "compile", lambda *a, **k: lambda *args: pytest.fail("compiled under require"))
+    with pytest.raises(MemfitError, match="MEMFIT_CACHE=require"):
+        get_backend("inductor").compile(
+            model, inputs, cache=CacheStore(tmp_path, mode="require"), weights_fingerprint="tiny-conv-seed0"
+        )
+
+
 def test_settings_guard_restores_a_changed_setting():
     """The guard itself must work, or the 'unchanged' tests above prove nothing."""
     before = snapshot_torch_settings()
@@ -242,11 +305,96 @@ def test_openvino_matches_eager_every_run_and_contains_its_global_setting(model_
     assert snapshot_torch_settings() == before
 
 
-def test_openvino_refuses_its_own_model_caching(model_and_inputs):
+@pytest.mark.parametrize("own_cache", [{"model_caching": True}, {"CACHE_DIR": "/tmp/ov-cache"}])
+def test_openvino_refuses_its_own_caching(model_and_inputs, own_cache):
     skip_unless_available("openvino")
     model, inputs, _ = model_and_inputs
-    with pytest.raises(MemfitError, match="model_caching"):
-        get_backend("openvino").compile(model, inputs, options={"config": {"model_caching": True}})
+    with pytest.raises(MemfitError, match=f"{next(iter(own_cache))} is not supported"):
+        get_backend("openvino").compile(model, inputs, options={"config": own_cache})
+
+
+# -- openvino, stored in memfit's cache -------------------------------------------------------------
+# The fresh-process start (MEMFIT_CACHE=require) is in tests/test_compile.py, on a tiny pipeline.
+
+
+@pytest.fixture
+def openvino_backend_module():
+    skip_unless_available("openvino")
+    from memfit.backends import openvino as openvino_backend
+
+    return openvino_backend
+
+
+def test_openvino_stores_its_compiled_model_and_loads_it_without_converting(
+    model_and_inputs, tmp_path, monkeypatch, openvino_backend_module
+):
+    model, inputs, expected = model_and_inputs
+    store = CacheStore(tmp_path, mode="on")
+    backend = get_backend("openvino")
+    run = backend.compile(model, inputs, cache=store, weights_fingerprint="tiny-conv-seed0")
+    first = run(*inputs)
+    assert_plain_and_close(first, expected, backend.float32_tolerance)
+    [entry] = store.ls()
+    assert entry.parts["backend"] == "openvino" and entry.parts["weights"] == "tiny-conv-seed0"
+    assert entry.parts["backend_options"]["config"]["INFERENCE_PRECISION_HINT"] == "f32"
+    assert sorted(p.name for p in (entry.path / "data").iterdir()) == ["model.blob", "outputs.json"]
+
+    monkeypatch.setattr(openvino_backend_module, "_convert", lambda *a, **k: pytest.fail("converted again"))
+    again = backend.compile(model, inputs, cache=store, weights_fingerprint="tiny-conv-seed0")
+    # fp32 stays fp32 after an import too (the CPU plugin would pick bf16 without the hint).
+    assert str(again.compiled_model.get_property("INFERENCE_PRECISION_HINT")) == "<Type: 'float32'>"
+    assert torch.equal(again(*inputs), first)
+    assert store.verify() == [] and len(store.ls()) == 1
+
+
+def test_openvino_entry_with_a_flipped_byte_is_rebuilt_never_loaded(
+    model_and_inputs, tmp_path, monkeypatch, openvino_backend_module
+):
+    from memfit.cache import CacheCorruptionWarning
+
+    model, inputs, expected = model_and_inputs
+    store = CacheStore(tmp_path, mode="on")
+    backend = get_backend("openvino")
+    backend.compile(model, inputs, cache=store, weights_fingerprint="tiny-conv-seed0")
+    [entry] = store.ls()
+    blob = entry.path / "data" / openvino_backend_module.MODEL_FILE
+    damaged = bytearray(blob.read_bytes())
+    damaged[len(damaged) // 2] ^= 0xFF  # same size: only the checksum can tell
+    blob.write_bytes(bytes(damaged))
+
+    real_load = openvino_backend_module._load_entry
+
+    def load_checked(entry_data, *args):
+        assert store.verify() == [], "OpenVINO was handed an entry that fails its checksums"
+        return real_load(entry_data, *args)
+
+    monkeypatch.setattr(openvino_backend_module, "_load_entry", load_checked)
+    with pytest.warns(CacheCorruptionWarning, match="model.blob fails its sha256"):
+        run = backend.compile(model, inputs, cache=store, weights_fingerprint="tiny-conv-seed0")
+    assert_plain_and_close(run(*inputs), expected, backend.float32_tolerance)
+    assert blob.read_bytes() != bytes(damaged) and store.verify() == []
+
+
+def test_openvino_under_cache_require_raises_instead_of_compiling(
+    model_and_inputs, tmp_path, monkeypatch, openvino_backend_module
+):
+    model, inputs, _ = model_and_inputs
+    monkeypatch.setattr(openvino_backend_module, "_convert", lambda *a, **k: pytest.fail("converted under require"))
+    with pytest.raises(MemfitError, match="MEMFIT_CACHE=require"):
+        get_backend("openvino").compile(
+            model, inputs, cache=CacheStore(tmp_path, mode="require"), weights_fingerprint="tiny-conv-seed0"
+        )
+
+
+def test_openvino_with_the_cache_off_compiles_in_memory_and_writes_nothing(model_and_inputs, tmp_path):
+    skip_unless_available("openvino")
+    model, inputs, expected = model_and_inputs
+    backend = get_backend("openvino")
+    run = backend.compile(model, inputs, cache=CacheStore(tmp_path, mode="off"), weights_fingerprint="tiny-conv-seed0")
+    assert_plain_and_close(run(*inputs), expected, backend.float32_tolerance)
+    assert list(tmp_path.iterdir()) == []
+    with pytest.raises(MemfitError, match="compile again"):
+        run(torch.randn(2, 4, 8, 8))
 
 
 # -- onnxruntime ---------------------------------------------------------------------------------

@@ -8,6 +8,11 @@ one cache entry.
 
 from __future__ import annotations
 
+import json
+import os
+import subprocess
+import sys
+
 import numpy as np
 import pytest
 import torch
@@ -191,3 +196,71 @@ def test_onnxruntime_artifact_shared_by_content(tmp_path):
         outputs.append(out)
     assert torch.equal(outputs[0], outputs[1])
     assert len(store.ls("compiled")) == 1
+
+
+_OPENVINO_START = """
+import json, sys
+import numpy as np
+import torch
+import memfit.backends.openvino as openvino_backend
+from memfit.compile import compile_components
+from memfit.testing import build_pipeline
+
+if sys.argv[1] == "warm":  # served from the store, or this start fails
+    def converted_again(*args, **kwargs):
+        raise AssertionError("the openvino backend converted a model instead of loading the stored one")
+    openvino_backend._convert = converted_again
+
+def images(pipe):
+    return pipe("a red house", num_inference_steps=2, guidance_scale=3.0, width=32, height=32,
+                generator=torch.Generator().manual_seed(0), output_type="pt").images
+
+pipe = build_pipeline("sd", seed=0)
+with torch.inference_mode():
+    eager = images(pipe)
+records = compile_components(pipe, {"unet": "openvino", "vae": "openvino", "text_encoder": "openvino"})
+with torch.inference_mode():
+    runs = [images(pipe) for _ in range(3)]
+    decoded = pipe.vae.decode(torch.randn(1, 4, 4, 4)).sample  # a dataclass output, rebuilt from the store
+np.save(sys.argv[2], np.stack([eager.numpy()] + [run.numpy() for run in runs]))  # .numpy(): failure 5
+print(json.dumps({
+    "types": sorted({type(t).__name__ for t in [*runs, decoded]}),
+    "records": sorted([r.component, r.entry, r.status] for r in records),
+}))
+"""
+
+
+def _openvino_start(phase, out, env):
+    run = subprocess.run(
+        [sys.executable, "-c", _OPENVINO_START, phase, str(out)], capture_output=True, text=True, timeout=600, env=env
+    )
+    assert run.returncode == 0, run.stderr[-3000:]
+    return json.loads(run.stdout.strip().splitlines()[-1]), np.load(out)
+
+
+def test_openvino_compiled_once_then_loaded_in_a_fresh_process(tmp_path):
+    """A second start loads every OpenVINO model from memfit's store (MEMFIT_CACHE=require: a miss
+    is an error, and converting is refused), with plain tensors equal to the first start's."""
+    _skip_unless("openvino")
+    from memfit.cache import CacheStore
+
+    env = {**os.environ, "HF_HUB_OFFLINE": "1"}  # MEMFIT_CACHE_DIR: this test's private store
+    cold_info, cold = _openvino_start("cold", tmp_path / "cold.npy", env)
+    warm_info, warm = _openvino_start("warm", tmp_path / "warm.npy", {**env, "MEMFIT_CACHE": "require"})
+
+    expected_records = [
+        ["text_encoder", "forward", "compiled"], ["unet", "forward", "compiled"],
+        ["vae", "decode", "compiled"], ["vae", "encode", "pending"],
+    ]
+    for info in (cold_info, warm_info):
+        assert info == {"types": ["Tensor"], "records": expected_records}
+    tolerance = get_backend("openvino").float32_tolerance
+    for arrays in (cold, warm):
+        eager, runs = arrays[0], arrays[1:]
+        assert all(np.abs(run - eager).max() <= tolerance for run in runs)
+        assert all(np.array_equal(run, runs[0]) for run in runs)  # run 1, 2 and 3 alike
+    assert np.array_equal(warm[1:], cold[1:])  # a cached start gives what the first start gave
+    store = CacheStore(os.environ["MEMFIT_CACHE_DIR"])
+    entries = store.ls("compiled")
+    assert len(entries) == 4 and {e.parts["backend"] for e in entries} == {"openvino"}  # + decode 1x4x4x4
+    assert store.verify() == []

@@ -208,6 +208,9 @@ def module_fingerprint(module: torch.nn.Module) -> str:
         try:
             items = dict(config.to_dict() if hasattr(config, "to_dict") else config)
             items.pop("_name_or_path", None)
+            # diffusers lists the defaulted keys in set order, which differs between processes
+            # (string hashing is salted); the values themselves are all in the config anyway.
+            items.pop("_use_default_values", None)
             digest.update(json.dumps(items, sort_keys=True, default=str).encode())
         except Exception:  # an exotic config: the tensors still identify the weights
             pass

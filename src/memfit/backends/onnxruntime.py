@@ -11,7 +11,6 @@ with others is an error that says so (compile again for those shapes).
 
 from __future__ import annotations
 
-import hashlib
 import importlib.util
 import json
 import tempfile
@@ -20,6 +19,7 @@ from typing import Any, Callable, Mapping, Sequence
 
 import torch
 
+from memfit.backends._common import graph_id, tensor_signature
 from memfit.backends.base import Availability, Backend
 from memfit.backends.outputs import plain_outputs
 from memfit.backends.torch_settings import preserved_torch_settings
@@ -77,7 +77,7 @@ class ONNXRuntimeBackend(Backend):
 
             key = compile_key(
                 weights_fingerprint=weights_fingerprint,
-                graph=_graph_id(fn),
+                graph=graph_id(fn),
                 input_signature=signature,
                 backend=self.name,
                 backend_options={"opset": opts["opset"]},  # providers act at load, not in the file
@@ -92,30 +92,12 @@ class ONNXRuntimeBackend(Backend):
 
 
 def _input_signature(example_inputs: Sequence[Any]) -> list[list[Any]]:
-    signature = []
-    for index, value in enumerate(example_inputs):
-        if not isinstance(value, torch.Tensor):
-            raise MemfitError(
-                f"Backend 'onnxruntime' takes tensor inputs only; input {index} is "
-                f"{type(value).__name__}. Bind non-tensor arguments with functools.partial first."
-            )
-        if value.dtype == torch.bfloat16:
-            raise MemfitError(
-                "Backend 'onnxruntime' cannot feed bfloat16 inputs (numpy has no bfloat16); "
-                "run this component in float32 or float16."
-            )
-        signature.append([list(value.shape), str(value.dtype)])
-    return signature
-
-
-def _graph_id(fn: Callable[..., Any]) -> str:
-    """What identifies the computation besides its weights: the module's class and structure."""
-    if isinstance(fn, torch.nn.Module):
-        cls = type(fn)
-        return f"{cls.__module__}.{cls.__qualname__}:{hashlib.sha256(repr(fn).encode()).hexdigest()[:16]}"
-    code = getattr(fn, "__code__", None)
-    body = hashlib.sha256(code.co_code).hexdigest()[:16] if code is not None else "nocode"
-    return f"{getattr(fn, '__module__', '?')}.{getattr(fn, '__qualname__', repr(fn))}:{body}"
+    if any(isinstance(v, torch.Tensor) and v.dtype == torch.bfloat16 for v in example_inputs):
+        raise MemfitError(
+            "Backend 'onnxruntime' cannot feed bfloat16 inputs (numpy has no bfloat16); "
+            "run this component in float32 or float16."
+        )
+    return tensor_signature("onnxruntime", example_inputs)
 
 
 def _export(fn: Callable[..., Any], example_inputs: Sequence[Any], out_dir: Path, opset: int | None) -> dict[str, Any]:

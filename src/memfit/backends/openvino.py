@@ -1,39 +1,81 @@
-"""OpenVINO through its torch.compile backend (``openvino.torch``).
+"""OpenVINO: capture the module with ``torch.export``, convert it to an OpenVINO model, run it in
+OpenVINO's runtime, and keep the compiled model in memfit's store.
 
-Three things learned the hard way (openvino 2026.4, torch 2.13, CPU), each handled here:
+What is stored: given ``cache=`` (a store that is on) and a ``weights_fingerprint``, one entry
+holding ``model.blob`` (the compiled model, from ``CompiledModel.export_model()``) and
+``outputs.json`` (how to rebuild the module's output structure from OpenVINO's flat outputs, so
+a cached start needs no eager call to learn it). The key covers the weights/entry fingerprint, the
+graph, the input signature (shapes, dtypes), the OpenVINO device with its name and capabilities,
+the OpenVINO properties (precision hint included), the openvino, torch and memfit versions, and
+memfit's cache format. A start that finds the entry imports the blob from a memory map
+(``Core.import_model``): no torch.export, no conversion, no OpenVINO transformation pipeline.
+The blob rather than the IR (model.xml/.bin): importing it from a map was the fastest warm load
+measured (SD1.5 UNet fp32, 2 shared CPUs under load: 3.5-4.9 s, against 4.4-6.9 s compiling the
+IR and 15-17 s importing it from bytes, with 3 GB more peak memory), and it is what a GPU needs
+to skip kernel compilation. Without a store (``cache=None``, MEMFIT_CACHE=0, or no fingerprint)
+the same route runs in memory and nothing is written; MEMFIT_CACHE=require raises on a missing
+entry instead of compiling.
 
-* ``import openvino.torch`` sets ``torch._dynamo.config.inline_inbuilt_nn_modules = False`` for the
-  whole process. We import and compile inside ``preserved_torch_settings()`` (so the user's
-  process keeps its setting) and apply the value OpenVINO expects only around our own calls.
-* With default options its backend fails on conv models (IndexError in symbolic_shapes
-  ``issue_guard``); ``aot_autograd=True`` works, so it is our default.
-* Its CPU plugin defaults to bf16 inference on CPUs that support it; we pin
-  ``INFERENCE_PRECISION_HINT`` to the dtype the model runs in, so fp32 stays fp32.
+OpenVINO's own caches stay refused, because memfit must be the only writer of what it loads:
 
-OpenVINO's own "model_caching" option is refused: it is what swapped weights for fake tensors
-and broke the second generation (failure 5 of DESIGN.md).
+* ``model_caching`` (an option of OpenVINO's torch.compile backend) swapped weights for fake
+  tensors and broke the second generation (failure 5 of DESIGN.md).
+* ``CACHE_DIR`` makes OpenVINO write blobs it names itself (its key of an in-memory model also
+  differs from that of the same model read back from IR, so it recompiles), outside memfit's
+  checksums and eviction; and with openvino 2026.4 a model that OpenVINO loaded from its
+  CACHE_DIR exports a stream that ``import_model`` cannot read.
+
+Learned on openvino 2026.4, torch 2.13, CPU:
+
+* The CPU plugin defaults to bf16 inference on CPUs that support it, also when importing a blob
+  compiled for f32: ``INFERENCE_PRECISION_HINT`` is pinned to the dtype the model runs in, at
+  compile and at import, so fp32 stays fp32.
+* ``convert_model`` of an ExportedProgram marks input dimensions dynamic; the model is reshaped to
+  the example shapes (static shapes compile to faster kernels; calls are checked against them).
+* ``torch.jit.trace`` (convert_model's default for a module) refuses a function that closes over
+  parameters needing grad, which is what memfit.compile hands over; ``torch.export`` takes it.
+* Nothing here imports ``openvino.torch`` (OpenVINO's torch.compile backend, which changes a
+  dynamo setting for the whole process); capture and conversion still run inside
+  ``preserved_torch_settings()``, so nothing torch.export or the frontend sets leaks out.
 """
 
 from __future__ import annotations
 
-import contextlib
+import functools
 import importlib.util
-from typing import Any, Callable, Iterator, Mapping, Sequence
+import json
+import threading
+from pathlib import Path
+from typing import Any, Callable, Mapping, Sequence
 
-from memfit.backends._common import returning_plain_tensors, run_dtype, warm_up
+import torch
+
+from memfit.backends._common import check_signature, graph_id, run_dtype, tensor_signature, uses_store
 from memfit.backends.base import Availability, Backend
+from memfit.backends.outputs import plain_outputs
 from memfit.backends.torch_settings import preserved_torch_settings
 from memfit.errors import MemfitError
 
+MODEL_FILE = "model.blob"
+OUTPUTS_FILE = "outputs.json"
+# Part of the key; bump it when what an entry holds changes, so older entries miss, not misread.
+_ENTRY_FORMAT = "openvino-export/1"
+
+# Output leaves that are not tensors but can be stored (in outputs.json) and returned as they are.
+_CONSTANT_TYPES = (type(None), bool, int, float, str)
 _PRECISION_HINTS = {"torch.float32": "f32", "torch.float16": "f16", "torch.bfloat16": "bf16"}
+# Properties that would make OpenVINO (or its torch.compile backend) cache on its own; see above.
+_REFUSED_CONFIG = {
+    "model_caching": "it replaces weights with fake tensors and breaks the second run",
+    "CACHE_DIR": "OpenVINO would write files outside memfit's checksummed store",
+}
 
 
 class OpenVINOBackend(Backend):
     name = "openvino"
     float32_tolerance = 1e-4
     default_options: Mapping[str, Any] = {
-        "device": "CPU",  # OpenVINO device: "CPU", "GPU" (Intel iGPU/dGPU), "NPU", "AUTO"
-        "aot_autograd": True,
+        "device": "CPU",  # OpenVINO device: "CPU", "GPU" (Intel iGPU/dGPU), "NPU"
         "config": {},  # OpenVINO properties; INFERENCE_PRECISION_HINT defaults to the run dtype
     }
 
@@ -58,37 +100,302 @@ class OpenVINOBackend(Backend):
         cache: Any = None,
         weights_fingerprint: str | None = None,
     ) -> Callable[..., Any]:
-        import torch
-
         opts = self.resolve_options(options)
         self.require_available()
-        if "model_caching" in opts["config"]:
+        _refuse_own_caching(opts["config"])
+        signature = tensor_signature(self.name, example_inputs)
+        device = opts["device"]
+        ov_config = {"INFERENCE_PRECISION_HINT": _precision_hint(example_inputs), **opts["config"]}
+
+        if not uses_store(cache, weights_fingerprint):
+            model, layout = _convert(fn, example_inputs)
+            return _runner(_compile_model(model, device, ov_config), layout, signature)
+
+        key = _cache_key(weights_fingerprint, graph_id(fn), signature, device, ov_config)
+
+        def build(out_dir: Path) -> dict[str, Any]:
+            return _build_entry(fn, example_inputs, device, ov_config, out_dir)
+
+        entry = cache.get_or_build(key, build)  # raises on a miss under MEMFIT_CACHE=require
+        compiled, layout, blob = _load_entry(entry, device, ov_config)
+        return _runner(compiled, layout, signature, keep_alive=blob)
+
+
+# -- options and keys ----------------------------------------------------------------------------
+
+
+def _refuse_own_caching(config: Mapping[str, Any]) -> None:
+    for name, why in _REFUSED_CONFIG.items():
+        if name in config:
             raise MemfitError(
-                "OpenVINO's model_caching is not supported by memfit: it replaces weights with "
-                "fake tensors and breaks the second run. Remove it; memfit caches artifacts itself."
+                f"OpenVINO's {name} is not supported by memfit: {why}. Remove it from the "
+                "openvino backend's config; memfit stores compiled models itself (MEMFIT_CACHE_DIR)."
             )
-        dtype = run_dtype(example_inputs)
-        ov_config = {"INFERENCE_PRECISION_HINT": _PRECISION_HINTS.get(str(dtype), "f32"), **opts["config"]}
-        backend_options = {"device": opts["device"], "aot_autograd": opts["aot_autograd"], "config": ov_config}
-
-        with preserved_torch_settings():
-            try:
-                import openvino.torch  # noqa: F401  (registers the "openvino" dynamo backend)
-            except ImportError as exc:
-                raise MemfitError(
-                    f"Backend 'openvino' could not import openvino.torch ({exc}); reinstall with "
-                    "pip install memfit[openvino], or use backend='eager'."
-                ) from exc
-            compiled = torch.compile(fn, backend="openvino", options=backend_options)
-            run = returning_plain_tensors(compiled, settings=_openvino_call_settings)
-            warm_up(run, example_inputs)
-        return run
 
 
-@contextlib.contextmanager
-def _openvino_call_settings() -> Iterator[None]:
-    """What openvino.torch would set for the whole process, applied only while our graph runs."""
-    import torch
+def _precision_hint(example_inputs: Sequence[Any]) -> str:
+    return _PRECISION_HINTS.get(str(run_dtype(example_inputs)), "f32")
 
-    with preserved_torch_settings(), torch._dynamo.config.patch(inline_inbuilt_nn_modules=False):
-        yield
+
+def _cache_key(
+    weights_fingerprint: str, graph: str, signature: list[list[Any]], device: str, ov_config: Mapping[str, Any]
+) -> Any:
+    from memfit.cache import compile_key
+
+    return compile_key(
+        weights_fingerprint=weights_fingerprint,
+        graph=graph,
+        input_signature=signature,
+        backend="openvino",
+        backend_options={
+            "entry_format": _ENTRY_FORMAT,
+            "device": device,
+            "device_identity": _device_identity(device),
+            "config": _json_config(ov_config),
+        },
+        backend_distributions=("openvino",),
+    )
+
+
+def _device_identity(device: str) -> dict[str, Any]:
+    """What the compiled blob depends on besides the model: the device's model and instruction
+    sets (a blob compiled for AVX-512 must not be imported on an AVX2 machine sharing the cache)."""
+    core = _core()
+    try:
+        name = core.get_property(device, "FULL_DEVICE_NAME")
+        capabilities = core.get_property(device, "OPTIMIZATION_CAPABILITIES")
+    except RuntimeError as exc:
+        raise MemfitError(
+            f"OpenVINO device {device!r} is not usable here ({exc}); devices found: "
+            f"{', '.join(core.available_devices) or 'none'}. Set the openvino backend's device option."
+        ) from exc
+    return {"name": str(name), "capabilities": sorted(str(c) for c in capabilities)}
+
+
+def _json_config(config: Mapping[str, Any]) -> dict[str, Any]:
+    # OpenVINO's property values may be its own enums (e.g. hint.PerformanceMode.LATENCY), which
+    # are not JSON; their str() is stable, so that is what the key holds.
+    plain = (str, int, float, bool, type(None))
+    return {str(k): v if isinstance(v, plain) else str(v) for k, v in config.items()}
+
+
+# -- capture, convert, compile ------------------------------------------------------------------
+
+
+def _convert(fn: Callable[..., Any], example_inputs: Sequence[Any]) -> tuple[Any, "_OutputLayout"]:
+    """``fn`` as a static-shape ov.Model, and the layout of its outputs."""
+    import openvino as ov
+
+    # Not an attribute of the wrapper: torch.export reverts attribute changes of the module it
+    # traces, so the layout found while tracing is handed out through a plain callable.
+    layouts: list[_OutputLayout] = []
+    wrapper = _FlatOutputs(fn, layouts.append)
+    # Distinct copies: given one tensor object twice, the converter drops one of the two inputs,
+    # and the model would take fewer inputs than the callers pass.
+    example = tuple(t.detach().clone() for t in example_inputs)
+    with preserved_torch_settings(), torch.no_grad():
+        try:
+            exported = torch.export.export(wrapper, example, strict=False)
+            model = ov.convert_model(exported)
+        except MemfitError:
+            raise
+        except Exception as exc:
+            raise MemfitError(
+                f"Backend 'openvino' could not capture {_name_of(fn)} with torch.export and convert "
+                f"it ({type(exc).__name__}: {exc}). Use another backend for this component "
+                "(e.g. backend='inductor' or 'eager')."
+            ) from exc
+    expected = list(exported.graph_signature.user_inputs)
+    if [port.get_any_name() for port in model.inputs] != expected:
+        raise MemfitError(
+            f"OpenVINO converted {_name_of(fn)} to a model with inputs "
+            f"{[port.get_any_name() for port in model.inputs]}, not {expected}, so it cannot be "
+            "fed positionally. Use another backend for this component (e.g. backend='inductor')."
+        )
+    model.reshape({port: ov.PartialShape(list(t.shape)) for port, t in zip(model.inputs, example_inputs)})
+    return model, layouts[-1]
+
+
+@functools.lru_cache(maxsize=None)
+def _core() -> Any:
+    """One OpenVINO Core per process, so each device plugin is loaded once."""
+    import openvino as ov
+
+    return ov.Core()
+
+
+def _compile_model(model: Any, device: str, ov_config: Mapping[str, Any]) -> Any:
+    try:
+        return _core().compile_model(model, device, dict(ov_config))
+    except RuntimeError as exc:
+        raise MemfitError(
+            f"OpenVINO could not compile the model for device {device!r} ({exc}). Check the "
+            "openvino backend's device and config options, or use another backend."
+        ) from exc
+
+
+def _build_entry(
+    fn: Callable[..., Any], example_inputs: Sequence[Any], device: str, ov_config: Mapping[str, Any], out_dir: Path
+) -> dict[str, Any]:
+    """Write the store entry's files into ``out_dir`` (the store's staging directory)."""
+    import io
+
+    model, layout = _convert(fn, example_inputs)
+    layout_json = layout.to_json()  # fails early, before compiling, on an output it cannot store
+    compiled = _compile_model(model, device, ov_config)
+    del model  # the compiled model holds its own copy of the weights
+    stream = io.BytesIO()  # export_model accepts only a BytesIO, not a file
+    try:
+        compiled.export_model(stream)
+    except RuntimeError as exc:
+        raise MemfitError(
+            f"OpenVINO device {device!r} cannot export compiled models ({exc}), so memfit cannot "
+            "store them: run with MEMFIT_CACHE=0, or use device='CPU'."
+        ) from exc
+    (out_dir / MODEL_FILE).write_bytes(stream.getbuffer())
+    (out_dir / OUTPUTS_FILE).write_text(layout_json)
+    return {"outputs": layout.tensor_count, "device": device}
+
+
+def _load_entry(entry: Path, device: str, ov_config: Mapping[str, Any]) -> tuple[Any, "_OutputLayout", Any]:
+    """Import a verified store entry (``entry`` comes from the store, which checked every file).
+
+    Returns the compiled model, the output layout, and the mapped blob, which must outlive the
+    compiled model: a model imported from shared memory keeps pointing into it (freeing the map
+    first crashes the first inference).
+    """
+    import numpy as np
+    import openvino as ov
+
+    layout = _OutputLayout.from_json((entry / OUTPUTS_FILE).read_text(encoding="utf-8"))
+    # Map the blob instead of reading it: the weights are not copied, and stay in the page cache
+    # the checksum just filled. Copy-on-write ("c") because ov.Tensor wants a writable array;
+    # the file itself is never written (store entries are replaced by rename, never in place).
+    blob = np.memmap(entry / MODEL_FILE, dtype=np.uint8, mode="c")
+    try:
+        # The precision hint again: without it the CPU plugin imports an f32 blob as bf16.
+        compiled = _core().import_model(ov.Tensor(blob, shared_memory=True), device, dict(ov_config))
+    except RuntimeError as exc:
+        raise MemfitError(
+            f"OpenVINO could not import the stored model {entry / MODEL_FILE} ({exc}). Remove it "
+            "with `memfit cache clear --kind compiled` so that it is compiled again."
+        ) from exc
+    return compiled, layout, blob
+
+
+# -- running ---------------------------------------------------------------------------------------
+
+
+def _runner(
+    compiled: Any, layout: "_OutputLayout", signature: list[list[Any]], keep_alive: Any = None
+) -> Callable[..., Any]:
+    """The callable compile() returns; ``keep_alive`` (what the compiled model reads from) lives
+    as long as it does."""
+    request = compiled.create_infer_request()
+    # One infer request reuses its output buffers; calls from two threads must not interleave.
+    lock = threading.Lock()
+    count = len(compiled.outputs)
+
+    def run(*args: Any) -> Any:
+        check_signature("openvino", args, signature)
+        feeds = [_to_openvino(a) for a in args]
+        with lock:
+            request.infer(feeds)
+            outputs = [_to_torch(request.get_output_tensor(i)) for i in range(count)]
+        return plain_outputs(layout.rebuild(outputs))
+
+    run.compiled_model = compiled  # type: ignore[attr-defined]  (for inspection and tests)
+    run._keep_alive = keep_alive  # type: ignore[attr-defined]
+    return run
+
+
+def _to_openvino(tensor: Any) -> Any:
+    import openvino as ov
+
+    tensor = tensor.detach().cpu().contiguous()
+    if tensor.dtype == torch.bfloat16:  # numpy has no bfloat16: hand over the bits
+        return ov.Tensor(tensor.view(torch.int16).numpy(), list(tensor.shape), ov.Type.bf16)
+    return tensor.numpy()
+
+
+def _to_torch(tensor: Any) -> Any:
+    import numpy as np
+    import openvino as ov
+
+    # A copy: OpenVINO overwrites its output buffer on the next call, and the caller owns this.
+    data = np.array(tensor.data)
+    if tensor.element_type == ov.Type.bf16:  # numpy shows bf16 bits as float16; reinterpret
+        return torch.from_numpy(data.view(np.int16)).view(torch.bfloat16)
+    return torch.from_numpy(data)
+
+
+# -- output structure ----------------------------------------------------------------------------
+
+
+class _OutputLayout:
+    """Where a module's outputs go: its pytree structure, and which leaves are constants (e.g.
+    None) rather than tensors. Stored next to the blob, so a cached start needs no eager call."""
+
+    def __init__(self, spec: Any, constants: dict[int, Any]) -> None:
+        self.spec = spec
+        self.constants = constants
+
+    @property
+    def tensor_count(self) -> int:
+        return self.spec.num_leaves - len(self.constants)
+
+    def rebuild(self, tensors: list[Any]) -> Any:
+        from torch.utils._pytree import tree_unflatten
+
+        remaining = iter(tensors)
+        leaves = [self.constants[i] if i in self.constants else next(remaining) for i in range(self.spec.num_leaves)]
+        return tree_unflatten(leaves, self.spec)
+
+    def to_json(self) -> str:
+        from torch.utils._pytree import treespec_dumps
+
+        try:
+            spec = treespec_dumps(self.spec)
+        except Exception as exc:  # pytree raises several types for an unregistered output class
+            raise MemfitError(
+                f"Backend 'openvino' cannot store this component: its output structure "
+                f"({self.spec}) is not serializable ({exc}). Run with MEMFIT_CACHE=0, or return "
+                "tuples, dicts or diffusers/transformers output classes."
+            ) from exc
+        return json.dumps({"spec": spec, "constants": [[i, v] for i, v in sorted(self.constants.items())]})
+
+    @classmethod
+    def from_json(cls, text: str) -> "_OutputLayout":
+        from torch.utils._pytree import treespec_loads
+
+        raw = json.loads(text)
+        return cls(treespec_loads(raw["spec"]), {int(i): v for i, v in raw["constants"]})
+
+
+class _FlatOutputs(torch.nn.Module):
+    """``fn`` as a module returning a flat tuple of tensors (what OpenVINO models return); the
+    structure it flattened goes to ``found_layout`` while torch.export traces it."""
+
+    def __init__(self, fn: Callable[..., Any], found_layout: Callable[["_OutputLayout"], None]) -> None:
+        super().__init__()
+        self.fn = fn  # a module becomes a submodule, so its weights are parameters of the export
+        self.found_layout = found_layout
+
+    def forward(self, *inputs: Any) -> tuple[torch.Tensor, ...]:
+        from torch.utils._pytree import tree_flatten
+
+        leaves, spec = tree_flatten(self.fn(*inputs))
+        constants = {i: leaf for i, leaf in enumerate(leaves) if not isinstance(leaf, torch.Tensor)}
+        odd = sorted({type(v).__name__ for v in constants.values() if not isinstance(v, _CONSTANT_TYPES)})
+        if odd:
+            raise MemfitError(
+                f"Backend 'openvino' supports outputs made of tensors, None, numbers and strings; "
+                f"{_name_of(self.fn)} also returns {', '.join(odd)}. Use backend='inductor' or "
+                "'eager' for this component."
+            )
+        self.found_layout(_OutputLayout(spec, constants))
+        return tuple(leaf for leaf in leaves if isinstance(leaf, torch.Tensor))
+
+
+def _name_of(fn: Callable[..., Any]) -> str:
+    return getattr(fn, "__qualname__", type(fn).__name__)
