@@ -91,14 +91,13 @@ def _sd(scale: int, text_layers: int):
     )
 
 
-def _sdxl(scale: int, text_layers: int):
-    from diffusers import EulerDiscreteScheduler, StableDiffusionXLPipeline, UNet2DConditionModel
+def sdxl_unet(scale: int, *, pooled_dim: int, time_ids: int, cross_attention_dim: int):
+    """The tiny SDXL-style UNet of the base and of the refiner: added conditions are the pooled
+    text embedding (pooled_dim) plus `time_ids` embedded time ids."""
+    from diffusers import UNet2DConditionModel
 
-    tokenizer = clip_tokenizer()
-    hidden = 16 * scale
-    projection = 16 * scale
     time_embed = 8
-    unet = UNet2DConditionModel(
+    return UNet2DConditionModel(
         block_out_channels=(16 * scale, 32 * scale),
         layers_per_block=1,
         sample_size=16,
@@ -111,10 +110,20 @@ def _sdxl(scale: int, text_layers: int):
         addition_embed_type="text_time",
         addition_time_embed_dim=time_embed,
         transformer_layers_per_block=(1, 2),
-        projection_class_embeddings_input_dim=projection + 6 * time_embed,
-        cross_attention_dim=2 * hidden,
+        projection_class_embeddings_input_dim=pooled_dim + time_ids * time_embed,
+        cross_attention_dim=cross_attention_dim,
         norm_num_groups=8,
     )
+
+
+def _sdxl(scale: int, text_layers: int):
+    from diffusers import EulerDiscreteScheduler, StableDiffusionXLPipeline
+
+    tokenizer = clip_tokenizer()
+    hidden = 16 * scale
+    projection = 16 * scale
+    # Six time ids: original size, crop, target size (each (h, w)).
+    unet = sdxl_unet(scale, pooled_dim=projection, time_ids=6, cross_attention_dim=2 * hidden)
     scheduler = EulerDiscreteScheduler(
         beta_start=0.00085, beta_end=0.012, beta_schedule="scaled_linear", timestep_spacing="leading", steps_offset=1
     )

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import torch
 
-from .pipelines import build_pipeline
+from .pipelines import build_pipeline, sdxl_unet
 from .tokenizers import clip_tokenizer
 
 # How many time ids the refiner's UNet sees: original (h, w), crop (top, left), aesthetic score.
@@ -26,29 +26,15 @@ _REFINER_TIME_IDS = 5
 def build_refiner(base, *, seed: int = 1, scale: int = 1):
     """A tiny SDXL refiner sharing `base`'s VAE and text_encoder_2 objects (and a copy of its
     tokenizer_2 and scheduler config), in eval mode, progress bar off."""
-    from diffusers import EulerDiscreteScheduler, StableDiffusionXLImg2ImgPipeline, UNet2DConditionModel
+    from diffusers import EulerDiscreteScheduler, StableDiffusionXLImg2ImgPipeline
 
     text_encoder_2 = base.text_encoder_2
-    hidden = text_encoder_2.config.hidden_size
-    projection = text_encoder_2.config.projection_dim
-    time_embed = 8
     torch.manual_seed(seed)
-    unet = UNet2DConditionModel(
-        block_out_channels=(16 * scale, 32 * scale),
-        layers_per_block=1,
-        sample_size=16,
-        in_channels=4,
-        out_channels=4,
-        down_block_types=("DownBlock2D", "CrossAttnDownBlock2D"),
-        up_block_types=("CrossAttnUpBlock2D", "UpBlock2D"),
-        attention_head_dim=(2, 4),
-        use_linear_projection=True,
-        addition_embed_type="text_time",
-        addition_time_embed_dim=time_embed,
-        transformer_layers_per_block=(1, 2),
-        projection_class_embeddings_input_dim=projection + _REFINER_TIME_IDS * time_embed,
-        cross_attention_dim=hidden,  # the refiner sees text_encoder_2's hidden states only
-        norm_num_groups=8,
+    unet = sdxl_unet(
+        scale,
+        pooled_dim=text_encoder_2.config.projection_dim,
+        time_ids=_REFINER_TIME_IDS,
+        cross_attention_dim=text_encoder_2.config.hidden_size,  # the refiner sees text_encoder_2's hidden states only
     ).eval()
     refiner = StableDiffusionXLImg2ImgPipeline(
         vae=base.vae,
