@@ -170,6 +170,7 @@ def render(rows: list[dict], args: dict) -> str:
     def gib(value):
         return "-" if value is None else f"{value / GiB:.2f}"
 
+    rounds = args.get("repeat", 1)
     lines = [
         f"# Memory ladder: {args['arch']}, {args['dtype']} run from {args.get('file_dtype', 'fp32')} files, "
         f"{args['size']}x{args['size']}, {args['steps']} steps, guidance 7.5",
@@ -185,13 +186,12 @@ def render(rows: list[dict], args: dict) -> str:
         "memfit ran with MEMFIT_CACHE=0, so every run encoded its prompt." if args.get("prompt_cache") == "off" else
         "memfit's prompt cache was on in this run: runs after the first reused the prompt embeddings and skipped "
         "the encode stage (under 1 s instead of several).",
+        *([f"{rounds} rounds, interleaved; wall s is the median (every round's in the JSON), peaks the largest."]
+          if rounds > 1 else []),
         "",
         "| cap GiB | system | result | wall s | cgroup peak GiB | peak RSS GiB | load peak RSS GiB | planned peak GiB | plan error |",
         "|---|---|---|---|---|---|---|---|---|",
     ]
-    rounds = args.get("repeat", 1)
-    if rounds > 1:
-        lines[-3:-3] = [f"{rounds} rounds, interleaved; wall s is the median (every round's in the JSON), peaks the largest.", ""]
     for r in aggregate(rows):
         done = r["completed"]
         result = "ok" if done else ("killed" if r["killed"] else "failed")
