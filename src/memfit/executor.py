@@ -330,7 +330,7 @@ def _apply_component(name, module, component_blocks, tiers, state: _State, model
                 if tier == DISK and is_param:
                     if files is None:
                         files = _open_files(name, module, model_dir)
-                    mapped = _checked_view(files, name, full_name, tensor, module)
+                    mapped = _checked_mapping(files, name, full_name, tensor, module)
                     slot = Slot(owner, attr, tensor, home=mapped, kind="mmap")
                     state.slots.append(slot)
                     # The hook converts / copies it for each forward, or (same dtype, CPU) reads it
@@ -369,7 +369,7 @@ def _open_files(name: str, module, model_dir) -> MappedSafetensors:
     )
 
 
-def _checked_view(files: MappedSafetensors, component: str, full_name: str, tensor, module) -> Shared:
+def _checked_mapping(files: MappedSafetensors, component: str, full_name: str, tensor, module) -> Shared:
     prefix = getattr(module, "base_model_prefix", "") or ""
     for key in (full_name, f"{prefix}.{full_name}", full_name.removeprefix(prefix + ".")):
         if key in files:
