@@ -160,7 +160,8 @@ def render(rows: list[dict]) -> str:
         "",
         "Measured by `benchmarks/calibrate_activations.py`: one forward of one real-size component (random weights) "
         "in a fresh process, peak RSS (VmHWM) minus RSS before the forward, after a tiny warm-up forward at 64 px "
-        "(so weights and kernels are already resident). Shape model: `memfit.meta.activation_elements`. memfit's "
+        "(so weights and kernels are already resident), with the allocator setting memfit uses under a budget "
+        "(`memfit.memory.return_large_frees_to_os`: glibc's mmap threshold at 16 MiB). Shape model: `memfit.meta.activation_elements`. memfit's "
         "`ACTIVATION_FACTORS` / `ACTIVATION_OFFSETS` are the least-squares fit below; 'memfit estimate' is what they "
         "give for each measured case now.",
         "",

@@ -179,9 +179,9 @@ def render(rows: list[dict], args: dict) -> str:
         "is evicted first and counted against the cap. memfit runs with its budget set to the cap. Peak RSS is the",
         "kernel's high-water mark (VmHWM); memfit resets it per stage and reports the largest stage. The cgroup peak",
         "includes page cache, which the kernel reclaims under a cap. memfit loads and runs one stage at a time, so",
-        "it has no separate load-time peak. Planned peak: memfit's prediction for its largest stage (process memory",
-        "at stage start + resident weights + streaming window + activations); error = (measured - planned) / planned,",
-        "worst stage.",
+        "it has no separate load-time peak. Planned peak: memfit's predicted peak RSS for its largest stage (process",
+        "memory at stage start + resident weights + the running streamed block + activations; the block read ahead",
+        "is page cache, which the plan fits into the budget too); error = (measured - planned) / planned, worst stage.",
         "",
         "memfit ran with MEMFIT_CACHE=0, so every run encoded its prompt." if args.get("prompt_cache") == "off" else
         "memfit's prompt cache was on in this run: runs after the first reused the prompt embeddings and skipped "

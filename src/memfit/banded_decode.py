@@ -43,7 +43,7 @@ __all__ = [
     "unsupported_reason_for_config",
 ]
 
-DEFAULT_BAND_BYTES = 16 * 2**20  # temporaries of one band; small against any full-resolution tensor
+DEFAULT_BAND_BYTES = 16 * 2**20  # temporaries of one band; each under memory.HEAP_MMAP_THRESHOLD, so reused from the heap
 _MARK = "_memfit_banded"
 
 

@@ -88,6 +88,16 @@ def is_optimized(pipe) -> bool:
     return STATE_ATTR in vars(pipe)
 
 
+def reads_in_place(pipe) -> bool:
+    """True when every streamed weight of ``pipe`` is used straight from its memory map (CPU, file
+    dtype = run dtype): a block read ahead then sits in the page cache and is mapped into this
+    process only while it runs, instead of being a copy in the process's memory."""
+    state = vars(pipe).get(STATE_ATTR)
+    return state is not None and not state.runtime.is_cuda and all(
+        slot.home_tensor().dtype == slot.dtype for slot in state.slots if slot.kind == "mmap"
+    )
+
+
 def optimize(
     pipe,
     budget: BudgetLike | None = None,

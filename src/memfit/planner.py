@@ -102,6 +102,11 @@ class StagePlan:
     def from_disk(self) -> tuple[str, ...]:
         return self.blocks_at(DISK)
 
+    @property
+    def largest_streamed_bytes(self) -> int:
+        """The biggest block streamed in this stage (0 if none): what one running block adds."""
+        return max((p.bytes for p in self.placements if p.where != DEVICE), default=0)
+
 
 @dataclasses.dataclass(frozen=True)
 class Plan:

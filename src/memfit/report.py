@@ -28,8 +28,9 @@ class StageReport:
     # One dict per compiled entry point (memfit.compile.CompileRecord.to_dict()): component, entry,
     # backend asked for, backend_used, status (compiled / fallback / ...), reason, compile_seconds.
     compiled: list = field(default_factory=list)
-    # Under a budget: the peak the plan predicts (process memory at stage start + the stage plan's
-    # resident weights, streaming window and activations) and the activation strategy it chose.
+    # Under a budget: the peak RSS the plan predicts (process memory at stage start + the stage plan's
+    # resident weights, streaming window and activations; a window read in place from memory maps
+    # counts only its running block, the rest is page cache) and the activation strategy it chose.
     planned_peak_bytes: int | None = None
     strategy: str = ""
 
