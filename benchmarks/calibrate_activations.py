@@ -161,7 +161,8 @@ def render(rows: list[dict]) -> str:
         "Measured by `benchmarks/calibrate_activations.py`: one forward of one real-size component (random weights) "
         "in a fresh process, peak RSS (VmHWM) minus RSS before the forward, after a tiny warm-up forward at 64 px "
         "(so weights and kernels are already resident), with the allocator setting memfit uses under a budget "
-        "(`memfit.memory.return_large_frees_to_os`: glibc's mmap threshold at 16 MiB). Shape model: `memfit.meta.activation_elements`. memfit's "
+        "(`memfit.memory.return_large_frees_to_os`: glibc's mmap threshold at 1 MiB; the banded decode raises it "
+        "to its 16 MiB band size while it runs). Shape model: `memfit.meta.activation_elements`. memfit's "
         "`ACTIVATION_FACTORS` / `ACTIVATION_OFFSETS` are the least-squares fit below; 'memfit estimate' is what they "
         "give for each measured case now.",
         "",

@@ -7,9 +7,9 @@ import json
 
 import pytest
 
-from memfit._plan_cli import register
+from memfit._plan_cli import choose_strategies, register, stage_options
 from memfit.archs import get_arch
-from memfit.budget import parse_size
+from memfit.budget import Budget, parse_size
 from memfit.errors import MemfitError
 from memfit.meta import measure_component
 
@@ -60,6 +60,32 @@ def test_fp16_upcasts_a_force_upcast_vae(capsys):
         return next(s for s in plan["stages"] if s["name"] == "decode")["resident_bytes"]
 
     assert decode_bytes("fp16") == decode_bytes("fp32") == 2 * decode_bytes("bf16")
+
+
+def test_strategies_are_chosen_as_a_run_chooses_them(capsys):
+    """SD 1.5 fp32 at 512x512: a roomy budget decodes the plain way; at 1 GiB the plain decode
+    (about 1 GiB of activations) would push the VAE off the device, so the plan shows the banded one,
+    with its smaller activations; split guidance only where the batched denoise cannot be planned."""
+    def planned(budget):
+        report = run_json(["--arch", "sd15", "--dtype", "fp32", "--budget", budget], capsys)
+        stages = {s["name"]: s for s in report["plan"]["stages"]}
+        return report["strategies"], stages
+
+    roomy, roomy_stages = planned("8GiB")
+    assert roomy == {"encode": "plain", "denoise": "batched", "decode": "plain"}
+    tight, tight_stages = planned("1GiB")
+    assert tight["decode"] == "banded" and tight["denoise"] == "batched"
+    assert tight_stages["decode"]["activation_bytes"] < 0.75 * roomy_stages["decode"]["activation_bytes"]
+    _, out = run(["--arch", "sd15", "--dtype", "fp32", "--budget", "1GiB"], capsys)
+    assert "decode: banded instead of plain" in out
+
+    # The denoise alone (at 512x512 no budget fits a split denoise but not the decode): 600 MiB
+    # cannot hold the batched pass (270 MiB) beside two streamed 188 MiB blocks, the split one fits.
+    options = stage_options(get_arch("sd15"), dtype="fp32", width=512, height=512)
+    denoise = [stage for stage in options if stage[0][1].name == "denoise"]
+    stages, chosen = choose_strategies(denoise, Budget(device="600MiB"))
+    assert chosen == {"denoise": "split"}
+    assert stages[0].activation_bytes < roomy_stages["denoise"]["activation_bytes"]
 
 
 def test_too_small_budget_raises_with_the_smallest_that_works(capsys):

@@ -4,7 +4,10 @@
     memfit plan --model ./sdxl-base --budget 6GiB --host 16GiB --json
 
 The architecture comes from a built-in config (archs.py) or from a diffusers folder's
-model_index.json plus each component's config.json; meta.py sizes it, planner.py places it.
+model_index.json plus each component's config.json; meta.py sizes it, planner.py places it. Each
+stage's activation strategy is chosen the way a run chooses it (memfit.activations.choose): the
+banded VAE decode as soon as the plain one would push a weight off the device, split guidance
+passes only when the batched pass cannot be planned.
 """
 
 from __future__ import annotations
@@ -16,11 +19,11 @@ from pathlib import Path
 from typing import Any
 
 from memfit.archs import ARCHS, Arch, ComponentSpec, get_arch, standard_stages
-from memfit.budget import Budget
+from memfit.budget import Budget, format_size
 from memfit.errors import MemfitError
 from memfit.planner import Plan, StageInput, make_plan, stage_input
 
-__all__ = ["build_stages", "load_model_dir", "register", "run_plan"]
+__all__ = ["build_stages", "choose_strategies", "load_model_dir", "register", "run_plan", "stage_options"]
 
 DEFAULT_STEPS = 30
 
@@ -65,30 +68,62 @@ def run_plan(args: argparse.Namespace) -> int:
     if width <= 0 or height <= 0 or args.steps <= 0:
         raise MemfitError(f"--width, --height and --steps must be positive, got {width}, {height}, {args.steps}.")
     budget = Budget(device=args.budget, host=args.host, disk=args.disk)
-    stages = build_stages(arch, dtype=args.dtype, width=width, height=height, steps=args.steps)
+    options = stage_options(arch, dtype=args.dtype, width=width, height=height, steps=args.steps)
+    stages, strategies = choose_strategies(options, budget, prefetch=args.prefetch)
     plan = make_plan(stages, budget, prefetch=args.prefetch)
     if args.json:
-        print(json.dumps(_report(arch, args.dtype, width, height, plan), indent=2))
+        print(json.dumps(_report(arch, args.dtype, width, height, plan, strategies), indent=2))
     else:
         print(f"{arch.name}: {arch.description}; {width}x{height}, {args.dtype}, {args.steps} steps")
         print(plan.table())
+        for stage_options_, (stage, chosen) in zip(options, strategies.items()):
+            if len(stage_options_) > 1:
+                own = stage_options_[0][0]
+                line = f"{stage}: {chosen}" + (" (the pipeline's own way)" if chosen == own.name else
+                                                f" instead of {own.name}, which would need "
+                                                f"{format_size(own.activation_bytes)} of activations")
+                print(line)
     return 0
 
 
-def _report(arch: Arch, dtype: str, width: int, height: int, plan: Plan) -> dict[str, Any]:
-    return {"arch": arch.name, "dtype": dtype, "width": width, "height": height, "plan": plan.to_dict()}
+def _report(arch: Arch, dtype: str, width: int, height: int, plan: Plan, strategies: dict[str, str]) -> dict[str, Any]:
+    return {"arch": arch.name, "dtype": dtype, "width": width, "height": height, "strategies": strategies,
+            "plan": plan.to_dict()}
 
 
 def build_stages(arch: Arch, *, dtype: str, width: int, height: int, steps: int = DEFAULT_STEPS) -> list[StageInput]:
-    """Measure ``arch``'s components on the meta device and turn its stage layout into StageInputs."""
+    """Measure ``arch``'s components on the meta device and turn its stage layout into StageInputs,
+    each with the activations of the pipeline's own way of running it."""
+    return [options[0][1] for options in stage_options(arch, dtype=dtype, width=width, height=height, steps=steps)]
+
+
+def choose_strategies(options, budget: Budget, *, prefetch: int = 1) -> tuple[list[StageInput], dict[str, str]]:
+    """Per stage, the strategy a run would choose under ``budget`` (memfit.activations.choose)."""
+    from memfit.activations import choose
+
+    stages, names = [], {}
+    for stage_options_ in options:
+        by_bytes = {strategy.activation_bytes: stage for strategy, stage in stage_options_}
+        strategy, _ = choose([strategy for strategy, _ in stage_options_],
+                             lambda activations: make_plan([by_bytes[activations]], budget, prefetch=prefetch))
+        stages.append(by_bytes[strategy.activation_bytes])
+        names[stages[-1].name] = strategy.name
+    return stages, names
+
+
+def stage_options(arch: Arch, *, dtype: str, width: int, height: int,
+                  steps: int = DEFAULT_STEPS) -> list[list[tuple[Any, StageInput]]]:
+    """Per stage, its (Strategy, StageInput) options in memfit.activations' order, the pipeline's own first."""
+    from memfit.activations import Strategy
+    from memfit.banded_decode import unsupported_reason_for_config
     from memfit.meta import activation_estimate, measure_component  # imports torch: only when planning
 
     vae = _find_role(arch, "vae")
     vae_scale = 2 ** (len(vae.config.get("block_out_channels", (0, 0, 0, 0))) - 1) if vae else 8
     guidance_batch = arch.denoise_batch
-    stages = []
+    result = []
     for spec in arch.stages:
-        components, activations = [], 0
+        components, activations, lean = [], 0, None
         for component_name, submodules in spec.uses:
             component = arch.component(component_name)
             component_dtype = _execution_dtype(component, dtype)
@@ -100,23 +135,20 @@ def build_stages(arch: Arch, *, dtype: str, width: int, height: int, steps: int 
             kind = _ACTIVATION_KIND.get(component.role, kind)
             batch = 1 if component.role == "vae" else guidance_batch
             # Components of one stage run one after another, so the stage peak is the largest.
-            activations = max(
-                activations,
-                activation_estimate(
-                    kind,
-                    component.config,
-                    width=width,
-                    height=height,
-                    batch=batch,
-                    dtype=component_dtype,
-                    vae_scale=vae_scale,
-                    text_tokens=arch.text_tokens,
-                    class_name=component.class_name,
-                ),
-            )
+            estimate = dict(width=width, height=height, dtype=component_dtype, vae_scale=vae_scale,
+                            text_tokens=arch.text_tokens, class_name=component.class_name)
+            activations = max(activations, activation_estimate(kind, component.config, batch=batch, **estimate))
+            if component.role == "vae" and unsupported_reason_for_config(component.config) is None:
+                lean = Strategy("banded", activation_estimate("vae_decoder_banded", component.config, **estimate))
+            elif kind == "unet" and batch == 2:
+                # memfit's SD and SDXL adapters run the two guidance passes apart when needed
+                # (pipelines/stable_diffusion.py: splits_guidance); UNet pipelines are those.
+                lean = Strategy("split", activation_estimate(kind, component.config, batch=1, **estimate), cheap=False)
         runs = steps if spec.name == "denoise" else 1
-        stages.append(stage_input(spec.name, components, activations, runs=runs))
-    return stages
+        own = Strategy({"encode": "plain", "denoise": "batched", "decode": "plain"}.get(spec.name, "plain"), activations)
+        result.append([(strategy, stage_input(spec.name, components, strategy.activation_bytes, runs=runs))
+                       for strategy in (own, lean) if strategy is not None])
+    return result
 
 
 def _execution_dtype(component: ComponentSpec, dtype: str) -> str:

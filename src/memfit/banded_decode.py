@@ -36,6 +36,7 @@ import functools
 import torch
 import torch.nn.functional as F
 
+from memfit.memory import heap_for_temporaries_under
 from memfit.offload import weights_ready
 
 __all__ = [
@@ -43,7 +44,7 @@ __all__ = [
     "unsupported_reason_for_config",
 ]
 
-DEFAULT_BAND_BYTES = 16 * 2**20  # temporaries of one band; each under memory.HEAP_MMAP_THRESHOLD, so reused from the heap
+DEFAULT_BAND_BYTES = 16 * 2**20  # temporaries of one band; small against any full-resolution tensor
 _MARK = "_memfit_banded"
 
 
@@ -161,12 +162,13 @@ def _upsampler_reason(upsampler) -> str | None:
 def _decoder_forward(decoder, band_bytes, sample, latent_embeds=None):
     if latent_embeds is not None or (torch.is_grad_enabled() and decoder.training):
         return type(decoder).forward(decoder, sample, latent_embeds)
-    sample = decoder.conv_in(sample)
-    sample = decoder.mid_block(sample, None)
-    for up_block in decoder.up_blocks:
-        sample = up_block(sample, None)
-    with weights_ready(decoder.conv_norm_out, decoder.conv_out):
-        return _norm_act_conv(sample, decoder.conv_norm_out, decoder.conv_out, band_bytes)
+    with heap_for_temporaries_under(band_bytes):  # a band's temporaries are each smaller than band_bytes
+        sample = decoder.conv_in(sample)
+        sample = decoder.mid_block(sample, None)
+        for up_block in decoder.up_blocks:
+            sample = up_block(sample, None)
+        with weights_ready(decoder.conv_norm_out, decoder.conv_out):
+            return _norm_act_conv(sample, decoder.conv_norm_out, decoder.conv_out, band_bytes)
 
 
 def _resnet_forward(resnet, band_bytes, input_tensor, temb=None, *args, **kwargs):
