@@ -98,12 +98,14 @@ class _Probe:
 def child(spec: dict) -> dict:
     import torch
 
+    from memfit.model_folder import parse_dtype
+
     launched = spec["launched"]
     probe = _Probe()
     probe.patch_scheduler()
     result: dict = {}
     size, steps = spec["size"], spec["steps"]
-    dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[spec["dtype"]]
+    dtype = parse_dtype(spec["dtype"])
     if spec["system"] == "diffusers":
         import diffusers
 

@@ -47,9 +47,10 @@ def measure(arch: str, dtype_name: str, kind: str, strategy: str, size: int, bat
     import torch
 
     from memfit.memory import _read_hwm, _reset_hwm, current_rss, release_freed_memory, return_large_frees_to_os
+    from memfit.model_folder import parse_dtype
 
     return_large_frees_to_os()
-    dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[dtype_name]
+    dtype = parse_dtype(dtype_name)
     folder = Path(FOLDERS[arch])
     import diffusers
     import transformers
@@ -117,16 +118,15 @@ def main() -> None:
 
     from common import build_real_size, machine, write_outputs
 
-    import torch
-
     from memfit.meta import ACTIVATION_FACTORS, ACTIVATION_OFFSETS, activation_elements, activation_estimate, dtype_bytes
+    from memfit.model_folder import parse_dtype
 
     rows = []
     for case in CASES:
         arch, dtype_name, kind, strategy, size, batch = case
         if args.arch and arch not in args.arch:
             continue
-        file_dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[FILE_DTYPES[arch]]
+        file_dtype = parse_dtype(FILE_DTYPES[arch])
         build_real_size(arch, FOLDERS[arch], file_dtype=file_dtype)
         done = subprocess.run([sys.executable, __file__, "--child", json.dumps(case)], capture_output=True, text=True)
         if done.returncode != 0:

@@ -31,8 +31,9 @@ def run_one(system: str, model: str, dtype_name: str, size: int, steps: int, bud
     import torch
 
     from memfit.memory import _read_hwm
+    from memfit.model_folder import parse_dtype
 
-    dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[dtype_name]
+    dtype = parse_dtype(dtype_name)
     started = time.perf_counter()
     kwargs = dict(num_inference_steps=steps, guidance_scale=7.5, width=size, height=size,
                   generator=torch.Generator().manual_seed(0))
@@ -99,9 +100,9 @@ def main() -> None:
     reason = cgroup_unavailable_reason()
     if reason:
         sys.exit(f"cannot cap memory here ({reason}); run where a child memory cgroup can be made")
-    import torch
+    from memfit.model_folder import parse_dtype
 
-    file_dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[args.file_dtype]
+    file_dtype = parse_dtype(args.file_dtype)
     model = str(build_real_size(args.arch, Path(args.models) / f"{args.arch}-{args.file_dtype}", file_dtype=file_dtype))
     caps = [None if c.strip() == "none" else float(c) for c in args.caps.split(",")]
     rows = []

@@ -113,15 +113,13 @@ def _load_stage(model: ModelFolder, names, dtype, device, budget, report: RunRep
         optimize(pipe, plan=plan, model_dir=model.path, device=device)
         fit.strategy = strategy.name
         stage_plan = plan.stages[0]
-        read_ahead = stage_plan.stream_window_bytes - stage_plan.largest_streamed_bytes
-        if reads_in_place(pipe) and read_ahead:
-            # The plan fits the read-ahead into the budget (a cgroup cap charges the page cache), but
-            # it is mapped into this process only once its block runs: the predicted peak RSS leaves it out.
-            fit.planned_peak = already_used + stage_plan.peak_bytes - read_ahead
+        # The plan fits the read-ahead into the budget (a cgroup cap charges the page cache), but read in
+        # place it is mapped into this process only once its block runs: the predicted peak RSS leaves it out.
+        read_ahead = stage_plan.stream_window_bytes - stage_plan.largest_streamed_bytes if reads_in_place(pipe) else 0
+        fit.planned_peak = already_used + stage_plan.peak_bytes - read_ahead
+        if read_ahead:
             report.notes.append(f"{fit.stage}: {format_bytes(read_ahead)} read ahead into the page cache, "
                                 "outside this process's memory until its block runs")
-        else:
-            fit.planned_peak = already_used + stage_plan.peak_bytes
         if strategy is not options[0]:
             report.notes.append(
                 f"{fit.stage}: {strategy.name} (activations {format_bytes(strategy.activation_bytes)} instead of "
