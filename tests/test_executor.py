@@ -133,6 +133,41 @@ def test_bf16_run_from_fp32_files_converts_block_by_block(tiny_models):
     assert_same_bits(generate(pipe), plain)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_parts_a_stage_does_not_run_stay_on_disk(tiny_models, dtype):
+    """A text-to-image decode runs the VAE's decoder half: only it is planned; the encoder half is put
+    on the disk tier (the mapped file, nothing in memory), and both halves still compute plain's bits."""
+    from memfit.archs import VAE_DECODE_PARTS
+    from memfit.executor import live_blocks, unrun_blocks
+
+    pipe = load(tiny_models("sd"), dtype)
+    plain = generate(pipe)
+    pixels = torch.rand(1, 3, 32, 32, generator=torch.Generator().manual_seed(1), dtype=dtype) * 2 - 1
+    plain_latents = pipe.vae.encode(pixels).latent_dist.mean
+    encoder_weight = pipe.vae.encoder.down_blocks[0].resnets[0].conv1.weight
+    before = encoder_weight.detach().clone()
+
+    parts = {"vae": VAE_DECODE_PARTS}
+    optimize(pipe, budget="64GiB", stage="generate", parts=parts)
+    placed = {f"{p.component}/{p.block}" for stage in pipe._memfit_plan.stages for p in stage.placements}
+    assert any(key.startswith("vae/decoder.") for key in placed) and "vae/rest" in placed
+    assert not any(key.startswith("vae/encoder") for key in placed), sorted(placed)
+    assert all(p.where == "device" for stage in pipe._memfit_plan.stages for p in stage.placements)
+    ptr = encoder_weight.untyped_storage().data_ptr()
+    hits = [path for start, end, path in mapped_files() if start <= ptr < end]
+    assert hits and hits[0].endswith(".safetensors") and "/vae/" in hits[0], hits
+
+    assert_same_bits(generate(pipe), plain)
+    assert torch.equal(pipe.vae.encode(pixels).latent_dist.mean, plain_latents)  # streamed in when called
+    restore(pipe)
+    assert encoder_weight.dtype == dtype and torch.equal(encoder_weight, before)
+
+    # Parts that name no block of the component (another VAE class) leave the whole component planned.
+    blocks = {"vae": live_blocks("vae", pipe.vae)}
+    assert unrun_blocks(blocks, {"vae": ("no_such_module",)}) == []
+    assert {b.name.split(".")[0] for b in unrun_blocks(blocks, parts)} == {"encoder"}
+
+
 def test_item_on_offloaded_weight_outside_forward(tiny_models):
     """Failure 1 (Lumina2 / Gemma2): reading an offloaded weight outside a forward sees real data."""
     pipe = load(tiny_models("lumina2"))

@@ -18,7 +18,7 @@ from typing import Any, Mapping
 
 from memfit.errors import MemfitError
 
-__all__ = ["ARCHS", "Arch", "ComponentSpec", "StageSpec", "get_arch"]
+__all__ = ["ARCHS", "VAE_DECODE_PARTS", "Arch", "ComponentSpec", "StageSpec", "get_arch"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -66,15 +66,18 @@ class Arch:
         raise MemfitError(f"Architecture {self.name!r} has no component {name!r}.")
 
 
+# What a text-to-image decode runs of an AutoencoderKL: the decoder, and the VAE's top-level "rest"
+# block, which holds post_quant_conv (run on the latents right before the decoder) and quant_conv
+# (a few KB, which comes along). The encoder half is only needed for img2img.
+VAE_DECODE_PARTS = ("decoder", "rest")
+
+
 def standard_stages(text_encoders: tuple[str, ...], denoiser: str) -> tuple[StageSpec, ...]:
     """encode (all text encoders) -> denoise (the denoiser) -> decode (the VAE's decoder half)."""
     return (
         StageSpec("encode", tuple((name, None) for name in text_encoders)),
         StageSpec("denoise", ((denoiser, None),)),
-        # The VAE's top-level "rest" block holds post_quant_conv, which runs on the latents right
-        # before the decoder (and quant_conv, a few KB, which comes along). The encoder half is
-        # only needed for img2img, so a text-to-image plan does not place it.
-        StageSpec("decode", (("vae", ("decoder", "rest")),)),
+        StageSpec("decode", (("vae", VAE_DECODE_PARTS),)),
     )
 
 

@@ -51,7 +51,7 @@ from memfit.errors import MemfitError
 from memfit.offload import HookRegistry, MappedSafetensors, Runtime, Shared, Slot, SwapHook
 from memfit.planner import DEVICE, DISK, HOST, BlockSpec, Plan, StageInput, make_plan
 
-__all__ = ["optimize", "restore", "is_optimized", "live_blocks"]
+__all__ = ["optimize", "restore", "is_optimized", "live_blocks", "plan_stage", "unrun_blocks"]
 
 STATE_ATTR = "_memfit_state"
 PLAN_ATTR = "_memfit_plan"
@@ -111,6 +111,7 @@ def optimize(
     fallback: str | None = None,
     stage: str | None = None,
     activation_bytes: int = 0,
+    parts: Mapping[str, tuple[str, ...]] | None = None,
 ):
     """Apply a plan to the live pipeline ``pipe`` and return the same object.
 
@@ -125,6 +126,9 @@ def optimize(
     stage:       plan all components as one stage of that name (they are resident together, as in
                  one stage of memfit.generate); default: each component is its own stage.
     activation_bytes: the activation peak the plan reserves room for (one stage, or each).
+    parts:       {component: module paths} for components the stage runs only part of ({"vae":
+                 ("decoder", "rest")} for a text-to-image decode): only those blocks are planned; the
+                 others are put on the disk tier, where they cost no memory unless something calls them.
     backend:     compile each component's entry points (memfit.compile.compile_components): a name,
                  a Backend, or {component: backend}. Alone (no budget/plan/force_tiers) it only
                  compiles and places nothing. ``fallback="eager"`` runs a failing component eagerly;
@@ -144,13 +148,14 @@ def optimize(
         raise MemfitError(f"memfit's executor runs on 'cpu' or 'cuda' devices, not {device}.")
 
     blocks = {name: live_blocks(name, module) for name, module in components.items()}
-    stages = _stage_inputs(blocks, stage, activation_bytes)
+    stages = _stage_inputs(_planned_blocks(blocks, parts), stage, activation_bytes)
     if plan is None and force_tiers is not None:
         plan = _forced_plan(stages, force_tiers)
     elif plan is None:
         resolved = Budget.of(budget) if budget is not None else detect_budget(str(device))
         plan = make_plan(stages, resolved)
     tiers = _tiers_from_plan(plan, blocks)
+    tiers.update((block.key, DISK) for block in unrun_blocks(blocks, parts))
 
     runtime = Runtime(device, prefetch=prefetch)
     state = _State(runtime=runtime, slots=[], hooked=[])
@@ -171,10 +176,35 @@ def optimize(
     return pipe
 
 
-def plan_stage(pipe, budget: BudgetLike, stage: str, activation_bytes: int = 0) -> Plan:
-    """The plan ``optimize(pipe, budget, stage=stage, activation_bytes=...)`` would carry out."""
+def plan_stage(pipe, budget: BudgetLike, stage: str, activation_bytes: int = 0,
+               parts: Mapping[str, tuple[str, ...]] | None = None) -> Plan:
+    """The plan ``optimize(pipe, budget, stage=stage, activation_bytes=..., parts=...)`` would carry out."""
     blocks = {name: live_blocks(name, module) for name, module in _components(pipe).items()}
-    return make_plan(_stage_inputs(blocks, stage, activation_bytes), Budget.of(budget))
+    return make_plan(_stage_inputs(_planned_blocks(blocks, parts), stage, activation_bytes), Budget.of(budget))
+
+
+def unrun_blocks(blocks: dict[str, list[LiveBlock]], parts: Mapping[str, tuple[str, ...]] | None) -> list[LiveBlock]:
+    """The blocks outside ``parts`` (see optimize), which the stage does not run.
+
+    A component none of whose blocks lies under its parts is run whole: a part name that matches
+    nothing (another VAE class) must not park the weights the stage needs.
+    """
+    from memfit.meta import _is_under
+
+    unrun = []
+    for component, found in blocks.items():
+        prefixes = (parts or {}).get(component)
+        if not prefixes:
+            continue
+        outside = [b for b in found if not any(_is_under(b.name, p) for p in prefixes)]
+        if len(outside) < len(found):
+            unrun += outside
+    return unrun
+
+
+def _planned_blocks(blocks: dict[str, list[LiveBlock]], parts) -> dict[str, list[LiveBlock]]:
+    unrun = {id(b) for b in unrun_blocks(blocks, parts)}
+    return {name: [b for b in found if id(b) not in unrun] for name, found in blocks.items()}
 
 
 def _stage_inputs(blocks: dict[str, list[LiveBlock]], stage: str | None, activation_bytes: int) -> list[StageInput]:

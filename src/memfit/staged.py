@@ -89,7 +89,7 @@ def _load_stage(model: ModelFolder, names, dtype, device, budget, report: RunRep
     if budget is None:
         return pipe
     from .budget import Budget
-    from .executor import PLAN_ATTR, optimize, plan_stage, reads_in_place
+    from .executor import PLAN_ATTR, live_blocks, optimize, plan_stage, reads_in_place, unrun_blocks
 
     budget = Budget.of(budget)
     if device.type == "cpu":
@@ -103,15 +103,24 @@ def _load_stage(model: ModelFolder, names, dtype, device, budget, report: RunRep
 
         room = _room_left(budget, already_used)
         options = stage_strategies(model.adapter, fit.stage, fit.settings, fit.guided, fit.dtype)
+        parts = model.adapter.stage_parts.get(fit.stage)
         try:
-            strategy, plan = choose(options, lambda activations: plan_stage(pipe, room, fit.stage, activations))
+            strategy, plan = choose(options, lambda activations: plan_stage(pipe, room, fit.stage, activations, parts))
         except MemfitError as exc:
             raise MemfitError(
                 f"{exc} These figures leave out the {format_bytes(already_used)} this process already holds "
                 "(Python, torch and the libraries loaded): add that to any budget named above."
             ) from exc
-        optimize(pipe, plan=plan, model_dir=model.path, device=device)
+        optimize(pipe, plan=plan, model_dir=model.path, device=device, parts=parts)
         fit.strategy = strategy.name
+        unrun = unrun_blocks({name: live_blocks(name, getattr(pipe, name)) for name in parts or ()
+                              if isinstance(getattr(pipe, name, None), torch.nn.Module)}, parts)
+        if unrun:
+            report.notes.append(
+                f"{fit.stage}: {format_bytes(sum(b.bytes for b in unrun))} of weights the stage does not run "
+                f"({', '.join(sorted({b.component + '/' + b.name.split('.')[0] for b in unrun}))}) left memory-mapped "
+                "on disk, outside the plan"
+            )
         stage_plan = plan.stages[0]
         # The plan fits the read-ahead into the budget (a cgroup cap charges the page cache), but read in
         # place it is mapped into this process only once its block runs: the predicted peak RSS leaves it out.

@@ -14,6 +14,7 @@ from typing import Any, ClassVar
 
 import torch
 
+from ..archs import VAE_DECODE_PARTS
 from ..errors import MemfitError
 
 
@@ -45,6 +46,9 @@ class PipelineAdapter:
     max_text_tokens: ClassVar[int] = 77
     guidance_batch: ClassVar[int] = 2
     splits_guidance: ClassVar[bool] = False
+    # The module paths of a component that a stage runs, where it runs only part of it (as in
+    # memfit.archs): the plan places only these; the rest stays memory-mapped on the disk tier.
+    stage_parts: ClassVar[dict[str, dict[str, tuple[str, ...]]]] = {"decode": {"vae": VAE_DECODE_PARTS}}
 
     def __init__(self, configs: dict[str, dict]):
         # Component configs read from the model folder: enough to resolve defaults and shapes
