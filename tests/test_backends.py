@@ -248,7 +248,8 @@ def _inductor_start(env: dict) -> dict:
 
 def test_inductor_artifacts_are_stored_then_loaded_in_a_fresh_process(tmp_path):
     """The second start has an empty inductor cache directory and MEMFIT_CACHE=require: its
-    AOTAutograd and FX graph cache hits can only come from the entry in memfit's store."""
+    AOTAutograd and FX graph cache hits can only come from the entry in memfit's store, and so can
+    its C++ kernels: it builds none (every library in its inductor directory is one the store held)."""
     if not get_backend("inductor").available().ok:
         pytest.skip(get_backend("inductor").available().reason)
     env = dict(os.environ, PYTHONPATH=SRC_DIR, MEMFIT_CACHE_DIR=str(tmp_path / "store"))
@@ -262,6 +263,13 @@ def test_inductor_artifacts_are_stored_then_loaded_in_a_fresh_process(tmp_path):
         assert start["max_difference"] <= get_backend("inductor").float32_tolerance and start["runs_equal"]
     [entry] = CacheStore(tmp_path / "store").ls()
     assert entry.parts["backend"] == "inductor" and entry.meta["artifacts"]["inductor"] >= 1
+
+    def libraries(root: Path) -> dict[str, bytes]:
+        return {str(p.relative_to(root)): p.read_bytes() for p in root.rglob("*.so")}
+
+    stored = libraries(entry.path / "data" / "kernels")
+    assert stored and entry.meta["kernels"] >= len(stored)
+    assert libraries(tmp_path / "inductor-warm") == stored  # put back where inductor looks; nothing built
 
 
 def test_inductor_under_cache_require_raises_instead_of_compiling(model_and_inputs, tmp_path, monkeypatch):

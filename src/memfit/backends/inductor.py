@@ -1,27 +1,39 @@
 """torch.compile with TorchInductor: fused kernels generated for this machine's CPU or GPU.
 
 What is stored: given ``cache=`` (a store that is on), a ``weights_fingerprint`` and tensor
-inputs, the cache artifacts torch recorded while compiling this function on its first call
-(``torch.compiler.save_cache_artifacts()``: AOTAutograd and FX graph cache entries, autotuning
-results), as ``artifacts.bin``, keyed by the weights/entry fingerprint, the graph, the input
-signature, the options and the torch and memfit versions. A start that finds the entry hands them
-to ``torch.compiler.load_cache_artifacts()`` before its first call: dynamo still traces the
-function, but AOTAutograd and inductor find their results instead of lowering and generating
-code. On CPU the artifacts hold C++ source, not built libraries, so a machine whose inductor
-cache directory is empty still runs g++ for them (memfit's tiny SD UNet, 2 busy CPUs, empty
-TORCHINDUCTOR_CACHE_DIR: 126.6 s cold, 12.0 s from the store, 7.8 s with inductor's own disk
-cache warm; the tests' tiny conv model: 14.8 s cold, 12.7 s from the store, nearly all g++). MEMFIT_CACHE=require raises on a missing entry instead of compiling.
+inputs, one entry keyed by the weights/entry fingerprint, the graph, the input signature, the
+options and the torch and memfit versions, holding
 
-Each entry holds its own compile's artifacts only: recording runs under a fresh artifact list
-(``CacheArtifactManager.with_fresh_cache``; the public save call returns everything the process
-compiled so far). Inductor options are applied per compile (``torch.compile(options=)``), never
-by setting ``torch._inductor.config`` globally.
+  artifacts.bin  the cache artifacts torch recorded while compiling this function on its first
+                 call (``torch.compiler.save_cache_artifacts()``: AOTAutograd and FX graph cache
+                 entries, autotuning results);
+  kernels/       the C++ kernels inductor built for them (``.so`` / ``.o`` files, at their paths
+                 relative to inductor's cache directory).
+
+A start that finds the entry puts the kernels back into inductor's cache directory (where
+missing) and hands the artifacts to ``torch.compiler.load_cache_artifacts()`` before its first
+call: dynamo still traces the function, but AOTAutograd and inductor find their results instead of
+lowering and generating code, and the C++ compiler finds its libraries built. The artifacts alone
+hold C++ source only, so without the kernels a machine whose inductor cache directory is empty runs
+g++ again on every start (the tests' tiny conv model: 14.8 s cold, 12.7 s from artifacts alone,
+nearly all g++). A kernel's file name is a hash of its source and its compiler command line (ISA
+flags included), so a kernel put back where another CPU or toolchain looks is never found, never
+misused. MEMFIT_CACHE=require raises on a missing entry instead of compiling.
+
+Each entry holds its own compile's artifacts and kernels only: recording runs under a fresh
+artifact list (``CacheArtifactManager.with_fresh_cache``; the public save call returns everything
+the process compiled so far) with inductor's cache directory pointed at an empty folder for the
+compile. Inductor options are applied per compile (``torch.compile(options=)``), never by setting
+``torch._inductor.config`` globally.
 """
 
 from __future__ import annotations
 
+import contextlib
+import os
 import shutil
 import sys
+import tempfile
 import warnings
 from pathlib import Path
 from typing import Any, Callable, Mapping, Sequence
@@ -31,8 +43,10 @@ from memfit.backends.base import Availability, Backend
 from memfit.backends.torch_settings import preserved_torch_settings
 
 ARTIFACTS_FILE = "artifacts.bin"
+KERNELS_DIR = "kernels"
+_KERNEL_SUFFIXES = (".so", ".o")
 # Part of the key; bump it when what an entry holds changes, so older entries miss, not misread.
-_ENTRY_FORMAT = "inductor-artifacts/1"
+_ENTRY_FORMAT = "inductor-artifacts/2"
 
 
 class InductorBackend(Backend):
@@ -100,20 +114,63 @@ def _first_call_through_store(run: Callable[..., Any], example_inputs: Sequence[
     """The first (compiling) call, fed from the store's artifacts, or recorded into the store."""
     entry = cache.get(key)  # raises on a miss under MEMFIT_CACHE=require
     if entry is not None:
+        _install_kernels(entry / KERNELS_DIR)
         _load_artifacts(entry)
         warm_up(run, example_inputs)
         return
     import torch
     from torch.compiler._cache import CacheArtifactManager
 
-    with CacheArtifactManager.with_fresh_cache():
-        warm_up(run, example_inputs)
-        saved = torch.compiler.save_cache_artifacts()
-    # None when inductor's caches are off (TORCHINDUCTOR_FX_GRAPH_CACHE=0 and the like): then
-    # there is nothing to store, and the compile itself is fine.
-    if saved is not None:
+    with tempfile.TemporaryDirectory(prefix="memfit-inductor-") as scratch:
+        with CacheArtifactManager.with_fresh_cache(), _inductor_cache_dir(scratch):
+            warm_up(run, example_inputs)
+            saved = torch.compiler.save_cache_artifacts()
+        # None when inductor's caches are off (TORCHINDUCTOR_FX_GRAPH_CACHE=0 and the like): then
+        # there is nothing to store, and the compile itself is fine.
+        if saved is None:
+            return
         artifacts, info = saved
-        cache.put(key, {ARTIFACTS_FILE: artifacts}, meta={"artifacts": {k: len(v) for k, v in info.artifacts.items()}})
+        kernels = {f"{KERNELS_DIR}/{path.relative_to(scratch)}": path for path in Path(scratch).rglob("*")
+                   if path.suffix in _KERNEL_SUFFIXES and path.is_file()}
+        entry = cache.put(key, {ARTIFACTS_FILE: artifacts, **kernels},
+                          meta={"artifacts": {k: len(v) for k, v in info.artifacts.items()}, "kernels": len(kernels)})
+    if entry is not None:
+        _install_kernels(entry / KERNELS_DIR)  # inductor's own cache dir gets them too, as after any compile
+
+
+@contextlib.contextmanager
+def _inductor_cache_dir(path: str):
+    """Inductor's cache directory (read from TORCHINDUCTOR_CACHE_DIR on every use) set to ``path``
+    while one component compiles, so every kernel it builds lands there to be stored."""
+    previous = os.environ.get("TORCHINDUCTOR_CACHE_DIR")
+    os.environ["TORCHINDUCTOR_CACHE_DIR"] = path
+    try:
+        yield
+    finally:
+        if previous is None:
+            os.environ.pop("TORCHINDUCTOR_CACHE_DIR", None)
+        else:
+            os.environ["TORCHINDUCTOR_CACHE_DIR"] = previous
+
+
+def _install_kernels(kernels: Path) -> None:
+    """Put the stored kernels into inductor's cache directory where they are missing (each written
+    under a temporary name and renamed, so a concurrent compile never sees half a library)."""
+    if not kernels.is_dir():
+        return
+    from torch._inductor.runtime.cache_dir_utils import cache_dir
+
+    root = Path(cache_dir())
+    for source in kernels.rglob("*"):
+        if not source.is_file():
+            continue
+        target = root / source.relative_to(kernels)
+        if target.exists():
+            continue
+        target.parent.mkdir(parents=True, exist_ok=True)
+        partial = target.with_name(f".{target.name}.{os.getpid()}.partial")
+        shutil.copy2(source, partial)
+        os.replace(partial, target)
 
 
 def _load_artifacts(entry: Path) -> None:
