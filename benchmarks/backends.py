@@ -3,6 +3,8 @@
     python benchmarks/backends.py                 # sd15, 512x512, 3 steps -> docs/backends_sd15.{json,md}
     python benchmarks/backends.py --dtype bf16    # the same at bf16 (plain diffusers at bf16 too) -> docs/backends_sd15_bf16.*
     python benchmarks/backends.py --tiny          # tiny pipeline, seconds: develop / smoke-test the script
+    python benchmarks/backends.py --steps 20 --backends openvino --name backends_sd15_20steps
+                                                  # a full-length generation, where the fixed start costs weigh less
 
 Per backend (eager, inductor, openvino, onnxruntime; every torch component compiled with it) and for
 plain diffusers eager, each run is a *fresh process* making one image with `memfit.generate` (plain:
@@ -250,6 +252,7 @@ def main() -> None:
     parser.add_argument("--timeout", type=int, default=1800, help="seconds allowed per child process")
     parser.add_argument("--late", default="inductor", help="backends measured after a first best choice (slow compiles)")
     parser.add_argument("--all-warm", action="store_true", help="also measure the warm start of eager")
+    parser.add_argument("--name", help="output name under docs/ (default backends_<arch>[_<dtype>])")
     parser.add_argument("--child", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
@@ -275,7 +278,7 @@ def main() -> None:
     base_env.pop("MEMFIT_CACHE", None)
 
     def save():
-        name = f"backends_{'tiny' if args.tiny else arch}" + ("" if args.dtype == "fp32" else f"_{args.dtype}")
+        name = args.name or f"backends_{'tiny' if args.tiny else arch}" + ("" if args.dtype == "fp32" else f"_{args.dtype}")
         text = render(data)
         if args.tiny:  # a smoke test: keep docs/ for the real numbers
             (work / f"{name}.json").write_text(json.dumps(data, indent=2) + "\n")

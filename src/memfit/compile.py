@@ -328,39 +328,32 @@ class _Entry:
             if compiled is None:
                 return self._eager(args, kwargs)
             self.compiled[signature] = compiled
-        run, out_holder, _keep = compiled
+        run, _keep = compiled
         try:
-            outputs = run(*tensors)
+            return run(*tensors)
         except Exception as exc:
             return self._failed_call(exc, args, kwargs)
-        return _rebuild(outputs, out_holder)
 
     def _eager(self, args, kwargs):
         return self.original(*args, **kwargs)
 
-    def _flat_function(self, spec, leaves, tensor_positions, flat_outputs):
-        from torch.utils._pytree import tree_flatten, tree_unflatten
+    def _tensor_function(self, spec, leaves, tensor_positions):
+        """The entry as a function of its tensor inputs only; the other arguments are baked in."""
+        from torch.utils._pytree import tree_unflatten
 
         original = self.original
         template = list(leaves)
         for i in tensor_positions:
             template[i] = None
-        holder: dict[str, Any] = {}
 
-        def call_flat(*tensors):
+        def call_with_tensors(*tensors):
             filled = list(template)
             for i, tensor in zip(tensor_positions, tensors):
                 filled[i] = tensor
             call_args, call_kwargs = tree_unflatten(filled, spec)
-            out = original(*call_args, **call_kwargs)
-            if not flat_outputs:
-                return out
-            out_leaves, out_spec = tree_flatten(out)
-            if not torch.compiler.is_compiling():
-                holder["spec"] = out_spec
-            return tuple(out_leaves)
+            return original(*call_args, **call_kwargs)
 
-        return _fresh_function(call_flat), holder, template
+        return _fresh_function(call_with_tensors)
 
     def _entry_fingerprint(self, leaves, tensor_positions, spec) -> str:
         weights = self.fingerprint or module_fingerprint(self.module)
@@ -377,17 +370,11 @@ class _Entry:
         return hashlib.sha256(json.dumps(parts, sort_keys=True).encode()).hexdigest()
 
     def _compile(self, spec, leaves, tensor_positions, tensors, args, kwargs):
-        backend = self.backend
-        flat_outputs = backend.name == "onnxruntime" or getattr(backend, "needs_flat_outputs", False)
-        fn, holder, template = self._flat_function(spec, leaves, tensor_positions, flat_outputs)
+        fn = self._tensor_function(spec, leaves, tensor_positions)
         started = time.perf_counter()
         try:
             fingerprint = self._entry_fingerprint(leaves, tensor_positions, spec) if self.cache is not None else None
-            run = backend.compile(fn, tensors, self.options, cache=self.cache, weights_fingerprint=fingerprint)
-            if flat_outputs and "spec" not in holder:
-                # Loaded from the cache without running the module: learn the output structure
-                # with one eager call (the backend's outputs are what we return).
-                fn(*tensors)
+            run = self.backend.compile(fn, tensors, self.options, cache=self.cache, weights_fingerprint=fingerprint)
         except Exception as exc:
             if isinstance(exc, MemfitError) and "MEMFIT_CACHE=require" in str(exc):
                 raise
@@ -398,7 +385,7 @@ class _Entry:
         if self.record.status == "pending":
             self.record.status = "compiled"
         # Keep baked-in objects alive so their ids (in the signature) are never reused.
-        return run, holder if flat_outputs else None, [leaf for i, leaf in enumerate(leaves) if i not in set(tensor_positions)]
+        return run, [leaf for i, leaf in enumerate(leaves) if i not in set(tensor_positions)]
 
     def _fail(self, exc: Exception) -> None:
         reason = f"{type(exc).__name__}: {exc}".strip()
@@ -424,14 +411,6 @@ class _Entry:
 
     def __repr__(self) -> str:
         return f"<memfit compiled {self.component}.{self.method} backend={self.backend.name!r} status={self.record.status}>"
-
-
-def _rebuild(outputs: Any, holder: dict | None) -> Any:
-    if holder is None:
-        return outputs
-    from torch.utils._pytree import tree_unflatten
-
-    return tree_unflatten(list(outputs), holder["spec"])
 
 
 # --- used by the staged runner (memfit.staged) ------------------------------------------------

@@ -1,9 +1,11 @@
 """ONNX Runtime: export the module once with ``torch.onnx.export`` and run the ONNX graph.
 
 The exported ``model.onnx`` (plus its external weights file) is an ordinary file artifact, so it is
-what memfit's content-addressed cache stores: given ``cache=`` and a ``weights_fingerprint``, the
-export is keyed by weights, graph, input signature, options and library versions, and a second
-start (or a second pipeline sharing the component) loads it without exporting.
+what memfit's content-addressed cache stores, with ``outputs.json`` (the layout that rebuilds the
+module's output structure from ONNX's flat outputs: memfit.backends.output_layout): given
+``cache=`` and a ``weights_fingerprint``, the export is keyed by weights, graph, input signature,
+options and library versions, and a second start (or a second pipeline sharing the component) loads
+it without exporting and without an eager call.
 
 Shapes are static: the graph is exported for the example inputs' shapes and dtypes, and calling it
 with others is an error that says so (compile again for those shapes).
@@ -12,7 +14,6 @@ with others is an error that says so (compile again for those shapes).
 from __future__ import annotations
 
 import importlib.util
-import json
 import tempfile
 from pathlib import Path
 from typing import Any, Callable, Mapping, Sequence
@@ -21,6 +22,7 @@ import torch
 
 from memfit.backends._common import graph_id, tensor_signature
 from memfit.backends.base import Availability, Backend
+from memfit.backends.output_layout import FlatOutputs, OutputLayout, name_of
 from memfit.backends.outputs import plain_outputs
 from memfit.backends.torch_settings import preserved_torch_settings
 from memfit.errors import MemfitError
@@ -28,6 +30,8 @@ from memfit.errors import MemfitError
 MODEL_FILE = "model.onnx"
 OUTPUTS_FILE = "outputs.json"
 _REQUIRED_MODULES = ("onnxruntime", "onnx", "onnxscript")
+# Part of the key; bump it when what an entry holds changes, so older entries miss, not misread.
+_ENTRY_FORMAT = "onnxruntime-export/2"
 
 
 class ONNXRuntimeBackend(Backend):
@@ -80,7 +84,8 @@ class ONNXRuntimeBackend(Backend):
                 graph=graph_id(fn),
                 input_signature=signature,
                 backend=self.name,
-                backend_options={"opset": opts["opset"]},  # providers act at load, not in the file
+                # providers act at load, not in the file
+                backend_options={"opset": opts["opset"], "entry_format": _ENTRY_FORMAT},
                 backend_distributions=_REQUIRED_MODULES,
             )
             return _load(cache.get_or_build(key, build), signature, opts)
@@ -101,19 +106,9 @@ def _input_signature(example_inputs: Sequence[Any]) -> list[list[Any]]:
 
 
 def _export(fn: Callable[..., Any], example_inputs: Sequence[Any], out_dir: Path, opset: int | None) -> dict[str, Any]:
-    module = fn if isinstance(fn, torch.nn.Module) else _FunctionModule(fn)
+    layouts: list[OutputLayout] = []
+    module = FlatOutputs("onnxruntime", fn, layouts.append)
     with preserved_torch_settings(), torch.no_grad():
-        expected = module(*example_inputs)
-        if isinstance(expected, torch.Tensor):
-            structure = {"kind": "tensor", "count": 1}
-        elif isinstance(expected, (tuple, list)) and all(isinstance(t, torch.Tensor) for t in expected):
-            structure = {"kind": type(expected).__name__, "count": len(expected)}
-        else:
-            raise MemfitError(
-                f"Backend 'onnxruntime' supports modules returning a tensor or a tuple/list of "
-                f"tensors; this one returns {type(expected).__name__}. Use backend='eager' or "
-                "'inductor' for it."
-            )
         try:
             torch.onnx.export(
                 module,
@@ -124,13 +119,15 @@ def _export(fn: Callable[..., Any], example_inputs: Sequence[Any], out_dir: Path
                 opset_version=opset,
                 verbose=False,
             )
+        except MemfitError:
+            raise
         except Exception as exc:
             raise MemfitError(
-                f"Exporting {type(module).__name__} to ONNX failed ({type(exc).__name__}: {exc}). "
+                f"Exporting {name_of(fn)} to ONNX failed ({type(exc).__name__}: {exc}). "
                 "Use another backend for this component (e.g. backend='inductor' or 'eager')."
             ) from exc
-    (out_dir / OUTPUTS_FILE).write_text(json.dumps(structure))
-    return {"outputs": structure}
+    (out_dir / OUTPUTS_FILE).write_text(layouts[-1].to_json())
+    return {"outputs": layouts[-1].tensor_count}
 
 
 def _load(model_dir: Path, signature: list[list[Any]], opts: Mapping[str, Any]) -> Callable[..., Any]:
@@ -141,12 +138,13 @@ def _load(model_dir: Path, signature: list[list[Any]], opts: Mapping[str, Any]) 
     session = ort.InferenceSession(
         str(model_dir / MODEL_FILE), sess_options=session_options, providers=list(opts["providers"])
     )
-    structure = json.loads((model_dir / OUTPUTS_FILE).read_text())
+    layout = OutputLayout.from_json("onnxruntime", (model_dir / OUTPUTS_FILE).read_text(encoding="utf-8"))
     input_names = [i.name for i in session.get_inputs()]
-    if len(input_names) != len(signature):
+    if len(input_names) != len(signature) or len(session.get_outputs()) != layout.tensor_count:
         raise MemfitError(
-            f"The ONNX model in {model_dir} has {len(input_names)} inputs but the example had "
-            f"{len(signature)}; clear it with `memfit cache clear --kind compiled` and retry."
+            f"The ONNX model in {model_dir} has {len(input_names)} inputs and {len(session.get_outputs())} "
+            f"outputs, but the example had {len(signature)} and {layout.tensor_count}; clear it with "
+            "`memfit cache clear --kind compiled` and retry."
         )
 
     def run(*args: Any) -> Any:
@@ -157,21 +155,7 @@ def _load(model_dir: Path, signature: list[list[Any]], opts: Mapping[str, Any]) 
                 f"{actual}; shapes are static, so compile again with example inputs of the new shape."
             )
         feeds = {name: a.detach().cpu().contiguous().numpy() for name, a in zip(input_names, args)}
-        outputs = [torch.from_numpy(o) for o in session.run(None, feeds)]
-        if structure["kind"] == "tensor":
-            return plain_outputs(outputs[0])
-        return plain_outputs(tuple(outputs) if structure["kind"] == "tuple" else outputs)
+        return plain_outputs(layout.rebuild([torch.from_numpy(o) for o in session.run(None, feeds)]))
 
     run.session = session  # type: ignore[attr-defined]  (for inspection and tests)
     return run
-
-
-class _FunctionModule(torch.nn.Module):
-    """Lets a plain function be exported like a module (torch.onnx.export takes modules)."""
-
-    def __init__(self, wrapped: Callable[..., Any]) -> None:
-        super().__init__()
-        self.wrapped = wrapped
-
-    def forward(self, *args: Any) -> Any:
-        return self.wrapped(*args)

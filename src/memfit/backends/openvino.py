@@ -43,7 +43,6 @@ from __future__ import annotations
 
 import functools
 import importlib.util
-import json
 import threading
 from pathlib import Path
 from typing import Any, Callable, Mapping, Sequence
@@ -53,6 +52,7 @@ import torch
 from memfit.backends._common import check_signature, graph_id, run_dtype, tensor_signature, uses_store
 from memfit.backends.base import Availability, Backend
 from memfit.backends.outputs import plain_outputs
+from memfit.backends.output_layout import FlatOutputs, OutputLayout, name_of
 from memfit.backends.torch_settings import preserved_torch_settings
 from memfit.errors import MemfitError
 
@@ -61,8 +61,6 @@ OUTPUTS_FILE = "outputs.json"
 # Part of the key; bump it when what an entry holds changes, so older entries miss, not misread.
 _ENTRY_FORMAT = "openvino-export/1"
 
-# Output leaves that are not tensors but can be stored (in outputs.json) and returned as they are.
-_CONSTANT_TYPES = (type(None), bool, int, float, str)
 _PRECISION_HINTS = {"torch.float32": "f32", "torch.float16": "f16", "torch.bfloat16": "bf16"}
 # Properties that would make OpenVINO (or its torch.compile backend) cache on its own; see above.
 _REFUSED_CONFIG = {
@@ -182,14 +180,12 @@ def _json_config(config: Mapping[str, Any]) -> dict[str, Any]:
 # -- capture, convert, compile ------------------------------------------------------------------
 
 
-def _convert(fn: Callable[..., Any], example_inputs: Sequence[Any]) -> tuple[Any, "_OutputLayout"]:
+def _convert(fn: Callable[..., Any], example_inputs: Sequence[Any]) -> tuple[Any, OutputLayout]:
     """``fn`` as a static-shape ov.Model, and the layout of its outputs."""
     import openvino as ov
 
-    # Not an attribute of the wrapper: torch.export reverts attribute changes of the module it
-    # traces, so the layout found while tracing is handed out through a plain callable.
-    layouts: list[_OutputLayout] = []
-    wrapper = _FlatOutputs(fn, layouts.append)
+    layouts: list[OutputLayout] = []
+    wrapper = FlatOutputs("openvino", fn, layouts.append)
     # Distinct copies: given one tensor object twice, the converter drops one of the two inputs,
     # and the model would take fewer inputs than the callers pass.
     example = tuple(t.detach().clone() for t in example_inputs)
@@ -201,14 +197,14 @@ def _convert(fn: Callable[..., Any], example_inputs: Sequence[Any]) -> tuple[Any
             raise
         except Exception as exc:
             raise MemfitError(
-                f"Backend 'openvino' could not capture {_name_of(fn)} with torch.export and convert "
+                f"Backend 'openvino' could not capture {name_of(fn)} with torch.export and convert "
                 f"it ({type(exc).__name__}: {exc}). Use another backend for this component "
                 "(e.g. backend='inductor' or 'eager')."
             ) from exc
     expected = list(exported.graph_signature.user_inputs)
     if [port.get_any_name() for port in model.inputs] != expected:
         raise MemfitError(
-            f"OpenVINO converted {_name_of(fn)} to a model with inputs "
+            f"OpenVINO converted {name_of(fn)} to a model with inputs "
             f"{[port.get_any_name() for port in model.inputs]}, not {expected}, so it cannot be "
             "fed positionally. Use another backend for this component (e.g. backend='inductor')."
         )
@@ -257,7 +253,7 @@ def _build_entry(
     return {"outputs": layout.tensor_count, "device": device}
 
 
-def _load_entry(entry: Path, device: str, ov_config: Mapping[str, Any]) -> tuple[Any, "_OutputLayout", Any]:
+def _load_entry(entry: Path, device: str, ov_config: Mapping[str, Any]) -> tuple[Any, OutputLayout, Any]:
     """Import a verified store entry (``entry`` comes from the store, which checked every file).
 
     Returns the compiled model, the output layout, and the mapped blob, which must outlive the
@@ -267,7 +263,7 @@ def _load_entry(entry: Path, device: str, ov_config: Mapping[str, Any]) -> tuple
     import numpy as np
     import openvino as ov
 
-    layout = _OutputLayout.from_json((entry / OUTPUTS_FILE).read_text(encoding="utf-8"))
+    layout = OutputLayout.from_json("openvino", (entry / OUTPUTS_FILE).read_text(encoding="utf-8"))
     # Map the blob instead of reading it: the weights are not copied, and stay in the page cache
     # the checksum just filled. Copy-on-write ("c") because ov.Tensor wants a writable array;
     # the file itself is never written (store entries are replaced by rename, never in place).
@@ -287,7 +283,7 @@ def _load_entry(entry: Path, device: str, ov_config: Mapping[str, Any]) -> tuple
 
 
 def _runner(
-    compiled: Any, layout: "_OutputLayout", signature: list[list[Any]], keep_alive: Any = None
+    compiled: Any, layout: OutputLayout, signature: list[list[Any]], keep_alive: Any = None
 ) -> Callable[..., Any]:
     """The callable compile() returns; ``keep_alive`` (what the compiled model reads from) lives
     as long as it does."""
@@ -327,75 +323,3 @@ def _to_torch(tensor: Any) -> Any:
     if tensor.element_type == ov.Type.bf16:  # numpy shows bf16 bits as float16; reinterpret
         return torch.from_numpy(data.view(np.int16)).view(torch.bfloat16)
     return torch.from_numpy(data)
-
-
-# -- output structure ----------------------------------------------------------------------------
-
-
-class _OutputLayout:
-    """Where a module's outputs go: its pytree structure, and which leaves are constants (e.g.
-    None) rather than tensors. Stored next to the blob, so a cached start needs no eager call."""
-
-    def __init__(self, spec: Any, constants: dict[int, Any]) -> None:
-        self.spec = spec
-        self.constants = constants
-
-    @property
-    def tensor_count(self) -> int:
-        return self.spec.num_leaves - len(self.constants)
-
-    def rebuild(self, tensors: list[Any]) -> Any:
-        from torch.utils._pytree import tree_unflatten
-
-        remaining = iter(tensors)
-        leaves = [self.constants[i] if i in self.constants else next(remaining) for i in range(self.spec.num_leaves)]
-        return tree_unflatten(leaves, self.spec)
-
-    def to_json(self) -> str:
-        from torch.utils._pytree import treespec_dumps
-
-        try:
-            spec = treespec_dumps(self.spec)
-        except Exception as exc:  # pytree raises several types for an unregistered output class
-            raise MemfitError(
-                f"Backend 'openvino' cannot store this component: its output structure "
-                f"({self.spec}) is not serializable ({exc}). Run with MEMFIT_CACHE=0, or return "
-                "tuples, dicts or diffusers/transformers output classes."
-            ) from exc
-        return json.dumps({"spec": spec, "constants": [[i, v] for i, v in sorted(self.constants.items())]})
-
-    @classmethod
-    def from_json(cls, text: str) -> "_OutputLayout":
-        from torch.utils._pytree import treespec_loads
-
-        raw = json.loads(text)
-        return cls(treespec_loads(raw["spec"]), {int(i): v for i, v in raw["constants"]})
-
-
-class _FlatOutputs(torch.nn.Module):
-    """``fn`` as a module returning a flat tuple of tensors (what OpenVINO models return); the
-    structure it flattened goes to ``found_layout`` while torch.export traces it."""
-
-    def __init__(self, fn: Callable[..., Any], found_layout: Callable[["_OutputLayout"], None]) -> None:
-        super().__init__()
-        self.fn = fn  # a module becomes a submodule, so its weights are parameters of the export
-        self.found_layout = found_layout
-
-    def forward(self, *inputs: Any) -> tuple[torch.Tensor, ...]:
-        from torch.utils._pytree import tree_flatten
-
-        leaves, spec = tree_flatten(self.fn(*inputs))
-        constants = {i: leaf for i, leaf in enumerate(leaves) if not isinstance(leaf, torch.Tensor)}
-        odd = sorted({type(v).__name__ for v in constants.values() if not isinstance(v, _CONSTANT_TYPES)})
-        if odd:
-            raise MemfitError(
-                f"Backend 'openvino' supports outputs made of tensors, None, numbers and strings; "
-                f"{_name_of(self.fn)} also returns {', '.join(odd)}. Use backend='inductor' or "
-                "'eager' for this component."
-            )
-        self.found_layout(_OutputLayout(spec, constants))
-        return tuple(leaf for leaf in leaves if isinstance(leaf, torch.Tensor))
-
-
-def _name_of(fn: Callable[..., Any]) -> str:
-    return getattr(fn, "__qualname__", type(fn).__name__)

@@ -1,0 +1,94 @@
+"""Flat outputs for graph backends, and the layout that rebuilds the module's own output from them.
+
+OpenVINO and ONNX models return a flat list of tensors. A module returns a structure (a diffusers
+output class, a tuple with a None in it). The layout (pytree structure + constant leaves) is found
+while the module is captured, stored next to the compiled artifact (``outputs.json``), and used on
+every call, so a start from the cache needs no eager call to learn the structure.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any, Callable
+
+import torch
+
+from memfit.errors import MemfitError
+
+# Output leaves that are not tensors but can be stored (in outputs.json) and returned as they are.
+CONSTANT_TYPES = (type(None), bool, int, float, str)
+
+
+class OutputLayout:
+    """Where a module's outputs go: its pytree structure, and which leaves are constants (e.g.
+    None) rather than tensors."""
+
+    def __init__(self, backend: str, spec: Any, constants: dict[int, Any]) -> None:
+        self.backend = backend
+        self.spec = spec
+        self.constants = constants
+
+    @property
+    def tensor_count(self) -> int:
+        return self.spec.num_leaves - len(self.constants)
+
+    def rebuild(self, tensors: list[Any]) -> Any:
+        from torch.utils._pytree import tree_unflatten
+
+        remaining = iter(tensors)
+        leaves = [self.constants[i] if i in self.constants else next(remaining) for i in range(self.spec.num_leaves)]
+        return tree_unflatten(leaves, self.spec)
+
+    def to_json(self) -> str:
+        from torch.utils._pytree import treespec_dumps
+
+        try:
+            spec = treespec_dumps(self.spec)
+        except Exception as exc:  # pytree raises several types for an unregistered output class
+            raise MemfitError(
+                f"Backend {self.backend!r} cannot store this component: its output structure "
+                f"({self.spec}) is not serializable ({exc}). Run with MEMFIT_CACHE=0, or return "
+                "tuples, dicts or diffusers/transformers output classes."
+            ) from exc
+        return json.dumps({"spec": spec, "constants": [[i, v] for i, v in sorted(self.constants.items())]})
+
+    @classmethod
+    def from_json(cls, backend: str, text: str) -> "OutputLayout":
+        from torch.utils._pytree import treespec_loads
+
+        raw = json.loads(text)
+        return cls(backend, treespec_loads(raw["spec"]), {int(i): v for i, v in raw["constants"]})
+
+
+class FlatOutputs(torch.nn.Module):
+    """``fn`` as a module returning a flat tuple of tensors; the structure it flattened goes to
+    ``found_layout`` each time it runs (while torch.export traces it, too).
+
+    Not an attribute of the module: torch.export reverts attribute changes of the module it
+    traces, so the layout is handed out through a plain callable.
+    """
+
+    def __init__(self, backend: str, fn: Callable[..., Any], found_layout: Callable[[OutputLayout], None]) -> None:
+        super().__init__()
+        self.backend = backend
+        self.fn = fn  # a module becomes a submodule, so its weights are parameters of the export
+        self.found_layout = found_layout
+
+    def forward(self, *inputs: Any) -> tuple[torch.Tensor, ...]:
+        from torch.utils._pytree import tree_flatten
+
+        leaves, spec = tree_flatten(self.fn(*inputs))
+        constants = {i: leaf for i, leaf in enumerate(leaves) if not isinstance(leaf, torch.Tensor)}
+        odd = sorted({type(v).__name__ for v in constants.values() if not isinstance(v, CONSTANT_TYPES)})
+        if odd:
+            raise MemfitError(
+                f"Backend {self.backend!r} supports outputs made of tensors, None, numbers and strings; "
+                f"{name_of(self.fn)} also returns {', '.join(odd)}. Use backend='inductor' or "
+                "'eager' for this component."
+            )
+        self.found_layout(OutputLayout(self.backend, spec, constants))
+        return tuple(leaf for leaf in leaves if isinstance(leaf, torch.Tensor))
+
+
+def name_of(fn: Callable[..., Any]) -> str:
+    return getattr(fn, "__qualname__", type(fn).__name__)
