@@ -170,6 +170,13 @@ def child(spec: dict) -> dict:
 # ---- the parent --------------------------------------------------------------------------------
 
 
+def _link_or_copy(source: str, target: str) -> None:
+    try:
+        os.link(source, target)
+    except OSError:
+        shutil.copy2(source, target)
+
+
 def run_child(spec: dict, env: dict, timeout: int) -> dict:
     spec = {**spec, "launched": time.time()}
     started = time.perf_counter()
@@ -341,10 +348,15 @@ def main() -> None:
         # merging two stores is copying their entries).
         for kind in ("cache", "inductor"):
             shutil.rmtree(work / f"{kind}-{label}", ignore_errors=True)
+        # Hard links, not copies: gigabytes of fresh copies would still be written back to disk while the
+        # warm run reads them, which is no start a user makes (the per-backend warm runs read entries
+        # written minutes earlier). The sync lets any write-back finish first.
         for source in {best_unet, best_vae}:
             for kind in ("cache", "inductor"):
                 if (work / f"{kind}-{source}").exists():
-                    shutil.copytree(work / f"{kind}-{source}", work / f"{kind}-{label}", dirs_exist_ok=True)
+                    shutil.copytree(work / f"{kind}-{source}", work / f"{kind}-{label}", dirs_exist_ok=True,
+                                    copy_function=_link_or_copy)
+        os.sync()
         text = ",".join(f"{k}={v}" for k, v in spec.items())
         row = measure(label, "memfit", spec, f"per component: {text}", cold=False,
                       note="warm only: its artifacts come from the per-backend cold runs")
