@@ -138,7 +138,7 @@ def test_parts_a_stage_does_not_run_stay_on_disk(tiny_models, dtype):
     """A text-to-image decode runs the VAE's decoder half: only it is planned; the encoder half is put
     on the disk tier (the mapped file, nothing in memory), and both halves still compute plain's bits."""
     from memfit.archs import VAE_DECODE_PARTS
-    from memfit.executor import live_blocks, unrun_blocks
+    from memfit.executor import blocks_not_run, live_blocks, unrun_blocks
 
     pipe = load(tiny_models("sd"), dtype)
     plain = generate(pipe)
@@ -153,6 +153,7 @@ def test_parts_a_stage_does_not_run_stay_on_disk(tiny_models, dtype):
     assert any(key.startswith("vae/decoder.") for key in placed) and "vae/rest" in placed
     assert not any(key.startswith("vae/encoder") for key in placed), sorted(placed)
     assert all(p.where == "device" for stage in pipe._memfit_plan.stages for p in stage.placements)
+    assert {b.key.split(".")[0] for b in blocks_not_run(pipe)} == {"vae/encoder"}
     ptr = encoder_weight.untyped_storage().data_ptr()
     hits = [path for start, end, path in mapped_files() if start <= ptr < end]
     assert hits and hits[0].endswith(".safetensors") and "/vae/" in hits[0], hits
@@ -161,6 +162,7 @@ def test_parts_a_stage_does_not_run_stay_on_disk(tiny_models, dtype):
     assert torch.equal(pipe.vae.encode(pixels).latent_dist.mean, plain_latents)  # streamed in when called
     restore(pipe)
     assert encoder_weight.dtype == dtype and torch.equal(encoder_weight, before)
+    assert blocks_not_run(pipe) == []
 
     # Parts that name no block of the component (another VAE class) leave the whole component planned.
     blocks = {"vae": live_blocks("vae", pipe.vae)}

@@ -51,7 +51,7 @@ from memfit.errors import MemfitError
 from memfit.offload import HookRegistry, MappedSafetensors, Runtime, Shared, Slot, SwapHook
 from memfit.planner import DEVICE, DISK, HOST, BlockSpec, Plan, StageInput, make_plan
 
-__all__ = ["optimize", "restore", "is_optimized", "live_blocks", "plan_stage", "unrun_blocks"]
+__all__ = ["optimize", "restore", "is_optimized", "live_blocks", "plan_stage", "unrun_blocks", "blocks_not_run"]
 
 STATE_ATTR = "_memfit_state"
 PLAN_ATTR = "_memfit_plan"
@@ -79,6 +79,7 @@ class _State:
     runtime: Runtime
     slots: list  # every Slot memfit changed, hooked or not
     hooked: list  # modules that carry a SwapHook
+    unrun: list = dataclasses.field(default_factory=list)  # LiveBlocks outside the stage's parts, parked on disk
 
 
 # --- public -------------------------------------------------------------------------------------
@@ -148,17 +149,18 @@ def optimize(
         raise MemfitError(f"memfit's executor runs on 'cpu' or 'cuda' devices, not {device}.")
 
     blocks = {name: live_blocks(name, module) for name, module in components.items()}
-    stages = _stage_inputs(_planned_blocks(blocks, parts), stage, activation_bytes)
+    unrun = unrun_blocks(blocks, parts)
+    stages = _stage_inputs(_without(blocks, unrun), stage, activation_bytes)
     if plan is None and force_tiers is not None:
         plan = _forced_plan(stages, force_tiers)
     elif plan is None:
         resolved = Budget.of(budget) if budget is not None else detect_budget(str(device))
         plan = make_plan(stages, resolved)
     tiers = _tiers_from_plan(plan, blocks)
-    tiers.update((block.key, DISK) for block in unrun_blocks(blocks, parts))
+    tiers.update((block.key, DISK) for block in unrun)
 
     runtime = Runtime(device, prefetch=prefetch)
-    state = _State(runtime=runtime, slots=[], hooked=[])
+    state = _State(runtime=runtime, slots=[], hooked=[], unrun=unrun)
     try:
         for name, module in components.items():
             _apply_component(name, module, blocks[name], tiers, state, model_dir)
@@ -180,7 +182,14 @@ def plan_stage(pipe, budget: BudgetLike, stage: str, activation_bytes: int = 0,
                parts: Mapping[str, tuple[str, ...]] | None = None) -> Plan:
     """The plan ``optimize(pipe, budget, stage=stage, activation_bytes=..., parts=...)`` would carry out."""
     blocks = {name: live_blocks(name, module) for name, module in _components(pipe).items()}
-    return make_plan(_stage_inputs(_planned_blocks(blocks, parts), stage, activation_bytes), Budget.of(budget))
+    return make_plan(_stage_inputs(_without(blocks, unrun_blocks(blocks, parts)), stage, activation_bytes),
+                     Budget.of(budget))
+
+
+def blocks_not_run(pipe) -> list[LiveBlock]:
+    """The blocks ``optimize(pipe, parts=...)`` left out of the plan and parked on the disk tier."""
+    state = vars(pipe).get(STATE_ATTR)
+    return list(state.unrun) if state is not None else []
 
 
 def unrun_blocks(blocks: dict[str, list[LiveBlock]], parts: Mapping[str, tuple[str, ...]] | None) -> list[LiveBlock]:
@@ -202,9 +211,9 @@ def unrun_blocks(blocks: dict[str, list[LiveBlock]], parts: Mapping[str, tuple[s
     return unrun
 
 
-def _planned_blocks(blocks: dict[str, list[LiveBlock]], parts) -> dict[str, list[LiveBlock]]:
-    unrun = {id(b) for b in unrun_blocks(blocks, parts)}
-    return {name: [b for b in found if id(b) not in unrun] for name, found in blocks.items()}
+def _without(blocks: dict[str, list[LiveBlock]], left_out: list[LiveBlock]) -> dict[str, list[LiveBlock]]:
+    ids = {id(b) for b in left_out}
+    return {name: [b for b in found if id(b) not in ids] for name, found in blocks.items()}
 
 
 def _stage_inputs(blocks: dict[str, list[LiveBlock]], stage: str | None, activation_bytes: int) -> list[StageInput]:

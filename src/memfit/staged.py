@@ -89,7 +89,7 @@ def _load_stage(model: ModelFolder, names, dtype, device, budget, report: RunRep
     if budget is None:
         return pipe
     from .budget import Budget
-    from .executor import PLAN_ATTR, live_blocks, optimize, plan_stage, reads_in_place, unrun_blocks
+    from .executor import PLAN_ATTR, blocks_not_run, optimize, plan_stage, reads_in_place
 
     budget = Budget.of(budget)
     if device.type == "cpu":
@@ -113,8 +113,7 @@ def _load_stage(model: ModelFolder, names, dtype, device, budget, report: RunRep
             ) from exc
         optimize(pipe, plan=plan, model_dir=model.path, device=device, parts=parts)
         fit.strategy = strategy.name
-        unrun = unrun_blocks({name: live_blocks(name, getattr(pipe, name)) for name in parts or ()
-                              if isinstance(getattr(pipe, name, None), torch.nn.Module)}, parts)
+        unrun = blocks_not_run(pipe)
         if unrun:
             report.notes.append(
                 f"{fit.stage}: {format_bytes(sum(b.bytes for b in unrun))} of weights the stage does not run "
