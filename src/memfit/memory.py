@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import functools
 import gc
 import threading
 import time
@@ -57,6 +58,31 @@ def release_freed_memory() -> None:
         ctypes.CDLL("libc.so.6").malloc_trim(0)
     except (OSError, AttributeError):
         pass
+
+
+def collects_only_its_own_garbage(run):
+    """Decorator: while ``run`` runs, the objects alive before it are frozen out of garbage collection.
+
+    release_freed_memory collects after every stage so a stage's freed weights leave RSS before the
+    next stage loads. A full collection walks every object alive, and once torch, diffusers,
+    transformers and a backend are imported that is about half a million: 0.24-0.36 s per
+    collection, measured, six per generation. Frozen (gc.freeze), they are skipped and a
+    collection walks only what the run created, its stage pipelines among them. They are unfrozen
+    afterwards, so the process's garbage collection is as it was; where the caller froze objects
+    itself, its choice is left alone and nothing is frozen.
+    """
+
+    @functools.wraps(run)
+    def wrapper(*args, **kwargs):
+        if gc.get_freeze_count():
+            return run(*args, **kwargs)
+        gc.freeze()
+        try:
+            return run(*args, **kwargs)
+        finally:
+            gc.unfreeze()
+
+    return wrapper
 
 
 _M_MMAP_THRESHOLD = -3  # glibc mallopt parameter

@@ -17,7 +17,7 @@ import torch
 from ._atomic import write_atomically
 from .embeddings import Embeddings
 from .errors import MemfitError
-from .memory import PeakMemory, current_rss, release_freed_memory, return_large_frees_to_os
+from .memory import PeakMemory, collects_only_its_own_garbage, current_rss, release_freed_memory, return_large_frees_to_os
 from .model_folder import ModelFolder, parse_dtype
 from .pipelines import Settings
 from .compile import compile_stage
@@ -201,6 +201,7 @@ def _encode_stage(model, settings, report, dtype, device, with_negative, budget=
     return tensors
 
 
+@collects_only_its_own_garbage
 def encode(
     prompt: str,
     *,
@@ -259,6 +260,7 @@ def _load_embeddings(source, model: ModelFolder) -> Embeddings:
     return embeddings
 
 
+@collects_only_its_own_garbage
 def generate(
     prompt: str | None = None,
     *,
