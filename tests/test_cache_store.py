@@ -397,5 +397,23 @@ def test_manifest_records_key_parts_times_sizes_and_checksums(store: CacheStore)
     assert manifest["parts"] == {"weights": "fp-0", "backend": "eager"}
     assert manifest["digest"] == key().digest
     assert manifest["files"]["a"]["size"] == 3
-    assert manifest["files"]["a"]["sha256"] == hashlib.sha256(b"123").hexdigest()
+    # One piece: the sha256 of the file's sha256 (memfit.cache.manifest.sha256_of_file).
+    assert manifest["files"]["a"]["sha256"] == hashlib.sha256(hashlib.sha256(b"123").digest()).hexdigest()
     assert manifest["created"] <= time.time()
+
+
+def test_a_file_of_many_pieces_is_checked_in_every_piece(store: CacheStore, monkeypatch):
+    from memfit.cache import manifest as manifest_module
+
+    monkeypatch.setattr(manifest_module, "_PIECE", 1024)
+    payload = bytes(range(256)) * 13  # 3328 bytes: three full pieces and a short one
+    store.put(key(), {"blob": payload})
+    pieces = [payload[i:i + 1024] for i in range(0, len(payload), 1024)]
+    expected = hashlib.sha256(b"".join(hashlib.sha256(p).digest() for p in pieces)).hexdigest()
+    manifest = json.loads((store.entry_dir(key()) / "manifest.json").read_text())
+    assert manifest["files"]["blob"]["sha256"] == expected
+    path = store.entry_dir(key()) / "data" / "blob"
+    damaged = bytearray(payload)
+    damaged[3100] ^= 1  # in the last, short piece
+    path.write_bytes(bytes(damaged))
+    assert store.get(key()) is None

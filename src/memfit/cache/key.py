@@ -26,7 +26,7 @@ from memfit.errors import MemfitError
 
 # Bump when the on-disk layout or the meaning of a key changes: every older entry then misses
 # (it is never misread) and ages out through LRU eviction.
-CACHE_FORMAT_VERSION = 1
+CACHE_FORMAT_VERSION = 2
 
 # Kinds become directory names, so keep them to a safe, portable alphabet.
 _KIND_PATTERN = re.compile(r"^[a-z0-9][a-z0-9_.-]{0,63}$")
