@@ -389,7 +389,7 @@ def main() -> None:
         label = "memfit-best"
         data["rows"].pop(label, None)
         # Its warm start uses the artifacts the per-backend cold runs stored (content-addressed:
-        # merging two stores is copying their entries).
+        # merging two stores is linking their entries into one).
         for kind in ("cache", "inductor"):
             shutil.rmtree(work / f"{kind}-{label}", ignore_errors=True)
         # Hard links, not copies: gigabytes of fresh copies would still be written back to disk while the
