@@ -22,13 +22,12 @@ import torch
 
 from memfit.backends._common import graph_id, tensor_signature
 from memfit.backends.base import Availability, Backend
-from memfit.backends.output_layout import FlatOutputs, OutputLayout, name_of
+from memfit.backends.output_layout import LAYOUT_FILE, FlatOutputs, OutputLayout, name_of
 from memfit.backends.outputs import plain_outputs
 from memfit.backends.torch_settings import preserved_torch_settings
 from memfit.errors import MemfitError
 
 MODEL_FILE = "model.onnx"
-OUTPUTS_FILE = "outputs.json"
 _REQUIRED_MODULES = ("onnxruntime", "onnx", "onnxscript")
 # Part of the key; bump it when what an entry holds changes, so older entries miss, not misread.
 _ENTRY_FORMAT = "onnxruntime-export/2"
@@ -126,7 +125,7 @@ def _export(fn: Callable[..., Any], example_inputs: Sequence[Any], out_dir: Path
                 f"Exporting {name_of(fn)} to ONNX failed ({type(exc).__name__}: {exc}). "
                 "Use another backend for this component (e.g. backend='inductor' or 'eager')."
             ) from exc
-    (out_dir / OUTPUTS_FILE).write_text(layouts[-1].to_json())
+    (out_dir / LAYOUT_FILE).write_text(layouts[-1].to_json(), encoding="utf-8")
     return {"outputs": layouts[-1].tensor_count}
 
 
@@ -138,7 +137,7 @@ def _load(model_dir: Path, signature: list[list[Any]], opts: Mapping[str, Any]) 
     session = ort.InferenceSession(
         str(model_dir / MODEL_FILE), sess_options=session_options, providers=list(opts["providers"])
     )
-    layout = OutputLayout.from_json("onnxruntime", (model_dir / OUTPUTS_FILE).read_text(encoding="utf-8"))
+    layout = OutputLayout.load("onnxruntime", model_dir)
     input_names = [i.name for i in session.get_inputs()]
     if len(input_names) != len(signature) or len(session.get_outputs()) != layout.tensor_count:
         raise MemfitError(

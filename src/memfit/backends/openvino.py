@@ -52,12 +52,11 @@ import torch
 from memfit.backends._common import check_signature, graph_id, run_dtype, tensor_signature, uses_store
 from memfit.backends.base import Availability, Backend
 from memfit.backends.outputs import plain_outputs
-from memfit.backends.output_layout import FlatOutputs, OutputLayout, name_of
+from memfit.backends.output_layout import LAYOUT_FILE, FlatOutputs, OutputLayout, name_of
 from memfit.backends.torch_settings import preserved_torch_settings
 from memfit.errors import MemfitError
 
 MODEL_FILE = "model.blob"
-OUTPUTS_FILE = "outputs.json"
 # Part of the key; bump it when what an entry holds changes, so older entries miss, not misread.
 _ENTRY_FORMAT = "openvino-export/1"
 
@@ -249,7 +248,7 @@ def _build_entry(
             "store them: run with MEMFIT_CACHE=0, or use device='CPU'."
         ) from exc
     (out_dir / MODEL_FILE).write_bytes(stream.getbuffer())
-    (out_dir / OUTPUTS_FILE).write_text(layout_json)
+    (out_dir / LAYOUT_FILE).write_text(layout_json, encoding="utf-8")
     return {"outputs": layout.tensor_count, "device": device}
 
 
@@ -263,7 +262,7 @@ def _load_entry(entry: Path, device: str, ov_config: Mapping[str, Any]) -> tuple
     import numpy as np
     import openvino as ov
 
-    layout = OutputLayout.from_json("openvino", (entry / OUTPUTS_FILE).read_text(encoding="utf-8"))
+    layout = OutputLayout.load("openvino", entry)
     # Map the blob instead of reading it: the weights are not copied, and stay in the page cache
     # the checksum just filled. Copy-on-write ("c") because ov.Tensor wants a writable array;
     # the file itself is never written (store entries are replaced by rename, never in place).

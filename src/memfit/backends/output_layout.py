@@ -9,12 +9,15 @@ every call, so a start from the cache needs no eager call to learn the structure
 from __future__ import annotations
 
 import json
+from pathlib import Path
 from typing import Any, Callable
 
 import torch
 
 from memfit.errors import MemfitError
 
+# The layout's file in a compiled artifact's folder.
+LAYOUT_FILE = "outputs.json"
 # Output leaves that are not tensors but can be stored (in outputs.json) and returned as they are.
 CONSTANT_TYPES = (type(None), bool, int, float, str)
 
@@ -58,6 +61,11 @@ class OutputLayout:
 
         raw = json.loads(text)
         return cls(backend, treespec_loads(raw["spec"]), {int(i): v for i, v in raw["constants"]})
+
+    @classmethod
+    def load(cls, backend: str, folder: Path) -> "OutputLayout":
+        """The layout stored in an artifact's ``folder`` (its LAYOUT_FILE)."""
+        return cls.from_json(backend, (folder / LAYOUT_FILE).read_text(encoding="utf-8"))
 
 
 class FlatOutputs(torch.nn.Module):
