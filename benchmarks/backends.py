@@ -105,7 +105,7 @@ class _Probe:
 def child(spec: dict) -> dict:
     import torch
 
-    from memfit.model_folder import parse_dtype
+    from memfit.models.folder import parse_dtype
 
     launched = spec["launched"]
     probe = _Probe()
@@ -126,7 +126,7 @@ def child(spec: dict) -> dict:
         decode_again = pipe.vae.decode
     else:
         import memfit
-        from memfit.pipelines.stable_diffusion import StableDiffusionAdapter
+        from memfit.models.families.stable_diffusion import StableDiffusionAdapter
 
         original_decode = StableDiffusionAdapter.decode
         holder = {}

@@ -1,4 +1,4 @@
-"""Calibrate memfit's activation estimates (memfit.meta.ACTIVATION_FACTORS) on real-size models.
+"""Calibrate memfit's activation estimates (memfit.plan.meta.ACTIVATION_FACTORS) on real-size models.
 
     python benchmarks/calibrate_activations.py            # sd15 fp32 and sdxl bf16, random weights
 
@@ -6,7 +6,7 @@ For each case, a fresh process loads one component, runs it once at a tiny size 
 page is resident and the kernels are initialized), resets the kernel's RSS high-water mark, runs
 one forward at the measured size and reads the high-water mark again: the difference is the
 activation peak (every tensor and workspace the forward held at once). The shape model of
-memfit.meta.activation_estimate gives the element count the factor multiplies; factor =
+memfit.plan.meta.activation_estimate gives the element count the factor multiplies; factor =
 measured bytes / (elements * dtype bytes). Writes docs/activation_calibration.{json,md}.
 """
 
@@ -46,8 +46,8 @@ def measure(arch: str, dtype_name: str, kind: str, strategy: str, size: int, bat
 
     import torch
 
-    from memfit.memory import _read_hwm, _reset_hwm, current_rss, release_freed_memory, return_large_frees_to_os
-    from memfit.model_folder import parse_dtype
+    from memfit.run.memory import _read_hwm, _reset_hwm, current_rss, release_freed_memory, return_large_frees_to_os
+    from memfit.models.folder import parse_dtype
 
     return_large_frees_to_os()
     dtype = parse_dtype(dtype_name)
@@ -72,7 +72,7 @@ def measure(arch: str, dtype_name: str, kind: str, strategy: str, size: int, bat
     elif kind == "vae_decoder":
         model = diffusers.AutoencoderKL.from_pretrained(folder / "vae", torch_dtype=dtype)
         if strategy == "banded":
-            from memfit.banded_decode import enable_banded_decode
+            from memfit.run.banded_decode import enable_banded_decode
 
             enable_banded_decode(model)
 
@@ -118,8 +118,8 @@ def main() -> None:
 
     from common import build_real_size, machine, write_outputs
 
-    from memfit.meta import ACTIVATION_FACTORS, ACTIVATION_OFFSETS, activation_elements, activation_estimate, dtype_bytes
-    from memfit.model_folder import parse_dtype
+    from memfit.plan.meta import ACTIVATION_FACTORS, ACTIVATION_OFFSETS, activation_elements, activation_estimate, dtype_bytes
+    from memfit.models.folder import parse_dtype
 
     rows = []
     for case in CASES:
@@ -153,7 +153,7 @@ def main() -> None:
 
 def render(rows: list[dict]) -> str:
     """The markdown page; memfit's estimates are recomputed from the current ACTIVATION_FACTORS."""
-    from memfit.meta import ACTIVATION_FACTORS, ACTIVATION_OFFSETS
+    from memfit.plan.meta import ACTIVATION_FACTORS, ACTIVATION_OFFSETS
 
     lines = [
         "# Activation calibration",
@@ -161,8 +161,8 @@ def render(rows: list[dict]) -> str:
         "Measured by `benchmarks/calibrate_activations.py`: one forward of one real-size component (random weights) "
         "in a fresh process, peak RSS (VmHWM) minus RSS before the forward, after a tiny warm-up forward at 64 px "
         "(so weights and kernels are already resident), with the allocator setting memfit uses under a budget "
-        "(`memfit.memory.return_large_frees_to_os`: glibc's mmap threshold at 1 MiB; the banded decode raises it "
-        "to its 16 MiB band size while it runs). Shape model: `memfit.meta.activation_elements`. memfit's "
+        "(`memfit.run.memory.return_large_frees_to_os`: glibc's mmap threshold at 1 MiB; the banded decode raises it "
+        "to its 16 MiB band size while it runs). Shape model: `memfit.plan.meta.activation_elements`. memfit's "
         "`ACTIVATION_FACTORS` / `ACTIVATION_OFFSETS` are the least-squares fit below; 'memfit estimate' is what they "
         "give for each measured case now.",
         "",

@@ -1,6 +1,6 @@
 """Shared by the benchmarks: real-size pipelines with random weights, built once and saved.
 
-Memory and speed do not depend on weight values, so the real architectures (memfit.archs
+Memory and speed do not depend on weight values, so the real architectures (memfit.models.archs
 configs, exact parameter counts) with random weights measure what users see, without a hub.
 """
 
@@ -13,7 +13,7 @@ from pathlib import Path
 
 import torch
 
-from memfit.archs import get_arch
+from memfit.models.archs import get_arch
 from memfit.testing import clip_tokenizer
 
 

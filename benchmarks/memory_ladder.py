@@ -30,8 +30,8 @@ def run_one(system: str, model: str, dtype_name: str, size: int, steps: int, bud
     """Inside the capped child: one generation, with its own timings and peaks."""
     import torch
 
-    from memfit.memory import _read_hwm
-    from memfit.model_folder import parse_dtype
+    from memfit.run.memory import _read_hwm
+    from memfit.models.folder import parse_dtype
 
     dtype = parse_dtype(dtype_name)
     started = time.perf_counter()
@@ -100,7 +100,7 @@ def main() -> None:
     reason = cgroup_unavailable_reason()
     if reason:
         sys.exit(f"cannot cap memory here ({reason}); run where a child memory cgroup can be made")
-    from memfit.model_folder import parse_dtype
+    from memfit.models.folder import parse_dtype
 
     file_dtype = parse_dtype(args.file_dtype)
     model = str(build_real_size(args.arch, Path(args.models) / f"{args.arch}-{args.file_dtype}", file_dtype=file_dtype))

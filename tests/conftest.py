@@ -8,7 +8,7 @@ os.environ["MEMFIT_CACHE_DIR"] = tempfile.mkdtemp(prefix="memfit-test-cache-")
 import pytest  # noqa: E402
 
 
-from memfit.cli import _quiet_libraries  # noqa: E402
+from memfit.cli.app import _quiet_libraries  # noqa: E402
 
 _quiet_libraries()
 

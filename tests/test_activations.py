@@ -1,4 +1,4 @@
-"""Activation strategies under a budget (memfit.activations): which one the plan picks, and that the
+"""Activation strategies under a budget (memfit.plan.activations): which one the plan picks, and that the
 image stays the same when it picks a bounded one."""
 
 from __future__ import annotations
@@ -8,10 +8,10 @@ import pytest
 import torch
 
 import memfit
-from memfit import meta
-from memfit.activations import Strategy, choose, stage_strategies
+from memfit.plan import meta
+from memfit.plan.activations import Strategy, choose, stage_strategies
 from memfit.errors import MemfitError
-from memfit.planner import BlockSpec, StageInput, make_plan
+from memfit.plan.planner import BlockSpec, StageInput, make_plan
 
 MiB = 2**20
 
@@ -44,7 +44,7 @@ def test_costly_strategy_only_when_nothing_cheaper_plans():
 
 
 def test_strategies_follow_the_pipeline(tiny_models):
-    from memfit.model_folder import ModelFolder
+    from memfit.models.folder import ModelFolder
 
     for kind, denoise, decode in (("sd", ["batched", "split"], ["plain", "banded"]),
                                   ("cogview4", ["batched"], ["plain", "banded"])):
@@ -61,7 +61,7 @@ def test_tight_budget_decodes_banded_with_the_same_image(tiny_models, monkeypatc
     """A budget that holds the VAE's weights and the banded decode's activations, not the plain
     decode's: the plan picks banded, the report says so and predicts the stage peak, and the image
     equals the unbudgeted one (up to PNG rounding of the <= 1e-5 float tolerance)."""
-    from memfit.model_folder import ModelFolder
+    from memfit.models.folder import ModelFolder
 
     # Calibrated offsets are real-size kernel workspace; a tiny model's activations are the
     # proportional part only, which keeps the budget arithmetic below about this model.
@@ -74,7 +74,7 @@ def test_tight_budget_decodes_banded_with_the_same_image(tiny_models, monkeypatc
     vae_bytes = sum(p.numel() * p.element_size() for p in [*vae.parameters(), *vae.buffers()])
     budget = vae_bytes + (plain.activation_bytes + banded.activation_bytes) // 2
     # The process's own memory (Python, torch) would swamp a tiny model: count only what memfit places.
-    monkeypatch.setattr("memfit.staged._memory_in_use", lambda device: 0)
+    monkeypatch.setattr("memfit.run.generate._memory_in_use", lambda device: 0)
 
     kwargs = dict(model=folder, steps=2, guidance=4.0, width=128, height=128, progress=False)
     reference = memfit.generate("a red circle", **kwargs)

@@ -18,9 +18,9 @@ import pytest
 import torch
 from torch import nn
 
-import memfit.backends as backends
-from memfit.backends import Backend, get_backend, list_backends, plain_outputs, snapshot_torch_settings
-from memfit.backends import registry
+import memfit.compile.backends as backends
+from memfit.compile.backends import Backend, get_backend, list_backends, plain_outputs, snapshot_torch_settings
+from memfit.compile.backends import registry
 from memfit.cache import CacheStore
 from memfit.errors import MemfitError
 
@@ -123,7 +123,7 @@ def test_register_backend_at_run_time():
 
 def test_out_of_tree_backend_through_entry_points(monkeypatch):
     plugin = metadata.EntryPoint(
-        name="plugin", value="memfit.backends.eager:EagerBackend", group=registry.ENTRY_POINT_GROUP
+        name="plugin", value="memfit.compile.backends.eager:EagerBackend", group=registry.ENTRY_POINT_GROUP
     )
     broken = metadata.EntryPoint(name="broken", value="no_such_module_xyz:Backend", group=registry.ENTRY_POINT_GROUP)
     monkeypatch.setattr(
@@ -140,7 +140,7 @@ def test_out_of_tree_backend_through_entry_points(monkeypatch):
 
 def test_importing_backends_and_listing_them_stays_lean():
     code = (
-        "import sys, memfit.backends as b; b.list_backends(); b.get_backend('eager'); "
+        "import sys, memfit.compile.backends as b; b.list_backends(); b.get_backend('eager'); "
         "b.available_backends(); "
         "print(sorted(m for m in ('openvino', 'onnxruntime', 'onnx') if m in sys.modules))"
     )
@@ -218,7 +218,7 @@ _INDUCTOR_START = """
 import json
 import torch
 from torch._dynamo.utils import counters
-from memfit.backends import get_backend
+from memfit.compile.backends import get_backend
 from memfit.cache import open_store
 
 model = tiny_conv_model()
@@ -328,7 +328,7 @@ def test_openvino_refuses_its_own_caching(model_and_inputs, own_cache):
 @pytest.fixture
 def openvino_backend_module():
     skip_unless_available("openvino")
-    from memfit.backends import openvino as openvino_backend
+    from memfit.compile.backends import openvino as openvino_backend
 
     return openvino_backend
 
@@ -410,7 +410,7 @@ def test_openvino_with_the_cache_off_compiles_in_memory_and_writes_nothing(model
 
 def test_onnxruntime_matches_eager_and_is_served_from_the_cache(model_and_inputs, tmp_path, monkeypatch):
     skip_unless_available("onnxruntime")
-    from memfit.backends import onnxruntime as ort_backend
+    from memfit.compile.backends import onnxruntime as ort_backend
 
     model, inputs, expected = model_and_inputs
     store = CacheStore(tmp_path, mode="on")

@@ -1,4 +1,4 @@
-"""Banded VAE decode (memfit.banded_decode): the untiled image within float rounding, fewer activations.
+"""Banded VAE decode (memfit.run.banded_decode): the untiled image within float rounding, fewer activations.
 
 Stated tolerance: the arithmetic per output element is the same, but the convolution library may
 pick another kernel (another summation order) for a band of rows than for the whole tensor, so fp32
@@ -17,7 +17,7 @@ import sys
 import pytest
 import torch
 
-from memfit.banded_decode import (
+from memfit.run.banded_decode import (
     _norm_act_conv,
     _resnet_forward,
     disable_banded_decode,
@@ -64,7 +64,7 @@ def test_banded_decode_matches_plain_within_tolerance(bands):
 
 
 def test_banded_blocks_match_their_modules():
-    from memfit.banded_decode import _upsampler_forward
+    from memfit.run.banded_decode import _upsampler_forward
 
     decoder = _vae().decoder
     resnet, upsampler = decoder.up_blocks[0].resnets[0], decoder.up_blocks[0].upsamplers[0]
@@ -107,7 +107,7 @@ def test_banded_decode_runs_through_offload_hooks(tiny_models):
     in run form (offload.weights_ready), and the image must match the plain decode under the same plan."""
     import diffusers
 
-    from memfit.executor import optimize, restore
+    from memfit.run.executor import optimize, restore
 
     pipe = diffusers.DiffusionPipeline.from_pretrained(tiny_models("sd"), torch_dtype=torch.bfloat16)
     z = torch.randn(1, 4, 8, 8, generator=torch.Generator().manual_seed(3)).to(torch.bfloat16)
@@ -123,9 +123,9 @@ def test_banded_decode_runs_through_offload_hooks(tiny_models):
 _PEAK_CHILD = r"""
 import gc, json, sys, torch
 from diffusers import AutoencoderKL
-from memfit.archs import get_arch
-from memfit.banded_decode import enable_banded_decode
-from memfit.memory import _read_hwm, _reset_hwm, current_rss, return_large_frees_to_os
+from memfit.models.archs import get_arch
+from memfit.run.banded_decode import enable_banded_decode
+from memfit.run.memory import _read_hwm, _reset_hwm, current_rss, return_large_frees_to_os
 return_large_frees_to_os()
 torch.manual_seed(0)
 config = [c for c in get_arch("sd15").components if c.name == "vae"][0].config
@@ -145,7 +145,7 @@ with torch.inference_mode():
 def test_banded_decode_holds_fewer_activations():
     """The SD 1.5 VAE (real size, random weights) at 512x512, each in a fresh process. (At 256x256 the
     heap's reused temporaries, about 100 MiB either way, hide the difference.)"""
-    from memfit.memory import _reset_hwm
+    from memfit.run.memory import _reset_hwm
 
     if not _reset_hwm():
         pytest.skip("needs /proc/self/clear_refs to measure a peak (Linux)")

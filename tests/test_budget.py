@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from memfit.budget import (
+from memfit.plan.budget import (
     DEFAULT_HOST_RESERVE,
     Budget,
     cgroup_free_memory,

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from memfit import _cache_cli
+from memfit.cli import cache as _cache_cli
 from memfit.cache import CacheKey, CacheStore
 
 

@@ -9,7 +9,7 @@ import sys
 import pytest
 from PIL import Image
 
-from memfit.cli import main
+from memfit.cli.app import main
 
 ARGS = ["--steps", "2", "--width", "32", "--height", "32", "--quiet"]
 

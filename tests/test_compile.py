@@ -1,4 +1,4 @@
-"""memfit.compile: the entry points pipelines call, compiled per component, removable, failures named.
+"""memfit.compile.entry_points: the entry points pipelines call, compiled per component, removable, failures named.
 
 Failure 5 of DESIGN.md: whatever the backend, outputs are plain tensors on every run (run 1, 2 and 3
 agree with eager within the backend's stated tolerance) and torch's global settings are unchanged.
@@ -18,8 +18,8 @@ import pytest
 import torch
 
 import memfit
-from memfit.backends import Availability, Backend, get_backend, register_backend, snapshot_torch_settings, unregister_backend
-from memfit.compile import ENTRIES_ATTR, compile_components, is_compiled, parse_backend_arg, uncompile
+from memfit.compile.backends import Availability, Backend, get_backend, register_backend, snapshot_torch_settings, unregister_backend
+from memfit.compile.entry_points import ENTRIES_ATTR, compile_components, is_compiled, parse_backend_arg, uncompile
 from memfit.errors import MemfitError
 from memfit.testing import assert_matches_diffusers, build_pipeline
 
@@ -208,8 +208,8 @@ _OPENVINO_START = """
 import json, sys
 import numpy as np
 import torch
-import memfit.backends.openvino as openvino_backend
-from memfit.compile import compile_components
+import memfit.compile.backends.openvino as openvino_backend
+from memfit.compile.entry_points import compile_components
 from memfit.testing import build_pipeline
 
 if sys.argv[1] == "warm":  # served from the store, or this start fails

@@ -14,8 +14,8 @@ import pytest
 import torch
 
 import memfit
-from memfit.executor import optimize, restore
-from memfit.offload import REGISTRY_ATTR
+from memfit.run.executor import optimize, restore
+from memfit.run.offload import REGISTRY_ATTR
 
 TIERS = {
     "sd": {
@@ -137,8 +137,8 @@ def test_bf16_run_from_fp32_files_converts_block_by_block(tiny_models):
 def test_parts_a_stage_does_not_run_stay_on_disk(tiny_models, dtype):
     """A text-to-image decode runs the VAE's decoder half: only it is planned; the encoder half is put
     on the disk tier (the mapped file, nothing in memory), and both halves still compute plain's bits."""
-    from memfit.archs import VAE_DECODE_PARTS
-    from memfit.executor import blocks_not_run, live_blocks, unrun_blocks
+    from memfit.models.archs import VAE_DECODE_PARTS
+    from memfit.run.executor import blocks_not_run, live_blocks, unrun_blocks
 
     pipe = load(tiny_models("sd"), dtype)
     plain = generate(pipe)

@@ -1,4 +1,4 @@
-"""memfit.memory: garbage collection scoped to a run."""
+"""memfit.run.memory: garbage collection scoped to a run."""
 
 import gc
 import weakref
@@ -6,7 +6,7 @@ import weakref
 import pytest
 
 import memfit
-from memfit.memory import collects_only_its_own_garbage
+from memfit.run.memory import collects_only_its_own_garbage
 
 
 class _Node:

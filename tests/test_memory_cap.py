@@ -47,7 +47,7 @@ def test_memfit_completes_where_plain_diffusers_is_killed(model, tmp_path):
     ours = [sys.executable, "-m", "memfit", "generate", "--model", model, "--prompt", "a red circle", "--steps", "1",
             "--guidance", "2", "--width", "32", "--height", "32", "--dtype", "bf16", "--quiet",
             "--out", str(tmp_path / "o.png")]
-    baseline = _run([sys.executable, "-c", "import torch, diffusers, transformers, memfit.cli"], model, None)
+    baseline = _run([sys.executable, "-c", "import torch, diffusers, transformers, memfit.cli.app"], model, None)
     bf16 = {part.name: sum(f.stat().st_size for f in part.glob("*.safetensors")) // 2 for part in Path(model).iterdir()}
     total, largest = sum(bf16.values()), max(bf16.values())
     assert total - largest > 300 * MiB, bf16

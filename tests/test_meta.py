@@ -8,9 +8,9 @@ import gc
 import pytest
 import torch
 
-from memfit.archs import ARCHS, get_arch
+from memfit.models.archs import ARCHS, get_arch
 from memfit.errors import MemfitError
-from memfit.meta import activation_estimate, is_model_class, measure_component
+from memfit.plan.meta import activation_estimate, is_model_class, measure_component
 
 TINY_UNET = {
     "block_out_channels": [4, 8],
@@ -201,7 +201,7 @@ def test_every_stage_uses_known_components():
     [("unet", TINY_UNET), ("vae_decoder", TINY_VAE), ("transformer", {"hidden_size": 64}), ("text_encoder", TINY_CLIP)],
 )
 def test_activation_estimate_scales_with_batch_and_dtype(kind, config):
-    from memfit.meta import ACTIVATION_OFFSETS
+    from memfit.plan.meta import ACTIVATION_OFFSETS
 
     offset = ACTIVATION_OFFSETS[kind]  # workspace that does not scale
     base = activation_estimate(kind, config, width=512, height=512, batch=1, dtype="fp16") - offset
@@ -213,7 +213,7 @@ def test_activation_estimate_scales_with_batch_and_dtype(kind, config):
 @pytest.mark.parametrize("kind", ["unet", "vae_decoder"])
 def test_image_activations_grow_with_pixels(kind):
     config = TINY_UNET if kind == "unet" else TINY_VAE
-    from memfit.meta import ACTIVATION_OFFSETS
+    from memfit.plan.meta import ACTIVATION_OFFSETS
 
     small = activation_estimate(kind, config, width=512, height=512) - ACTIVATION_OFFSETS[kind]
     large = activation_estimate(kind, config, width=1024, height=1024) - ACTIVATION_OFFSETS[kind]

@@ -7,11 +7,11 @@ import json
 
 import pytest
 
-from memfit._plan_cli import choose_strategies, register, stage_options
-from memfit.archs import get_arch
-from memfit.budget import Budget, parse_size
+from memfit.cli.plan import choose_strategies, register, stage_options
+from memfit.models.archs import get_arch
+from memfit.plan.budget import Budget, parse_size
 from memfit.errors import MemfitError
-from memfit.meta import measure_component
+from memfit.plan.meta import measure_component
 
 
 def run(argv, capsys):

@@ -9,9 +9,9 @@ from pathlib import Path
 
 import pytest
 
-from memfit.budget import Budget
+from memfit.plan.budget import Budget
 from memfit.errors import MemfitError
-from memfit.planner import BlockSpec, Plan, StageInput, make_plan, stage_input
+from memfit.plan.planner import BlockSpec, Plan, StageInput, make_plan, stage_input
 
 
 def stage(name, sizes, activations=0, component="m", runs=1):
@@ -197,11 +197,11 @@ def test_bad_prefetch_and_budget_are_rejected():
 
 
 def test_planner_module_imports_nothing_that_touches_devices_or_files():
-    source = (Path(__file__).parents[1] / "src" / "memfit" / "planner.py").read_text()
+    source = (Path(__file__).parents[1] / "src" / "memfit" / "plan" / "planner.py").read_text()
     imported = set()
     for node in ast.walk(ast.parse(source)):
         if isinstance(node, ast.Import):
             imported |= {alias.name for alias in node.names}
         elif isinstance(node, ast.ImportFrom):
             imported.add(node.module)
-    assert imported <= {"__future__", "dataclasses", "math", "typing", "memfit.budget", "memfit.errors"}
+    assert imported <= {"__future__", "dataclasses", "math", "typing", "memfit.plan.budget", "memfit.errors"}

@@ -7,7 +7,7 @@ import pytest
 
 import memfit
 from memfit.errors import MemfitError
-from memfit.model_folder import ModelFolder
+from memfit.models.folder import ModelFolder
 
 SETTINGS = dict(steps=1, guidance=3.0, seed=5, width=32, height=32, progress=False)
 

@@ -17,11 +17,11 @@ import pytest
 from PIL import Image
 
 import memfit
-from memfit.backends import get_backend
+from memfit.compile.backends import get_backend
 from memfit.cache import open_store
-from memfit.cli import main
+from memfit.cli.app import main
 from memfit.errors import MemfitError
-from memfit.fingerprint import fingerprint_folder
+from memfit.cache.fingerprint import fingerprint_folder
 from memfit.testing import diffusers_refined_image, max_pixel_difference, save_base_and_refiner
 
 SETTINGS = dict(prompt="a red house", steps=5, guidance=3.0, seed=3, width=32, height=32)

@@ -12,7 +12,7 @@ import pytest
 
 PLAIN = r"""
 import json, sys, diffusers, psutil, torch
-from memfit.memory import PeakMemory
+from memfit.run.memory import PeakMemory
 diffusers.utils.logging.disable_progress_bar()
 with PeakMemory("cpu") as peak:
     pipe = diffusers.DiffusionPipeline.from_pretrained(sys.argv[1])
@@ -64,7 +64,7 @@ BUDGETED = r"""
 import json, sys
 import diffusers, transformers  # imported before the baseline below, as memfit.generate would
 import memfit
-from memfit.memory import current_rss
+from memfit.run.memory import current_rss
 result = memfit.generate("a red circle", model=sys.argv[1], steps=1, guidance=2.0, width=64, height=64,
                          budget=current_rss() + int(sys.argv[2]), progress=False)
 print(json.dumps({s.stage: [s.planned_peak_bytes, s.peak_bytes, s.memory_method] for s in result.report.stages}))

@@ -13,10 +13,10 @@ import pytest
 import torch
 
 import memfit
-from memfit.embeddings import Embeddings
-from memfit.model_folder import ModelFolder
-from memfit.pipelines.stable_diffusion import split_guidance_passes
-from memfit.staged import text_fingerprint
+from memfit.run.embeddings import Embeddings
+from memfit.models.folder import ModelFolder
+from memfit.models.families.stable_diffusion import split_guidance_passes
+from memfit.run.generate import text_fingerprint
 from memfit.testing import max_pixel_difference
 
 SETTINGS = dict(steps=2, guidance=4.0, seed=3, width=32, height=32)
@@ -98,7 +98,7 @@ def test_split_passes_take_unequal_lengths_and_ignore_padding(tiny_models, kind,
     assert any("77 (positive) and 48 (negative)" in note for note in first.report.notes)
 
     # Pad with noise instead of zeros: if any padded position reached the UNet, the image would change.
-    import memfit.pipelines.stable_diffusion as sd_adapter
+    import memfit.models.families.stable_diffusion as sd_adapter
 
     def noisy_pad(tensor, length, dim=1):
         shape = list(tensor.shape)

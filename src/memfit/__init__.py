@@ -2,12 +2,12 @@
 
 __version__ = "0.1.0"
 
-from .budget import Budget, parse_size
-from .embeddings import Embeddings
-from .errors import MemfitError
-from .executor import optimize, restore
-from .report import RunReport, StageReport
-from .staged import Generation, encode, generate
+from memfit.plan.budget import Budget, parse_size
+from memfit.run.embeddings import Embeddings
+from memfit.errors import MemfitError
+from memfit.run.executor import optimize, restore
+from memfit.run.report import RunReport, StageReport
+from memfit.run.generate import Generation, encode, generate
 
 __all__ = [
     "Budget",

@@ -1,9 +1,9 @@
 """Helpers for testing memfit and code built on it: tiny pipelines, local tokenizers, parity checks."""
 
-from .pipelines import DEFAULT_SIZE, PIPELINE_KINDS, build_pipeline, save_pipeline
-from .refiner import build_base_and_refiner, build_refiner, diffusers_refined_image, save_base_and_refiner
-from .parity import assert_matches_diffusers, diffusers_image, max_pixel_difference
-from .tokenizers import clip_tokenizer, word_tokenizer
+from memfit.testing.pipelines import DEFAULT_SIZE, PIPELINE_KINDS, build_pipeline, save_pipeline
+from memfit.testing.refiner import build_base_and_refiner, build_refiner, diffusers_refined_image, save_base_and_refiner
+from memfit.testing.parity import assert_matches_diffusers, diffusers_image, max_pixel_difference
+from memfit.testing.tokenizers import clip_tokenizer, word_tokenizer
 
 __all__ = [
     "DEFAULT_SIZE",

@@ -41,7 +41,7 @@ def max_pixel_difference(a, b) -> int:
 
 def assert_matches_diffusers(model_dir: str | Path, *, atol: int = 0, **settings):
     """Generate with memfit and with plain diffusers; fail if any pixel differs by more than atol."""
-    from ..staged import generate
+    from memfit.run.generate import generate
 
     ours = generate(model=model_dir, progress=False, **settings)
     s = ours.settings

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import torch
 
-from .tokenizers import clip_tokenizer, word_tokenizer
+from memfit.testing.tokenizers import clip_tokenizer, word_tokenizer
 
 PIPELINE_KINDS = ("sd", "sdxl", "lumina2", "cogview4")
 

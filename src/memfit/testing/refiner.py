@@ -16,8 +16,8 @@ from pathlib import Path
 
 import torch
 
-from .pipelines import build_pipeline, sdxl_unet
-from .tokenizers import clip_tokenizer
+from memfit.testing.pipelines import build_pipeline, sdxl_unet
+from memfit.testing.tokenizers import clip_tokenizer
 
 # How many time ids the refiner's UNet sees: original (h, w), crop (top, left), aesthetic score.
 _REFINER_TIME_IDS = 5
@@ -78,7 +78,7 @@ def diffusers_refined_image(base_dir: str | Path, refiner_dir: str | Path, *, pr
     denoising_start=refiner_start; one seeded CPU generator through both calls."""
     import diffusers
 
-    from ..model_folder import _dtype_keyword
+    from memfit.models.folder import _dtype_keyword
 
     dtype_kwarg = {_dtype_keyword(): dtype}  # diffusers 0.42 renamed torch_dtype to dtype
     base = diffusers.StableDiffusionXLPipeline.from_pretrained(base_dir, **dtype_kwarg)

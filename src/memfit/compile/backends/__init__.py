@@ -1,0 +1,32 @@
+"""Execution backends: eager, inductor (torch.compile), openvino, onnxruntime, and out-of-tree ones.
+
+    from memfit.compile.backends import get_backend
+    run = get_backend("inductor").compile(module, example_inputs)
+    output = run(*inputs)   # plain torch.Tensor outputs, torch's global settings untouched
+"""
+
+from memfit.compile.backends.base import Availability, Backend
+from memfit.compile.backends.outputs import plain_outputs
+from memfit.compile.backends.registry import (
+    ENTRY_POINT_GROUP,
+    available_backends,
+    get_backend,
+    list_backends,
+    register_backend,
+    unregister_backend,
+)
+from memfit.compile.backends.torch_settings import preserved_torch_settings, snapshot_torch_settings
+
+__all__ = [
+    "ENTRY_POINT_GROUP",
+    "Availability",
+    "Backend",
+    "available_backends",
+    "get_backend",
+    "list_backends",
+    "plain_outputs",
+    "preserved_torch_settings",
+    "register_backend",
+    "snapshot_torch_settings",
+    "unregister_backend",
+]

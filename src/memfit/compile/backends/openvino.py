@@ -1,0 +1,324 @@
+"""OpenVINO: capture the module with ``torch.export``, convert it to an OpenVINO model, run it in
+OpenVINO's runtime, and keep the compiled model in memfit's store.
+
+What is stored: given ``cache=`` (a store that is on) and a ``weights_fingerprint``, one entry
+holding ``model.blob`` (the compiled model, from ``CompiledModel.export_model()``) and
+``outputs.json`` (how to rebuild the module's output structure from OpenVINO's flat outputs, so
+a cached start needs no eager call to learn it). The key covers the weights/entry fingerprint, the
+graph, the input signature (shapes, dtypes), the OpenVINO device with its name and capabilities,
+the OpenVINO properties (precision hint included), the openvino, torch and memfit versions, and
+memfit's cache format. A start that finds the entry imports the blob from a memory map
+(``Core.import_model``): no torch.export, no conversion, no OpenVINO transformation pipeline.
+The blob rather than the IR (model.xml/.bin): importing it from a map was the fastest warm load
+measured (SD1.5 UNet fp32, 2 shared CPUs under load: 3.5-4.9 s, against 4.4-6.9 s compiling the
+IR and 15-17 s importing it from bytes, with 3 GB more peak memory), and it is what a GPU needs
+to skip kernel compilation. Without a store (``cache=None``, MEMFIT_CACHE=0, or no fingerprint)
+the same route runs in memory and nothing is written; MEMFIT_CACHE=require raises on a missing
+entry instead of compiling.
+
+OpenVINO's own caches stay refused, because memfit must be the only writer of what it loads:
+
+* ``model_caching`` (an option of OpenVINO's torch.compile backend) swapped weights for fake
+  tensors and broke the second generation (failure 5 of DESIGN.md).
+* ``CACHE_DIR`` makes OpenVINO write blobs it names itself (its key of an in-memory model also
+  differs from that of the same model read back from IR, so it recompiles), outside memfit's
+  checksums and eviction; and with openvino 2026.4 a model that OpenVINO loaded from its
+  CACHE_DIR exports a stream that ``import_model`` cannot read.
+
+Learned on openvino 2026.4, torch 2.13, CPU:
+
+* The CPU plugin defaults to bf16 inference on CPUs that support it, also when importing a blob
+  compiled for f32: ``INFERENCE_PRECISION_HINT`` is pinned to the dtype the model runs in, at
+  compile and at import, so fp32 stays fp32.
+* ``convert_model`` of an ExportedProgram marks input dimensions dynamic; the model is reshaped to
+  the example shapes (static shapes compile to faster kernels; calls are checked against them).
+* ``torch.jit.trace`` (convert_model's default for a module) refuses a function that closes over
+  parameters needing grad, which is what memfit.compile.entry_points hands over; ``torch.export`` takes it.
+* Nothing here imports ``openvino.torch`` (OpenVINO's torch.compile backend, which changes a
+  dynamo setting for the whole process); capture and conversion still run inside
+  ``preserved_torch_settings()``, so nothing torch.export or the frontend sets leaks out.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib.util
+import threading
+from pathlib import Path
+from typing import Any, Callable, Mapping, Sequence
+
+import torch
+
+from memfit.compile.backends._common import check_signature, graph_id, run_dtype, tensor_signature, uses_store
+from memfit.compile.backends.base import Availability, Backend
+from memfit.compile.backends.outputs import plain_outputs
+from memfit.compile.backends.output_layout import LAYOUT_FILE, FlatOutputs, OutputLayout, name_of
+from memfit.compile.backends.torch_settings import preserved_torch_settings
+from memfit.errors import MemfitError
+
+MODEL_FILE = "model.blob"
+# Part of the key; bump it when what an entry holds changes, so older entries miss, not misread.
+_ENTRY_FORMAT = "openvino-export/1"
+
+_PRECISION_HINTS = {"torch.float32": "f32", "torch.float16": "f16", "torch.bfloat16": "bf16"}
+# Properties that would make OpenVINO (or its torch.compile backend) cache on its own; see above.
+_REFUSED_CONFIG = {
+    "model_caching": "it replaces weights with fake tensors and breaks the second run",
+    "CACHE_DIR": "OpenVINO would write files outside memfit's checksummed store",
+}
+
+
+class OpenVINOBackend(Backend):
+    name = "openvino"
+    float32_tolerance = 1e-4
+    default_options: Mapping[str, Any] = {
+        "device": "CPU",  # OpenVINO device: "CPU", "GPU" (Intel iGPU/dGPU), "NPU"
+        "config": {},  # OpenVINO properties; INFERENCE_PRECISION_HINT defaults to the run dtype
+    }
+
+    def available(self) -> Availability:
+        if importlib.util.find_spec("openvino") is None:
+            return Availability(False, "openvino is not installed: pip install memfit[openvino]")
+        return Availability(True, f"openvino {self.version()} is available")
+
+    def version(self) -> str:
+        from importlib import metadata
+
+        try:
+            return metadata.version("openvino")
+        except metadata.PackageNotFoundError:
+            return "absent"
+
+    def compile(
+        self,
+        fn: Callable[..., Any],
+        example_inputs: Sequence[Any],
+        options: Mapping[str, Any] | None = None,
+        cache: Any = None,
+        weights_fingerprint: str | None = None,
+    ) -> Callable[..., Any]:
+        opts = self.resolve_options(options)
+        self.require_available()
+        _refuse_own_caching(opts["config"])
+        signature = tensor_signature(self.name, example_inputs)
+        device = opts["device"]
+        ov_config = {"INFERENCE_PRECISION_HINT": _precision_hint(example_inputs), **opts["config"]}
+
+        if not uses_store(cache, weights_fingerprint):
+            model, layout = _convert(fn, example_inputs)
+            return _runner(_compile_model(model, device, ov_config), layout, signature)
+
+        key = _cache_key(weights_fingerprint, graph_id(fn), signature, device, ov_config)
+
+        def build(out_dir: Path) -> dict[str, Any]:
+            return _build_entry(fn, example_inputs, device, ov_config, out_dir)
+
+        entry = cache.get_or_build(key, build)  # raises on a miss under MEMFIT_CACHE=require
+        compiled, layout, blob = _load_entry(entry, device, ov_config)
+        return _runner(compiled, layout, signature, keep_alive=blob)
+
+
+# -- options and keys ----------------------------------------------------------------------------
+
+
+def _refuse_own_caching(config: Mapping[str, Any]) -> None:
+    for name, why in _REFUSED_CONFIG.items():
+        if name in config:
+            raise MemfitError(
+                f"OpenVINO's {name} is not supported by memfit: {why}. Remove it from the "
+                "openvino backend's config; memfit stores compiled models itself (MEMFIT_CACHE_DIR)."
+            )
+
+
+def _precision_hint(example_inputs: Sequence[Any]) -> str:
+    return _PRECISION_HINTS.get(str(run_dtype(example_inputs)), "f32")
+
+
+def _cache_key(
+    weights_fingerprint: str, graph: str, signature: list[list[Any]], device: str, ov_config: Mapping[str, Any]
+) -> Any:
+    from memfit.cache import compile_key
+
+    return compile_key(
+        weights_fingerprint=weights_fingerprint,
+        graph=graph,
+        input_signature=signature,
+        backend="openvino",
+        backend_options={
+            "entry_format": _ENTRY_FORMAT,
+            "device": device,
+            "device_identity": _device_identity(device),
+            "config": _json_config(ov_config),
+        },
+        backend_distributions=("openvino",),
+    )
+
+
+def _device_identity(device: str) -> dict[str, Any]:
+    """What the compiled blob depends on besides the model: the device's model and instruction
+    sets (a blob compiled for AVX-512 must not be imported on an AVX2 machine sharing the cache)."""
+    core = _core()
+    try:
+        name = core.get_property(device, "FULL_DEVICE_NAME")
+        capabilities = core.get_property(device, "OPTIMIZATION_CAPABILITIES")
+    except RuntimeError as exc:
+        raise MemfitError(
+            f"OpenVINO device {device!r} is not usable here ({exc}); devices found: "
+            f"{', '.join(core.available_devices) or 'none'}. Set the openvino backend's device option."
+        ) from exc
+    return {"name": str(name), "capabilities": sorted(str(c) for c in capabilities)}
+
+
+def _json_config(config: Mapping[str, Any]) -> dict[str, Any]:
+    # OpenVINO's property values may be its own enums (e.g. hint.PerformanceMode.LATENCY), which
+    # are not JSON; their str() is stable, so that is what the key holds.
+    plain = (str, int, float, bool, type(None))
+    return {str(k): v if isinstance(v, plain) else str(v) for k, v in config.items()}
+
+
+# -- capture, convert, compile ------------------------------------------------------------------
+
+
+def _convert(fn: Callable[..., Any], example_inputs: Sequence[Any]) -> tuple[Any, OutputLayout]:
+    """``fn`` as a static-shape ov.Model, and the layout of its outputs."""
+    import openvino as ov
+
+    layouts: list[OutputLayout] = []
+    wrapper = FlatOutputs("openvino", fn, layouts.append)
+    # Distinct copies: given one tensor object twice, the converter drops one of the two inputs,
+    # and the model would take fewer inputs than the callers pass.
+    example = tuple(t.detach().clone() for t in example_inputs)
+    with preserved_torch_settings(), torch.no_grad():
+        try:
+            exported = torch.export.export(wrapper, example, strict=False)
+            model = ov.convert_model(exported)
+        except MemfitError:
+            raise
+        except Exception as exc:
+            raise MemfitError(
+                f"Backend 'openvino' could not capture {name_of(fn)} with torch.export and convert "
+                f"it ({type(exc).__name__}: {exc}). Use another backend for this component "
+                "(e.g. backend='inductor' or 'eager')."
+            ) from exc
+    expected = list(exported.graph_signature.user_inputs)
+    if [port.get_any_name() for port in model.inputs] != expected:
+        raise MemfitError(
+            f"OpenVINO converted {name_of(fn)} to a model with inputs "
+            f"{[port.get_any_name() for port in model.inputs]}, not {expected}, so it cannot be "
+            "fed positionally. Use another backend for this component (e.g. backend='inductor')."
+        )
+    model.reshape({port: ov.PartialShape(list(t.shape)) for port, t in zip(model.inputs, example_inputs)})
+    return model, layouts[-1]
+
+
+@functools.lru_cache(maxsize=None)
+def _core() -> Any:
+    """One OpenVINO Core per process, so each device plugin is loaded once."""
+    import openvino as ov
+
+    return ov.Core()
+
+
+def _compile_model(model: Any, device: str, ov_config: Mapping[str, Any]) -> Any:
+    try:
+        return _core().compile_model(model, device, dict(ov_config))
+    except RuntimeError as exc:
+        raise MemfitError(
+            f"OpenVINO could not compile the model for device {device!r} ({exc}). Check the "
+            "openvino backend's device and config options, or use another backend."
+        ) from exc
+
+
+def _build_entry(
+    fn: Callable[..., Any], example_inputs: Sequence[Any], device: str, ov_config: Mapping[str, Any], out_dir: Path
+) -> dict[str, Any]:
+    """Write the store entry's files into ``out_dir`` (the store's staging directory)."""
+    import io
+
+    model, layout = _convert(fn, example_inputs)
+    layout_json = layout.to_json()  # fails early, before compiling, on an output it cannot store
+    compiled = _compile_model(model, device, ov_config)
+    del model  # the compiled model holds its own copy of the weights
+    stream = io.BytesIO()  # export_model accepts only a BytesIO, not a file
+    try:
+        compiled.export_model(stream)
+    except RuntimeError as exc:
+        raise MemfitError(
+            f"OpenVINO device {device!r} cannot export compiled models ({exc}), so memfit cannot "
+            "store them: run with MEMFIT_CACHE=0, or use device='CPU'."
+        ) from exc
+    (out_dir / MODEL_FILE).write_bytes(stream.getbuffer())
+    (out_dir / LAYOUT_FILE).write_text(layout_json, encoding="utf-8")
+    return {"outputs": layout.tensor_count, "device": device}
+
+
+def _load_entry(entry: Path, device: str, ov_config: Mapping[str, Any]) -> tuple[Any, OutputLayout, Any]:
+    """Import a verified store entry (``entry`` comes from the store, which checked every file).
+
+    Returns the compiled model, the output layout, and the mapped blob, which must outlive the
+    compiled model: a model imported from shared memory keeps pointing into it (freeing the map
+    first crashes the first inference).
+    """
+    import numpy as np
+    import openvino as ov
+
+    layout = OutputLayout.load("openvino", entry)
+    # Map the blob instead of reading it: the weights are not copied, and stay in the page cache
+    # the checksum just filled. Copy-on-write ("c") because ov.Tensor wants a writable array;
+    # the file itself is never written (store entries are replaced by rename, never in place).
+    blob = np.memmap(entry / MODEL_FILE, dtype=np.uint8, mode="c")
+    try:
+        # The precision hint again: without it the CPU plugin imports an f32 blob as bf16.
+        compiled = _core().import_model(ov.Tensor(blob, shared_memory=True), device, dict(ov_config))
+    except RuntimeError as exc:
+        raise MemfitError(
+            f"OpenVINO could not import the stored model {entry / MODEL_FILE} ({exc}). Remove it "
+            "with `memfit cache clear --kind compiled` so that it is compiled again."
+        ) from exc
+    return compiled, layout, blob
+
+
+# -- running ---------------------------------------------------------------------------------------
+
+
+def _runner(
+    compiled: Any, layout: OutputLayout, signature: list[list[Any]], keep_alive: Any = None
+) -> Callable[..., Any]:
+    """The callable compile() returns; ``keep_alive`` (what the compiled model reads from) lives
+    as long as it does."""
+    request = compiled.create_infer_request()
+    # One infer request reuses its output buffers; calls from two threads must not interleave.
+    lock = threading.Lock()
+    count = len(compiled.outputs)
+
+    def run(*args: Any) -> Any:
+        check_signature("openvino", args, signature)
+        feeds = [_to_openvino(a) for a in args]
+        with lock:
+            request.infer(feeds)
+            outputs = [_to_torch(request.get_output_tensor(i)) for i in range(count)]
+        return plain_outputs(layout.rebuild(outputs))
+
+    run.compiled_model = compiled  # type: ignore[attr-defined]  (for inspection and tests)
+    run._keep_alive = keep_alive  # type: ignore[attr-defined]
+    return run
+
+
+def _to_openvino(tensor: Any) -> Any:
+    import openvino as ov
+
+    tensor = tensor.detach().cpu().contiguous()
+    if tensor.dtype == torch.bfloat16:  # numpy has no bfloat16: hand over the bits
+        return ov.Tensor(tensor.view(torch.int16).numpy(), list(tensor.shape), ov.Type.bf16)
+    return tensor.numpy()
+
+
+def _to_torch(tensor: Any) -> Any:
+    import numpy as np
+    import openvino as ov
+
+    # A copy: OpenVINO overwrites its output buffer on the next call, and the caller owns this.
+    data = np.array(tensor.data)
+    if tensor.element_type == ov.Type.bf16:  # numpy shows bf16 bits as float16; reinterpret
+        return torch.from_numpy(data.view(np.int16)).view(torch.bfloat16)
+    return torch.from_numpy(data)

@@ -1,0 +1,454 @@
+"""Compile the entry points a pipeline actually calls, per component, with a backend per component.
+
+    records = compile_components(pipe, "openvino", fallback="eager")
+    records = compile_components(pipe, {"unet": "openvino", "vae": "eager"})
+    uncompile(pipe)                      # every compiled entry point removed, the modules as before
+
+``torch.compile(vae)`` compiles nothing a pipeline uses: pipelines call ``vae.decode``. So memfit
+installs, as *instance attributes* (removable, the class untouched), a compiled callable for
+
+    denoiser (unet / transformer / prior)   forward
+    vae                                     decode, and encode where the module has it
+    text encoders                           forward
+
+Every backend compiles from example inputs, so an entry compiles lazily on its first call, from
+the real inputs the pipeline passes (the only inputs that matter). Arguments are flattened with
+torch's pytree: tensors become the compiled function's positional inputs, everything else (None,
+flags, return_dict, a generator object) is baked in and part of the input signature; a new
+signature compiles again (at most MAX_SIGNATURES per entry, then that signature runs eagerly).
+
+Failure: a backend that cannot compile raises MemfitError naming the component, the entry point
+and the backend; with ``fallback="eager"`` the entry runs eagerly instead and its CompileRecord
+says so, with the reason. Records are live objects: a lazy compile updates them on first call.
+
+Cache keys (for backends that use memfit's store, e.g. onnxruntime) come from content only: the
+component's weights fingerprint (its folder's, from the staged runner, or a hash of the module's
+tensors), the module class and entry point, the baked-in arguments, the input signature, the
+backend, its options and library versions. Never the part name, so one VAE shared by two
+pipelines maps to one cache entry (DESIGN.md failure 4).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import time
+import types
+from dataclasses import asdict, dataclass
+from typing import Any, Callable, Mapping, Union
+
+import torch
+
+from memfit.compile.backends import Backend, get_backend
+from memfit.errors import MemfitError
+
+__all__ = ["CompileRecord", "compile_components", "entry_points", "is_compiled", "uncompile", "module_fingerprint"]
+
+BackendSpec = Union[str, Backend, Mapping[str, Union[str, Backend]]]
+
+# Attribute on a compiled module: {method name: _Entry}.
+ENTRIES_ATTR = "_memfit_compiled"
+MAX_SIGNATURES = 8
+_MISSING = object()
+
+_DENOISERS = ("unet", "transformer", "prior", "decoder")
+
+
+def entry_points(name: str, module: torch.nn.Module) -> tuple[str, ...]:
+    """The methods of component ``name`` that a diffusers pipeline calls (empty: not compiled)."""
+    if not isinstance(module, torch.nn.Module):
+        return ()
+    if name.startswith("vae"):
+        return tuple(m for m in ("decode", "encode") if callable(getattr(module, m, None)))
+    if name.startswith(_DENOISERS) or name.startswith("text_encoder"):
+        return ("forward",)
+    return ()
+
+
+@dataclass
+class CompileRecord:
+    """What happened to one entry point. ``status``: pending (compiles on first call), compiled,
+    fallback (ran with ``backend_used`` instead; ``reason`` says why), shared (already compiled
+    through another pipeline holding the same module object)."""
+
+    component: str
+    entry: str
+    backend: str
+    backend_used: str
+    status: str = "pending"
+    reason: str = ""
+    compile_seconds: float = 0.0
+    signatures: int = 0
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    def __str__(self) -> str:
+        text = f"{self.component}.{self.entry}: {self.backend}"
+        if self.status == "fallback":
+            text += f" failed, ran {self.backend_used} ({self.reason})"
+        elif self.status == "compiled":
+            text += f" compiled in {self.compile_seconds:.2f} s"
+        else:
+            text += f" {self.status}"
+        return text
+
+
+def compile_components(
+    pipe,
+    backend: BackendSpec,
+    *,
+    fallback: str | Backend | None = None,
+    cache: Any = None,
+    fingerprints: Mapping[str, str] | None = None,
+    options: Mapping[str, Mapping[str, Any]] | None = None,
+) -> list[CompileRecord]:
+    """Install compiled entry points on every torch component of ``pipe``; see the module doc.
+
+    backend:      a name, a Backend, or {component: name or Backend}; in a dict, "*" is the
+                  default for components not named, and components not covered stay as they are.
+    fallback:     None (a backend failure raises) or "eager" (the entry runs as plain PyTorch).
+    cache:        a CacheStore; None opens the one the environment configures; False: no store.
+    fingerprints: {component: weights fingerprint} when the caller knows the content (e.g. the
+                  component's folder fingerprint); otherwise hashed from the module's tensors.
+    options:      {backend name: options} passed to that backend's compile.
+    """
+    components = {name: value for name, value in getattr(pipe, "components", {}).items()}
+    chosen = _choose_backends(components, backend)
+    fallback_backend = get_backend(fallback) if fallback is not None else None
+    if fallback_backend is not None and fallback_backend.name != "eager":
+        raise MemfitError(f"fallback={fallback_backend.name!r} is not supported; the fallback is 'eager' (or None to raise).")
+    if cache is None:
+        from memfit.cache import open_store
+
+        cache = open_store()
+    elif cache is False:
+        cache = None
+    records: list[CompileRecord] = []
+    for name, spec in chosen.items():
+        module = components.get(name)
+        methods = entry_points(name, module)
+        if not methods:
+            continue
+        be = get_backend(spec)
+        ok, why = be.available()
+        installed = vars(module).setdefault(ENTRIES_ATTR, {})
+        for method in methods:
+            existing = installed.get(method)
+            if existing is not None:
+                if existing.backend.name != be.name:
+                    raise MemfitError(
+                        f"{name}.{method} is already compiled with backend {existing.backend.name!r} (the module is "
+                        f"shared with another pipeline); call memfit.compile.entry_points.uncompile on it before choosing {be.name!r}."
+                    )
+                record = CompileRecord(name, method, be.name, existing.record.backend_used, "shared")
+                records.append(record)
+                continue
+            record = CompileRecord(name, method, be.name, be.name)
+            if not ok:
+                reason = f"backend {be.name!r} is not available: {why}"
+                if fallback_backend is None:
+                    raise MemfitError(f"Cannot compile {name}.{method}: {reason}. Pass fallback='eager' (--fallback eager) or choose another backend for {name}.")
+                record.status, record.backend_used, record.reason = "fallback", fallback_backend.name, reason
+                be_used = fallback_backend
+            else:
+                be_used = be
+            entry = _Entry(
+                module, method, name, record, be_used, fallback_backend, cache,
+                (fingerprints or {}).get(name), (options or {}).get(be_used.name),
+            )
+            entry.install()
+            installed[method] = entry
+            records.append(record)
+        if not installed:
+            vars(module).pop(ENTRIES_ATTR, None)
+    return records
+
+
+def uncompile(pipe_or_module) -> None:
+    """Remove every compiled entry point memfit installed; the modules are exactly as before."""
+    if isinstance(pipe_or_module, torch.nn.Module):
+        modules = [pipe_or_module]
+    else:
+        modules = [m for m in getattr(pipe_or_module, "components", {}).values() if isinstance(m, torch.nn.Module)]
+    for module in modules:
+        entries = vars(module).pop(ENTRIES_ATTR, None) or {}
+        for entry in entries.values():
+            entry.uninstall()
+
+
+def is_compiled(pipe_or_module) -> bool:
+    if isinstance(pipe_or_module, torch.nn.Module):
+        return bool(vars(pipe_or_module).get(ENTRIES_ATTR))
+    return any(is_compiled(m) for m in getattr(pipe_or_module, "components", {}).values() if isinstance(m, torch.nn.Module))
+
+
+def parse_backend_arg(text: str) -> BackendSpec:
+    """CLI form: "openvino" or "unet=openvino,vae=eager" (a bare name among pairs is the default)."""
+    text = text.strip()
+    if "=" not in text:
+        return text
+    spec: dict[str, str] = {}
+    for part in filter(None, (p.strip() for p in text.split(","))):
+        name, sep, value = part.partition("=")
+        if not sep:
+            name, value = "*", name
+        if not name.strip() or not value.strip():
+            raise MemfitError(f"--backend {text!r}: each item is COMPONENT=BACKEND (e.g. unet=openvino,vae=eager).")
+        spec[name.strip()] = value.strip()
+    return spec
+
+
+def module_fingerprint(module: torch.nn.Module) -> str:
+    """A content digest of a live module: its config and every tensor (name, dtype, shape, bytes;
+    large tensors sampled), so equal weights under any part name fingerprint the same."""
+    digest = hashlib.sha256(b"memfit-module/1")
+    config = getattr(module, "config", None)
+    if config is not None:
+        try:
+            items = dict(config.to_dict() if hasattr(config, "to_dict") else config)
+            items.pop("_name_or_path", None)
+            # diffusers lists the defaulted keys in set order, which differs between processes
+            # (string hashing is salted); the values themselves are all in the config anyway.
+            items.pop("_use_default_values", None)
+            digest.update(json.dumps(items, sort_keys=True, default=str).encode())
+        except Exception:  # an exotic config: the tensors still identify the weights
+            pass
+    for prefix, tensors in (("p", module.named_parameters()), ("b", module.named_buffers())):
+        for tensor_name, tensor in tensors:
+            digest.update(f"\0{prefix}:{tensor_name}:{tensor.dtype}:{list(tensor.shape)}".encode())
+            if tensor.device.type == "meta" or tensor.numel() == 0:
+                continue
+            flat = tensor.detach().reshape(-1)
+            if flat.numel() > 1 << 16:  # sample 32 evenly spaced runs of 2048 elements
+                step = flat.numel() // 32
+                flat = torch.cat([flat[i * step : i * step + 2048] for i in range(32)])
+            flat = flat.cpu().contiguous()
+            digest.update(flat.view(torch.uint8).numpy().tobytes() if flat.dtype != torch.bool else flat.numpy().tobytes())
+    return digest.hexdigest()
+
+
+# --- internals ---------------------------------------------------------------------------------
+
+
+def _choose_backends(components: Mapping[str, Any], backend: BackendSpec) -> dict[str, str | Backend]:
+    if isinstance(backend, Mapping):
+        unknown = sorted(set(backend) - set(components) - {"*"})
+        if unknown:
+            raise MemfitError(
+                f"Backend given for {', '.join(unknown)}, which this pipeline does not have; "
+                f"its components are: {', '.join(components)}."
+            )
+        default = backend.get("*")
+        chosen = {}
+        for name in components:
+            spec = backend.get(name, default)
+            if spec is not None:
+                chosen[name] = spec
+        return chosen
+    return {name: backend for name in components}
+
+
+def _leaf_signature(value: Any) -> Any:
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return value
+    if isinstance(value, (torch.dtype, torch.device)):
+        return str(value)
+    # An object (e.g. a generator): baked in by identity; the entry keeps a reference to it.
+    return f"<{type(value).__qualname__}@{id(value)}>"
+
+
+def _content_signature(value: Any) -> Any:
+    """Like _leaf_signature, but stable across processes (for cache keys)."""
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return value
+    if isinstance(value, (torch.dtype, torch.device)):
+        return str(value)
+    return f"<{type(value).__module__}.{type(value).__qualname__}>"
+
+
+def _fresh_function(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """A copy of ``fn`` with its own code object: dynamo caches compiled frames per code object,
+    so without this every entry and signature would share one cache (and its recompile limit),
+    and old modules would stay reachable from it."""
+    return types.FunctionType(fn.__code__.replace(), fn.__globals__, fn.__name__, fn.__defaults__, fn.__closure__)
+
+
+class _Entry:
+    """The compiled stand-in for one bound method; compiles per input signature on first use."""
+
+    def __init__(self, module, method, component, record, backend, fallback, cache, fingerprint, options):
+        self.module = module
+        self.method = method
+        self.component = component
+        self.record = record
+        self.backend = backend
+        self.fallback = fallback
+        self.cache = cache
+        self.fingerprint = fingerprint
+        self.options = options
+        self.previous = vars(module).get(method, _MISSING)
+        self.original = getattr(module, method)  # bound method (or an earlier instance override)
+        self.compiled: dict[Any, tuple[Callable, Any, list]] = {}
+        self.failed = record.status == "fallback"
+
+    # install / uninstall -----------------------------------------------------------------------
+
+    def install(self) -> None:
+        vars(self.module)[self.method] = self
+
+    def uninstall(self) -> None:
+        if vars(self.module).get(self.method) is self:
+            if self.previous is _MISSING:
+                del vars(self.module)[self.method]
+            else:
+                vars(self.module)[self.method] = self.previous
+        self.compiled.clear()
+
+    # calls -------------------------------------------------------------------------------------
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        from torch.utils._pytree import tree_flatten
+
+        leaves, spec = tree_flatten((args, kwargs))
+        tensor_positions = [i for i, leaf in enumerate(leaves) if isinstance(leaf, torch.Tensor)]
+        tensors = [leaves[i] for i in tensor_positions]
+        signature = (
+            str(spec),
+            tuple((i, _leaf_signature(leaf)) for i, leaf in enumerate(leaves) if i not in set(tensor_positions)),
+            tuple((tuple(t.shape), str(t.dtype), str(t.device)) for t in tensors),
+        )
+        compiled = self.compiled.get(signature)
+        if compiled is None:
+            if self.failed or len(self.compiled) >= MAX_SIGNATURES:
+                if not self.failed and self.record.reason == "":
+                    self.record.reason = f"more than {MAX_SIGNATURES} input signatures; new ones run eagerly"
+                return self._eager(args, kwargs)
+            compiled = self._compile(spec, leaves, tensor_positions, tensors, args, kwargs)
+            if compiled is None:
+                return self._eager(args, kwargs)
+            self.compiled[signature] = compiled
+        run, _keep = compiled
+        try:
+            return run(*tensors)
+        except Exception as exc:
+            return self._failed_call(exc, args, kwargs)
+
+    def _eager(self, args, kwargs):
+        return self.original(*args, **kwargs)
+
+    def _tensor_function(self, spec, leaves, tensor_positions):
+        """The entry as a function of its tensor inputs only; the other arguments are baked in."""
+        from torch.utils._pytree import tree_unflatten
+
+        original = self.original
+        template = list(leaves)
+        for i in tensor_positions:
+            template[i] = None
+
+        def call_with_tensors(*tensors):
+            filled = list(template)
+            for i, tensor in zip(tensor_positions, tensors):
+                filled[i] = tensor
+            call_args, call_kwargs = tree_unflatten(filled, spec)
+            return original(*call_args, **call_kwargs)
+
+        return _fresh_function(call_with_tensors)
+
+    def _entry_fingerprint(self, leaves, tensor_positions, spec) -> str:
+        weights = self.fingerprint or module_fingerprint(self.module)
+        cls = type(self.module)
+        param = next(iter(self.module.parameters()), None)
+        parts = {
+            "weights": weights,
+            "class": f"{cls.__module__}.{cls.__qualname__}",
+            "entry": self.method,
+            "weights_dtype": str(param.dtype) if param is not None else None,
+            "args": str(spec),
+            "constants": [_content_signature(leaf) for i, leaf in enumerate(leaves) if i not in set(tensor_positions)],
+        }
+        return hashlib.sha256(json.dumps(parts, sort_keys=True).encode()).hexdigest()
+
+    def _compile(self, spec, leaves, tensor_positions, tensors, args, kwargs):
+        fn = self._tensor_function(spec, leaves, tensor_positions)
+        started = time.perf_counter()
+        try:
+            fingerprint = self._entry_fingerprint(leaves, tensor_positions, spec) if self.cache is not None else None
+            run = self.backend.compile(fn, tensors, self.options, cache=self.cache, weights_fingerprint=fingerprint)
+        except Exception as exc:
+            if isinstance(exc, MemfitError) and "MEMFIT_CACHE=require" in str(exc):
+                raise
+            self._fail(exc)
+            return None
+        self.record.compile_seconds += time.perf_counter() - started
+        self.record.signatures += 1
+        if self.record.status == "pending":
+            self.record.status = "compiled"
+        # Keep baked-in objects alive so their ids (in the signature) are never reused.
+        return run, [leaf for i, leaf in enumerate(leaves) if i not in set(tensor_positions)]
+
+    def _fail(self, exc: Exception) -> None:
+        reason = f"{type(exc).__name__}: {exc}".strip()
+        if len(reason) > 500:
+            reason = reason[:497] + "..."
+        if self.fallback is None:
+            raise MemfitError(
+                f"Backend {self.backend.name!r} failed on component {self.component!r} ({self.component}.{self.method}): "
+                f"{reason}. Pass fallback='eager' (CLI --fallback eager) to run it eagerly, or choose another "
+                f"backend for it, e.g. backend={{'{self.component}': 'eager', ...}}."
+            ) from exc
+        self.failed = True
+        self.compiled.clear()
+        self.record.status = "fallback"
+        self.record.backend_used = "eager"
+        self.record.reason = reason
+
+    def _failed_call(self, exc: Exception, args, kwargs):
+        if isinstance(exc, MemfitError) and self.fallback is None:
+            raise MemfitError(f"{self.component}.{self.method} (backend {self.backend.name!r}): {exc}") from exc
+        self._fail(exc)
+        return self._eager(args, kwargs)
+
+    def __repr__(self) -> str:
+        return f"<memfit compiled {self.component}.{self.method} backend={self.backend.name!r} status={self.record.status}>"
+
+
+# --- used by the staged runner (memfit.run.generate) ------------------------------------------------
+
+
+def compile_stage(pipe, model_dir, backend: BackendSpec | None, fallback, records: list) -> None:
+    """Compile a freshly loaded stage's components, with their folders' fingerprints as content.
+
+    ``records`` receives the CompileRecords; they fill in as the entries compile during the stage.
+    """
+    if backend is None:
+        return
+    from pathlib import Path
+
+    from memfit.cache.fingerprint import fingerprint_folder
+
+    fingerprints = {}
+    for name, module in getattr(pipe, "components", {}).items():
+        folder = Path(model_dir) / name
+        if entry_points(name, module) and folder.is_dir():
+            fingerprints[name] = fingerprint_folder(folder)
+    records.extend(compile_components(pipe, backend, fallback=fallback, fingerprints=fingerprints))
+
+
+def report_records(report, records: list) -> None:
+    """Attach a finished stage's records to its StageReport; a fallback also becomes a run note."""
+    if not records or not report.stages:
+        return
+    stage = report.stages[-1]
+    stage.compiled = [record.to_dict() for record in records]
+    for record in records:
+        if record.status == "fallback":
+            report.notes.append(
+                f"{stage.stage}: {record.component}.{record.entry} fell back from {record.backend} to "
+                f"{record.backend_used}: {record.reason}"
+            )
+        elif record.status == "compiled" and record.backend != "eager":
+            report.notes.append(
+                f"{stage.stage}: {record.component}.{record.entry} compiled with {record.backend} in "
+                f"{record.compile_seconds:.2f} s"
+            )

@@ -1,0 +1,33 @@
+"""Adapters for the diffusers pipelines memfit supports, looked up by pipeline class name."""
+
+from __future__ import annotations
+
+from memfit.errors import MemfitError
+from memfit.models.families.base import PipelineAdapter, Settings
+from memfit.models.families.cogview4 import CogView4Adapter
+from memfit.models.families.lumina2 import Lumina2Adapter
+from memfit.models.families.sdxl_img2img import StableDiffusionXLImg2ImgAdapter
+from memfit.models.families.stable_diffusion import StableDiffusionAdapter, StableDiffusionXLAdapter
+
+ADAPTERS: dict[str, type[PipelineAdapter]] = {
+    adapter.class_name: adapter
+    for adapter in (
+        StableDiffusionAdapter,
+        StableDiffusionXLAdapter,
+        StableDiffusionXLImg2ImgAdapter,
+        Lumina2Adapter,
+        CogView4Adapter,
+    )
+}
+
+
+def adapter_for(class_name: str, configs: dict[str, dict], where: str = "") -> PipelineAdapter:
+    if class_name not in ADAPTERS:
+        raise MemfitError(
+            f"{where}names pipeline class {class_name!r}, which memfit does not support yet; "
+            f"supported: {', '.join(sorted(ADAPTERS))}."
+        )
+    return ADAPTERS[class_name](configs)
+
+
+__all__ = ["ADAPTERS", "PipelineAdapter", "Settings", "adapter_for"]

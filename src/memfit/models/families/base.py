@@ -1,0 +1,150 @@
+"""What every pipeline adapter knows: its stages' components, its CFG rule, its encode/decode code.
+
+Adapters hold all pipeline-specific knowledge so the staged runner stays generic. Each adapter
+runs the pipeline's *own* methods (encode_prompt, __call__ with output_type="latent") and copies
+only the few lines of post-processing that diffusers keeps inline after the denoising loop, so
+memfit's images equal plain diffusers' bit for bit; the parity tests hold every adapter to that.
+"""
+
+from __future__ import annotations
+
+import inspect
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+import torch
+
+from memfit.models.archs import VAE_DECODE_PARTS
+from memfit.errors import MemfitError
+
+
+@dataclass(frozen=True)
+class Settings:
+    """Fully resolved generation settings (no None left): what is run and recorded in the PNG."""
+
+    prompt: str
+    negative_prompt: str | None
+    steps: int
+    guidance: float
+    seed: int
+    width: int
+    height: int
+
+
+class PipelineAdapter:
+    """Base class; one subclass per supported diffusers pipeline class."""
+
+    class_name: ClassVar[str]
+    encode_components: ClassVar[tuple[str, ...]]
+    denoise_components: ClassVar[tuple[str, ...]]
+    decode_components: ClassVar[tuple[str, ...]] = ("vae",)
+    text_encoders: ClassVar[tuple[str, ...]]
+    # How unequal positive/negative embedding lengths are handled; shown in reports and docs.
+    unequal_lengths: ClassVar[str]
+    # For activation estimates (memfit.plan.activations): the longest prompt the text encoders see, the
+    # batch the denoiser sees under guidance, and whether the two guidance passes can be split.
+    max_text_tokens: ClassVar[int] = 77
+    guidance_batch: ClassVar[int] = 2
+    splits_guidance: ClassVar[bool] = False
+    # The module paths of a component that a stage runs, where it runs only part of it (as in
+    # memfit.models.archs): the plan places only these; the rest stays memory-mapped on the disk tier.
+    stage_parts: ClassVar[dict[str, dict[str, tuple[str, ...]]]] = {"decode": {"vae": VAE_DECODE_PARTS}}
+
+    def __init__(self, configs: dict[str, dict]):
+        # Component configs read from the model folder: enough to resolve defaults and shapes
+        # without loading a single weight.
+        self.configs = configs
+
+    # ---- settings ----------------------------------------------------------------------------
+    def call_defaults(self) -> dict[str, Any]:
+        import diffusers
+
+        signature = inspect.signature(getattr(diffusers, self.class_name).__call__)
+        return {name: p.default for name, p in signature.parameters.items()}
+
+    def vae_scale_factor(self) -> int:
+        return 2 ** (len(self.configs["vae"]["block_out_channels"]) - 1)
+
+    def size_multiple(self) -> int:
+        return 8
+
+    def default_size(self) -> int:
+        raise NotImplementedError
+
+    def uses_guidance(self, guidance: float) -> bool:
+        return guidance > 1
+
+    def resolve(self, prompt, negative_prompt, steps, guidance, seed, width, height, defaults=None) -> Settings:
+        call_defaults = self.call_defaults()
+        defaults = defaults or {}
+        if not isinstance(prompt, str) or not prompt.strip():
+            raise MemfitError("The prompt is empty: pass a description of the image, e.g. --prompt \"a red circle\".")
+        steps = int(steps if steps is not None else defaults.get("steps", call_defaults["num_inference_steps"]))
+        guidance = float(guidance if guidance is not None else defaults.get("guidance", call_defaults["guidance_scale"]))
+        if steps < 1:
+            raise MemfitError(f"--steps must be at least 1, got {steps}.")
+        size = self.default_size()
+        width = int(width if width is not None else defaults.get("width", size))
+        height = int(height if height is not None else defaults.get("height", size))
+        multiple = self.size_multiple()
+        for label, value in (("width", width), ("height", height)):
+            if value <= 0 or value % multiple:
+                lower = max(multiple, value // multiple * multiple)
+                raise MemfitError(
+                    f"The {label} {value} is not a positive multiple of {multiple}, which {self.class_name} needs; "
+                    f"use {lower} or {lower + multiple}."
+                )
+        return Settings(prompt, negative_prompt or None, steps, guidance, int(seed), width, height)
+
+    # ---- stages ------------------------------------------------------------------------------
+    def encode(self, pipe, settings: Settings, with_negative: bool) -> dict[str, torch.Tensor]:
+        """Run the text encoders; returns the keyword arguments the denoise stage passes on."""
+        raise NotImplementedError
+
+    def denoise(self, pipe, embeddings: dict[str, torch.Tensor], settings: Settings, generator, split: bool = False) -> torch.Tensor:
+        """Run the denoising loop with precomputed embeddings; returns the final latents.
+
+        split: run the two guidance passes one after the other (only where splits_guidance).
+        """
+        if split and not self.splits_guidance:
+            raise MemfitError(f"{self.class_name} cannot split its guidance passes; plan it without 'split'.")
+        kwargs = self.embedding_kwargs(embeddings, self.uses_guidance(settings.guidance))
+        return pipe(
+            **kwargs,
+            num_inference_steps=settings.steps,
+            guidance_scale=settings.guidance,
+            height=settings.height,
+            width=settings.width,
+            generator=generator,
+            output_type="latent",
+        ).images
+
+    def embedding_kwargs(self, embeddings: dict[str, torch.Tensor], guided: bool) -> dict[str, torch.Tensor]:
+        if guided:
+            missing = [name for name in embeddings_needed(embeddings, negative=True) if name not in embeddings]
+            if missing:
+                raise MemfitError(
+                    f"Guidance needs negative prompt embeddings, but {', '.join(missing)} is missing; "
+                    "re-encode with memfit encode, or pass --guidance 1 to generate without guidance."
+                )
+            return dict(embeddings)
+        return {name: value for name, value in embeddings.items() if not name.startswith("negative_")}
+
+    def decode(self, pipe, latents: torch.Tensor, generator) -> list:
+        raise NotImplementedError
+
+
+def embeddings_needed(embeddings: dict[str, torch.Tensor], negative: bool) -> list[str]:
+    """Names of the negative counterparts of the positive embeddings present."""
+    positives = [name for name in embeddings if not name.startswith("negative_")]
+    return [f"negative_{name}" for name in positives] if negative else positives
+
+
+def pad_to_length(tensor: torch.Tensor, length: int, dim: int = 1) -> torch.Tensor:
+    """Right-pad `tensor` with zeros along `dim` to `length`."""
+    missing = length - tensor.shape[dim]
+    if missing <= 0:
+        return tensor
+    shape = list(tensor.shape)
+    shape[dim] = missing
+    return torch.cat([tensor, tensor.new_zeros(shape)], dim=dim)

@@ -1,0 +1,62 @@
+"""Lumina2Pipeline (Gemma2 text encoder).
+
+Lumina2 already runs the conditional and unconditional passes separately, each with its own
+attention mask, but its check_inputs demands equal shapes. memfit pads the shorter embedding with
+zeros on the right and extends its attention mask with zeros, so the padded positions are masked
+out of attention: the same thing Lumina2's own tokenizer padding (to 256 tokens) does.
+"""
+
+from __future__ import annotations
+
+from memfit.models.families.base import PipelineAdapter, pad_to_length
+
+class Lumina2Adapter(PipelineAdapter):
+    class_name = "Lumina2Pipeline"
+    encode_components = ("tokenizer", "text_encoder")
+    denoise_components = ("transformer", "scheduler")
+    text_encoders = ("text_encoder", "tokenizer")
+    unequal_lengths = "pad the shorter embedding with masked zeros (attention mask 0)"
+    max_text_tokens = 256
+
+    def vae_scale_factor(self) -> int:
+        return 8  # Lumina2Pipeline hard-codes it, whatever the VAE.
+
+    def size_multiple(self) -> int:
+        return self.vae_scale_factor() * 2
+
+    def default_size(self) -> int:
+        return self.configs["transformer"]["sample_size"] * self.vae_scale_factor()
+
+    def encode(self, pipe, settings, with_negative):
+        positive, positive_mask, negative, negative_mask = pipe.encode_prompt(
+            settings.prompt,
+            do_classifier_free_guidance=with_negative,
+            negative_prompt=settings.negative_prompt,
+            num_images_per_prompt=1,
+            device=pipe._execution_device,
+        )
+        embeddings = {"prompt_embeds": positive, "prompt_attention_mask": positive_mask}
+        if with_negative:
+            embeddings["negative_prompt_embeds"] = negative
+            embeddings["negative_prompt_attention_mask"] = negative_mask
+        return embeddings
+
+    def denoise(self, pipe, embeddings, settings, generator, split=False):
+        negative = embeddings.get("negative_prompt_embeds")
+        positive = embeddings["prompt_embeds"]
+        if self.uses_guidance(settings.guidance) and negative is not None and negative.shape[1] != positive.shape[1]:
+            length = max(negative.shape[1], positive.shape[1])
+            embeddings = dict(embeddings)
+            for prefix in ("", "negative_"):
+                embeddings[f"{prefix}prompt_embeds"] = pad_to_length(embeddings[f"{prefix}prompt_embeds"], length)
+                embeddings[f"{prefix}prompt_attention_mask"] = pad_to_length(
+                    embeddings[f"{prefix}prompt_attention_mask"], length
+                )
+        return super().denoise(pipe, embeddings, settings, generator, split)
+
+    def decode(self, pipe, latents, generator):
+        # Copied from Lumina2Pipeline.__call__ after its denoising loop.
+        latents = (latents / pipe.vae.config.scaling_factor) + pipe.vae.config.shift_factor
+        image = pipe.vae.decode(latents, return_dict=False)[0]
+        return pipe.image_processor.postprocess(image, output_type="pil")
+

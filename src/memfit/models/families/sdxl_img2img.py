@@ -1,0 +1,76 @@
+"""StableDiffusionXLImg2ImgPipeline as the SDXL *refiner*: it finishes a base model's latents.
+
+memfit runs it only after a base model (memfit.run.refiner; CLI `--refiner`), the way diffusers
+documents the ensemble of expert denoisers: the base stops at ``denoising_end=refiner_start`` and
+hands over latents (``output_type="latent"``); the refiner continues from
+``denoising_start=refiner_start`` on those latents (no noise added, no VAE encode), then one VAE
+decode. The refiner usually has only the second text encoder (text_encoder=None), which
+``encode_prompt`` handles; its CFG rule is SD's (one batched UNet call, split into two passes when
+the embeddings have different lengths).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from memfit.errors import MemfitError
+from memfit.models.families.base import pad_to_length
+from memfit.models.families.stable_diffusion import StableDiffusionXLAdapter, split_guidance_passes
+
+
+class _ConfigOnly:
+    """A weightless stand-in for a component of which a pipeline reads only the config."""
+
+    def __init__(self, config):
+        self.config = config
+
+
+class StableDiffusionXLImg2ImgAdapter(StableDiffusionXLAdapter):
+    class_name = "StableDiffusionXLImg2ImgPipeline"
+    # Components missing from a refiner folder (text_encoder, tokenizer) are skipped by the runner.
+
+    def resolve(self, *args, **kwargs):
+        raise MemfitError(
+            "This is an SDXL refiner (StableDiffusionXLImg2ImgPipeline): it refines a base model's latents "
+            "and cannot start from a prompt alone; run it after a base model: "
+            "memfit generate --model BASE --refiner REFINER (or memfit.generate(..., refiner=REFINER))."
+        )
+
+    def refine(self, pipe, embeddings: dict[str, torch.Tensor], settings, latents: torch.Tensor,
+               denoising_start: float, generator) -> torch.Tensor:
+        """Continue the base's latents from `denoising_start`; returns the final latents."""
+        guided = self.uses_guidance(settings.guidance)
+        positive = embeddings["prompt_embeds"]
+        negative = embeddings.get("negative_prompt_embeds")
+        split = guided and negative is not None and negative.shape[1] != positive.shape[1]
+        if split:  # as StableDiffusionAdapter.denoise: pad for the pipeline's torch.cat, run two passes
+            length = max(positive.shape[1], negative.shape[1])
+            embeddings = dict(embeddings)
+            embeddings["prompt_embeds"] = pad_to_length(positive, length)
+            embeddings["negative_prompt_embeds"] = pad_to_length(negative, length)
+
+        if pipe.vae is None:
+            # The denoise stage loads no VAE, but prepare_latents reads vae.config (latents mean and
+            # std) even for latent input; the config from the folder is all it needs.
+            from diffusers.configuration_utils import FrozenDict
+
+            pipe.vae = _ConfigOnly(FrozenDict(self.configs["vae"]))
+
+        def call():
+            return pipe(
+                **self.embedding_kwargs(embeddings, guided),
+                image=latents,
+                num_inference_steps=settings.steps,
+                denoising_start=denoising_start,
+                guidance_scale=settings.guidance,
+                generator=generator,
+                output_type="latent",
+            ).images
+
+        if not split:
+            return call()
+        with split_guidance_passes(pipe.unet, negative.shape[1], positive.shape[1]):
+            return call()
+
+    # decode: StableDiffusionXLImg2ImgPipeline.__call__'s post-loop code is the same as
+    # StableDiffusionXLPipeline's (upcast, latents mean/std, vae.decode, watermark, postprocess).

@@ -1,0 +1,143 @@
+"""StableDiffusionPipeline and StableDiffusionXLPipeline.
+
+Both batch the unconditional and conditional passes into one UNet call (torch.cat of negative and
+positive embeddings), which cannot take embeddings of different lengths. memfit then runs the two
+passes separately: `split_guidance_passes` pads the shorter embedding so the pipeline's torch.cat
+works, and swaps in a UNet forward that cuts each half back to its true length and calls the UNet
+once per half. With equal lengths nothing is changed, so the pipeline's own batched path runs.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+
+from memfit.models.families.base import PipelineAdapter, Settings, pad_to_length
+
+
+@contextlib.contextmanager
+def split_guidance_passes(unet: torch.nn.Module, negative_length: int, positive_length: int):
+    """While active, a batched [uncond, cond] UNet call runs as two calls on unpadded embeddings."""
+    original_forward = unet.forward
+    # An instance-level forward (a compiled entry point) must come back, not just the class's.
+    instance_forward = vars(unet).get("forward")
+
+    def forward(sample, timestep, encoder_hidden_states, *args, added_cond_kwargs=None, **kwargs):
+        half = sample.shape[0] // 2
+        outputs = []
+        for rows, length in ((slice(0, half), negative_length), (slice(half, None), positive_length)):
+            added = None
+            if added_cond_kwargs is not None:
+                added = {key: value[rows] for key, value in added_cond_kwargs.items()}
+            step = timestep[rows] if torch.is_tensor(timestep) and timestep.ndim > 0 else timestep
+            outputs.append(
+                original_forward(
+                    sample[rows],
+                    step,
+                    encoder_hidden_states[rows, :length],
+                    *args,
+                    added_cond_kwargs=added,
+                    **{**kwargs, "return_dict": False},
+                )[0]
+            )
+        return (torch.cat(outputs),)
+
+    unet.forward = forward
+    try:
+        yield
+    finally:
+        if instance_forward is None:
+            del unet.forward
+        else:
+            unet.forward = instance_forward
+
+
+class StableDiffusionAdapter(PipelineAdapter):
+    class_name = "StableDiffusionPipeline"
+    encode_components = ("tokenizer", "text_encoder")
+    denoise_components = ("unet", "scheduler")
+    text_encoders = ("text_encoder", "tokenizer")
+    unequal_lengths = "split guidance passes (two UNet calls, each on its unpadded embeddings)"
+    splits_guidance = True
+
+    def default_size(self) -> int:
+        return self.configs["unet"]["sample_size"] * self.vae_scale_factor()
+
+    def uses_guidance(self, guidance: float) -> bool:
+        return guidance > 1 and self.configs["unet"].get("time_cond_proj_dim") is None
+
+    def encode(self, pipe, settings: Settings, with_negative: bool) -> dict[str, torch.Tensor]:
+        positive, negative = pipe.encode_prompt(
+            settings.prompt,
+            pipe._execution_device,
+            1,
+            with_negative,
+            settings.negative_prompt,
+        )
+        embeddings = {"prompt_embeds": positive}
+        if with_negative:
+            embeddings["negative_prompt_embeds"] = negative
+        return embeddings
+
+    def denoise(self, pipe, embeddings, settings, generator, split=False):
+        guided = self.uses_guidance(settings.guidance)
+        positive = embeddings["prompt_embeds"]
+        negative = embeddings.get("negative_prompt_embeds")
+        if not guided or negative is None or (negative.shape[1] == positive.shape[1] and not split):
+            return super().denoise(pipe, embeddings, settings, generator)
+        length = max(positive.shape[1], negative.shape[1])
+        padded = dict(embeddings)
+        padded["prompt_embeds"] = pad_to_length(positive, length)
+        padded["negative_prompt_embeds"] = pad_to_length(negative, length)
+        with split_guidance_passes(pipe.unet, negative.shape[1], positive.shape[1]):
+            return super().denoise(pipe, padded, settings, generator)
+
+    def decode(self, pipe, latents, generator):
+        # Copied from StableDiffusionPipeline.__call__ after its denoising loop (no safety checker:
+        # memfit loads none, as the pipeline does when the folder has none).
+        image = pipe.vae.decode(latents / pipe.vae.config.scaling_factor, return_dict=False, generator=generator)[0]
+        return pipe.image_processor.postprocess(image, output_type="pil", do_denormalize=[True] * image.shape[0])
+
+
+class StableDiffusionXLAdapter(StableDiffusionAdapter):
+    class_name = "StableDiffusionXLPipeline"
+    encode_components = ("tokenizer", "tokenizer_2", "text_encoder", "text_encoder_2")
+    text_encoders = ("text_encoder", "text_encoder_2", "tokenizer", "tokenizer_2")
+
+    def encode(self, pipe, settings, with_negative):
+        device = pipe._execution_device
+        positive, negative, pooled, negative_pooled = pipe.encode_prompt(
+            prompt=settings.prompt,
+            device=device,
+            num_images_per_prompt=1,
+            do_classifier_free_guidance=with_negative,
+            negative_prompt=settings.negative_prompt,
+        )
+        embeddings = {"prompt_embeds": positive, "pooled_prompt_embeds": pooled}
+        if with_negative:
+            embeddings["negative_prompt_embeds"] = negative
+            embeddings["negative_pooled_prompt_embeds"] = negative_pooled
+        return embeddings
+
+    def decode(self, pipe, latents, generator):
+        # Copied from StableDiffusionXLPipeline.__call__ after its denoising loop.
+        vae = pipe.vae
+        needs_upcasting = vae.dtype == torch.float16 and vae.config.force_upcast
+        if needs_upcasting:
+            pipe.upcast_vae()
+            latents = latents.to(next(iter(vae.post_quant_conv.parameters())).dtype)
+        mean = getattr(vae.config, "latents_mean", None)
+        std = getattr(vae.config, "latents_std", None)
+        if mean is not None and std is not None:
+            mean = torch.tensor(mean).view(1, 4, 1, 1).to(latents.device, latents.dtype)
+            std = torch.tensor(std).view(1, 4, 1, 1).to(latents.device, latents.dtype)
+            latents = latents * std / vae.config.scaling_factor + mean
+        else:
+            latents = latents / vae.config.scaling_factor
+        image = vae.decode(latents.to(vae.device), return_dict=False)[0]
+        if needs_upcasting:
+            vae.to(dtype=torch.float16)
+        if pipe.watermark is not None:
+            image = pipe.watermark.apply_watermark(image)
+        return pipe.image_processor.postprocess(image, output_type="pil")

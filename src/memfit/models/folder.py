@@ -1,0 +1,156 @@
+"""A diffusers model folder: validated up front, read without weights, loaded one stage at a time.
+
+Everything that can be wrong with a folder (missing, not a diffusers layout, unsupported pipeline,
+truncated or corrupt safetensors) is found here, before any work starts, and reported as one
+sentence naming the file.
+"""
+
+from __future__ import annotations
+
+import json
+import struct
+from functools import cached_property
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from memfit.errors import MemfitError
+from memfit.models.families import PipelineAdapter, adapter_for
+
+def _dtype_keyword() -> str:
+    # diffusers renamed from_pretrained's torch_dtype to dtype (0.42) and warns on the old name.
+    import diffusers.utils.deprecation_utils as deprecation
+
+    return "dtype" if hasattr(deprecation, "_TORCH_DTYPE_DEPRECATION_MESSAGE") else "torch_dtype"
+
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def parse_dtype(name: str) -> torch.dtype:
+    if name not in DTYPES:
+        raise MemfitError(f"Unknown dtype {name!r}; use one of {', '.join(DTYPES)}.")
+    return DTYPES[name]
+
+
+def _read_json(path: Path) -> dict:
+    try:
+        return json.loads(path.read_text())
+    except json.JSONDecodeError as exc:
+        raise MemfitError(f"{path} is not valid JSON ({exc.msg} at line {exc.lineno}); restore it from the original model.") from None
+
+
+def check_safetensors(path: Path) -> None:
+    """Raise MemfitError if `path` is not a complete safetensors file (header parse + exact size)."""
+    size = path.stat().st_size
+    fix = "re-download or re-save the model"
+    with path.open("rb") as handle:
+        prefix = handle.read(8)
+        if len(prefix) < 8:
+            raise MemfitError(f"{path} is truncated ({size} bytes, no safetensors header); {fix}.")
+        (header_len,) = struct.unpack("<Q", prefix)
+        if header_len > size - 8:
+            raise MemfitError(f"{path} is truncated or corrupt: its header claims {header_len} bytes but the file has {size}; {fix}.")
+        try:
+            header = json.loads(handle.read(header_len))
+        except (json.JSONDecodeError, UnicodeDecodeError):
+            raise MemfitError(f"{path} has a corrupt safetensors header; {fix}.") from None
+    if not isinstance(header, dict):
+        raise MemfitError(f"{path} has a corrupt safetensors header; {fix}.")
+    data_end = max((entry["data_offsets"][1] for key, entry in header.items() if key != "__metadata__"), default=0)
+    expected = 8 + header_len + data_end
+    if size < expected:
+        raise MemfitError(f"{path} is truncated: {size} bytes where its header needs {expected}; {fix}.")
+
+
+_DTYPE_KWARG = ""
+
+
+@dataclass
+class ModelFolder:
+    path: Path
+    class_name: str
+    components: dict[str, tuple[str, str]]  # name -> (library, class), only those present
+    configs: dict[str, dict] = field(default_factory=dict)
+    # Recommended settings shipped with a model (memfit_defaults.json): steps, guidance, width, height.
+    defaults: dict = field(default_factory=dict)
+
+    @classmethod
+    def open(cls, path: str | Path) -> "ModelFolder":
+        path = Path(path).expanduser()
+        if not path.exists():
+            raise MemfitError(f"Model folder {path} does not exist; pass the folder that holds model_index.json.")
+        if not path.is_dir():
+            raise MemfitError(f"{path} is a file, not a model folder; pass the diffusers folder that holds model_index.json.")
+        index_path = path / "model_index.json"
+        if not index_path.is_file():
+            raise MemfitError(
+                f"{path} is not a diffusers model folder (no model_index.json); "
+                "save the pipeline with pipe.save_pretrained(folder) or download the diffusers version of the model."
+            )
+        index = _read_json(index_path)
+        class_name = index.get("_class_name")
+        if not isinstance(class_name, str):
+            raise MemfitError(f"{index_path} has no _class_name; it is not a diffusers pipeline index.")
+        components = {
+            name: tuple(value)
+            for name, value in index.items()
+            if not name.startswith("_") and isinstance(value, list) and len(value) == 2 and value[0] is not None
+        }
+        configs = {}
+        for name in components:
+            for config_name in ("config.json", "scheduler_config.json"):
+                config_path = path / name / config_name
+                if config_path.is_file():
+                    configs[name] = _read_json(config_path)
+        defaults_path = path / "memfit_defaults.json"
+        defaults = _read_json(defaults_path) if defaults_path.is_file() else {}
+        folder = cls(path, class_name, components, configs, defaults)
+        folder.adapter  # fails early on an unsupported pipeline class
+        return folder
+
+    @cached_property
+    def text_fingerprint(self) -> str:
+        """Content fingerprint of the text encoders and tokenizers: hashed once per folder object."""
+        from memfit.cache.fingerprint import fingerprint_components
+
+        names = [name for name in self.adapter.text_encoders if name in self.components]
+        return fingerprint_components(self.path, names)
+
+    @property
+    def adapter(self) -> PipelineAdapter:
+        return adapter_for(self.class_name, self.configs, where=f"{self.path / 'model_index.json'} ")
+
+    def check_weights(self, names) -> None:
+        for name in names:
+            folder = self.path / name
+            if name not in self.components:
+                continue
+            if not folder.is_dir():
+                raise MemfitError(f"Component {name!r} is listed in model_index.json but {folder} is missing.")
+            for weights in sorted(folder.glob("*.safetensors")):
+                check_safetensors(weights)
+
+    def load_stage(self, names, dtype: torch.dtype, device: torch.device):
+        """The pipeline with only `names` loaded; every other component is None (not resident)."""
+        import diffusers
+
+        global _DTYPE_KWARG
+        _DTYPE_KWARG = _DTYPE_KWARG or _dtype_keyword()
+        self.check_weights(names)
+        pipeline_class = getattr(diffusers, self.class_name)
+        skipped = {name: None for name in self.components if name not in names}
+        try:
+            pipe = pipeline_class.from_pretrained(self.path, **{_DTYPE_KWARG: dtype}, **skipped)
+        except MemfitError:
+            raise
+        except Exception as exc:  # diffusers raises many types; name the folder and the stage
+            raise MemfitError(
+                f"Could not load {', '.join(names)} from {self.path}: {type(exc).__name__}: {exc}"
+            ) from exc
+        pipe.set_progress_bar_config(disable=True)
+        # Attributes the pipeline derives from components that are not loaded in this stage.
+        if "vae" in self.configs and "vae" not in names:
+            pipe.vae_scale_factor = self.adapter.vae_scale_factor()
+        return pipe.to(device)

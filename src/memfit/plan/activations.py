@@ -1,0 +1,103 @@
+"""Activation memory of each stage, and the exact strategies memfit uses when it would not fit.
+
+Estimates come from memfit.plan.meta.activation_estimate: a shape model of each kind of component
+times a factor calibrated on real-size runs (benchmarks/calibrate_activations.py, results in
+docs/activation_calibration.md).
+
+Strategies, first = the pipeline's own way; each later one holds fewer activations at once and
+computes the same image:
+
+  encode   plain     text encoders as the pipeline calls them (their activations are small).
+  denoise  batched   the pipeline's [uncond, cond] batch of two.
+           split     the two guidance passes one after the other (split_guidance_passes): half
+                     the activations, but every streamed weight is read twice per step, so it is
+                     chosen only when the batched pass cannot be planned at all. Pipelines that
+                     already run the passes separately (CogView4) have only "batched", with a batch
+                     of one.
+  decode   plain     vae.decode as diffusers runs it.
+           banded    memfit.run.banded_decode: bands of rows, GroupNorm statistics over the whole tensor
+                     (two thirds of the activations at 512x512, about as fast); chosen as soon as
+                     the plain decode would push any VAE weight off the device.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Callable
+
+from memfit.errors import MemfitError
+
+
+@dataclasses.dataclass(frozen=True)
+class Strategy:
+    name: str
+    activation_bytes: int
+    # True when the strategy costs little (use it as soon as it keeps more weights resident);
+    # False when it costs time (use it only when nothing cheaper can be planned).
+    cheap: bool = True
+
+
+def stage_strategies(adapter, stage: str, settings, guided: bool, dtype: str) -> list[Strategy]:
+    """The strategies of ``stage`` for this pipeline and request, the pipeline's own first."""
+    from memfit.plan.meta import activation_estimate
+
+    configs = adapter.configs
+    size = dict(width=settings.width, height=settings.height, dtype=dtype, vae_scale=adapter.vae_scale_factor())
+    if stage == "encode":
+        encoders = [name for name in adapter.encode_components if name.startswith("text_encoder") and name in configs]
+        batch = 2 if guided else 1
+        peak = max((activation_estimate("text_encoder", configs[name], batch=batch, text_tokens=adapter.max_text_tokens,
+                                        **size) for name in encoders), default=0)
+        return [Strategy("plain", peak)]
+    if stage == "denoise":
+        denoiser = adapter.denoise_components[0]
+        kind = "unet" if denoiser == "unet" else "transformer"
+
+        def estimate(batch: int) -> int:
+            return activation_estimate(kind, configs[denoiser], batch=batch, text_tokens=adapter.max_text_tokens,
+                                       class_name=adapter.class_name, **size)
+
+        if not guided or adapter.guidance_batch == 1:
+            return [Strategy("batched", estimate(1))]
+        options = [Strategy("batched", estimate(2))]
+        if adapter.splits_guidance:
+            options.append(Strategy("split", estimate(1), cheap=False))
+        return options
+    if stage == "decode":
+        from memfit.run.banded_decode import unsupported_reason_for_config
+
+        vae = configs["vae"]
+        options = [Strategy("plain", activation_estimate("vae_decoder", vae, **size))]
+        if unsupported_reason_for_config(vae) is None:
+            options.append(Strategy("banded", activation_estimate("vae_decoder_banded", vae, **size)))
+        return options
+    raise MemfitError(f"Unknown stage {stage!r}; memfit's stages are encode, denoise and decode.")
+
+
+def choose(options: list[Strategy], plan_for: Callable[[int], object]) -> tuple[Strategy, object]:
+    """The first strategy whose plan keeps every weight resident; else the cheap bounded strategy
+    that keeps the most; a costly one only when nothing before it can be planned.
+
+    ``plan_for(activation_bytes)`` returns a Plan or raises MemfitError when nothing fits.
+    """
+    planned: list[tuple[Strategy, object]] = []
+    last_error: MemfitError | None = None
+    for option in options:
+        if planned and not option.cheap:
+            break  # something cheaper already fits
+        try:
+            plan = plan_for(option.activation_bytes)
+        except MemfitError as exc:
+            last_error = exc
+            continue
+        if _all_resident(plan):
+            return option, plan
+        planned.append((option, plan))
+    if planned:
+        return max(planned, key=lambda pair: pair[1].stages[0].resident_bytes)
+    raise last_error
+
+
+def _all_resident(plan) -> bool:
+    stage = plan.stages[0]
+    return stage.streamed_from_host_bytes == 0 and stage.streamed_from_disk_bytes == 0

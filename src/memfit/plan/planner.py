@@ -1,0 +1,366 @@
+"""The planner: a pure function from (block sizes, activation estimates, Budget) to a Plan.
+
+No torch, no devices, no files: it sees numbers and names only, so it is fast, deterministic
+(every choice has an explicit tie-break) and testable with made-up sizes.
+
+Model of execution the plan is made for:
+  * Stages (encode, denoise, decode) run one after another; at a stage boundary the previous
+    stage's weights leave the device, so each stage gets the whole device budget.
+  * Within a stage a block is either **resident** (on the device for the whole stage) or
+    **streamed** (copied in just before it runs and dropped after). Streaming keeps the block
+    being executed plus ``prefetch`` blocks being copied in ahead of it on the device, so the
+    "streaming window" is the sum of the (1 + prefetch) largest streamed blocks: the static block
+    order is only approximate (see meta.py), so the window does not rely on it.
+  * Every block has a **home** it is streamed from and returns to: host RAM, or disk
+    (memory-mapped). Host RAM holds, while a stage runs, every host-homed block that is not
+    resident on the device in that stage.
+
+Device peak of a stage = resident bytes + streaming window + activations.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Iterable, Sequence
+
+from memfit.plan.budget import Budget, BudgetLike, format_size
+from memfit.errors import MemfitError
+
+__all__ = ["BlockSpec", "Plan", "Placement", "StageInput", "StagePlan", "make_plan", "stage_input"]
+
+DEVICE, HOST, DISK = "device", "host", "disk"
+
+
+@dataclasses.dataclass(frozen=True)
+class BlockSpec:
+    """One block to place: the component it belongs to, its module path, its size in bytes."""
+
+    component: str
+    name: str
+    bytes: int
+
+    @property
+    def key(self) -> str:
+        return f"{self.component}/{self.name}"
+
+
+@dataclasses.dataclass(frozen=True)
+class StageInput:
+    """A stage to plan: its blocks in (static) execution order and its peak activation bytes.
+
+    ``runs`` is how many forward passes the stage makes (denoise: one per step, or two with
+    unbatched guidance); it only decides which streamed blocks deserve host RAM over disk.
+    """
+
+    name: str
+    blocks: tuple[BlockSpec, ...]
+    activation_bytes: int
+    runs: int = 1
+
+
+def stage_input(name: str, components: Iterable, activation_bytes: int, runs: int = 1) -> StageInput:
+    """Build a StageInput from measured components (anything with ``.name`` and ``.blocks`` whose
+    items have ``.name`` and ``.bytes``, such as meta.ComponentSize), keeping their block order."""
+    blocks = tuple(BlockSpec(c.name, b.name, b.bytes) for c in components for b in c.blocks)
+    return StageInput(name=name, blocks=blocks, activation_bytes=activation_bytes, runs=runs)
+
+
+@dataclasses.dataclass(frozen=True)
+class Placement:
+    """Where one block executes from in one stage: "device" (resident), "host" or "disk" (streamed)."""
+
+    component: str
+    block: str
+    bytes: int
+    where: str
+
+
+@dataclasses.dataclass(frozen=True)
+class StagePlan:
+    name: str
+    placements: tuple[Placement, ...]  # in the stage's block order
+    activation_bytes: int
+    resident_bytes: int
+    streamed_from_host_bytes: int
+    streamed_from_disk_bytes: int
+    stream_window_bytes: int
+    peak_bytes: int
+
+    def blocks_at(self, where: str) -> tuple[str, ...]:
+        return tuple(f"{p.component}/{p.block}" for p in self.placements if p.where == where)
+
+    @property
+    def resident(self) -> tuple[str, ...]:
+        return self.blocks_at(DEVICE)
+
+    @property
+    def from_host(self) -> tuple[str, ...]:
+        return self.blocks_at(HOST)
+
+    @property
+    def from_disk(self) -> tuple[str, ...]:
+        return self.blocks_at(DISK)
+
+    @property
+    def largest_streamed_bytes(self) -> int:
+        """The biggest block streamed in this stage (0 if none): what one running block adds."""
+        return max((p.bytes for p in self.placements if p.where != DEVICE), default=0)
+
+
+@dataclasses.dataclass(frozen=True)
+class Plan:
+    budget: Budget
+    prefetch: int
+    stages: tuple[StagePlan, ...]
+    # (block key, "host" or "disk") for every block, in first-use order: where a block is read
+    # from when it streams or when its stage starts, and where it goes back when not in use.
+    homes: tuple[tuple[str, str], ...]
+    host_peak_bytes: int  # most host RAM the parked weights need at any stage
+
+    @property
+    def peak_bytes(self) -> int:
+        return max((s.peak_bytes for s in self.stages), default=0)
+
+    def stage(self, name: str) -> StagePlan:
+        for stage in self.stages:
+            if stage.name == name:
+                return stage
+        raise MemfitError(f"The plan has no stage {name!r}; it has {[s.name for s in self.stages]}.")
+
+    def home_of(self, key: str) -> str:
+        for block, home in self.homes:
+            if block == key:
+                return home
+        raise MemfitError(f"The plan has no block {key!r}; keys look like 'unet/down_blocks.0'.")
+
+    def to_dict(self) -> dict:
+        """Plain JSON-serializable data (ints, strings, lists, dicts)."""
+        data = dataclasses.asdict(self)
+        data["peak_bytes"] = self.peak_bytes
+        return data
+
+    def table(self) -> str:
+        return _render_table(self)
+
+
+# --- planning ---------------------------------------------------------------------------------
+
+
+def make_plan(stages: Sequence[StageInput], budget: BudgetLike, *, prefetch: int = 1) -> Plan:
+    """Decide, per stage, which blocks stay on the device and where the others stream from.
+
+    Device residency, per stage, greedy "first fit decreasing": blocks are taken largest first
+    (ties: earlier in the stage first) and each is kept resident if resident bytes + that block +
+    the streaming window of the blocks still streamed + activations fit the device budget.
+    Largest first because every streamed byte is copied once per forward whatever block it
+    belongs to, and keeping big blocks resident also shrinks the streaming window.
+
+    Homes: blocks are offered host RAM in order of how often they are read from their home
+    (``runs`` of each stage where they stream, 1 where they are resident), ties in first-use
+    order, each kept on the host if the host need stays within budget.host; the rest live on
+    disk, which needs ``budget.disk``.
+
+    Raises MemfitError naming the smallest device (or host) budget that would work when nothing
+    does.
+    """
+    budget = Budget.of(budget)
+    if isinstance(prefetch, bool) or not isinstance(prefetch, int) or prefetch < 0:
+        raise MemfitError(f"prefetch must be an int >= 0 (blocks copied ahead), got {prefetch!r}.")
+    _validate(stages)
+    device_capacity = math.inf if budget.device is None else budget.device
+
+    _check_device_fits(stages, budget, prefetch)
+    resident_per_stage = [_choose_resident(stage, device_capacity, prefetch) for stage in stages]
+    homes = _choose_homes(stages, resident_per_stage, budget)
+
+    stage_plans = tuple(
+        _stage_plan(stage, resident, homes, prefetch) for stage, resident in zip(stages, resident_per_stage)
+    )
+    host_keys = [key for key, home in homes.items() if home == HOST]
+    return Plan(
+        budget=budget,
+        prefetch=prefetch,
+        stages=stage_plans,
+        homes=tuple(homes.items()),
+        host_peak_bytes=_host_need(host_keys, _block_sizes(stages), resident_per_stage),
+    )
+
+
+def _validate(stages: Sequence[StageInput]) -> None:
+    if not stages:
+        raise MemfitError("Nothing to plan: no stages were given.")
+    names = [s.name for s in stages]
+    if len(set(names)) != len(names):
+        raise MemfitError(f"Stage names must be unique, got {names}.")
+    sizes: dict[str, int] = {}
+    for stage in stages:
+        if stage.activation_bytes < 0 or stage.runs < 1:
+            raise MemfitError(
+                f"Stage {stage.name!r}: activation_bytes must be >= 0 and runs >= 1, "
+                f"got {stage.activation_bytes} and {stage.runs}."
+            )
+        keys = [b.key for b in stage.blocks]
+        if len(set(keys)) != len(keys):
+            raise MemfitError(f"Stage {stage.name!r} lists a block twice; block keys must be unique per stage.")
+        for block in stage.blocks:
+            if block.bytes < 0:
+                raise MemfitError(f"Block {block.key} has a negative size ({block.bytes}).")
+            # A block shared by stages (one VAE used twice) must be the same size everywhere.
+            if sizes.setdefault(block.key, block.bytes) != block.bytes:
+                raise MemfitError(
+                    f"Block {block.key} has size {sizes[block.key]} in one stage and {block.bytes} in "
+                    f"stage {stage.name!r}; measure shared components once, at one dtype."
+                )
+
+
+def _window(sizes: Iterable[int], prefetch: int) -> int:
+    return sum(sorted(sizes, reverse=True)[: 1 + prefetch])
+
+
+def _minimum_device(stage: StageInput, prefetch: int) -> int:
+    """Smallest device budget for the stage: stream everything, only the window is on the device."""
+    return stage.activation_bytes + _window((b.bytes for b in stage.blocks), prefetch)
+
+
+def _check_device_fits(stages: Sequence[StageInput], budget: Budget, prefetch: int) -> None:
+    if budget.device is None:
+        return
+    short = [s for s in stages if _minimum_device(s, prefetch) > budget.device]
+    if not short:
+        return
+    needed = max(_minimum_device(s, prefetch) for s in stages)
+    worst = max(short, key=lambda s: _minimum_device(s, prefetch))
+    largest = sorted((b for b in worst.blocks), key=lambda b: -b.bytes)[: 1 + prefetch]
+    in_flight = " + ".join(f"{b.key} {format_size(b.bytes)}" for b in largest) or "no blocks"
+    raise MemfitError(
+        f"A device budget of {format_size(budget.device)} is too small even when every weight is "
+        f"streamed: stage {worst.name!r} needs {format_size(_minimum_device(worst, prefetch))} "
+        f"(activations {format_size(worst.activation_bytes)} + blocks in flight: {in_flight}). "
+        f"The smallest device budget that works is {needed} bytes ({format_size(needed)}); "
+        "raise the budget, or lower the resolution, batch or dtype width."
+    )
+
+
+def _choose_resident(stage: StageInput, capacity: float, prefetch: int) -> frozenset[str]:
+    order = sorted(range(len(stage.blocks)), key=lambda i: (-stage.blocks[i].bytes, i))
+    resident: set[str] = set()
+    resident_bytes = 0
+    for i in order:
+        block = stage.blocks[i]
+        streamed_after = (b.bytes for b in stage.blocks if b.key not in resident and b.key != block.key)
+        need = resident_bytes + block.bytes + _window(streamed_after, prefetch) + stage.activation_bytes
+        if need <= capacity:
+            resident.add(block.key)
+            resident_bytes += block.bytes
+    return frozenset(resident)
+
+
+def _block_sizes(stages: Sequence[StageInput]) -> dict[str, int]:
+    sizes: dict[str, int] = {}
+    for stage in stages:
+        for block in stage.blocks:
+            sizes.setdefault(block.key, block.bytes)  # insertion order = first use
+    return sizes
+
+
+def _host_need(host_keys: Iterable[str], sizes: dict[str, int], resident_per_stage) -> int:
+    keys = list(host_keys)
+    return max((sum(sizes[k] for k in keys if k not in resident) for resident in resident_per_stage), default=0)
+
+
+def _choose_homes(stages, resident_per_stage, budget: Budget) -> dict[str, str]:
+    sizes = _block_sizes(stages)
+    reads = dict.fromkeys(sizes, 0)
+    for stage, resident in zip(stages, resident_per_stage):
+        for block in stage.blocks:
+            reads[block.key] += 1 if block.key in resident else stage.runs
+    first_use = {key: index for index, key in enumerate(sizes)}
+    capacity = math.inf if budget.host is None else budget.host
+
+    homes: dict[str, str] = {}
+    on_host: list[str] = []
+    for key in sorted(sizes, key=lambda k: (-reads[k], first_use[k])):
+        if _host_need(on_host + [key], sizes, resident_per_stage) <= capacity:
+            on_host.append(key)
+            homes[key] = HOST
+        else:
+            homes[key] = DISK
+
+    spilled = [k for k, home in homes.items() if home == DISK]
+    if spilled and budget.disk is None:
+        needed = _host_need(sizes, sizes, resident_per_stage)
+        raise MemfitError(
+            f"The host budget of {format_size(budget.host or 0)} cannot hold the weights parked off the "
+            f"device ({len(spilled)} blocks, e.g. {spilled[0]}, do not fit) and no disk directory was "
+            f"given. Raise the host budget to at least {needed} bytes ({format_size(needed)}), or give a "
+            "disk tier, e.g. Budget(device=..., host=..., disk='/var/tmp/memfit')."
+        )
+    return {key: homes[key] for key in sizes}  # first-use order, for stable output
+
+
+def _stage_plan(stage: StageInput, resident: frozenset[str], homes: dict[str, str], prefetch: int) -> StagePlan:
+    placements = tuple(
+        Placement(b.component, b.name, b.bytes, DEVICE if b.key in resident else homes[b.key]) for b in stage.blocks
+    )
+    by_where = {DEVICE: 0, HOST: 0, DISK: 0}
+    for p in placements:
+        by_where[p.where] += p.bytes
+    window = _window((p.bytes for p in placements if p.where != DEVICE), prefetch)
+    return StagePlan(
+        name=stage.name,
+        placements=placements,
+        activation_bytes=stage.activation_bytes,
+        resident_bytes=by_where[DEVICE],
+        streamed_from_host_bytes=by_where[HOST],
+        streamed_from_disk_bytes=by_where[DISK],
+        stream_window_bytes=window,
+        peak_bytes=by_where[DEVICE] + window + stage.activation_bytes,
+    )
+
+
+# --- rendering --------------------------------------------------------------------------------
+
+
+def _render_table(plan: Plan) -> str:
+    b = plan.budget
+    lines = [
+        "memfit plan: device budget {}, host {}, disk {}, prefetch {}".format(
+            "unlimited" if b.device is None else format_size(b.device),
+            "unlimited" if b.host is None else format_size(b.host),
+            b.disk or "none",
+            plan.prefetch,
+        ),
+        "",
+    ]
+    header = ("stage", "component", "on device", "streamed from host", "streamed from disk")
+    rows = [header]
+    for stage in plan.stages:
+        for component in dict.fromkeys(p.component for p in stage.placements):
+            cells = [stage.name, component]
+            for where in (DEVICE, HOST, DISK):
+                chosen = [p for p in stage.placements if p.component == component and p.where == where]
+                total = sum(p.bytes for p in stage.placements if p.component == component)
+                cells.append(_cell(chosen, total))
+            rows.append(tuple(cells))
+    widths = [max(len(r[i]) for r in rows) for i in range(len(header))]
+    for index, row in enumerate(rows):
+        lines.append("  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip())
+        if index == 0:
+            lines.append("  ".join("-" * w for w in widths))
+    lines.append("")
+    for stage in plan.stages:
+        lines.append(
+            f"{stage.name}: peak {format_size(stage.peak_bytes)} = resident {format_size(stage.resident_bytes)}"
+            f" + streaming window {format_size(stage.stream_window_bytes)}"
+            f" + activations {format_size(stage.activation_bytes)}"
+        )
+    lines.append(f"host RAM for parked weights: {format_size(plan.host_peak_bytes)} at most")
+    return "\n".join(lines)
+
+
+def _cell(chosen: Sequence[Placement], component_total: int) -> str:
+    if not chosen:
+        return "-"
+    size = sum(p.bytes for p in chosen)
+    return f"{len(chosen)} blk {format_size(size)} ({100 * size / max(component_total, 1):.0f}%)"

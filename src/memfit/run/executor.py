@@ -1,0 +1,474 @@
+"""The executor: carry out a Plan on a live diffusers pipeline, and undo it.
+
+    pipe = memfit.optimize(pipe, budget="6GiB")   # same object; pipe._memfit_plan holds the Plan
+    memfit.restore(pipe)                          # every hook gone, every parameter as before
+
+What each tier means for a block's weights (the plan's "device" / "host" / "disk"):
+
+  execution device   device                 host                            disk
+  CUDA               moved to the GPU       pinned host tensor; copied in   mmap'd view of the model's own
+                     for the whole run      for each forward (next block    safetensors; copied in per forward
+                                            prefetched on a side stream)    (converted on the host if dtypes differ)
+  CPU                untouched              untouched (host RAM *is* the    the parameter's data IS the mmap'd view
+                                            device)                         (no copy; the kernel may drop and re-read
+                                                                            pages); if the run dtype differs from the
+                                                                            file's, converted into a temporary just
+                                                                            before the forward, next block converted
+                                                                            ahead on a background thread
+
+A weight is never parked on ``meta`` and never replaced by a fake tensor; only ``param.data``
+changes, between real storages (DESIGN.md failure 1). Blocks are found on the live modules with
+the same splitting rule as meta.py, so plan keys ("unet/down_blocks.0") match ``memfit plan``;
+no meta model is ever built or attached here (failure 3).
+
+Known limits, chosen on purpose:
+  * The first parameter of every component is never offloaded: diffusers' and transformers'
+    ``module.dtype`` / ``module.device`` read it, and the pipeline uses them to place latents and
+    cast embeddings. It is a single tensor (usually a small embedding or conv).
+  * A disk-tier weight must equal what the model's safetensors file holds (after conversion to the
+    run dtype); optimize checks this once, block by block, and raises naming the first weight that
+    differs (e.g. after fusing a LoRA), instead of silently running other weights.
+  * Buffers are not put on the disk tier (they are small and often not saved); on CUDA they travel
+    with their block like host-tier weights.
+  * ``.to()`` after optimize is supported where it is a no-op for the placed tensors (``.to("cpu")``
+    on a CPU run); to move an optimized pipeline elsewhere, restore, move, and optimize again.
+  * A weight read by a parent module directly (``self.child.weight``) inside a forward that is not
+    its own block's runs on its home form: correct on a CPU run with matching dtypes (the home is the
+    weight), a device/dtype error otherwise, never wrong numbers.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import fnmatch
+from pathlib import Path
+from typing import Mapping
+
+import torch
+
+from memfit.plan.budget import Budget, BudgetLike, detect_budget
+from memfit.errors import MemfitError
+from memfit.run.offload import HookRegistry, MappedSafetensors, Runtime, Shared, Slot, SwapHook
+from memfit.plan.planner import DEVICE, DISK, HOST, BlockSpec, Plan, StageInput, make_plan
+
+__all__ = ["optimize", "restore", "is_optimized", "live_blocks", "plan_stage", "unrun_blocks", "blocks_not_run"]
+
+STATE_ATTR = "_memfit_state"
+PLAN_ATTR = "_memfit_plan"
+COMPILE_RECORDS_ATTR = "_memfit_compile_records"
+TIERS = (DEVICE, HOST, DISK)
+
+
+@dataclasses.dataclass
+class LiveBlock:
+    """A block of a live component: plan key, size, and the (hooked module, tensors) units it is made of."""
+
+    component: str
+    name: str
+    bytes: int
+    # (module whose forward covers the tensors, [(owner module, attribute name, tensor, is_param, full name)])
+    units: list
+
+    @property
+    def key(self) -> str:
+        return f"{self.component}/{self.name}"
+
+
+@dataclasses.dataclass
+class _State:
+    runtime: Runtime
+    slots: list  # every Slot memfit changed, hooked or not
+    hooked: list  # modules that carry a SwapHook
+    unrun: list = dataclasses.field(default_factory=list)  # LiveBlocks outside the stage's parts, parked on disk
+
+
+# --- public -------------------------------------------------------------------------------------
+
+
+def is_optimized(pipe) -> bool:
+    return STATE_ATTR in vars(pipe)
+
+
+def reads_in_place(pipe) -> bool:
+    """True when every streamed weight of ``pipe`` is used straight from its memory map (CPU, file
+    dtype = run dtype): a block read ahead then sits in the page cache and is mapped into this
+    process only while it runs, instead of being a copy in the process's memory."""
+    state = vars(pipe).get(STATE_ATTR)
+    return state is not None and not state.runtime.is_cuda and all(
+        slot.home_tensor().dtype == slot.dtype for slot in state.slots if slot.kind == "mmap"
+    )
+
+
+def optimize(
+    pipe,
+    budget: BudgetLike | None = None,
+    *,
+    plan: Plan | None = None,
+    force_tiers: Mapping[str, str] | None = None,
+    model_dir: str | Path | None = None,
+    device: str | torch.device | None = None,
+    prefetch: bool = True,
+    backend=None,
+    fallback: str | None = None,
+    stage: str | None = None,
+    activation_bytes: int = 0,
+    parts: Mapping[str, tuple[str, ...]] | None = None,
+):
+    """Apply a plan to the live pipeline ``pipe`` and return the same object.
+
+    budget:      bytes, "6GiB", or Budget(device=, host=, disk=); None detects what is free now.
+    plan:        an explicit Plan (e.g. from ``memfit plan``) instead of planning here.
+    force_tiers: {pattern: "device"|"host"|"disk"}, patterns matched (fnmatch) against block keys
+                 ("unet/down_blocks.0", "text_encoder/*", or a bare component name); later patterns
+                 win; blocks matched by none stay on the device. For tests and experiments.
+    model_dir:   the pipeline folder whose safetensors back the disk tier, when a component's
+                 ``config._name_or_path`` does not point at its own folder.
+    device:      execution device; default: where the pipeline's weights are now.
+    stage:       plan all components as one stage of that name (they are resident together, as in
+                 one stage of memfit.generate); default: each component is its own stage.
+    activation_bytes: the activation peak the plan reserves room for (one stage, or each).
+    parts:       {component: module paths} for components the stage runs only part of ({"vae":
+                 ("decoder", "rest")} for a text-to-image decode): only those blocks are planned; the
+                 others are put on the disk tier, where they cost no memory unless something calls them.
+    backend:     compile each component's entry points (memfit.compile.entry_points.compile_components): a name,
+                 a Backend, or {component: backend}. Alone (no budget/plan/force_tiers) it only
+                 compiles and places nothing. ``fallback="eager"`` runs a failing component eagerly;
+                 the records are in ``pipe._memfit_compile_records``.
+    """
+    if backend is not None and budget is None and plan is None and force_tiers is None:
+        return _compile(pipe, backend, fallback)
+    if is_optimized(pipe):
+        raise MemfitError("This pipeline is already optimized; call memfit.restore(pipe) before optimizing it again.")
+    if sum(x is not None for x in (budget, plan, force_tiers)) > 1:
+        raise MemfitError("Pass at most one of budget=, plan= and force_tiers=.")
+    components = _components(pipe)
+    if not components:
+        raise MemfitError(f"{type(pipe).__name__} has no torch module components to optimize.")
+    device = torch.device(device) if device is not None else _first_param(next(iter(components.values()))).device
+    if device.type not in ("cpu", "cuda"):
+        raise MemfitError(f"memfit's executor runs on 'cpu' or 'cuda' devices, not {device}.")
+
+    blocks = {name: live_blocks(name, module) for name, module in components.items()}
+    unrun = unrun_blocks(blocks, parts)
+    stages = _stage_inputs(_without(blocks, unrun), stage, activation_bytes)
+    if plan is None and force_tiers is not None:
+        plan = _forced_plan(stages, force_tiers)
+    elif plan is None:
+        resolved = Budget.of(budget) if budget is not None else detect_budget(str(device))
+        plan = make_plan(stages, resolved)
+    tiers = _tiers_from_plan(plan, blocks)
+    tiers.update((block.key, DISK) for block in unrun)
+
+    runtime = Runtime(device, prefetch=prefetch)
+    state = _State(runtime=runtime, slots=[], hooked=[], unrun=unrun)
+    try:
+        for name, module in components.items():
+            _apply_component(name, module, blocks[name], tiers, state, model_dir)
+    except BaseException:
+        _undo(state)
+        raise
+    object.__setattr__(pipe, STATE_ATTR, state)
+    object.__setattr__(pipe, PLAN_ATTR, plan)
+    if backend is not None:
+        try:
+            _compile(pipe, backend, fallback)
+        except BaseException:
+            restore(pipe)
+            raise
+    return pipe
+
+
+def plan_stage(pipe, budget: BudgetLike, stage: str, activation_bytes: int = 0,
+               parts: Mapping[str, tuple[str, ...]] | None = None) -> Plan:
+    """The plan ``optimize(pipe, budget, stage=stage, activation_bytes=..., parts=...)`` would carry out."""
+    blocks = {name: live_blocks(name, module) for name, module in _components(pipe).items()}
+    return make_plan(_stage_inputs(_without(blocks, unrun_blocks(blocks, parts)), stage, activation_bytes),
+                     Budget.of(budget))
+
+
+def blocks_not_run(pipe) -> list[LiveBlock]:
+    """The blocks ``optimize(pipe, parts=...)`` left out of the plan and parked on the disk tier."""
+    state = vars(pipe).get(STATE_ATTR)
+    return list(state.unrun) if state is not None else []
+
+
+def unrun_blocks(blocks: dict[str, list[LiveBlock]], parts: Mapping[str, tuple[str, ...]] | None) -> list[LiveBlock]:
+    """The blocks outside ``parts`` (see optimize), which the stage does not run.
+
+    A component none of whose blocks lies under its parts is run whole: a part name that matches
+    nothing (another VAE class) must not park the weights the stage needs.
+    """
+    from memfit.plan.meta import _is_under
+
+    unrun = []
+    for component, found in blocks.items():
+        prefixes = (parts or {}).get(component)
+        if not prefixes:
+            continue
+        outside = [b for b in found if not any(_is_under(b.name, p) for p in prefixes)]
+        if len(outside) < len(found):
+            unrun += outside
+    return unrun
+
+
+def _without(blocks: dict[str, list[LiveBlock]], left_out: list[LiveBlock]) -> dict[str, list[LiveBlock]]:
+    ids = {id(b) for b in left_out}
+    return {name: [b for b in found if id(b) not in ids] for name, found in blocks.items()}
+
+
+def _stage_inputs(blocks: dict[str, list[LiveBlock]], stage: str | None, activation_bytes: int) -> list[StageInput]:
+    specs = {name: tuple(BlockSpec(b.component, b.name, b.bytes) for b in found) for name, found in blocks.items()}
+    if stage is not None:
+        return [StageInput(stage, tuple(spec for found in specs.values() for spec in found), activation_bytes)]
+    return [StageInput(name, found, activation_bytes) for name, found in specs.items()]
+
+
+def _compile(pipe, backend, fallback):
+    from memfit.compile.entry_points import compile_components
+
+    records = compile_components(pipe, backend, fallback=fallback)
+    object.__setattr__(pipe, COMPILE_RECORDS_ATTR, records)
+    return pipe
+
+
+def restore(pipe):
+    """Remove every memfit hook and attribute from ``pipe`` and put every tensor back as it was
+    (same objects, same values, dtype and device). Returns ``pipe``. A no-op on a plain pipeline."""
+    if vars(pipe).pop(COMPILE_RECORDS_ATTR, None) is not None:
+        from memfit.compile.entry_points import uncompile
+
+        uncompile(pipe)
+    state = vars(pipe).pop(STATE_ATTR, None)
+    vars(pipe).pop(PLAN_ATTR, None)
+    if state is not None:
+        _undo(state)
+    return pipe
+
+
+# --- blocks -------------------------------------------------------------------------------------
+
+
+def live_blocks(component: str, module: torch.nn.Module) -> list[LiveBlock]:
+    """Split a live component into blocks with meta.py's rule; sizes from the live tensors.
+
+    Every tensor belongs to exactly one block (tied weights to the first); order is registration
+    order, as in meta.py.
+    """
+    from memfit.plan.meta import DEFAULT_MAX_BLOCK_FRACTION, _DirectTensors, _split_blocks
+
+    names = {id(t): n for n, t in module.named_parameters()}
+    names.update({id(t): n for n, t in module.named_buffers()})
+    threshold = max(1, int(sum(p.numel() for p in module.parameters()) * DEFAULT_MAX_BLOCK_FRACTION))
+    seen: set[int] = set()
+    out = []
+    for block_name, members in _split_blocks(module, "", threshold):
+        units, size = [], 0
+        for member in members:
+            if isinstance(member, _DirectTensors):
+                hooked = member.module
+                owned = [(hooked, n, t, True) for n, t in hooked.named_parameters(recurse=False)]
+                owned += [(hooked, n, t, False) for n, t in hooked.named_buffers(recurse=False)]
+            else:
+                hooked = member
+                owned = []
+                for sub in member.modules():
+                    owned += [(sub, n, t, True) for n, t in sub.named_parameters(recurse=False)]
+                    owned += [(sub, n, t, False) for n, t in sub.named_buffers(recurse=False)]
+            tensors = []
+            for owner, attr, tensor, is_param in owned:
+                if tensor is None or id(tensor) in seen:
+                    continue
+                seen.add(id(tensor))
+                size += tensor.numel() * tensor.element_size()
+                tensors.append((owner, attr, tensor, is_param, names.get(id(tensor), attr)))
+            if tensors:
+                units.append((hooked, tensors))
+        out.append(LiveBlock(component, block_name, size, units))
+    return out
+
+
+def _components(pipe) -> dict[str, torch.nn.Module]:
+    out, seen = {}, set()
+    for name, value in getattr(pipe, "components", {}).items():
+        if isinstance(value, torch.nn.Module) and id(value) not in seen and _first_param(value) is not None:
+            seen.add(id(value))  # a component shared under two names is placed once
+            out[name] = value
+    return out
+
+
+def _first_param(module):
+    return next(iter(module.parameters()), None)
+
+
+# --- plans --------------------------------------------------------------------------------------
+
+
+def _forced_plan(stages: list[StageInput], force_tiers: Mapping[str, str]) -> Plan:
+    from memfit.plan.planner import _host_need, _stage_plan
+
+    for pattern, tier in force_tiers.items():
+        if tier not in TIERS:
+            raise MemfitError(f"force_tiers[{pattern!r}] is {tier!r}; use one of {', '.join(TIERS)}.")
+    wanted: dict[str, str] = {}
+    for stage in stages:
+        for block in stage.blocks:
+            wanted[block.key] = DEVICE
+            for pattern, tier in force_tiers.items():
+                if fnmatch.fnmatchcase(block.key, pattern) or block.component == pattern:
+                    wanted[block.key] = tier
+    unmatched = [p for p in force_tiers if not any(fnmatch.fnmatchcase(k, p) or k.split("/")[0] == p for k in wanted)]
+    if unmatched:
+        raise MemfitError(f"force_tiers pattern(s) {unmatched} match no block; keys look like {next(iter(wanted))!r}.")
+    resident = [frozenset(b.key for b in s.blocks if wanted[b.key] == DEVICE) for s in stages]
+    homes = {key: (DISK if tier == DISK else HOST) for key, tier in wanted.items()}
+    stage_plans = tuple(_stage_plan(s, r, homes, 1) for s, r in zip(stages, resident))
+    sizes = {b.key: b.bytes for s in stages for b in s.blocks}
+    host_keys = [k for k, h in homes.items() if h == HOST]
+    return Plan(
+        budget=Budget(),
+        prefetch=1,
+        stages=stage_plans,
+        homes=tuple(homes.items()),
+        host_peak_bytes=_host_need(host_keys, sizes, resident),
+    )
+
+
+def _tiers_from_plan(plan: Plan, blocks: dict[str, list[LiveBlock]]) -> dict[str, str]:
+    """One tier per block: "device" where any stage keeps it resident, else its home."""
+    live = {b.key for component_blocks in blocks.values() for b in component_blocks}
+    tiers: dict[str, str] = {}
+    unknown = []
+    for stage in plan.stages:
+        for p in stage.placements:
+            key = f"{p.component}/{p.block}"
+            if key not in live:
+                unknown.append(key)
+            elif p.where == DEVICE or tiers.get(key) == DEVICE:
+                tiers[key] = DEVICE
+            else:
+                tiers[key] = p.where
+    if unknown:
+        raise MemfitError(
+            f"The plan names block(s) this pipeline does not have, e.g. {unknown[0]!r}; make the plan for "
+            f"this pipeline (its blocks look like {sorted(live)[0]!r})."
+        )
+    return tiers
+
+
+# --- applying -----------------------------------------------------------------------------------
+
+
+def _apply_component(name, module, component_blocks, tiers, state: _State, model_dir) -> None:
+    runtime = state.runtime
+    anchor = _first_param(module)
+    files: MappedSafetensors | None = None
+    for block in component_blocks:
+        tier = tiers.get(block.key, DEVICE)
+        for hooked, tensors in block.units:
+            slots = []
+            for owner, attr, tensor, is_param, full_name in tensors:
+                if tensor is anchor:
+                    continue  # module.dtype / module.device read it: see the module docstring
+                if runtime.is_cuda and tensor.device != runtime.device and tier == DEVICE:
+                    slot = Slot(owner, attr, tensor, home=None, kind="device")
+                    tensor.data = tensor.data.to(runtime.device)
+                    state.slots.append(slot)
+                    continue
+                if tier == DEVICE or (not runtime.is_cuda and (tier == HOST or not is_param)):
+                    continue  # on the CPU host RAM is the device; buffers stay where they are
+                if tier == DISK and is_param:
+                    if files is None:
+                        files = _open_files(name, module, model_dir)
+                    mapped = _checked_mapping(files, name, full_name, tensor, module)
+                    slot = Slot(owner, attr, tensor, home=mapped, kind="mmap")
+                    state.slots.append(slot)
+                    # The hook converts / copies it for each forward, or (same dtype, CPU) reads it
+                    # ahead and drops its pages from this process after the block ran.
+                    slots.append(slot)
+                    tensor.data = mapped.tensor  # outside a forward the weight IS the mapped file
+                    if mapped.pages is not None:
+                        mapped.pages.release()  # the check above read every page
+                    continue
+                # host tier on CUDA (or a buffer of a disk block): a pinned host copy is the home.
+                home = tensor.data.to("cpu")
+                home = home.pin_memory() if runtime.is_cuda else home
+                slot = Slot(owner, attr, tensor, home=home, kind="host")
+                tensor.data = home
+                state.slots.append(slot)
+                slots.append(slot)
+            if slots:
+                HookRegistry.of(hooked).register(SwapHook(block.key, slots, runtime))
+                state.hooked.append(hooked)
+
+
+def _open_files(name: str, module, model_dir) -> MappedSafetensors:
+    candidates = []
+    if model_dir is not None:
+        candidates += [Path(model_dir) / name, Path(model_dir)]
+    source = getattr(getattr(module, "config", None), "_name_or_path", None) or getattr(module, "name_or_path", None)
+    if source:
+        candidates += [Path(source), Path(source) / name]
+    for folder in candidates:
+        if folder.is_dir() and any(folder.glob("*.safetensors")):
+            return MappedSafetensors(folder)
+    raise MemfitError(
+        f"Component {name!r} has no safetensors files to map for the disk tier (looked in "
+        f"{[str(c) for c in candidates] or 'nothing: its config has no _name_or_path'}). Load the pipeline "
+        "with from_pretrained from a saved folder, or pass model_dir= the pipeline folder."
+    )
+
+
+def _checked_mapping(files: MappedSafetensors, component: str, full_name: str, tensor, module) -> Shared:
+    prefix = getattr(module, "base_model_prefix", "") or ""
+    for key in (full_name, f"{prefix}.{full_name}", full_name.removeprefix(prefix + ".")):
+        if key in files:
+            break
+    else:
+        raise MemfitError(
+            f"{component}.{full_name} is not in {files.folder}'s safetensors files, so it cannot be read "
+            "from disk; keep this block on the host tier or save the pipeline again."
+        )
+    mapped = files.shared(key)
+    view = mapped.tensor
+    if tuple(view.shape) != tuple(tensor.shape) or not _same_samples(view, tensor.data):
+        raise MemfitError(
+            f"{component}.{full_name} differs from {key} in {files.folder} (was the model changed after "
+            "loading, e.g. a fused LoRA?). The disk tier would run the file's weights; save the pipeline "
+            "and load it again, or keep this block off the disk tier."
+        )
+    return mapped
+
+
+def _same_samples(view: torch.Tensor, loaded: torch.Tensor, count: int = 4096) -> bool:
+    """Whether the file's tensor and the loaded one agree at the start, middle and end.
+
+    A changed model (a fused LoRA, a merged or requantized weight) changes values everywhere, so
+    samples catch it; comparing every element would read the whole model twice while loading, which
+    is exactly the memory peak the disk tier exists to avoid.
+    """
+    flat_view, flat_loaded = view.reshape(-1), loaded.reshape(-1)
+    size = flat_view.numel()
+    for start in {0, max(0, size // 2 - count // 2), max(0, size - count)}:
+        part = slice(start, start + count)
+        if not torch.equal(flat_view[part].to(loaded.dtype), flat_loaded[part].cpu()):
+            return False
+    return True
+
+
+def _undo(state: _State) -> None:
+    for module in state.hooked:
+        registry = HookRegistry.get(module)
+        if registry is not None:
+            registry.remove(SwapHook.name)
+    state.runtime.close()
+    for slot in reversed(state.slots):
+        kind = slot.kind
+        if kind == "device":
+            data = slot.tensor.data.to(slot.device)
+        else:
+            data = slot.home_tensor().to(device=slot.device, dtype=slot.dtype)
+            if kind == "mmap" and data.data_ptr() == slot.home_tensor().data_ptr():
+                data = data.clone()  # restore an owned tensor, not a view of the mapped file
+        slot.tensor.data = data
+    state.slots.clear()
+    state.hooked.clear()
