@@ -46,7 +46,7 @@ def measure(arch: str, dtype_name: str, kind: str, strategy: str, size: int, bat
 
     import torch
 
-    from memfit.run.memory import _read_hwm, _reset_hwm, current_rss, release_freed_memory, return_large_frees_to_os
+    from memfit.run.memory import read_peak_rss, reset_peak_rss, current_rss, release_freed_memory, return_large_frees_to_os
     from memfit.models.folder import parse_dtype
 
     return_large_frees_to_os()
@@ -92,11 +92,11 @@ def measure(arch: str, dtype_name: str, kind: str, strategy: str, size: int, bat
         run(64, 1)  # every weight page resident, kernels initialized
         gc.collect()
         release_freed_memory()
-        if not _reset_hwm():
+        if not reset_peak_rss():
             raise SystemExit("needs /proc/self/clear_refs (Linux)")
         base = current_rss()
         out = run(size, batch)
-        peak = _read_hwm()
+        peak = read_peak_rss()
     del out
     return {"activation_bytes": peak - base, "base_rss": base, "config": config}
 

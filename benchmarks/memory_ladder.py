@@ -30,7 +30,7 @@ def run_one(system: str, model: str, dtype_name: str, size: int, steps: int, bud
     """Inside the capped child: one generation, with its own timings and peaks."""
     import torch
 
-    from memfit.run.memory import _read_hwm
+    from memfit.run.memory import read_peak_rss
     from memfit.models.folder import parse_dtype
 
     dtype = parse_dtype(dtype_name)
@@ -63,9 +63,9 @@ def run_one(system: str, model: str, dtype_name: str, size: int, steps: int, bud
                         onload_device=torch.device("cpu"), offload_type="block_level", num_blocks_per_group=1,
                         offload_to_disk_path=f"{offload_dir}/{name}",
                     )
-        load_peak = _read_hwm()
+        load_peak = read_peak_rss()
         pipe("a lighthouse at dusk", **kwargs)
-    return {"wall_s": time.perf_counter() - started, "peak_rss": _read_hwm(), "load_peak_rss": load_peak, "notes": []}
+    return {"wall_s": time.perf_counter() - started, "peak_rss": read_peak_rss(), "load_peak_rss": load_peak, "notes": []}
 
 
 def main() -> None:

@@ -2,15 +2,22 @@ import os
 import tempfile
 
 os.environ["HF_HUB_OFFLINE"] = "1"  # tests must never reach a hub
-# A fresh store per session: a prompt-cache hit left by an earlier run would change what runs.
+# Never the user's own store; each test also gets a store of its own (the autouse fixture below),
+# so a prompt-cache hit left by another test never changes what runs, whatever the order.
 os.environ["MEMFIT_CACHE_DIR"] = tempfile.mkdtemp(prefix="memfit-test-cache-")
 
 import pytest  # noqa: E402
 
 
-from memfit.cli.app import _quiet_libraries  # noqa: E402
+from memfit.cli.app import quiet_libraries  # noqa: E402
 
-_quiet_libraries()
+quiet_libraries()
+
+
+@pytest.fixture(autouse=True)
+def own_cache_dir(tmp_path_factory, monkeypatch):
+    """A fresh, empty memfit store for every test."""
+    monkeypatch.setenv("MEMFIT_CACHE_DIR", str(tmp_path_factory.mktemp("memfit-cache")))
 
 
 @pytest.fixture(scope="session")

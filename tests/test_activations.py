@@ -74,7 +74,7 @@ def test_tight_budget_decodes_banded_with_the_same_image(tiny_models, monkeypatc
     vae_bytes = sum(p.numel() * p.element_size() for p in [*vae.parameters(), *vae.buffers()])
     budget = vae_bytes + (plain.activation_bytes + banded.activation_bytes) // 2
     # The process's own memory (Python, torch) would swamp a tiny model: count only what memfit places.
-    monkeypatch.setattr("memfit.run.generate._memory_in_use", lambda device: 0)
+    monkeypatch.setattr("memfit.run.runner.memory_in_use", lambda device: 0)
 
     kwargs = dict(model=folder, steps=2, guidance=4.0, width=128, height=128, progress=False)
     reference = memfit.generate("a red circle", **kwargs)

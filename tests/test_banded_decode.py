@@ -125,7 +125,7 @@ import gc, json, sys, torch
 from diffusers import AutoencoderKL
 from memfit.models.archs import get_arch
 from memfit.run.banded_decode import enable_banded_decode
-from memfit.run.memory import _read_hwm, _reset_hwm, current_rss, return_large_frees_to_os
+from memfit.run.memory import read_peak_rss, reset_peak_rss, current_rss, return_large_frees_to_os
 return_large_frees_to_os()
 torch.manual_seed(0)
 config = [c for c in get_arch("sd15").components if c.name == "vae"][0].config
@@ -135,19 +135,19 @@ if sys.argv[1] == "banded":
 with torch.inference_mode():
     vae.decode(torch.zeros(1, 4, 8, 8))
     gc.collect()
-    _reset_hwm()
+    reset_peak_rss()
     base = current_rss()
     vae.decode(torch.zeros(1, 4, 64, 64))
-    print(json.dumps(_read_hwm() - base))
+    print(json.dumps(read_peak_rss() - base))
 """
 
 
 def test_banded_decode_holds_fewer_activations():
     """The SD 1.5 VAE (real size, random weights) at 512x512, each in a fresh process. (At 256x256 the
     heap's reused temporaries, about 100 MiB either way, hide the difference.)"""
-    from memfit.run.memory import _reset_hwm
+    from memfit.run.memory import reset_peak_rss
 
-    if not _reset_hwm():
+    if not reset_peak_rss():
         pytest.skip("needs /proc/self/clear_refs to measure a peak (Linux)")
     peaks = {}
     for mode in ("plain", "banded"):

@@ -12,9 +12,8 @@ from memfit.plan.budget import (
     Budget,
     cgroup_free_memory,
     detect_budget,
-    format_size,
-    parse_size,
 )
+from memfit.sizes import format_bytes, parse_size
 from memfit.errors import MemfitError
 
 GiB, MiB = 2**30, 2**20
@@ -50,15 +49,15 @@ def test_parse_size_rejects_with_a_helpful_message(bad):
 
 
 @pytest.mark.parametrize("n", [0, 1, 1023, 1024, 1536, 5 * MiB + 123, 4 * GiB, 3 * 2**40])
-def test_format_size_round_trips_within_rounding(n):
-    text = format_size(n)
+def test_format_bytes_round_trips_within_rounding(n):
+    text = format_bytes(n)
     assert abs(parse_size(text.replace(" ", "")) - n) <= max(1, n * 0.005)
 
 
-def test_format_size_picks_readable_units():
-    assert format_size(512) == "512 B"
-    assert format_size(1536) == "1.50 KiB"
-    assert format_size(4 * GiB) == "4.00 GiB"
+def test_format_bytes_picks_readable_units():
+    assert format_bytes(512) == "512 B"
+    assert format_bytes(1536) == "1.50 KiB"
+    assert format_bytes(4 * GiB) == "4.00 GiB"
 
 
 def test_budget_of_widens_scalars_and_mappings():

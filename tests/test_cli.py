@@ -85,7 +85,7 @@ def _unsupported(tiny_models, tmp_path):
     [
         (lambda t, p: str(p / "missing"), ["--prompt", "x"], "does not exist"),
         (_not_diffusers, ["--prompt", "x"], "not a diffusers model folder"),
-        (_unsupported, ["--prompt", "x"], "does not support"),
+        (_unsupported, ["--prompt", "x"], "does not run"),
         (_truncated_weights, ["--prompt", "x"], "is truncated"),
         (lambda t, p: t("sd"), ["--prompt", "   "], "prompt is empty"),
         (lambda t, p: t("sd"), ["--prompt", "x", "--width", "36"], "not a positive multiple of 8"),

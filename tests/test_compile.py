@@ -1,6 +1,6 @@
 """memfit.compile.entry_points: the entry points pipelines call, compiled per component, removable, failures named.
 
-Failure 5 of DESIGN.md: whatever the backend, outputs are plain tensors on every run (run 1, 2 and 3
+Whatever the backend, outputs are plain tensors on every run (run 1, 2 and 3
 agree with eager within the backend's stated tolerance) and torch's global settings are unchanged.
 Failure 4: a compiled artifact is keyed by content, so two pipelines holding equal weights share
 one cache entry.

@@ -137,7 +137,7 @@ def test_bf16_run_from_fp32_files_converts_block_by_block(tiny_models):
 def test_parts_a_stage_does_not_run_stay_on_disk(tiny_models, dtype):
     """A text-to-image decode runs the VAE's decoder half: only it is planned; the encoder half is put
     on the disk tier (the mapped file, nothing in memory), and both halves still compute plain's bits."""
-    from memfit.models.archs import VAE_DECODE_PARTS
+    from memfit.models.families.base import VAE_DECODE_PARTS
     from memfit.run.executor import blocks_not_run, live_blocks, unrun_blocks
 
     pipe = load(tiny_models("sd"), dtype)

@@ -128,7 +128,7 @@ def test_results_are_plain_data_and_no_meta_module_survives():
         for o in gc.get_objects()
         if isinstance(o, torch.nn.Module) and any(p.is_meta for p in o.parameters(recurse=False))
     ]
-    assert meta_modules == []  # failure 3 of DESIGN.md: a meta template must not outlive sizing
+    assert meta_modules == []  # a meta template must not outlive sizing
 
 
 def test_select_keeps_only_the_named_submodules():
@@ -183,12 +183,19 @@ def test_meta_param_counts_match_the_published_ones(arch, spec):
     assert abs(ratio - 1) <= spec.params_tolerance, f"{size.param_count:,} vs {spec.expected_params:,}"
 
 
-def test_every_stage_uses_known_components():
+def test_every_stage_uses_known_components_and_the_family_adapter_describes_the_arch():
+    from memfit.models.families import ADAPTERS
+    from memfit.plan.stages import STAGES, planned_components
+
     for arch in ARCHS.values():
+        adapter = arch.adapter()
         names = {c.name for c in arch.components}
-        used = {name for stage in arch.stages for name, _ in stage.uses}
-        assert used <= names
-        assert [s.name for s in arch.stages] == ["encode", "denoise", "decode"]
+        planned = planned_components(adapter)
+        assert all(planned[stage] for stage in STAGES), arch.name
+        assert {name for stage in STAGES for name in planned[stage]} <= names
+        if arch.class_name in ADAPTERS:  # the same description a model folder of that class gets
+            assert type(adapter) is ADAPTERS[arch.class_name]
+    assert get_arch("cogview4").adapter().guidance_batch == 1  # CogView4 runs its guidance passes apart
     with pytest.raises(MemfitError, match="sdxl"):
         get_arch("sd3")
 

@@ -7,9 +7,11 @@ import json
 
 import pytest
 
-from memfit.cli.plan import choose_strategies, register, stage_options
+from memfit.cli.plan import register
+from memfit.plan.stages import choose_strategies, stage_options
 from memfit.models.archs import get_arch
-from memfit.plan.budget import Budget, parse_size
+from memfit.plan.budget import Budget
+from memfit.sizes import parse_size
 from memfit.errors import MemfitError
 from memfit.plan.meta import measure_component
 
@@ -36,7 +38,7 @@ def test_sdxl_table_fits_the_budget(capsys):
 
 
 def test_sdxl_json_places_every_measured_block_within_budget(capsys):
-    report = run_json(["--arch", "sdxl", "--budget", "4GiB"], capsys)
+    report = run_json(["--arch", "sdxl", "--budget", "4GiB", "--dtype", "bf16"], capsys)
     plan = report["plan"]
     assert all(stage["peak_bytes"] <= 4 * 2**30 for stage in plan["stages"])
     unet = get_arch("sdxl").component("unet")
@@ -44,6 +46,13 @@ def test_sdxl_json_places_every_measured_block_within_budget(capsys):
     denoise = next(s for s in plan["stages"] if s["name"] == "denoise")
     assert sum(p["bytes"] for p in denoise["placements"]) == measured.total_bytes
     assert {p["where"] for p in denoise["placements"]} == {"device", "host"}  # 4.8 GiB UNet: partial
+
+
+def test_plan_defaults_to_the_dtype_generate_runs_in(capsys):
+    from memfit.cli.app import build_parser
+
+    generate_default = build_parser().parse_args(["generate"]).dtype
+    assert run_json(["--arch", "sd15", "--budget", "8GiB"], capsys)["dtype"] == generate_default == "fp32"
 
 
 def test_bigger_budget_keeps_more_resident(capsys):
@@ -81,7 +90,7 @@ def test_strategies_are_chosen_as_a_run_chooses_them(capsys):
 
     # The denoise alone (at 512x512 no budget fits a split denoise but not the decode): 600 MiB
     # cannot hold the batched pass (270 MiB) beside two streamed 188 MiB blocks, the split one fits.
-    options = stage_options(get_arch("sd15"), dtype="fp32", width=512, height=512)
+    options = stage_options(get_arch("sd15").adapter(), dtype="fp32", width=512, height=512)
     denoise = [stage for stage in options if stage[0][1].name == "denoise"]
     stages, chosen = choose_strategies(denoise, Budget(device="600MiB"))
     assert chosen == {"denoise": "split"}
@@ -165,7 +174,7 @@ def test_model_folder_is_planned_from_configs_alone(tiny_pipeline, capsys):
     assert {p["component"] for p in stages["denoise"]["placements"]} == {"unet"}
     assert all(p["block"].startswith("decoder") or p["block"] == "rest" for p in stages["decode"]["placements"])
     assert report["width"] == 32 * 2  # sample_size x the tiny VAE's 2x downscale
-    unet = measure_component("unet", "diffusers", "UNet2DConditionModel", TINY["unet"], "bf16")
+    unet = measure_component("unet", "diffusers", "UNet2DConditionModel", TINY["unet"], "fp32")
     assert stages["denoise"]["resident_bytes"] == unet.total_bytes
 
 

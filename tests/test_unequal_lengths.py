@@ -16,7 +16,6 @@ import memfit
 from memfit.run.embeddings import Embeddings
 from memfit.models.folder import ModelFolder
 from memfit.models.families.stable_diffusion import split_guidance_passes
-from memfit.run.generate import text_fingerprint
 from memfit.testing import max_pixel_difference
 
 SETTINGS = dict(steps=2, guidance=4.0, seed=3, width=32, height=32)
@@ -24,7 +23,7 @@ SETTINGS = dict(steps=2, guidance=4.0, seed=3, width=32, height=32)
 
 def _embeddings(model_dir, tensors, prompt="a red circle"):
     folder = ModelFolder.open(model_dir)
-    return Embeddings(tensors, folder.class_name, text_fingerprint(folder), prompt, "blurry")
+    return Embeddings(tensors, folder.class_name, folder.text_fingerprint, prompt, "blurry")
 
 
 def _plain(model_dir, **call_kwargs):

@@ -2,7 +2,8 @@
 
 __version__ = "0.1.0"
 
-from memfit.plan.budget import Budget, parse_size
+from memfit.plan.budget import Budget
+from memfit.sizes import parse_size
 from memfit.run.embeddings import Embeddings
 from memfit.errors import MemfitError
 from memfit.run.executor import optimize, restore

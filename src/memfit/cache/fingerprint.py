@@ -11,34 +11,36 @@ fingerprint: the same weights under two names fingerprint the same.
 from __future__ import annotations
 
 import hashlib
-import struct
 from pathlib import Path
 
-FINGERPRINT_VERSION = "1"
+FINGERPRINT_VERSION = "2"
 FULL_HASH_LIMIT = 64 * 1024 * 1024
 SAMPLES = 64
 SAMPLE_BYTES = 64 * 1024
 
 
 def _hash_safetensors(path: Path, digest: "hashlib._Hash") -> None:
+    from memfit.errors import MemfitError
+    from memfit.safetensors_header import read_header
+
     size = path.stat().st_size
+    digest.update(str(size).encode())
+    try:
+        header = read_header(path)
+    except MemfitError:  # a damaged file still fingerprints (by its bytes); loading it reports the damage
+        digest.update(path.read_bytes()[: FULL_HASH_LIMIT])
+        return
+    digest.update(header.raw)
+    data_len = max(size - header.data_start, 0)
     with path.open("rb") as handle:
-        header_len_bytes = handle.read(8)
-        digest.update(header_len_bytes)
-        digest.update(str(size).encode())
-        if len(header_len_bytes) < 8:
-            return
-        (header_len,) = struct.unpack("<Q", header_len_bytes)
-        digest.update(handle.read(min(header_len, size)))
-        data_start = 8 + header_len
-        data_len = max(size - data_start, 0)
+        handle.seek(header.data_start)
         if size <= FULL_HASH_LIMIT:
             for block in iter(lambda: handle.read(1 << 20), b""):
                 digest.update(block)
             return
         step = max(data_len // SAMPLES, 1)
         for index in range(SAMPLES):
-            handle.seek(data_start + index * step)
+            handle.seek(header.data_start + index * step)
             digest.update(handle.read(SAMPLE_BYTES))
 
 

@@ -67,7 +67,7 @@ def default_root() -> Path:
 
 def parse_size(text: str, *, source: str) -> int:
     """A size from the environment variable `source`, with the budget layer's rules."""
-    from memfit.plan.budget import parse_size as parse_budget_size
+    from memfit.sizes import parse_size as parse_budget_size
 
     try:
         return parse_budget_size(text)

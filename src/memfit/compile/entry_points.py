@@ -25,7 +25,7 @@ Cache keys (for backends that use memfit's store, e.g. onnxruntime) come from co
 component's weights fingerprint (its folder's, from the staged runner, or a hash of the module's
 tensors), the module class and entry point, the baked-in arguments, the input signature, the
 backend, its options and library versions. Never the part name, so one VAE shared by two
-pipelines maps to one cache entry (DESIGN.md failure 4).
+pipelines maps to one cache entry.
 """
 
 from __future__ import annotations

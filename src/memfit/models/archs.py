@@ -6,8 +6,8 @@ builds these on the meta device to size them. ``expected_params`` are the parame
 published for (or measured from the real checkpoints of) each component; a test checks that our
 meta sizing agrees with them, which guards both these configs and the sizing code.
 
-The stage layout says which components each stage of a generation needs, and for components used
-only in part (the VAE's decoder) which submodules.
+Which components each stage runs, and everything else about a family, is its adapter's
+(memfit.models.families): ``Arch.adapter()`` is the adapter a model folder of that class gets.
 """
 
 from __future__ import annotations
@@ -18,21 +18,17 @@ from typing import Any, Mapping
 
 from memfit.errors import MemfitError
 
-__all__ = ["ARCHS", "VAE_DECODE_PARTS", "Arch", "ComponentSpec", "StageSpec", "get_arch"]
+__all__ = ["ARCHS", "Arch", "ComponentSpec", "get_arch"]
 
 
 @dataclasses.dataclass(frozen=True)
 class ComponentSpec:
-    """One model of a pipeline: its folder name in the pipeline, library, class and config.
-
-    ``role`` is what memfit needs to know about it: "text_encoder", "denoiser" or "vae".
-    """
+    """One model of a pipeline: its folder name in the pipeline, library, class and config."""
 
     name: str
     library: str
     class_name: str
     config: Mapping[str, Any]
-    role: str
     expected_params: int | None = None
     # How far our meta count may stray from expected_params: tight where the exact checkpoint
     # count is known, loose where only a rounded marketing figure ("6B") is published.
@@ -40,24 +36,28 @@ class ComponentSpec:
 
 
 @dataclasses.dataclass(frozen=True)
-class StageSpec:
-    """A stage and the (component, submodule prefixes or None for all) pairs it runs."""
-
-    name: str
-    uses: tuple[tuple[str, tuple[str, ...] | None], ...]
-
-
-@dataclasses.dataclass(frozen=True)
 class Arch:
+    """A real pipeline's configs: its diffusers pipeline class and its models' configs.
+
+    Everything memfit needs to know about the family (which components each stage runs, the
+    guidance batch, text length, default size) comes from the family's adapter
+    (memfit.models.families), the same one a run of a model folder uses.
+    """
+
     name: str
     description: str
+    class_name: str
     components: tuple[ComponentSpec, ...]
-    stages: tuple[StageSpec, ...]
-    # Batch the denoiser sees per image: 2 when the pipeline batches cond + uncond for
-    # classifier-free guidance, 1 for guidance-distilled models (Flux dev).
-    denoise_batch: int
-    default_size: int
-    text_tokens: int
+
+    @property
+    def configs(self) -> dict[str, dict]:
+        return {spec.name: dict(spec.config) for spec in self.components}
+
+    def adapter(self):
+        from memfit.models.families import adapter_for
+
+        return adapter_for(self.class_name, self.configs, {spec.name: (spec.library, spec.class_name)
+                                                             for spec in self.components})
 
     def component(self, name: str) -> ComponentSpec:
         for spec in self.components:
@@ -66,19 +66,6 @@ class Arch:
         raise MemfitError(f"Architecture {self.name!r} has no component {name!r}.")
 
 
-# What a text-to-image decode runs of an AutoencoderKL: the decoder, and the VAE's top-level "rest"
-# block, which holds post_quant_conv (run on the latents right before the decoder) and quant_conv
-# (a few KB, which comes along). The encoder half is only needed for img2img.
-VAE_DECODE_PARTS = ("decoder", "rest")
-
-
-def standard_stages(text_encoders: tuple[str, ...], denoiser: str) -> tuple[StageSpec, ...]:
-    """encode (all text encoders) -> denoise (the denoiser) -> decode (the VAE's decoder half)."""
-    return (
-        StageSpec("encode", tuple((name, None) for name in text_encoders)),
-        StageSpec("denoise", ((denoiser, None),)),
-        StageSpec("decode", (("vae", VAE_DECODE_PARTS),)),
-    )
 
 
 def _frozen(d: dict) -> Mapping[str, Any]:
@@ -180,8 +167,9 @@ FLUX_VAE_PARAMS = 83_819_683
 SD15 = Arch(
     name="sd15",
     description="Stable Diffusion 1.5 (UNet 860M, CLIP ViT-L/14 text, AutoencoderKL)",
+    class_name="StableDiffusionPipeline",
     components=(
-        ComponentSpec("text_encoder", "transformers", "CLIPTextModel", _frozen(CLIP_L_TEXT), "text_encoder", CLIP_L_TEXT_PARAMS),
+        ComponentSpec("text_encoder", "transformers", "CLIPTextModel", _frozen(CLIP_L_TEXT), CLIP_L_TEXT_PARAMS),
         ComponentSpec(
             "unet",
             "diffusers",
@@ -207,24 +195,20 @@ SD15 = Arch(
                     "up_block_types": ["UpBlock2D", "CrossAttnUpBlock2D", "CrossAttnUpBlock2D", "CrossAttnUpBlock2D"],
                 }
             ),
-            "denoiser",
             859_520_964,
         ),
-        ComponentSpec("vae", "diffusers", "AutoencoderKL", _frozen(SD_VAE), "vae", SD_VAE_PARAMS),
+        ComponentSpec("vae", "diffusers", "AutoencoderKL", _frozen(SD_VAE), SD_VAE_PARAMS),
     ),
-    stages=standard_stages(("text_encoder",), "unet"),
-    denoise_batch=2,
-    default_size=512,
-    text_tokens=77,
 )
 
 SDXL = Arch(
     name="sdxl",
     description="Stable Diffusion XL base 1.0 (UNet 2.6B, CLIP-L + OpenCLIP-bigG, AutoencoderKL)",
+    class_name="StableDiffusionXLPipeline",
     components=(
-        ComponentSpec("text_encoder", "transformers", "CLIPTextModel", _frozen(CLIP_L_TEXT), "text_encoder", CLIP_L_TEXT_PARAMS),
+        ComponentSpec("text_encoder", "transformers", "CLIPTextModel", _frozen(CLIP_L_TEXT), CLIP_L_TEXT_PARAMS),
         ComponentSpec(
-            "text_encoder_2", "transformers", "CLIPTextModelWithProjection", _frozen(OPENCLIP_BIGG_TEXT), "text_encoder", 694_659_840
+            "text_encoder_2", "transformers", "CLIPTextModelWithProjection", _frozen(OPENCLIP_BIGG_TEXT), 694_659_840
         ),
         ComponentSpec(
             "unet",
@@ -259,22 +243,18 @@ SDXL = Arch(
                     "use_linear_projection": True,
                 }
             ),
-            "denoiser",
             2_567_463_684,
         ),
-        ComponentSpec("vae", "diffusers", "AutoencoderKL", _frozen(SDXL_VAE), "vae", SD_VAE_PARAMS),
+        ComponentSpec("vae", "diffusers", "AutoencoderKL", _frozen(SDXL_VAE), SD_VAE_PARAMS),
     ),
-    stages=standard_stages(("text_encoder", "text_encoder_2"), "unet"),
-    denoise_batch=2,
-    default_size=1024,
-    text_tokens=77,
 )
 
 FLUX = Arch(
     name="flux",
     description="FLUX.1 dev (MMDiT transformer 12B, CLIP-L, T5-XXL encoder, 16-channel VAE)",
+    class_name="FluxPipeline",
     components=(
-        ComponentSpec("text_encoder", "transformers", "CLIPTextModel", _frozen(CLIP_L_TEXT), "text_encoder", CLIP_L_TEXT_PARAMS),
+        ComponentSpec("text_encoder", "transformers", "CLIPTextModel", _frozen(CLIP_L_TEXT), CLIP_L_TEXT_PARAMS),
         ComponentSpec(
             "text_encoder_2",
             "transformers",
@@ -307,7 +287,6 @@ FLUX = Arch(
                     "vocab_size": 32128,
                 }
             ),
-            "text_encoder",
             4_762_310_656,
         ),
         ComponentSpec(
@@ -328,20 +307,16 @@ FLUX = Arch(
                     "pooled_projection_dim": 768,
                 }
             ),
-            "denoiser",
             11_901_408_320,
         ),
-        ComponentSpec("vae", "diffusers", "AutoencoderKL", _frozen(FLUX_VAE), "vae", FLUX_VAE_PARAMS),
+        ComponentSpec("vae", "diffusers", "AutoencoderKL", _frozen(FLUX_VAE), FLUX_VAE_PARAMS),
     ),
-    stages=standard_stages(("text_encoder", "text_encoder_2"), "transformer"),
-    denoise_batch=1,
-    default_size=1024,
-    text_tokens=512,
 )
 
 LUMINA2 = Arch(
     name="lumina2",
     description="Lumina-Image 2.0 (Lumina2 transformer 2.6B, Gemma-2 2B text encoder, Flux VAE)",
+    class_name="Lumina2Pipeline",
     components=(
         ComponentSpec(
             "text_encoder",
@@ -376,7 +351,6 @@ LUMINA2 = Arch(
                     "vocab_size": 256000,
                 }
             ),
-            "text_encoder",
             2_614_341_888,  # Gemma-2 2B: 2.61B, lm_head tied to the embedding (absent in Gemma2Model)
         ),
         ComponentSpec(
@@ -403,21 +377,17 @@ LUMINA2 = Arch(
                     "scaling_factor": 1.0,
                 }
             ),
-            "denoiser",
             2_600_000_000,  # published only as "2.6B"
             0.03,
         ),
-        ComponentSpec("vae", "diffusers", "AutoencoderKL", _frozen(FLUX_VAE), "vae", FLUX_VAE_PARAMS),
+        ComponentSpec("vae", "diffusers", "AutoencoderKL", _frozen(FLUX_VAE), FLUX_VAE_PARAMS),
     ),
-    stages=standard_stages(("text_encoder",), "transformer"),
-    denoise_batch=2,
-    default_size=1024,
-    text_tokens=256,
 )
 
 COGVIEW4 = Arch(
     name="cogview4",
     description="CogView4-6B (CogView4 transformer 6B, GLM-4-9B text encoder, Flux-style VAE)",
+    class_name="CogView4Pipeline",
     components=(
         ComponentSpec(
             "text_encoder",
@@ -447,7 +417,6 @@ COGVIEW4 = Arch(
                     "vocab_size": 151552,
                 }
             ),
-            "text_encoder",
             # GLM-4-9B is 9.40B with its 0.62B lm_head; CogView4 loads the bare GlmModel.
             9_399_951_360 - 151_552 * 4096,
         ),
@@ -471,19 +440,14 @@ COGVIEW4 = Arch(
                     "time_embed_dim": 512,
                 }
             ),
-            "denoiser",
             # Published only as "6B"; the transformer itself holds about 6.4B (the name rounds down).
             6_000_000_000,
             0.08,
         ),
         # CogView3-Plus / CogView4 VAE: wider (up to 1024 channels), 3 layers per block, no
         # mid-block attention. No published parameter count to check against.
-        ComponentSpec("vae", "diffusers", "AutoencoderKL", _frozen(COGVIEW_VAE), "vae", None),
+        ComponentSpec("vae", "diffusers", "AutoencoderKL", _frozen(COGVIEW_VAE), None),
     ),
-    stages=standard_stages(("text_encoder",), "transformer"),
-    denoise_batch=2,
-    default_size=1024,
-    text_tokens=224,
 )
 
 ARCHS: Mapping[str, Arch] = MappingProxyType({a.name: a for a in (SD15, SDXL, FLUX, LUMINA2, COGVIEW4)})

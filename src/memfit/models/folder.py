@@ -8,7 +8,6 @@ sentence naming the file.
 from __future__ import annotations
 
 import json
-import struct
 from functools import cached_property
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -16,9 +15,10 @@ from pathlib import Path
 import torch
 
 from memfit.errors import MemfitError
+from memfit.safetensors_header import check_complete
 from memfit.models.families import PipelineAdapter, adapter_for
 
-def _dtype_keyword() -> str:
+def dtype_keyword() -> str:
     # diffusers renamed from_pretrained's torch_dtype to dtype (0.42) and warns on the old name.
     import diffusers.utils.deprecation_utils as deprecation
 
@@ -38,30 +38,12 @@ def _read_json(path: Path) -> dict:
     try:
         return json.loads(path.read_text())
     except json.JSONDecodeError as exc:
-        raise MemfitError(f"{path} is not valid JSON ({exc.msg} at line {exc.lineno}); restore it from the original model.") from None
+        raise MemfitError(f"{path} is not valid JSON (line {exc.lineno}: {exc.msg}); restore it from the original model.") from None
 
 
 def check_safetensors(path: Path) -> None:
     """Raise MemfitError if `path` is not a complete safetensors file (header parse + exact size)."""
-    size = path.stat().st_size
-    fix = "re-download or re-save the model"
-    with path.open("rb") as handle:
-        prefix = handle.read(8)
-        if len(prefix) < 8:
-            raise MemfitError(f"{path} is truncated ({size} bytes, no safetensors header); {fix}.")
-        (header_len,) = struct.unpack("<Q", prefix)
-        if header_len > size - 8:
-            raise MemfitError(f"{path} is truncated or corrupt: its header claims {header_len} bytes but the file has {size}; {fix}.")
-        try:
-            header = json.loads(handle.read(header_len))
-        except (json.JSONDecodeError, UnicodeDecodeError):
-            raise MemfitError(f"{path} has a corrupt safetensors header; {fix}.") from None
-    if not isinstance(header, dict):
-        raise MemfitError(f"{path} has a corrupt safetensors header; {fix}.")
-    data_end = max((entry["data_offsets"][1] for key, entry in header.items() if key != "__metadata__"), default=0)
-    expected = 8 + header_len + data_end
-    if size < expected:
-        raise MemfitError(f"{path} is truncated: {size} bytes where its header needs {expected}; {fix}.")
+    check_complete(path)
 
 
 _DTYPE_KWARG = ""
@@ -107,7 +89,6 @@ class ModelFolder:
         defaults_path = path / "memfit_defaults.json"
         defaults = _read_json(defaults_path) if defaults_path.is_file() else {}
         folder = cls(path, class_name, components, configs, defaults)
-        folder.adapter  # fails early on an unsupported pipeline class
         return folder
 
     @cached_property
@@ -118,9 +99,20 @@ class ModelFolder:
         names = [name for name in self.adapter.text_encoders if name in self.components]
         return fingerprint_components(self.path, names)
 
-    @property
+    @cached_property
     def adapter(self) -> PipelineAdapter:
-        return adapter_for(self.class_name, self.configs, where=f"{self.path / 'model_index.json'} ")
+        """The family's description (memfit.models.families); a class without one gets the generic adapter."""
+        return adapter_for(self.class_name, self.configs, self.components)
+
+    def require_configs(self, names) -> None:
+        """Raise, naming the file, if a component in ``names`` has no config.json (planning needs it)."""
+        for name in names:
+            if name not in self.configs:
+                library, class_name = self.components[name]
+                raise MemfitError(
+                    f"{self.path / name / 'config.json'} does not exist but model_index.json lists {name!r} as "
+                    f"{library}.{class_name}; copy the component's config.json there (weights are not needed)."
+                )
 
     def check_weights(self, names) -> None:
         for name in names:
@@ -137,7 +129,7 @@ class ModelFolder:
         import diffusers
 
         global _DTYPE_KWARG
-        _DTYPE_KWARG = _DTYPE_KWARG or _dtype_keyword()
+        _DTYPE_KWARG = _DTYPE_KWARG or dtype_keyword()
         self.check_weights(names)
         pipeline_class = getattr(diffusers, self.class_name)
         skipped = {name: None for name in self.components if name not in names}

@@ -38,24 +38,25 @@ class Strategy:
 
 
 def stage_strategies(adapter, stage: str, settings, guided: bool, dtype: str) -> list[Strategy]:
-    """The strategies of ``stage`` for this pipeline and request, the pipeline's own first."""
+    """The strategies of ``stage`` for this family (its adapter) and request, the pipeline's own first."""
     from memfit.plan.meta import activation_estimate
 
     configs = adapter.configs
-    size = dict(width=settings.width, height=settings.height, dtype=dtype, vae_scale=adapter.vae_scale_factor())
+    size = dict(width=settings.width, height=settings.height, vae_scale=adapter.vae_scale_factor())
     if stage == "encode":
         encoders = [name for name in adapter.encode_components if name.startswith("text_encoder") and name in configs]
         batch = 2 if guided else 1
         peak = max((activation_estimate("text_encoder", configs[name], batch=batch, text_tokens=adapter.max_text_tokens,
-                                        **size) for name in encoders), default=0)
+                                        dtype=dtype, **size) for name in encoders), default=0)
         return [Strategy("plain", peak)]
     if stage == "denoise":
-        denoiser = adapter.denoise_components[0]
+        denoiser = adapter.denoiser
         kind = "unet" if denoiser == "unet" else "transformer"
+        denoiser_class = adapter.classes.get(denoiser, ("", ""))[1]
 
         def estimate(batch: int) -> int:
             return activation_estimate(kind, configs[denoiser], batch=batch, text_tokens=adapter.max_text_tokens,
-                                       class_name=adapter.class_name, **size)
+                                       class_name=denoiser_class, dtype=dtype, **size)
 
         if not guided or adapter.guidance_batch == 1:
             return [Strategy("batched", estimate(1))]
@@ -64,14 +65,28 @@ def stage_strategies(adapter, stage: str, settings, guided: bool, dtype: str) ->
             options.append(Strategy("split", estimate(1), cheap=False))
         return options
     if stage == "decode":
-        from memfit.run.banded_decode import unsupported_reason_for_config
-
         vae = configs["vae"]
-        options = [Strategy("plain", activation_estimate("vae_decoder", vae, **size))]
-        if unsupported_reason_for_config(vae) is None:
-            options.append(Strategy("banded", activation_estimate("vae_decoder_banded", vae, **size)))
+        vae_dtype = vae_execution_dtype(vae, dtype)
+        options = [Strategy("plain", activation_estimate("vae_decoder", vae, dtype=vae_dtype, **size))]
+        if banded_decode_unsupported(adapter.classes.get("vae", ("", "AutoencoderKL"))[1], vae) is None:
+            options.append(Strategy("banded", activation_estimate("vae_decoder_banded", vae, dtype=vae_dtype, **size)))
         return options
     raise MemfitError(f"Unknown stage {stage!r}; memfit's stages are encode, denoise and decode.")
+
+
+def vae_execution_dtype(config, dtype: str) -> str:
+    """The dtype a VAE really decodes in: diffusers upcasts a force_upcast VAE to fp32 in an fp16
+    pipeline (fp16 overflows in its decoder), so its weights and activations are fp32-sized then."""
+    return "fp32" if dtype == "fp16" and config.get("force_upcast", True) else dtype
+
+
+def banded_decode_unsupported(vae_class: str, config) -> str | None:
+    """None when memfit.run.banded_decode can decode this VAE (from its config alone); else why not."""
+    if vae_class != "AutoencoderKL":
+        return f"{vae_class} is not an AutoencoderKL"
+    if any(kind != "UpDecoderBlock2D" for kind in config.get("up_block_types", ("UpDecoderBlock2D",))):
+        return "its decoder has up blocks other than UpDecoderBlock2D"
+    return None
 
 
 def choose(options: list[Strategy], plan_for: Callable[[int], object]) -> tuple[Strategy, object]:

@@ -1,23 +1,19 @@
-"""Memory sizes and budgets: parse "6GiB", format bytes, detect what this machine can spare.
+"""Memory budgets: what a run may use on each tier, and what this machine can spare.
 
-A budget is always in **bytes**. "6GB" is 6 * 10**9 bytes and "6GiB" is 6 * 2**30 bytes; the
-letter case of the unit is ignored, so "6Gb" and "6gb" also mean gigabytes, never gigabits:
-nobody sizes model weights in bits, and a silent factor of 8 would be far worse than an
-unconventional reading of "b".
-
-This module imports torch only inside ``detect_budget`` (and only when asked about a CUDA device),
-so parsing and formatting stay cheap for the CLI and the pure planner.
+A budget is always in bytes (memfit.sizes parses "6GiB" and "6GB"). This module imports torch
+only inside ``detect_budget`` (and only when asked about a CUDA device), so budgets stay cheap
+for the CLI and the pure planner.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import os
-import re
 from pathlib import Path
 from typing import Mapping, Union
 
 from memfit.errors import MemfitError
+from memfit.sizes import format_bytes, parse_size
 
 __all__ = [
     "Budget",
@@ -27,28 +23,7 @@ __all__ = [
     "available_host_memory",
     "cgroup_free_memory",
     "detect_budget",
-    "format_size",
-    "parse_size",
 ]
-
-_UNITS = {
-    "": 1,
-    "b": 1,
-    "k": 10**3,
-    "kb": 10**3,
-    "kib": 2**10,
-    "m": 10**6,
-    "mb": 10**6,
-    "mib": 2**20,
-    "g": 10**9,
-    "gb": 10**9,
-    "gib": 2**30,
-    "t": 10**12,
-    "tb": 10**12,
-    "tib": 2**40,
-}
-_SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d*)?|\.\d+)\s*([a-z]*)\s*$", re.IGNORECASE)
-_EXAMPLES = '"6GiB", "6GB" (= 6*10^9), "512MiB", "1.5 GiB", or an int number of bytes such as 1073741824'
 
 # What detect_budget leaves unused. On a GPU the CUDA context, the caching allocator's
 # fragmentation and cuBLAS/cuDNN workspaces live outside what the planner counts; on the host the
@@ -61,41 +36,6 @@ DEFAULT_HOST_RESERVE = 2 * 2**30
 _NO_LIMIT_ABOVE = 2**50
 
 
-def parse_size(value: Union[int, str]) -> int:
-    """Return ``value`` as a number of bytes.
-
-    Accepts an int (bytes) or a string: a number, optionally with a decimal part, and an optional
-    unit among B, K/KB/KiB, M/MB/MiB, G/GB/GiB, T/TB/TiB (case-insensitive; "B" and "b" both mean
-    bytes, never bits). A plain number string ("100") is bytes. Fractions are rounded down to a
-    whole byte.
-    """
-    if isinstance(value, bool):  # bool is an int subclass; True bytes is surely a mistake
-        raise MemfitError(f"Size {value!r} is a bool, not a size. Use e.g. {_EXAMPLES}.")
-    if isinstance(value, int):
-        if value < 0:
-            raise MemfitError(f"Size {value!r} is negative. Use a byte count >= 0, e.g. {_EXAMPLES}.")
-        return value
-    if not isinstance(value, str):
-        raise MemfitError(
-            f"Size {value!r} has type {type(value).__name__}; expected an int or a string like {_EXAMPLES}."
-        )
-    match = _SIZE_RE.match(value)
-    if match is None or match.group(2).lower() not in _UNITS:
-        raise MemfitError(f"Cannot read {value!r} as a size. Use e.g. {_EXAMPLES}.")
-    number, unit = match.groups()
-    return int(float(number) * _UNITS[unit.lower()])
-
-
-def format_size(n: int) -> str:
-    """Render a byte count for people, in binary units: 1536 -> "1.5 KiB", 4*2**30 -> "4.00 GiB"."""
-    if n < 0:
-        return "-" + format_size(-n)
-    if n < 1024:
-        return f"{n} B"
-    for unit, scale in (("TiB", 2**40), ("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
-        if n >= scale:
-            return f"{n / scale:.2f} {unit}"
-    raise AssertionError("unreachable")  # pragma: no cover
 
 
 @dataclasses.dataclass(frozen=True)

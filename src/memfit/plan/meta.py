@@ -2,8 +2,8 @@
 
 A meta model has shapes but no storage, so building even a 12B-parameter transformer takes
 milliseconds and no memory. The meta model lives only inside ``_count_blocks``: it is never
-returned, never attached to a live module tree and never moved with ``.to()`` (failure 3 of
-DESIGN.md: a meta "template" registered as a submodule breaks ``.to()`` and copies). Callers get
+returned, never attached to a live module tree and never moved with ``.to()`` (a meta
+"template" registered as a submodule breaks ``.to()`` and copies). Callers get
 plain frozen dataclasses.
 
 Blocks are the unit the planner places and the executor streams. A component is split into:
@@ -69,7 +69,7 @@ class ComponentSize:
         """The part of this component under the given module paths (e.g. ("decoder",) of a VAE)."""
         if not prefixes:
             return self
-        kept = tuple(b for b in self.blocks if any(_is_under(b.name, p) for p in prefixes))
+        kept = tuple(b for b in self.blocks if any(is_under(b.name, p) for p in prefixes))
         if not kept:
             raise MemfitError(
                 f"Component {self.name!r} ({self.class_name}) has no blocks under {list(prefixes)}; "
@@ -83,7 +83,7 @@ class ComponentSize:
         )
 
 
-def _is_under(block_name: str, prefix: str) -> bool:
+def is_under(block_name: str, prefix: str) -> bool:
     return block_name == prefix or block_name.startswith(prefix + ".")
 
 
@@ -138,7 +138,7 @@ def _count_blocks(
     threshold = max(1, int(total_params * max_block_fraction))
     seen: set[int] = set()  # ids of tensors already counted: tied weights count once
     out: list[tuple[str, int, int, int]] = []
-    for block_name, modules in _split_blocks(module, "", threshold):
+    for block_name, modules in split_blocks(module, "", threshold):
         out.append((block_name, *_tensor_sizes(modules, seen)))
     return tuple(out)
 
@@ -189,7 +189,7 @@ def _resolve_class(library: str, class_name: str):
     return cls
 
 
-def _split_blocks(module, prefix: str, threshold: int):
+def split_blocks(module, prefix: str, threshold: int):
     """Yield (block name, [modules]) in registration order; see the module docstring for the rules."""
     import torch
 
@@ -202,18 +202,18 @@ def _split_blocks(module, prefix: str, threshold: int):
                     continue
                 yield from _element_blocks(element, f"{path}.{index}", threshold)
         elif _holds_module_list(child) and _param_count(child) > threshold:
-            yield from _split_blocks(child, path + ".", threshold)
+            yield from split_blocks(child, path + ".", threshold)
         else:
             loose.append(child)
     # Parameters registered directly on this module (e.g. a learned pad token) travel with "rest".
-    direct = _DirectTensors(module)
+    direct = DirectTensors(module)
     if loose or direct.has_any():
         yield (prefix + "rest", loose + [direct])
 
 
 def _element_blocks(element, path: str, threshold: int):
     if _holds_module_list(element) and _param_count(element) > threshold:
-        yield from _split_blocks(element, path + ".", threshold)
+        yield from split_blocks(element, path + ".", threshold)
     else:
         yield (path, [element])
 
@@ -228,7 +228,7 @@ def _param_count(module) -> int:
     return sum(p.numel() for p in module.parameters())
 
 
-class _DirectTensors:
+class DirectTensors:
     """The parameters and buffers a module registers itself, not through a child."""
 
     def __init__(self, module):
@@ -260,7 +260,7 @@ def _tensor_sizes(modules, seen: set[int]) -> tuple[int, int, int]:
 
 def _all_tensors(modules):
     for module in modules:
-        if isinstance(module, _DirectTensors):
+        if isinstance(module, DirectTensors):
             yield from module.tensors()
             continue
         yield from ((t, True) for t in module.parameters())

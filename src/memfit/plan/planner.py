@@ -24,7 +24,8 @@ import dataclasses
 import math
 from typing import Iterable, Sequence
 
-from memfit.plan.budget import Budget, BudgetLike, format_size
+from memfit.plan.budget import Budget, BudgetLike
+from memfit.sizes import format_bytes
 from memfit.errors import MemfitError
 
 __all__ = ["BlockSpec", "Plan", "Placement", "StageInput", "StagePlan", "make_plan", "stage_input"]
@@ -175,7 +176,7 @@ def make_plan(stages: Sequence[StageInput], budget: BudgetLike, *, prefetch: int
     homes = _choose_homes(stages, resident_per_stage, budget)
 
     stage_plans = tuple(
-        _stage_plan(stage, resident, homes, prefetch) for stage, resident in zip(stages, resident_per_stage)
+        stage_plan(stage, resident, homes, prefetch) for stage, resident in zip(stages, resident_per_stage)
     )
     host_keys = [key for key, home in homes.items() if home == HOST]
     return Plan(
@@ -183,7 +184,7 @@ def make_plan(stages: Sequence[StageInput], budget: BudgetLike, *, prefetch: int
         prefetch=prefetch,
         stages=stage_plans,
         homes=tuple(homes.items()),
-        host_peak_bytes=_host_need(host_keys, _block_sizes(stages), resident_per_stage),
+        host_peak_bytes=host_need(host_keys, _block_sizes(stages), resident_per_stage),
     )
 
 
@@ -232,12 +233,12 @@ def _check_device_fits(stages: Sequence[StageInput], budget: Budget, prefetch: i
     needed = max(_minimum_device(s, prefetch) for s in stages)
     worst = max(short, key=lambda s: _minimum_device(s, prefetch))
     largest = sorted((b for b in worst.blocks), key=lambda b: -b.bytes)[: 1 + prefetch]
-    in_flight = " + ".join(f"{b.key} {format_size(b.bytes)}" for b in largest) or "no blocks"
+    in_flight = " + ".join(f"{b.key} {format_bytes(b.bytes)}" for b in largest) or "no blocks"
     raise MemfitError(
-        f"A device budget of {format_size(budget.device)} is too small even when every weight is "
-        f"streamed: stage {worst.name!r} needs {format_size(_minimum_device(worst, prefetch))} "
-        f"(activations {format_size(worst.activation_bytes)} + blocks in flight: {in_flight}). "
-        f"The smallest device budget that works is {needed} bytes ({format_size(needed)}); "
+        f"A device budget of {format_bytes(budget.device)} is too small even when every weight is "
+        f"streamed: stage {worst.name!r} needs {format_bytes(_minimum_device(worst, prefetch))} "
+        f"(activations {format_bytes(worst.activation_bytes)} + blocks in flight: {in_flight}). "
+        f"The smallest device budget that works is {needed} bytes ({format_bytes(needed)}); "
         "raise the budget, or lower the resolution, batch or dtype width."
     )
 
@@ -264,7 +265,7 @@ def _block_sizes(stages: Sequence[StageInput]) -> dict[str, int]:
     return sizes
 
 
-def _host_need(host_keys: Iterable[str], sizes: dict[str, int], resident_per_stage) -> int:
+def host_need(host_keys: Iterable[str], sizes: dict[str, int], resident_per_stage) -> int:
     keys = list(host_keys)
     return max((sum(sizes[k] for k in keys if k not in resident) for resident in resident_per_stage), default=0)
 
@@ -281,7 +282,7 @@ def _choose_homes(stages, resident_per_stage, budget: Budget) -> dict[str, str]:
     homes: dict[str, str] = {}
     on_host: list[str] = []
     for key in sorted(sizes, key=lambda k: (-reads[k], first_use[k])):
-        if _host_need(on_host + [key], sizes, resident_per_stage) <= capacity:
+        if host_need(on_host + [key], sizes, resident_per_stage) <= capacity:
             on_host.append(key)
             homes[key] = HOST
         else:
@@ -289,17 +290,17 @@ def _choose_homes(stages, resident_per_stage, budget: Budget) -> dict[str, str]:
 
     spilled = [k for k, home in homes.items() if home == DISK]
     if spilled and budget.disk is None:
-        needed = _host_need(sizes, sizes, resident_per_stage)
+        needed = host_need(sizes, sizes, resident_per_stage)
         raise MemfitError(
-            f"The host budget of {format_size(budget.host or 0)} cannot hold the weights parked off the "
+            f"The host budget of {format_bytes(budget.host or 0)} cannot hold the weights parked off the "
             f"device ({len(spilled)} blocks, e.g. {spilled[0]}, do not fit) and no disk directory was "
-            f"given. Raise the host budget to at least {needed} bytes ({format_size(needed)}), or give a "
+            f"given. Raise the host budget to at least {needed} bytes ({format_bytes(needed)}), or give a "
             "disk tier, e.g. Budget(device=..., host=..., disk='/var/tmp/memfit')."
         )
     return {key: homes[key] for key in sizes}  # first-use order, for stable output
 
 
-def _stage_plan(stage: StageInput, resident: frozenset[str], homes: dict[str, str], prefetch: int) -> StagePlan:
+def stage_plan(stage: StageInput, resident: frozenset[str], homes: dict[str, str], prefetch: int) -> StagePlan:
     placements = tuple(
         Placement(b.component, b.name, b.bytes, DEVICE if b.key in resident else homes[b.key]) for b in stage.blocks
     )
@@ -326,8 +327,8 @@ def _render_table(plan: Plan) -> str:
     b = plan.budget
     lines = [
         "memfit plan: device budget {}, host {}, disk {}, prefetch {}".format(
-            "unlimited" if b.device is None else format_size(b.device),
-            "unlimited" if b.host is None else format_size(b.host),
+            "unlimited" if b.device is None else format_bytes(b.device),
+            "unlimited" if b.host is None else format_bytes(b.host),
             b.disk or "none",
             plan.prefetch,
         ),
@@ -351,11 +352,11 @@ def _render_table(plan: Plan) -> str:
     lines.append("")
     for stage in plan.stages:
         lines.append(
-            f"{stage.name}: peak {format_size(stage.peak_bytes)} = resident {format_size(stage.resident_bytes)}"
-            f" + streaming window {format_size(stage.stream_window_bytes)}"
-            f" + activations {format_size(stage.activation_bytes)}"
+            f"{stage.name}: peak {format_bytes(stage.peak_bytes)} = resident {format_bytes(stage.resident_bytes)}"
+            f" + streaming window {format_bytes(stage.stream_window_bytes)}"
+            f" + activations {format_bytes(stage.activation_bytes)}"
         )
-    lines.append(f"host RAM for parked weights: {format_size(plan.host_peak_bytes)} at most")
+    lines.append(f"host RAM for parked weights: {format_bytes(plan.host_peak_bytes)} at most")
     return "\n".join(lines)
 
 
@@ -363,4 +364,4 @@ def _cell(chosen: Sequence[Placement], component_total: int) -> str:
     if not chosen:
         return "-"
     size = sum(p.bytes for p in chosen)
-    return f"{len(chosen)} blk {format_size(size)} ({100 * size / max(component_total, 1):.0f}%)"
+    return f"{len(chosen)} blk {format_bytes(size)} ({100 * size / max(component_total, 1):.0f}%)"

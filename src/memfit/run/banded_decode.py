@@ -41,7 +41,6 @@ from memfit.run.offload import weights_ready
 
 __all__ = [
     "DEFAULT_BAND_BYTES", "disable_banded_decode", "enable_banded_decode", "is_banded", "unsupported_reason",
-    "unsupported_reason_for_config",
 ]
 
 DEFAULT_BAND_BYTES = 16 * 2**20  # temporaries of one band; small against any full-resolution tensor
@@ -66,15 +65,6 @@ def unsupported_reason(vae) -> str | None:
             reason = _upsampler_reason(upsampler)
             if reason:
                 return f"up_blocks.{index}: {reason}"
-    return None
-
-
-def unsupported_reason_for_config(config: dict) -> str | None:
-    """Like unsupported_reason, from the VAE's config.json alone (for planning before loading)."""
-    if config.get("_class_name", "AutoencoderKL") != "AutoencoderKL":
-        return f"{config.get('_class_name')} is not an AutoencoderKL"
-    if any(kind != "UpDecoderBlock2D" for kind in config.get("up_block_types", ("UpDecoderBlock2D",))):
-        return "its decoder has up blocks other than UpDecoderBlock2D"
     return None
 
 

@@ -17,7 +17,7 @@ What each tier means for a block's weights (the plan's "device" / "host" / "disk
                                                                             ahead on a background thread
 
 A weight is never parked on ``meta`` and never replaced by a fake tensor; only ``param.data``
-changes, between real storages (DESIGN.md failure 1). Blocks are found on the live modules with
+changes, between real storages. Blocks are found on the live modules with
 the same splitting rule as meta.py, so plan keys ("unet/down_blocks.0") match ``memfit plan``;
 no meta model is ever built or attached here (failure 3).
 
@@ -198,14 +198,14 @@ def unrun_blocks(blocks: dict[str, list[LiveBlock]], parts: Mapping[str, tuple[s
     A component none of whose blocks lies under its parts is run whole: a part name that matches
     nothing (another VAE class) must not park the weights the stage needs.
     """
-    from memfit.plan.meta import _is_under
+    from memfit.plan.meta import is_under
 
     unrun = []
     for component, found in blocks.items():
         prefixes = (parts or {}).get(component)
         if not prefixes:
             continue
-        outside = [b for b in found if not any(_is_under(b.name, p) for p in prefixes)]
+        outside = [b for b in found if not any(is_under(b.name, p) for p in prefixes)]
         if len(outside) < len(found):
             unrun += outside
     return unrun
@@ -254,17 +254,17 @@ def live_blocks(component: str, module: torch.nn.Module) -> list[LiveBlock]:
     Every tensor belongs to exactly one block (tied weights to the first); order is registration
     order, as in meta.py.
     """
-    from memfit.plan.meta import DEFAULT_MAX_BLOCK_FRACTION, _DirectTensors, _split_blocks
+    from memfit.plan.meta import DEFAULT_MAX_BLOCK_FRACTION, DirectTensors, split_blocks
 
     names = {id(t): n for n, t in module.named_parameters()}
     names.update({id(t): n for n, t in module.named_buffers()})
     threshold = max(1, int(sum(p.numel() for p in module.parameters()) * DEFAULT_MAX_BLOCK_FRACTION))
     seen: set[int] = set()
     out = []
-    for block_name, members in _split_blocks(module, "", threshold):
+    for block_name, members in split_blocks(module, "", threshold):
         units, size = [], 0
         for member in members:
-            if isinstance(member, _DirectTensors):
+            if isinstance(member, DirectTensors):
                 hooked = member.module
                 owned = [(hooked, n, t, True) for n, t in hooked.named_parameters(recurse=False)]
                 owned += [(hooked, n, t, False) for n, t in hooked.named_buffers(recurse=False)]
@@ -304,7 +304,7 @@ def _first_param(module):
 
 
 def _forced_plan(stages: list[StageInput], force_tiers: Mapping[str, str]) -> Plan:
-    from memfit.plan.planner import _host_need, _stage_plan
+    from memfit.plan.planner import host_need, stage_plan
 
     for pattern, tier in force_tiers.items():
         if tier not in TIERS:
@@ -321,7 +321,7 @@ def _forced_plan(stages: list[StageInput], force_tiers: Mapping[str, str]) -> Pl
         raise MemfitError(f"force_tiers pattern(s) {unmatched} match no block; keys look like {next(iter(wanted))!r}.")
     resident = [frozenset(b.key for b in s.blocks if wanted[b.key] == DEVICE) for s in stages]
     homes = {key: (DISK if tier == DISK else HOST) for key, tier in wanted.items()}
-    stage_plans = tuple(_stage_plan(s, r, homes, 1) for s, r in zip(stages, resident))
+    stage_plans = tuple(stage_plan(s, r, homes, 1) for s, r in zip(stages, resident))
     sizes = {b.key: b.bytes for s in stages for b in s.blocks}
     host_keys = [k for k, h in homes.items() if h == HOST]
     return Plan(
@@ -329,7 +329,7 @@ def _forced_plan(stages: list[StageInput], force_tiers: Mapping[str, str]) -> Pl
         prefetch=1,
         stages=stage_plans,
         homes=tuple(homes.items()),
-        host_peak_bytes=_host_need(host_keys, sizes, resident),
+        host_peak_bytes=host_need(host_keys, sizes, resident),
     )
 
 

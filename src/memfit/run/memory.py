@@ -27,7 +27,7 @@ def current_rss() -> int:
     return psutil.Process().memory_info().rss
 
 
-def _read_hwm() -> int | None:
+def read_peak_rss() -> int | None:
     try:
         with open(_STATUS) as status:
             for line in status:
@@ -38,13 +38,13 @@ def _read_hwm() -> int | None:
     return None
 
 
-def _reset_hwm() -> bool:
+def reset_peak_rss() -> bool:
     try:
         with open(_CLEAR_REFS, "w") as clear_refs:
             clear_refs.write("5")
     except OSError:
         return False
-    return _read_hwm() is not None
+    return read_peak_rss() is not None
 
 
 def release_freed_memory() -> None:
@@ -155,7 +155,7 @@ class PeakMemory:
             self.method = "torch.cuda.max_memory_allocated"
             return self
         self.start_bytes = current_rss()
-        if _reset_hwm():
+        if reset_peak_rss():
             self.method = "VmHWM"
         else:
             self.method = "sampled RSS"
@@ -179,4 +179,4 @@ class PeakMemory:
             self._sampler.join()
             self.peak_bytes = max(self._sampled_peak, current_rss())
         else:
-            self.peak_bytes = _read_hwm() or current_rss()
+            self.peak_bytes = read_peak_rss() or current_rss()

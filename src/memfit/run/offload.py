@@ -17,17 +17,15 @@ Lifecycle (after diffusers' hooks/hooks.py, with one system instead of two):
 
 Why swapping ``param.data`` between real storages and never parking on ``meta``: any code that
 reads a weight outside a forward (``.item()``, a dtype check, a cache sized from a weight) must see
-real data (failure 1 of DESIGN.md). A parameter object is never replaced, so optimizers, tied
+real data. A parameter object is never replaced, so optimizers, tied
 weights and user references keep pointing at the live parameter.
 """
 
 from __future__ import annotations
 
 import contextlib
-import json
 import mmap
 import os
-import struct
 import threading
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
@@ -36,6 +34,7 @@ from typing import Iterator
 import torch
 
 from memfit.errors import MemfitError
+from memfit.safetensors_header import read_header
 
 __all__ = ["HookRegistry", "MappedSafetensors", "ModuleHook", "MappedPages", "Runtime", "Shared", "Slot", "SwapHook", "weights_ready"]
 
@@ -214,12 +213,9 @@ class MappedSafetensors:
         self._maps: dict[Path, mmap.mmap] = {}
         self._entries: dict[str, tuple[Path, dict, int]] = {}
         for path in self.files:
-            with path.open("rb") as handle:
-                (length,) = struct.unpack("<Q", handle.read(8))
-                header = json.loads(handle.read(length))
-            for key, entry in header.items():
-                if key != "__metadata__":
-                    self._entries.setdefault(key, (path, entry, 8 + length))
+            header = read_header(path)
+            for key, entry in header.entries.items():
+                self._entries.setdefault(key, (path, entry, header.data_start))
 
     def __contains__(self, key: str) -> bool:
         return key in self._entries

@@ -6,13 +6,7 @@ import json
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-
-def format_bytes(n: int | float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if abs(n) < 1024 or unit == "TiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.2f} {unit}"
-        n /= 1024
-    return f"{n:.2f} TiB"
+from memfit.sizes import format_bytes
 
 
 @dataclass

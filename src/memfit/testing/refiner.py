@@ -78,9 +78,9 @@ def diffusers_refined_image(base_dir: str | Path, refiner_dir: str | Path, *, pr
     denoising_start=refiner_start; one seeded CPU generator through both calls."""
     import diffusers
 
-    from memfit.models.folder import _dtype_keyword
+    from memfit.models.folder import dtype_keyword
 
-    dtype_kwarg = {_dtype_keyword(): dtype}  # diffusers 0.42 renamed torch_dtype to dtype
+    dtype_kwarg = {dtype_keyword(): dtype}  # diffusers 0.42 renamed torch_dtype to dtype
     base = diffusers.StableDiffusionXLPipeline.from_pretrained(base_dir, **dtype_kwarg)
     refiner = diffusers.StableDiffusionXLImg2ImgPipeline.from_pretrained(
         refiner_dir, text_encoder_2=base.text_encoder_2, vae=base.vae, **dtype_kwarg

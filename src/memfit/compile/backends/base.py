@@ -4,7 +4,7 @@ A backend's contract, tested for every backend in tests/test_backends.py:
 
 * ``compile(fn, example_inputs, options=None, cache=None, weights_fingerprint=None)`` returns a
   callable with the same positional signature whose outputs are PLAIN ``torch.Tensor`` objects
-  (never subclasses or fake tensors: failure 5 of DESIGN.md), equal to eager within the backend's
+  (never subclasses or fake tensors), equal to eager within the backend's
   stated tolerance, on every call, not just the first.
 * Compiling or running never leaves torch's global settings changed (see ``torch_settings``).
 * ``available()`` says, without side effects, whether the backend can run here and, if not,

@@ -19,7 +19,7 @@ entry instead of compiling.
 OpenVINO's own caches stay refused, because memfit must be the only writer of what it loads:
 
 * ``model_caching`` (an option of OpenVINO's torch.compile backend) swapped weights for fake
-  tensors and broke the second generation (failure 5 of DESIGN.md).
+  tensors and broke the second generation.
 * ``CACHE_DIR`` makes OpenVINO write blobs it names itself (its key of an in-memory model also
   differs from that of the same model read back from IR, so it recompiles), outside memfit's
   checksums and eviction; and with openvino 2026.4 a model that OpenVINO loaded from its

@@ -1,6 +1,6 @@
 """Make every tensor a backend returns a plain ``torch.Tensor`` on real memory.
 
-Failure 5 of DESIGN.md: OpenVINO's model caching handed back tensor subclasses / fake tensors, and
+Why: OpenVINO's model caching handed back tensor subclasses / fake tensors, and
 the second generation died in ``.numpy()``. Backends pass their outputs through ``plain_outputs``.
 """
 

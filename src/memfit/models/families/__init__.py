@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-from memfit.errors import MemfitError
-from memfit.models.families.base import PipelineAdapter, Settings
+from memfit.models.families.base import DENOISER_NAMES, PipelineAdapter, Settings
 from memfit.models.families.cogview4 import CogView4Adapter
+from memfit.models.families.generic import GenericAdapter
 from memfit.models.families.lumina2 import Lumina2Adapter
 from memfit.models.families.sdxl_img2img import StableDiffusionXLImg2ImgAdapter
 from memfit.models.families.stable_diffusion import StableDiffusionAdapter, StableDiffusionXLAdapter
@@ -21,13 +21,12 @@ ADAPTERS: dict[str, type[PipelineAdapter]] = {
 }
 
 
-def adapter_for(class_name: str, configs: dict[str, dict], where: str = "") -> PipelineAdapter:
-    if class_name not in ADAPTERS:
-        raise MemfitError(
-            f"{where}names pipeline class {class_name!r}, which memfit does not support yet; "
-            f"supported: {', '.join(sorted(ADAPTERS))}."
-        )
-    return ADAPTERS[class_name](configs)
+def adapter_for(class_name: str, configs: dict[str, dict], classes: dict[str, tuple[str, str]]) -> PipelineAdapter:
+    """The adapter of ``class_name``; any other pipeline class gets the generic one (it plans;
+    memfit generate refuses it with the list of supported classes)."""
+    if class_name in ADAPTERS:
+        return ADAPTERS[class_name](configs, classes)
+    return GenericAdapter(configs, classes, class_name, supported=sorted(ADAPTERS))
 
 
-__all__ = ["ADAPTERS", "PipelineAdapter", "Settings", "adapter_for"]
+__all__ = ["ADAPTERS", "DENOISER_NAMES", "GenericAdapter", "PipelineAdapter", "Settings", "adapter_for"]

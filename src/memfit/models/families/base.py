@@ -14,8 +14,15 @@ from typing import Any, ClassVar
 
 import torch
 
-from memfit.models.archs import VAE_DECODE_PARTS
 from memfit.errors import MemfitError
+
+# What a text-to-image decode runs of an AutoencoderKL: the decoder, and the VAE's top-level "rest"
+# block, which holds post_quant_conv (run on the latents right before the decoder) and quant_conv
+# (a few KB, which comes along). The encoder half is only needed for img2img.
+VAE_DECODE_PARTS = ("decoder", "rest")
+
+# The names diffusers pipelines give their denoisers (Wan 2.2 has two experts: transformer, transformer_2).
+DENOISER_NAMES = ("unet", "transformer", "transformer_2", "prior")
 
 
 @dataclass(frozen=True)
@@ -50,10 +57,25 @@ class PipelineAdapter:
     # memfit.models.archs): the plan places only these; the rest stays memory-mapped on the disk tier.
     stage_parts: ClassVar[dict[str, dict[str, tuple[str, ...]]]] = {"decode": {"vae": VAE_DECODE_PARTS}}
 
-    def __init__(self, configs: dict[str, dict]):
-        # Component configs read from the model folder: enough to resolve defaults and shapes
-        # without loading a single weight.
+    def __init__(self, configs: dict[str, dict], classes: dict[str, tuple[str, str]] | None = None):
+        # Component configs read from the model folder (or a built-in architecture), and each
+        # component's (library, class) from model_index.json: enough to resolve defaults, shapes
+        # and plans without loading a single weight.
         self.configs = configs
+        self.classes = dict(classes or {})
+
+    def stage_components(self, stage: str) -> tuple[str, ...]:
+        """The components a stage of a text-to-image run loads (those the folder has)."""
+        names = {"encode": self.encode_components, "denoise": self.denoise_components,
+                 "decode": self.decode_components}.get(stage)
+        if names is None:
+            raise MemfitError(f"Unknown stage {stage!r}; memfit's stages are encode, denoise and decode.")
+        return names
+
+    @property
+    def denoiser(self) -> str:
+        """The component the denoise stage runs every step (the first one, where there are experts)."""
+        return next(name for name in self.denoise_components if name in DENOISER_NAMES)
 
     # ---- settings ----------------------------------------------------------------------------
     def call_defaults(self) -> dict[str, Any]:
@@ -63,7 +85,10 @@ class PipelineAdapter:
         return {name: p.default for name, p in signature.parameters.items()}
 
     def vae_scale_factor(self) -> int:
-        return 2 ** (len(self.configs["vae"]["block_out_channels"]) - 1)
+        vae = self.configs.get("vae", {})
+        if "scale_factor_spatial" in vae:  # video VAEs (Wan) state it
+            return int(vae["scale_factor_spatial"])
+        return 2 ** (len(vae.get("block_out_channels", (0, 0, 0, 0))) - 1)
 
     def size_multiple(self) -> int:
         return 8

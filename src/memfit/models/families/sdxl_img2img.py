@@ -37,12 +37,15 @@ class StableDiffusionXLImg2ImgAdapter(StableDiffusionXLAdapter):
         )
 
     def refine(self, pipe, embeddings: dict[str, torch.Tensor], settings, latents: torch.Tensor,
-               denoising_start: float, generator) -> torch.Tensor:
-        """Continue the base's latents from `denoising_start`; returns the final latents."""
+               denoising_start: float, generator, split: bool = False) -> torch.Tensor:
+        """Continue the base's latents from `denoising_start`; returns the final latents.
+
+        split: run the two guidance passes one after the other (as StableDiffusionAdapter.denoise).
+        """
         guided = self.uses_guidance(settings.guidance)
         positive = embeddings["prompt_embeds"]
         negative = embeddings.get("negative_prompt_embeds")
-        split = guided and negative is not None and negative.shape[1] != positive.shape[1]
+        split = guided and negative is not None and (split or negative.shape[1] != positive.shape[1])
         if split:  # as StableDiffusionAdapter.denoise: pad for the pipeline's torch.cat, run two passes
             length = max(positive.shape[1], negative.shape[1])
             embeddings = dict(embeddings)

@@ -1,0 +1,57 @@
+"""Any diffusers pipeline class without an adapter of its own: described from its folder alone.
+
+Components are known by the names diffusers gives them: text encoders and tokenizers
+(``text_encoder*``, ``tokenizer*``) run in the encode stage, the denoiser(s) (DENOISER_NAMES)
+with the scheduler in the denoise stage, the ``vae`` in the decode stage. Pipelines whose
+``__call__`` takes ``true_cfg_scale`` run the negative pass as a separate call, so their denoiser
+sees a batch of one; every other pipeline is taken to batch both guidance passes (the safe side
+for memory). This is enough to plan (``memfit plan --model``); memfit generate runs only the
+classes that have an adapter, and says so.
+"""
+
+from __future__ import annotations
+
+import inspect
+
+from memfit.errors import MemfitError
+from memfit.models.families.base import DENOISER_NAMES, PipelineAdapter
+
+# Prompts longer than this are rare; a long-context encoder (Gemma: 8192 positions) is planned at 512.
+_LONGEST_PLANNED_PROMPT = 512
+
+
+class GenericAdapter(PipelineAdapter):
+    unequal_lengths = "not staged: the pipeline's own __call__ encodes its prompts"
+
+    def __init__(self, configs, classes, class_name: str, supported: list[str] = ()):
+        super().__init__(configs, classes)
+        self.class_name = class_name
+        self._supported = list(supported)
+        names = list(classes)
+        self.encode_components = tuple(n for n in names if n.startswith(("tokenizer", "text_encoder")))
+        self.text_encoders = self.encode_components
+        self.denoise_components = (tuple(n for n in DENOISER_NAMES if n in names)
+                                   + tuple(n for n in names if n.startswith("scheduler")))
+        self.decode_components = ("vae",) if "vae" in names else ()
+        lengths = [min(int(configs[n].get("max_position_embeddings") or _LONGEST_PLANNED_PROMPT), _LONGEST_PLANNED_PROMPT)
+                   for n in self.encode_components if n.startswith("text_encoder") and n in configs]
+        self.max_text_tokens = max(lengths, default=77)
+        self.guidance_batch = 1 if "true_cfg_scale" in self._call_parameters() else 2
+
+    def _call_parameters(self) -> list[str]:
+        import diffusers
+
+        pipeline_class = getattr(diffusers, self.class_name, None)
+        return list(inspect.signature(pipeline_class.__call__).parameters) if pipeline_class else []
+
+    def default_size(self) -> int:
+        denoiser = self.configs.get(next((n for n in self.denoise_components if n in DENOISER_NAMES), ""), {})
+        # sample_size is the latent side the denoiser was trained at (128 for SDXL and Flux).
+        sample = denoiser.get("sample_size") or 128
+        return int(sample if isinstance(sample, int) else sample[-1]) * self.vae_scale_factor()
+
+    def resolve(self, *args, **kwargs):
+        raise MemfitError(
+            f"memfit generate does not run {self.class_name} yet (memfit plan --model can plan it); "
+            f"supported: {', '.join(self._supported)}."
+        )

@@ -1,0 +1,72 @@
+"""A family's stages as planner inputs, from configs alone: what ``memfit plan`` places.
+
+The family's adapter (memfit.models.families) says which components each stage runs and which
+part of a component (the VAE's decoder half); memfit.plan.meta sizes each on the meta device;
+memfit.plan.activations gives each stage's strategies with the same rules a run uses, and
+``choose_strategies`` picks among them the way a run does (memfit.plan.activations.choose).
+"""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+from memfit.errors import MemfitError
+from memfit.plan.activations import Strategy, choose, stage_strategies, vae_execution_dtype
+from memfit.plan.budget import Budget
+from memfit.plan.planner import StageInput, make_plan, stage_input
+
+__all__ = ["DEFAULT_STEPS", "STAGES", "choose_strategies", "planned_components", "stage_options"]
+
+DEFAULT_STEPS = 30
+STAGES = ("encode", "denoise", "decode")
+
+
+def planned_components(adapter) -> dict[str, list[str]]:
+    """Per stage, the components of ``adapter`` that are torch models (what the plan places)."""
+    from memfit.plan.meta import is_model_class  # imports diffusers/transformers
+
+    return {stage: [name for name in adapter.stage_components(stage)
+                    if name in adapter.classes and is_model_class(*adapter.classes[name])]
+            for stage in STAGES}
+
+
+def stage_options(adapter, *, dtype: str, width: int, height: int,
+                  steps: int = DEFAULT_STEPS) -> list[list[tuple[Strategy, StageInput]]]:
+    """Per stage, its (Strategy, StageInput) options, the pipeline's own way first."""
+    from memfit.plan.meta import measure_component  # imports torch: only when planning
+
+    components = planned_components(adapter)
+    if not any(name in components["denoise"] for name in adapter.denoise_components) or not components["decode"]:
+        raise MemfitError(
+            f"{adapter.class_name} has no denoiser or no vae among the models memfit can size "
+            f"({sorted(adapter.classes)}); memfit plans text-to-image and text-to-video pipelines."
+        )
+    settings = SimpleNamespace(width=width, height=height)
+    result = []
+    for stage in STAGES:
+        sizes = []
+        for name in components[stage]:
+            library, class_name = adapter.classes[name]
+            config = adapter.configs[name]
+            component_dtype = vae_execution_dtype(config, dtype) if stage == "decode" else dtype
+            size = measure_component(name, library, class_name, config, component_dtype)
+            parts = adapter.stage_parts.get(stage, {}).get(name)
+            if parts and any(block.name.split(".")[0] in parts for block in size.blocks):
+                size = size.select(parts)  # another VAE class without these parts is planned whole, as a run does
+            sizes.append(size)
+        runs = steps if stage == "denoise" else 1
+        result.append([(strategy, stage_input(stage, sizes, strategy.activation_bytes, runs=runs))
+                       for strategy in stage_strategies(adapter, stage, settings, True, dtype)])
+    return result
+
+
+def choose_strategies(options, budget: Budget, *, prefetch: int = 1) -> tuple[list[StageInput], dict[str, str]]:
+    """Per stage, the strategy a run would choose under ``budget`` (memfit.plan.activations.choose)."""
+    stages, names = [], {}
+    for stage_options_ in options:
+        by_bytes = {strategy.activation_bytes: stage for strategy, stage in stage_options_}
+        strategy, _ = choose([strategy for strategy, _ in stage_options_],
+                             lambda activations: make_plan([by_bytes[activations]], budget, prefetch=prefetch))
+        stages.append(by_bytes[strategy.activation_bytes])
+        names[stages[-1].name] = strategy.name
+    return stages, names

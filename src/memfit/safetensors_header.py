@@ -1,0 +1,67 @@
+"""The one reader of safetensors headers: tensor entries, where the data starts, the raw bytes.
+
+A safetensors file is an 8-byte little-endian header length, a JSON header naming every tensor's
+dtype, shape and byte range, then the data. Validation (models.folder), content fingerprints
+(cache.fingerprint) and memory-mapped weights (run.offload) all read it here.
+"""
+
+from __future__ import annotations
+
+import json
+import struct
+from dataclasses import dataclass
+from pathlib import Path
+
+from memfit.errors import MemfitError
+
+__all__ = ["SafetensorsHeader", "check_complete", "read_header"]
+
+_FIX = "re-download or re-save the model"
+
+
+@dataclass(frozen=True)
+class SafetensorsHeader:
+    path: Path
+    size: int  # of the whole file
+    raw: bytes  # the 8-byte length and the JSON header, exactly as stored
+    entries: dict[str, dict]  # tensor name -> {"dtype", "shape", "data_offsets"}
+    metadata: dict[str, str]
+
+    @property
+    def data_start(self) -> int:
+        return len(self.raw)
+
+    @property
+    def data_end(self) -> int:
+        """Where the last tensor's bytes end (relative to the file's start)."""
+        return self.data_start + max((entry["data_offsets"][1] for entry in self.entries.values()), default=0)
+
+
+def read_header(path: str | Path) -> SafetensorsHeader:
+    """Read and check ``path``'s header; a truncated or corrupt file raises MemfitError naming it."""
+    path = Path(path)
+    size = path.stat().st_size
+    with path.open("rb") as handle:
+        prefix = handle.read(8)
+        if len(prefix) < 8:
+            raise MemfitError(f"{path} is truncated ({size} bytes, no safetensors header); {_FIX}.")
+        (header_len,) = struct.unpack("<Q", prefix)
+        if header_len > size - 8:
+            raise MemfitError(f"{path} is truncated or corrupt: its header claims {header_len} bytes but the file has {size}; {_FIX}.")
+        header_bytes = handle.read(header_len)
+    try:
+        header = json.loads(header_bytes)
+    except (json.JSONDecodeError, UnicodeDecodeError):
+        raise MemfitError(f"{path} has a corrupt safetensors header; {_FIX}.") from None
+    if not isinstance(header, dict):
+        raise MemfitError(f"{path} has a corrupt safetensors header; {_FIX}.")
+    metadata = header.pop("__metadata__", None) or {}
+    return SafetensorsHeader(path, size, prefix + header_bytes, header, metadata)
+
+
+def check_complete(path: str | Path) -> SafetensorsHeader:
+    """``read_header``, and raise if the file is shorter than its header says."""
+    header = read_header(path)
+    if header.size < header.data_end:
+        raise MemfitError(f"{path} is truncated: {header.size} bytes where its header needs {header.data_end}; {_FIX}.")
+    return header

@@ -1,0 +1,104 @@
+"""The folder tree is the layer list: imports point down only, no import cycles, and private names
+stay in their module. Lazy imports inside functions count the same as imports at the top."""
+
+import ast
+from pathlib import Path
+
+import pytest
+
+SRC = Path(__file__).resolve().parents[1] / "src"
+
+# Highest first; a module may import its own layer and the layers below it.
+LAYERS = ["testing", "cli", "run", "models", "plan", "compile", "cache", "base"]
+BASE = {"memfit", "memfit.errors", "memfit.sizes", "memfit.atomic", "memfit.safetensors_header", "memfit.demo",
+        "memfit.demo.shapes"}
+
+
+def _modules() -> dict[str, Path]:
+    found = {}
+    for path in (SRC / "memfit").rglob("*.py"):
+        parts = list(path.relative_to(SRC).with_suffix("").parts)
+        if parts[-1] == "__init__":
+            parts.pop()
+        found[".".join(parts)] = path
+    return found
+
+
+MODULES = _modules()
+
+
+def _layer(module: str) -> str:
+    if module in BASE:
+        return "base"
+    if module == "memfit.__main__":
+        return "cli"
+    return module.split(".")[1]
+
+
+def _imports(module: str) -> list[tuple[str, list[str]]]:
+    """(imported memfit module, names taken from it) for every import statement in ``module``."""
+    found = []
+    for node in ast.walk(ast.parse(MODULES[module].read_text())):
+        if isinstance(node, ast.Import):
+            found += [(alias.name, []) for alias in node.names if alias.name.startswith("memfit")]
+        elif isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("memfit") and not node.level:
+            names = [alias.name for alias in node.names]
+            submodules = [f"{node.module}.{name}" for name in names if f"{node.module}.{name}" in MODULES]
+            found += [(sub, []) for sub in submodules]
+            names = [name for name in names if f"{node.module}.{name}" not in MODULES]
+            if names or not submodules:
+                found.append((node.module, names))
+    return found
+
+
+def test_every_module_is_in_a_known_layer():
+    unknown = sorted(m for m in MODULES if _layer(m) not in LAYERS)
+    assert not unknown, f"modules outside the layer list {LAYERS}: {unknown}"
+
+
+def test_imports_point_down_the_layers():
+    upward = []
+    for module in MODULES:
+        if module == "memfit":  # the public API re-exports from every layer
+            continue
+        for imported, _ in _imports(module):
+            if imported == "memfit":
+                continue
+            if LAYERS.index(_layer(imported)) < LAYERS.index(_layer(module)):
+                upward.append(f"{module} -> {imported}")
+    assert not upward, "imports that point up the layers:\n" + "\n".join(upward)
+
+
+def test_no_private_name_crosses_a_module_boundary():
+    crossing = [f"{module} imports {name} from {imported}" for module in MODULES for imported, names in _imports(module)
+                for name in names if name.startswith("_") and name != "__version__" and imported != module]
+    assert not crossing, "\n".join(crossing)
+
+
+def test_no_import_cycles():
+    graph = {module: {imported for imported, _ in _imports(module) if imported in MODULES and imported != "memfit"}
+             for module in MODULES if module != "memfit"}
+    state: dict[str, int] = {}
+
+    def visit(node, path):
+        state[node] = 1
+        for nxt in sorted(graph.get(node, ())):
+            if nxt in path:
+                pytest.fail("import cycle: " + " -> ".join(path[path.index(nxt):] + [nxt]))
+            if state.get(nxt) != 2:
+                visit(nxt, path + [nxt])
+        state[node] = 2
+
+    for module in sorted(graph):
+        if module not in state:
+            visit(module, [module])
+
+
+def test_the_checker_sees_a_private_import(tmp_path, monkeypatch):
+    # The checks must be able to fail: a module taking a private name from another is caught.
+    fake = tmp_path / "memfit" / "run" / "fake.py"
+    fake.parent.mkdir(parents=True)
+    fake.write_text("from memfit.plan.meta import _private_helper\n")
+    monkeypatch.setitem(MODULES, "memfit.run.fake", fake)
+    with pytest.raises(AssertionError, match="_private_helper"):
+        test_no_private_name_crosses_a_module_boundary()
