@@ -57,6 +57,7 @@ def test_strategies_follow_the_pipeline(tiny_models):
             assert rest[0].activation_bytes < batched.activation_bytes
 
 
+@pytest.mark.slow
 def test_tight_budget_decodes_banded_with_the_same_image(tiny_models, monkeypatch):
     """A budget that holds the VAE's weights and the banded decode's activations, not the plain
     decode's: the plan picks banded, the report says so and predicts the stage peak, and the image

@@ -138,6 +138,7 @@ def test_out_of_tree_backend_through_entry_points(monkeypatch):
     assert backends.available_backends()["broken"].ok is False
 
 
+@pytest.mark.slow
 def test_importing_backends_and_listing_them_stays_lean():
     code = (
         "import sys, memfit.compile.backends as b; b.list_backends(); b.get_backend('eager'); "
@@ -195,6 +196,7 @@ def inductor_run(model_and_inputs):
     return run, before
 
 
+@pytest.mark.slow
 def test_inductor_matches_eager_with_plain_tensors(model_and_inputs, inductor_run):
     _, inputs, expected = model_and_inputs
     run, _ = inductor_run
@@ -246,6 +248,7 @@ def _inductor_start(env: dict) -> dict:
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
+@pytest.mark.slow
 def test_inductor_artifacts_are_stored_then_loaded_in_a_fresh_process(tmp_path):
     """The second start has an empty inductor cache directory and MEMFIT_CACHE=require: its
     AOTAutograd and FX graph cache hits can only come from the entry in memfit's store, and so can
@@ -355,6 +358,7 @@ def test_openvino_stores_its_compiled_model_and_loads_it_without_converting(
     assert store.verify() == [] and len(store.ls()) == 1
 
 
+@pytest.mark.slow
 def test_openvino_entry_with_a_flipped_byte_is_rebuilt_never_loaded(
     model_and_inputs, tmp_path, monkeypatch, openvino_backend_module
 ):
@@ -408,6 +412,7 @@ def test_openvino_with_the_cache_off_compiles_in_memory_and_writes_nothing(model
 # -- onnxruntime ---------------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_onnxruntime_matches_eager_and_is_served_from_the_cache(model_and_inputs, tmp_path, monkeypatch):
     skip_unless_available("onnxruntime")
     from memfit.compile.backends import onnxruntime as ort_backend

@@ -142,6 +142,7 @@ with torch.inference_mode():
 """
 
 
+@pytest.mark.slow
 def test_banded_decode_holds_fewer_activations():
     """The SD 1.5 VAE (real size, random weights) at 512x512, each in a fresh process. (At 256x256 the
     heap's reused temporaries, about 100 MiB either way, hide the difference.)"""

@@ -185,6 +185,7 @@ WRITER = """
 """
 
 
+@pytest.mark.slow
 def test_writer_killed_mid_write_leaves_nothing_that_loads(store: CacheStore):
     proc = run_python(WRITER.replace("sys.argv[1]", repr(str(store.root))))
     try:
@@ -219,6 +220,7 @@ FILLER = """
 """
 
 
+@pytest.mark.slow
 def test_two_processes_filling_one_key_both_succeed_and_build_once(store: CacheStore, tmp_path: Path):
     counter = tmp_path / "builds.txt"
     code = FILLER.replace("sys.argv[1]", repr(str(store.root))).replace("sys.argv[2]", repr(str(counter)))

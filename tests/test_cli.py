@@ -11,6 +11,8 @@ from PIL import Image
 
 from memfit.cli.app import main
 
+pytestmark = pytest.mark.slow  # runs whole pipelines, often in fresh processes
+
 ARGS = ["--steps", "2", "--width", "32", "--height", "32", "--quiet"]
 
 

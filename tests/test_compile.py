@@ -148,6 +148,7 @@ def test_optimize_with_backend_and_restore():
     assert not is_compiled(pipe) and "forward" not in vars(pipe.unet)
 
 
+@pytest.mark.slow
 def test_openvino_three_runs_plain_tensors_within_tolerance():
     _skip_unless("openvino")
     tolerance = get_backend("openvino").float32_tolerance
@@ -175,6 +176,7 @@ def test_openvino_three_runs_plain_tensors_within_tolerance():
     uncompile(pipe)
 
 
+@pytest.mark.slow
 def test_onnxruntime_artifact_shared_by_content(tmp_path):
     """Two pipelines with equal VAE weights: one export, one cache entry, both load it. The second
     one runs no eager decode, not even one to learn the output structure (stored with the graph)."""
@@ -244,6 +246,7 @@ def _openvino_start(phase, out, env):
     return json.loads(run.stdout.strip().splitlines()[-1]), np.load(out)
 
 
+@pytest.mark.slow
 def test_openvino_compiled_once_then_loaded_in_a_fresh_process(tmp_path):
     """A second start loads every OpenVINO model from memfit's store (MEMFIT_CACHE=require: a miss
     is an error, and converting is refused), with plain tensors equal to the first start's."""

@@ -114,6 +114,7 @@ def test_shipped_model_is_small_and_has_defaults():
 
 
 @pytest.mark.slow
+@pytest.mark.slow
 def test_demo_model_follows_held_out_prompts(one_thread, monkeypatch):
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     import memfit.demo as demo

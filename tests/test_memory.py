@@ -53,6 +53,7 @@ def test_a_callers_own_freeze_is_left_alone():
     assert kept_ref() is None
 
 
+@pytest.mark.slow
 def test_generate_unfreezes_even_when_it_fails(tiny_models):
     model = tiny_models("sd")
     memfit.generate("a red circle", model=model, steps=1, width=32, height=32, progress=False)

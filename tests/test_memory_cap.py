@@ -18,7 +18,7 @@ import pytest
 from memfit.testing.cgroup import cgroup_unavailable_reason, evict_page_cache, run_capped
 
 reason = cgroup_unavailable_reason()
-pytestmark = pytest.mark.skipif(reason is not None, reason=f"cannot cap memory here: {reason}")
+pytestmark = [pytest.mark.slow, pytest.mark.skipif(reason is not None, reason=f"cannot cap memory here: {reason}")]
 
 MiB = 2**20
 

@@ -25,6 +25,8 @@ from memfit.cache.fingerprint import fingerprint_folder
 from memfit.plan import meta
 from memfit.testing import diffusers_refined_image, max_pixel_difference, save_base_and_refiner
 
+pytestmark = pytest.mark.slow  # runs whole pipelines, often in fresh processes
+
 SETTINGS = dict(prompt="a red house", steps=5, guidance=3.0, seed=3, width=32, height=32)
 
 
@@ -120,6 +122,7 @@ _FRESH_PROCESS = """
 import json, sys
 import numpy as np
 import memfit
+
 result = memfit.generate(model=sys.argv[1], refiner=sys.argv[2], backend=json.loads(sys.argv[3]), progress=False,
                          **json.loads(sys.argv[4]))
 np.save(sys.argv[5], np.asarray(result.images[0]))

@@ -10,6 +10,8 @@ import sys
 
 import pytest
 
+pytestmark = pytest.mark.slow  # runs whole pipelines, often in fresh processes
+
 PLAIN = r"""
 import json, sys, diffusers, psutil, torch
 from memfit.run.memory import PeakMemory
@@ -65,6 +67,7 @@ import json, sys
 import diffusers, transformers  # imported before the baseline below, as memfit.generate would
 import memfit
 from memfit.run.memory import current_rss
+
 result = memfit.generate("a red circle", model=sys.argv[1], steps=1, guidance=2.0, width=64, height=64,
                          budget=current_rss() + int(sys.argv[2]), progress=False)
 print(json.dumps({s.stage: [s.planned_peak_bytes, s.peak_bytes, s.memory_method] for s in result.report.stages}))
