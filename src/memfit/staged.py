@@ -280,6 +280,8 @@ def generate(
     progress: bool = True,
     refiner: str | Path | None = None,
     refiner_start: float | None = None,
+    true_cfg_scale: float | None = None,
+    num_frames: int | None = None,
 ) -> Generation:
     """Generate an image with a diffusers model folder, one stage resident at a time.
 
@@ -294,6 +296,7 @@ def generate(
     (memfit.compile); a backend failure raises unless `fallback="eager"`, and the report says so.
     `refiner` (an SDXL refiner folder) runs diffusers' base + refiner workflow: the base stops at
     `refiner_start` (default 0.8) of the schedule and the refiner finishes (memfit.refiner).
+    `true_cfg_scale` (Flux) and `num_frames` (video pipelines) only apply to pipelines that take them.
     """
     if refiner is not None:
         from .refiner import DEFAULT_REFINER_START, generate_with_refiner
@@ -319,8 +322,9 @@ def generate(
             raise MemfitError("Pass either a prompt or an embeddings file, not both: the embeddings already fix the prompt.")
         loaded = _load_embeddings(embeddings, folder)
         prompt, negative_prompt = loaded.prompt, loaded.negative_prompt
-    settings = adapter.resolve(prompt, negative_prompt, steps, guidance, seed, width, height, folder.defaults)
-    guided = adapter.uses_guidance(settings.guidance)
+    settings = adapter.resolve(prompt, negative_prompt, steps, guidance, seed, width, height, folder.defaults,
+                               true_cfg_scale=true_cfg_scale, num_frames=num_frames)
+    guided = adapter.guided(settings)
     report = RunReport(device=str(device), dtype=dtype, model=str(folder.path), settings=settings.__dict__.copy())
     if budget is not None:
         return_large_frees_to_os()  # freed activations leave RSS at once, so stages stay within plan
