@@ -5,6 +5,7 @@ from __future__ import annotations
 from ..errors import MemfitError
 from .base import PipelineAdapter, Settings
 from .cogview4 import CogView4Adapter
+from .flux import FluxAdapter
 from .lumina2 import Lumina2Adapter
 from .sdxl_img2img import StableDiffusionXLImg2ImgAdapter
 from .stable_diffusion import StableDiffusionAdapter, StableDiffusionXLAdapter
@@ -17,6 +18,7 @@ ADAPTERS: dict[str, type[PipelineAdapter]] = {
         StableDiffusionXLImg2ImgAdapter,
         Lumina2Adapter,
         CogView4Adapter,
+        FluxAdapter,
     )
 }
 

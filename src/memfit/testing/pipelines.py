@@ -225,10 +225,70 @@ def _cogview4(scale: int, text_layers: int):
     )
 
 
-_BUILDERS: dict[str, Callable[[int, int], object]] = {"sd": _sd, "sdxl": _sdxl, "lumina2": _lumina2, "cogview4": _cogview4}
+def _t5_encoder(tokenizer, hidden: int, layers: int, cls_name: str = "T5EncoderModel", **extra):
+    """A tiny T5 (or UMT5) encoder for the word tokenizer; stands in for T5-XXL / UMT5-XXL."""
+    import transformers
+
+    config_class = transformers.UMT5Config if cls_name.startswith("UMT5") else transformers.T5Config
+    config = config_class(
+        vocab_size=len(tokenizer),
+        d_model=hidden,
+        d_kv=8,
+        d_ff=2 * hidden,
+        num_layers=layers,
+        num_heads=2,
+        relative_attention_num_buckets=8,
+        pad_token_id=tokenizer.pad_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        decoder_start_token_id=tokenizer.pad_token_id,
+        **extra,
+    )
+    return getattr(transformers, cls_name)(config).eval()
+
+
+def _flux(scale: int, text_layers: int, *, guidance_embeds: bool = True):
+    from diffusers import FlowMatchEulerDiscreteScheduler, FluxPipeline, FluxTransformer2DModel
+
+    tokenizer = clip_tokenizer()
+    clip_hidden = 16 * scale
+    t5_tokenizer = word_tokenizer()
+    t5_hidden = 16 * scale
+    latent_channels = 4
+    transformer = FluxTransformer2DModel(
+        patch_size=1,
+        in_channels=4 * latent_channels,  # latents are packed in 2x2 patches
+        num_layers=1,
+        num_single_layers=1,
+        attention_head_dim=16,
+        num_attention_heads=2 * scale,
+        joint_attention_dim=t5_hidden,
+        pooled_projection_dim=clip_hidden,
+        guidance_embeds=guidance_embeds,
+        axes_dims_rope=(4, 4, 8),
+    )
+    return FluxPipeline(
+        scheduler=FlowMatchEulerDiscreteScheduler(),
+        vae=_vae(scale, latent_channels=latent_channels, scaling_factor=1.5035, shift_factor=0.0609,
+                 use_quant_conv=False, use_post_quant_conv=False),
+        text_encoder=_clip_text("CLIPTextModel", tokenizer, clip_hidden, text_layers),
+        tokenizer=tokenizer,
+        text_encoder_2=_t5_encoder(t5_tokenizer, t5_hidden, text_layers),
+        tokenizer_2=t5_tokenizer,
+        transformer=transformer,
+    )
+
+
+def _flux_schnell(scale: int, text_layers: int):
+    return _flux(scale, text_layers, guidance_embeds=False)
+
+
+_BUILDERS: dict[str, Callable[[int, int], object]] = {
+    "sd": _sd, "sdxl": _sdxl, "lumina2": _lumina2, "cogview4": _cogview4,
+    "flux": _flux, "flux_schnell": _flux_schnell,
+}
 
 # Sizes each tiny architecture accepts (multiples of what its VAE and patching need).
-DEFAULT_SIZE = {"sd": 32, "sdxl": 32, "lumina2": 32, "cogview4": 32}
+DEFAULT_SIZE = {"sd": 32, "sdxl": 32, "lumina2": 32, "cogview4": 32, "flux": 32, "flux_schnell": 32}
 
 
 def build_pipeline(kind: str, *, seed: int = 0, scale: int = 1, text_layers: int = 2):
