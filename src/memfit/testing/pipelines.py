@@ -15,7 +15,7 @@ import torch
 
 from .tokenizers import clip_tokenizer, word_tokenizer
 
-PIPELINE_KINDS = ("sd", "sdxl", "lumina2", "cogview4")
+PIPELINE_KINDS = ("sd", "sdxl", "lumina2", "cogview4", "flux", "flux_schnell")
 
 
 def _vae(scale: int, *, levels: int = 2, latent_channels: int = 4, **extra):
