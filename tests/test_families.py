@@ -28,6 +28,7 @@ BASE = dict(prompt=PROMPT, steps=2, seed=7, width=32, height=32)
 CASES = {
     "flux": (dict(guidance=3.5), dict(guidance=3.5, true_cfg_scale=4.0, negative_prompt=NEGATIVE)),
     "flux_schnell": (dict(guidance=0.0), dict(guidance=0.0, true_cfg_scale=4.0, negative_prompt=NEGATIVE)),
+    "sd3": (dict(guidance=1.0), dict(guidance=4.5, negative_prompt=NEGATIVE)),
 }
 
 
@@ -161,3 +162,49 @@ def test_flux_unequal_lengths(tiny_models, kind, monkeypatch):
     assert "forward" not in vars(pipe.transformer)
     assert max_pixel_difference(plain, trimmed) == 0
     assert max_pixel_difference(plain, whole.images) == 0  # and memfit with embeddings equals diffusers
+
+
+def test_sd3_unequal_lengths_split_passes(tiny_models, monkeypatch):
+    """SD3 batches its guidance passes; unequal lengths run as two transformer calls. The padding
+    memfit adds never reaches the transformer (noise padding gives the same image), and with equal
+    lengths the split path computes what the pipeline's batched path does."""
+    import numpy as np
+    import diffusers
+
+    import memfit.pipelines.sd3 as sd3
+
+    model = tiny_models("sd3")
+    settings = dict(steps=2, guidance=4.5, seed=7, width=32, height=32)
+    embeddings, _ = memfit.encode(PROMPT, model=model, negative_prompt=NEGATIVE)
+    full = embeddings.tensors
+    assert full["prompt_embeds"].shape[1] == full["negative_prompt_embeds"].shape[1] == 77 + 256
+    short = dict(full)
+    short["negative_prompt_embeds"] = full["negative_prompt_embeds"][:, :120]
+    first = memfit.generate(model=model, embeddings=_embeddings(model, short), progress=False, **settings)
+    assert any("333 (positive) and 120 (negative)" in note for note in first.report.notes)
+    whole = memfit.generate(model=model, embeddings=_embeddings(model, full), progress=False, **settings)
+    assert max_pixel_difference(first.images, whole.images) > 0
+
+    def noisy_pad(tensor, length, dim=1):
+        shape = list(tensor.shape)
+        shape[dim] = length - tensor.shape[dim]
+        return torch.cat([tensor, 100 * torch.randn(shape)], dim=dim) if shape[dim] > 0 else tensor
+
+    with monkeypatch.context() as patch:
+        patch.setattr(sd3, "pad_to_length", noisy_pad)
+        second = memfit.generate(model=model, embeddings=_embeddings(model, short), progress=False, **settings)
+    assert max_pixel_difference(first.images, second.images) == 0
+
+    pipe = diffusers.DiffusionPipeline.from_pretrained(model)
+    pipe.set_progress_bar_config(disable=True)
+
+    def run(output_type):
+        return pipe(**full, num_inference_steps=2, guidance_scale=4.5, width=32, height=32,
+                    generator=torch.Generator().manual_seed(7), output_type=output_type).images
+
+    assert max_pixel_difference(run("pil"), whole.images) == 0  # memfit with embeddings equals diffusers
+    batched = run("np")
+    with sd3.split_guidance_passes(pipe.transformer, 333, 333):
+        split = run("np")
+    assert "forward" not in vars(pipe.transformer)
+    np.testing.assert_allclose(split, batched, rtol=0, atol=1e-5)

@@ -7,6 +7,7 @@ from .base import PipelineAdapter, Settings
 from .cogview4 import CogView4Adapter
 from .flux import FluxAdapter
 from .lumina2 import Lumina2Adapter
+from .sd3 import StableDiffusion3Adapter
 from .sdxl_img2img import StableDiffusionXLImg2ImgAdapter
 from .stable_diffusion import StableDiffusionAdapter, StableDiffusionXLAdapter
 
@@ -19,6 +20,7 @@ ADAPTERS: dict[str, type[PipelineAdapter]] = {
         Lumina2Adapter,
         CogView4Adapter,
         FluxAdapter,
+        StableDiffusion3Adapter,
     )
 }
 

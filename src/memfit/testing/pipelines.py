@@ -15,7 +15,7 @@ import torch
 
 from .tokenizers import clip_tokenizer, word_tokenizer
 
-PIPELINE_KINDS = ("sd", "sdxl", "lumina2", "cogview4", "flux", "flux_schnell")
+PIPELINE_KINDS = ("sd", "sdxl", "lumina2", "cogview4", "flux", "flux_schnell", "sd3")
 
 
 def _vae(scale: int, *, levels: int = 2, latent_channels: int = 4, **extra):
@@ -282,13 +282,48 @@ def _flux_schnell(scale: int, text_layers: int):
     return _flux(scale, text_layers, guidance_embeds=False)
 
 
+def _sd3(scale: int, text_layers: int):
+    from diffusers import FlowMatchEulerDiscreteScheduler, SD3Transformer2DModel, StableDiffusion3Pipeline
+
+    tokenizer = clip_tokenizer()
+    clip_hidden = 16 * scale
+    t5_tokenizer = word_tokenizer()
+    t5_hidden = 2 * clip_hidden  # the CLIP-L and CLIP-G embeddings, concatenated, are padded to T5's width
+    inner = 32 * scale
+    transformer = SD3Transformer2DModel(
+        sample_size=16,
+        patch_size=2,
+        in_channels=4,
+        num_layers=2,
+        attention_head_dim=8,
+        num_attention_heads=inner // 8,
+        joint_attention_dim=t5_hidden,
+        caption_projection_dim=inner,
+        pooled_projection_dim=2 * clip_hidden,  # both CLIP projections
+        out_channels=4,
+        pos_embed_max_size=16,
+    )
+    return StableDiffusion3Pipeline(
+        transformer=transformer,
+        scheduler=FlowMatchEulerDiscreteScheduler(shift=3.0),
+        vae=_vae(scale, scaling_factor=1.5305, shift_factor=0.0609),
+        text_encoder=_clip_text("CLIPTextModelWithProjection", tokenizer, clip_hidden, text_layers, projection_dim=clip_hidden),
+        tokenizer=tokenizer,
+        text_encoder_2=_clip_text("CLIPTextModelWithProjection", tokenizer, clip_hidden, text_layers,
+                                  projection_dim=clip_hidden),
+        tokenizer_2=clip_tokenizer(),
+        text_encoder_3=_t5_encoder(t5_tokenizer, t5_hidden, text_layers),
+        tokenizer_3=t5_tokenizer,
+    )
+
+
 _BUILDERS: dict[str, Callable[[int, int], object]] = {
     "sd": _sd, "sdxl": _sdxl, "lumina2": _lumina2, "cogview4": _cogview4,
-    "flux": _flux, "flux_schnell": _flux_schnell,
+    "flux": _flux, "flux_schnell": _flux_schnell, "sd3": _sd3,
 }
 
 # Sizes each tiny architecture accepts (multiples of what its VAE and patching need).
-DEFAULT_SIZE = {"sd": 32, "sdxl": 32, "lumina2": 32, "cogview4": 32, "flux": 32, "flux_schnell": 32}
+DEFAULT_SIZE = {"sd": 32, "sdxl": 32, "lumina2": 32, "cogview4": 32, "flux": 32, "flux_schnell": 32, "sd3": 32}
 
 
 def build_pipeline(kind: str, *, seed: int = 0, scale: int = 1, text_layers: int = 2):
