@@ -29,6 +29,7 @@ CASES = {
     "flux": (dict(guidance=3.5), dict(guidance=3.5, true_cfg_scale=4.0, negative_prompt=NEGATIVE)),
     "flux_schnell": (dict(guidance=0.0), dict(guidance=0.0, true_cfg_scale=4.0, negative_prompt=NEGATIVE)),
     "sd3": (dict(guidance=1.0), dict(guidance=4.5, negative_prompt=NEGATIVE)),
+    "qwenimage": (dict(guidance=1.0), dict(guidance=4.0, negative_prompt=NEGATIVE)),
 }
 
 
@@ -99,16 +100,45 @@ def _weight_bytes(model, names):
     return sum(path.stat().st_size for name in names for path in (ModelFolder.open(model).path / name).glob("*.safetensors"))
 
 
+# Families whose text encoder cannot be streamed from disk yet, and why (see test_encoder_streaming_gap).
+ENCODER_CANNOT_STREAM = {
+    # transformers 5 loads Qwen2.5-VL with renamed modules (model.language_model.layers.*, model.visual.*) but
+    # saves the checkpoint under the old keys (model.layers.*, visual.*): memfit.executor._checked_mapping finds
+    # no file key for the live parameter name and refuses to map it from disk.
+    "qwenimage": "text_encoder.model.language_model.layers.0.self_attn.q_proj.weight is not in",
+}
+
+
 @pytest.mark.parametrize("kind", list(CASES))
 def test_streaming_budget_keeps_the_image(tiny_models, kind, streamed_plans, tmp_path, monkeypatch):
     monkeypatch.setenv("MEMFIT_CACHE_DIR", str(tmp_path / "cache"))  # no prompt-cache hit: the encoders load
     model = tiny_models(kind)
     adapter = ModelFolder.open(model).adapter
-    budget = _smallest_budget(model, _settings(kind, True))
+    settings = _settings(kind, True)
+    stages = {"encode", "denoise", "decode"}
+    if kind in ENCODER_CANNOT_STREAM:
+        # The encode stage runs unbudgeted; denoise and decode stream with the embeddings it made.
+        embeddings, _ = memfit.encode(PROMPT, model=model, negative_prompt=NEGATIVE)
+        settings = dict(settings, embeddings=embeddings)
+        del settings["prompt"], settings["negative_prompt"]
+        stages = {"denoise", "decode"}
+    budget = _smallest_budget(model, settings)
     assert budget < _weight_bytes(model, adapter.denoise_components)
-    assert_matches_diffusers(model, atol=0, budget=budget, **_settings(kind, True))
+    streamed_plans.clear()
+    ours, _ = assert_matches_diffusers(model, atol=0, budget=budget, **settings)
+    assert ours.settings.negative_prompt == NEGATIVE
     streamed = {plan.stages[0].name: plan.stages[0].streamed_from_disk_bytes for plan in streamed_plans}
-    assert set(streamed) == {"encode", "denoise", "decode"} and streamed["denoise"] > 0, streamed
+    assert set(streamed) == stages and streamed["denoise"] > 0, streamed
+
+
+@pytest.mark.parametrize("kind", list(ENCODER_CANNOT_STREAM))
+def test_encoder_streaming_gap(tiny_models, kind, streamed_plans, tmp_path, monkeypatch):
+    """Records the known gap: streaming this family's text encoder from disk fails with a clear error."""
+    from memfit.errors import MemfitError
+
+    monkeypatch.setenv("MEMFIT_CACHE_DIR", str(tmp_path / "cache"))
+    with pytest.raises(MemfitError, match=ENCODER_CANNOT_STREAM[kind]):
+        _smallest_budget(tiny_models(kind), _settings(kind, True))
 
 
 def _embeddings(model, tensors):
@@ -208,3 +238,23 @@ def test_sd3_unequal_lengths_split_passes(tiny_models, monkeypatch):
         split = run("np")
     assert "forward" not in vars(pipe.transformer)
     np.testing.assert_allclose(split, batched, rtol=0, atol=1e-5)
+
+
+def test_qwenimage_unequal_lengths_are_native(tiny_models, tmp_path):
+    """QwenImage embeds each prompt at its own length; through an embeddings file the image equals
+    plain diffusers' one-shot image from the prompts, and cutting the negative changes it."""
+    model = tiny_models("qwenimage")
+    settings = dict(steps=2, guidance=4.0, seed=7, width=32, height=32)
+    embeddings, _ = memfit.encode(PROMPT, model=model, negative_prompt=NEGATIVE)
+    positive, negative = embeddings.tensors["prompt_embeds"], embeddings.tensors["negative_prompt_embeds"]
+    assert positive.shape[1] > negative.shape[1]
+    path = embeddings.save(tmp_path / "prompt.safetensors")
+    ours = memfit.generate(model=model, embeddings=path, progress=False, **settings)
+    assert any(f"{positive.shape[1]} (positive) and {negative.shape[1]} (negative)" in note for note in ours.report.notes)
+    reference = diffusers_output(model, ours.settings)
+    assert max_pixel_difference(ours.images, reference) == 0
+
+    cut = dict(embeddings.tensors, negative_prompt_embeds=negative[:, :-1])
+    cut.pop("negative_prompt_embeds_mask", None)
+    shorter = memfit.generate(model=model, embeddings=_embeddings(model, cut), progress=False, **settings)
+    assert max_pixel_difference(shorter.images, ours.images) > 0

@@ -7,6 +7,7 @@ from .base import PipelineAdapter, Settings
 from .cogview4 import CogView4Adapter
 from .flux import FluxAdapter
 from .lumina2 import Lumina2Adapter
+from .qwenimage import QwenImageAdapter
 from .sd3 import StableDiffusion3Adapter
 from .sdxl_img2img import StableDiffusionXLImg2ImgAdapter
 from .stable_diffusion import StableDiffusionAdapter, StableDiffusionXLAdapter
@@ -21,6 +22,7 @@ ADAPTERS: dict[str, type[PipelineAdapter]] = {
         CogView4Adapter,
         FluxAdapter,
         StableDiffusion3Adapter,
+        QwenImageAdapter,
     )
 }
 

@@ -15,7 +15,7 @@ import torch
 
 from .tokenizers import clip_tokenizer, word_tokenizer
 
-PIPELINE_KINDS = ("sd", "sdxl", "lumina2", "cogview4", "flux", "flux_schnell", "sd3")
+PIPELINE_KINDS = ("sd", "sdxl", "lumina2", "cogview4", "flux", "flux_schnell", "sd3", "qwenimage")
 
 
 def _vae(scale: int, *, levels: int = 2, latent_channels: int = 4, **extra):
@@ -317,13 +317,76 @@ def _sd3(scale: int, text_layers: int):
     )
 
 
+# The words of QwenImagePipeline's prompt template, so the template does not tokenize to unknowns.
+_QWEN_TEMPLATE_WORDS = (
+    "im_start im_end system user assistant describe image by detailing color shape size texture quantity text "
+    "spatial relationships objects background"
+).split()
+
+
+def _qwenimage(scale: int, text_layers: int):
+    from diffusers import (AutoencoderKLQwenImage, FlowMatchEulerDiscreteScheduler, QwenImagePipeline,
+                           QwenImageTransformer2DModel)
+    from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
+
+    from .tokenizers import DEFAULT_WORDS
+
+    tokenizer = word_tokenizer([*DEFAULT_WORDS, *_QWEN_TEMPLATE_WORDS])
+    text_hidden = 16 * scale
+    vocab = len(tokenizer)
+    text_encoder = Qwen2_5_VLForConditionalGeneration(
+        Qwen2_5_VLConfig(
+            text_config={
+                "hidden_size": text_hidden, "intermediate_size": 2 * text_hidden, "num_hidden_layers": text_layers,
+                "num_attention_heads": 2, "num_key_value_heads": 2, "vocab_size": vocab,
+                "rope_scaling": {"mrope_section": [1, 1, 2], "rope_type": "default", "type": "default"},
+                "rope_theta": 1000000.0, "pad_token_id": tokenizer.pad_token_id,
+                "bos_token_id": tokenizer.bos_token_id, "eos_token_id": tokenizer.eos_token_id,
+            },
+            vision_config={"depth": 1, "hidden_size": 16, "intermediate_size": 16, "num_heads": 2,
+                           "out_hidden_size": text_hidden},
+            # Vision tokens never occur in a text prompt: ids past the word vocabulary.
+            vision_start_token_id=vocab + 1, vision_end_token_id=vocab + 2, image_token_id=vocab + 3,
+            video_token_id=vocab + 4, vocab_size=vocab,
+        )
+    ).eval()
+    latent_channels = 4
+    transformer = QwenImageTransformer2DModel(
+        patch_size=2,
+        in_channels=4 * latent_channels,  # latents are packed in 2x2 patches
+        out_channels=latent_channels,
+        num_layers=2,
+        attention_head_dim=16,
+        num_attention_heads=2 * scale,
+        joint_attention_dim=text_hidden,
+        guidance_embeds=False,
+        axes_dims_rope=(8, 4, 4),
+    )
+    vae = AutoencoderKLQwenImage(
+        base_dim=4 * scale,
+        z_dim=latent_channels,
+        dim_mult=[1, 2, 4],
+        num_res_blocks=1,
+        temperal_downsample=[False, True],
+        latents_mean=[0.1, -0.2, 0.05, 0.3],
+        latents_std=[1.5, 0.8, 1.2, 2.0],
+    )
+    return QwenImagePipeline(
+        scheduler=FlowMatchEulerDiscreteScheduler(),
+        vae=vae,
+        text_encoder=text_encoder,
+        tokenizer=tokenizer,
+        transformer=transformer,
+    )
+
+
 _BUILDERS: dict[str, Callable[[int, int], object]] = {
     "sd": _sd, "sdxl": _sdxl, "lumina2": _lumina2, "cogview4": _cogview4,
-    "flux": _flux, "flux_schnell": _flux_schnell, "sd3": _sd3,
+    "flux": _flux, "flux_schnell": _flux_schnell, "sd3": _sd3, "qwenimage": _qwenimage,
 }
 
 # Sizes each tiny architecture accepts (multiples of what its VAE and patching need).
-DEFAULT_SIZE = {"sd": 32, "sdxl": 32, "lumina2": 32, "cogview4": 32, "flux": 32, "flux_schnell": 32, "sd3": 32}
+DEFAULT_SIZE = {"sd": 32, "sdxl": 32, "lumina2": 32, "cogview4": 32, "flux": 32, "flux_schnell": 32, "sd3": 32, "qwenimage": 32}
 
 
 def build_pipeline(kind: str, *, seed: int = 0, scale: int = 1, text_layers: int = 2):
