@@ -9,6 +9,7 @@ from .flux import FluxAdapter
 from .lumina2 import Lumina2Adapter
 from .qwenimage import QwenImageAdapter
 from .sd3 import StableDiffusion3Adapter
+from .wan import WanAdapter
 from .sdxl_img2img import StableDiffusionXLImg2ImgAdapter
 from .stable_diffusion import StableDiffusionAdapter, StableDiffusionXLAdapter
 
@@ -23,6 +24,7 @@ ADAPTERS: dict[str, type[PipelineAdapter]] = {
         FluxAdapter,
         StableDiffusion3Adapter,
         QwenImageAdapter,
+        WanAdapter,
     )
 }
 

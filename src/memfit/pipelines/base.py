@@ -84,6 +84,10 @@ class PipelineAdapter:
         """Whether this request runs an unconditional (negative) pass: what the encode stage must produce."""
         return self.uses_guidance(settings.guidance)
 
+    def latent_frames(self, settings: Settings) -> int:
+        """The latent frames the denoiser sees at once (video pipelines); for activation estimates."""
+        return 1
+
     def call_kwargs(self, settings: Settings) -> dict[str, Any]:
         """The pipeline's __call__ arguments for these settings, embeddings and generator aside."""
         return dict(num_inference_steps=settings.steps, guidance_scale=settings.guidance, height=settings.height,

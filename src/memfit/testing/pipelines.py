@@ -380,13 +380,51 @@ def _qwenimage(scale: int, text_layers: int):
     )
 
 
+def _wan(scale: int, text_layers: int):
+    from diffusers import AutoencoderKLWan, FlowMatchEulerDiscreteScheduler, WanPipeline, WanTransformer3DModel
+
+    tokenizer = word_tokenizer()
+    text_hidden = 16 * scale
+    latent_channels = 4
+    vae = AutoencoderKLWan(
+        base_dim=4 * scale,
+        z_dim=latent_channels,
+        dim_mult=[1, 1, 1, 1],  # three downsamplings: 8x spatially
+        num_res_blocks=1,
+        temperal_downsample=[False, True, True],  # 4x in time
+        latents_mean=[0.1, -0.2, 0.05, 0.3],
+        latents_std=[1.5, 0.8, 1.2, 2.0],
+    )
+    transformer = WanTransformer3DModel(
+        patch_size=(1, 2, 2),
+        num_attention_heads=2 * scale,
+        attention_head_dim=12,
+        in_channels=latent_channels,
+        out_channels=latent_channels,
+        text_dim=text_hidden,
+        freq_dim=32,
+        ffn_dim=32 * scale,
+        num_layers=2,
+        cross_attn_norm=True,
+        qk_norm="rms_norm_across_heads",
+        rope_max_seq_len=32,
+    )
+    return WanPipeline(
+        tokenizer=tokenizer,
+        text_encoder=_t5_encoder(tokenizer, text_hidden, text_layers, "UMT5EncoderModel"),
+        vae=vae,
+        transformer=transformer,
+        scheduler=FlowMatchEulerDiscreteScheduler(shift=7.0),
+    )
+
+
 _BUILDERS: dict[str, Callable[[int, int], object]] = {
     "sd": _sd, "sdxl": _sdxl, "lumina2": _lumina2, "cogview4": _cogview4,
-    "flux": _flux, "flux_schnell": _flux_schnell, "sd3": _sd3, "qwenimage": _qwenimage,
+    "flux": _flux, "flux_schnell": _flux_schnell, "sd3": _sd3, "qwenimage": _qwenimage, "wan": _wan,
 }
 
 # Sizes each tiny architecture accepts (multiples of what its VAE and patching need).
-DEFAULT_SIZE = {"sd": 32, "sdxl": 32, "lumina2": 32, "cogview4": 32, "flux": 32, "flux_schnell": 32, "sd3": 32, "qwenimage": 32}
+DEFAULT_SIZE = {"sd": 32, "sdxl": 32, "lumina2": 32, "cogview4": 32, "flux": 32, "flux_schnell": 32, "sd3": 32, "qwenimage": 32, "wan": 32}
 
 
 def build_pipeline(kind: str, *, seed: int = 0, scale: int = 1, text_layers: int = 2):
