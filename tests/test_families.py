@@ -31,6 +31,7 @@ CASES = {
     "sd3": (dict(guidance=1.0), dict(guidance=4.5, negative_prompt=NEGATIVE)),
     "qwenimage": (dict(guidance=1.0), dict(guidance=4.0, negative_prompt=NEGATIVE)),
     "wan": (dict(guidance=1.0, num_frames=5), dict(guidance=5.0, negative_prompt=NEGATIVE, num_frames=5)),
+    "chroma": (dict(guidance=1.0), dict(guidance=5.0, negative_prompt=NEGATIVE)),
 }
 
 
@@ -295,3 +296,26 @@ def test_wan_unequal_lengths_are_native(tiny_models):
     assert max_pixel_difference(ours.images, list(reference)) == 0
     whole = memfit.generate(model=model, embeddings=_embeddings(model, embeddings.tensors), progress=False, **settings)
     assert max_pixel_difference(ours.images, whole.images) > 0
+
+
+def test_chroma_unequal_lengths_are_native(tiny_models):
+    """Chroma's passes are separate, each with its own mask and text ids: a negative embedding and
+    mask cut to 48 tokens go through unchanged, and the image equals plain diffusers' given the same."""
+    import diffusers
+
+    model = tiny_models("chroma")
+    settings = dict(steps=2, guidance=5.0, seed=7, width=32, height=32)
+    embeddings, _ = memfit.encode(PROMPT, model=model, negative_prompt=NEGATIVE)
+    full = embeddings.tensors
+    cut = dict(full, negative_prompt_embeds=full["negative_prompt_embeds"][:, :48],
+               negative_prompt_attention_mask=full["negative_prompt_attention_mask"][:, :48])
+    ours = memfit.generate(model=model, embeddings=_embeddings(model, cut), progress=False, **settings)
+    assert any("512 (positive) and 48 (negative)" in note for note in ours.report.notes)
+    pipe = diffusers.DiffusionPipeline.from_pretrained(model)
+    pipe.set_progress_bar_config(disable=True)
+    reference = pipe(**cut, num_inference_steps=2, guidance_scale=5.0, width=32, height=32,
+                     generator=torch.Generator().manual_seed(7)).images
+    assert max_pixel_difference(ours.images, reference) == 0
+    other_seed = pipe(**cut, num_inference_steps=2, guidance_scale=5.0, width=32, height=32,
+                      generator=torch.Generator().manual_seed(8)).images
+    assert max_pixel_difference(ours.images, other_seed) > 0

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from ..errors import MemfitError
 from .base import PipelineAdapter, Settings
+from .chroma import ChromaAdapter
 from .cogview4 import CogView4Adapter
 from .flux import FluxAdapter
 from .lumina2 import Lumina2Adapter
@@ -25,6 +26,7 @@ ADAPTERS: dict[str, type[PipelineAdapter]] = {
         StableDiffusion3Adapter,
         QwenImageAdapter,
         WanAdapter,
+        ChromaAdapter,
     )
 }
 
