@@ -32,6 +32,7 @@ CASES = {
     "qwenimage": (dict(guidance=1.0), dict(guidance=4.0, negative_prompt=NEGATIVE)),
     "wan": (dict(guidance=1.0, num_frames=5), dict(guidance=5.0, negative_prompt=NEGATIVE, num_frames=5)),
     "chroma": (dict(guidance=1.0), dict(guidance=5.0, negative_prompt=NEGATIVE)),
+    "sana": (dict(guidance=1.0), dict(guidance=4.5, negative_prompt=NEGATIVE)),
 }
 
 
@@ -319,3 +320,29 @@ def test_chroma_unequal_lengths_are_native(tiny_models):
     other_seed = pipe(**cut, num_inference_steps=2, guidance_scale=5.0, width=32, height=32,
                       generator=torch.Generator().manual_seed(8)).images
     assert max_pixel_difference(ours.images, other_seed) > 0
+
+
+def test_sana_masked_padding_equals_full_length(tiny_models):
+    """Sana pads a shorter embedding with masked zeros: a negative cut to 48 tokens (all its valid
+    tokens) gives the image plain diffusers makes from the full-length negative."""
+    import diffusers
+
+    model = tiny_models("sana")
+    settings = dict(steps=2, guidance=4.5, seed=7, width=32, height=32)
+    embeddings, _ = memfit.encode(PROMPT, model=model, negative_prompt=NEGATIVE)
+    full = embeddings.tensors
+    assert full["negative_prompt_embeds"].shape[1] == full["prompt_embeds"].shape[1] == 300
+    assert int(full["negative_prompt_attention_mask"].sum()) <= 48
+    short = dict(full, negative_prompt_embeds=full["negative_prompt_embeds"][:, :48],
+                 negative_prompt_attention_mask=full["negative_prompt_attention_mask"][:, :48])
+    ours = memfit.generate(model=model, embeddings=_embeddings(model, short), progress=False, **settings)
+    assert any("300 (positive) and 48 (negative)" in note for note in ours.report.notes)
+    pipe = diffusers.DiffusionPipeline.from_pretrained(model)
+    pipe.set_progress_bar_config(disable=True)
+
+    def run(seed):
+        return pipe(**full, negative_prompt=None, num_inference_steps=2, guidance_scale=4.5, width=32, height=32,
+                    generator=torch.Generator().manual_seed(seed)).images
+
+    assert max_pixel_difference(ours.images, run(7)) == 0
+    assert max_pixel_difference(ours.images, run(8)) > 0

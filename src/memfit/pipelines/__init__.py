@@ -9,6 +9,7 @@ from .cogview4 import CogView4Adapter
 from .flux import FluxAdapter
 from .lumina2 import Lumina2Adapter
 from .qwenimage import QwenImageAdapter
+from .sana import SanaAdapter
 from .sd3 import StableDiffusion3Adapter
 from .wan import WanAdapter
 from .sdxl_img2img import StableDiffusionXLImg2ImgAdapter
@@ -27,6 +28,7 @@ ADAPTERS: dict[str, type[PipelineAdapter]] = {
         QwenImageAdapter,
         WanAdapter,
         ChromaAdapter,
+        SanaAdapter,
     )
 }
 

@@ -44,8 +44,10 @@ def diffusers_output(model_dir: str | Path, settings, dtype: torch.dtype = torch
 
     pipe = diffusers.DiffusionPipeline.from_pretrained(model_dir, torch_dtype=dtype)
     pipe.set_progress_bar_config(disable=True)
+    if settings.negative_prompt is not None:  # else the pipeline's own default, as a plain call leaves it
+        call_kwargs["negative_prompt"] = settings.negative_prompt
     output = pipe(
-        prompt=settings.prompt, negative_prompt=settings.negative_prompt,
+        prompt=settings.prompt,
         **ModelFolder.open(model_dir).adapter.call_kwargs(settings),
         generator=torch.Generator(device="cpu").manual_seed(settings.seed), output_type="pil", **call_kwargs,
     )

@@ -15,7 +15,7 @@ import torch
 
 from .tokenizers import clip_tokenizer, word_tokenizer
 
-PIPELINE_KINDS = ("sd", "sdxl", "lumina2", "cogview4", "flux", "flux_schnell", "sd3", "qwenimage", "chroma")
+PIPELINE_KINDS = ("sd", "sdxl", "lumina2", "cogview4", "flux", "flux_schnell", "sd3", "qwenimage", "chroma", "sana")
 
 
 def _vae(scale: int, *, levels: int = 2, latent_channels: int = 4, **extra):
@@ -447,13 +447,81 @@ def _chroma(scale: int, text_layers: int):
     )
 
 
+def _gemma2_encoder(tokenizer, hidden: int, layers: int):
+    from transformers import Gemma2Config, Gemma2Model
+
+    return Gemma2Model(
+        Gemma2Config(
+            head_dim=4,
+            hidden_size=hidden,
+            intermediate_size=2 * hidden,
+            num_attention_heads=4,
+            num_hidden_layers=layers,
+            num_key_value_heads=2,
+            vocab_size=len(tokenizer),
+            pad_token_id=tokenizer.pad_token_id,
+            bos_token_id=tokenizer.bos_token_id,
+            eos_token_id=tokenizer.eos_token_id,
+        )
+    ).eval()
+
+
+def _sana(scale: int, text_layers: int):
+    from diffusers import AutoencoderDC, FlowMatchEulerDiscreteScheduler, SanaPipeline, SanaTransformer2DModel
+
+    tokenizer = word_tokenizer()
+    text_hidden = 16 * scale
+    latent_channels = 4
+    # SanaPipeline bins the requested size to its aspect-ratio table (sample_size 16: the 512 px table) and
+    # resizes back after decoding, so a 32 px request runs at 512 px: the VAE compresses 32x, as Sana's does.
+    levels = 6
+    vae = AutoencoderDC(
+        in_channels=3,
+        latent_channels=latent_channels,
+        attention_head_dim=2,
+        encoder_block_types=("ResBlock",) * levels,
+        decoder_block_types=("ResBlock",) * levels,
+        encoder_block_out_channels=(4 * scale,) * levels,
+        decoder_block_out_channels=(4 * scale,) * levels,
+        encoder_layers_per_block=(1,) * levels,
+        decoder_layers_per_block=(1,) * levels,
+        encoder_qkv_multiscales=((),) * levels,
+        decoder_qkv_multiscales=((),) * levels,
+        upsample_block_type="interpolate",
+        downsample_block_type="Conv",
+        decoder_norm_types="rms_norm",
+        decoder_act_fns="silu",
+        scaling_factor=0.41407,
+    )
+    transformer = SanaTransformer2DModel(
+        patch_size=1,
+        in_channels=latent_channels,
+        out_channels=latent_channels,
+        num_layers=2,
+        num_attention_heads=2 * scale,
+        attention_head_dim=8,
+        num_cross_attention_heads=2 * scale,
+        cross_attention_head_dim=8,
+        cross_attention_dim=16 * scale,
+        caption_channels=text_hidden,
+        sample_size=16,
+    )
+    return SanaPipeline(
+        tokenizer=tokenizer,
+        text_encoder=_gemma2_encoder(tokenizer, text_hidden, text_layers),
+        vae=vae,
+        transformer=transformer,
+        scheduler=FlowMatchEulerDiscreteScheduler(shift=3.0),
+    )
+
+
 _BUILDERS: dict[str, Callable[[int, int], object]] = {
     "sd": _sd, "sdxl": _sdxl, "lumina2": _lumina2, "cogview4": _cogview4,
-    "flux": _flux, "flux_schnell": _flux_schnell, "sd3": _sd3, "qwenimage": _qwenimage, "wan": _wan, "chroma": _chroma,
+    "flux": _flux, "flux_schnell": _flux_schnell, "sd3": _sd3, "qwenimage": _qwenimage, "wan": _wan, "chroma": _chroma, "sana": _sana,
 }
 
 # Sizes each tiny architecture accepts (multiples of what its VAE and patching need).
-DEFAULT_SIZE = {"sd": 32, "sdxl": 32, "lumina2": 32, "cogview4": 32, "flux": 32, "flux_schnell": 32, "sd3": 32, "qwenimage": 32, "wan": 32, "chroma": 32}
+DEFAULT_SIZE = {"sd": 32, "sdxl": 32, "lumina2": 32, "cogview4": 32, "flux": 32, "flux_schnell": 32, "sd3": 32, "qwenimage": 32, "wan": 32, "chroma": 32, "sana": 32}
 
 
 def build_pipeline(kind: str, *, seed: int = 0, scale: int = 1, text_layers: int = 2):
