@@ -33,6 +33,7 @@ CASES = {
     "wan": (dict(guidance=1.0, num_frames=5), dict(guidance=5.0, negative_prompt=NEGATIVE, num_frames=5)),
     "chroma": (dict(guidance=1.0), dict(guidance=5.0, negative_prompt=NEGATIVE)),
     "sana": (dict(guidance=1.0), dict(guidance=4.5, negative_prompt=NEGATIVE)),
+    "pixart_sigma": (dict(guidance=1.0), dict(guidance=4.5, negative_prompt=NEGATIVE)),
 }
 
 
@@ -322,12 +323,13 @@ def test_chroma_unequal_lengths_are_native(tiny_models):
     assert max_pixel_difference(ours.images, other_seed) > 0
 
 
-def test_sana_masked_padding_equals_full_length(tiny_models):
-    """Sana pads a shorter embedding with masked zeros: a negative cut to 48 tokens (all its valid
-    tokens) gives the image plain diffusers makes from the full-length negative."""
+@pytest.mark.parametrize("kind", ["sana", "pixart_sigma"])
+def test_masked_padding_equals_full_length(tiny_models, kind):
+    """Sana and PixArt-Sigma pad a shorter embedding with masked zeros: a negative cut to 48 tokens
+    (all its valid tokens) gives the image plain diffusers makes from the full-length negative."""
     import diffusers
 
-    model = tiny_models("sana")
+    model = tiny_models(kind)
     settings = dict(steps=2, guidance=4.5, seed=7, width=32, height=32)
     embeddings, _ = memfit.encode(PROMPT, model=model, negative_prompt=NEGATIVE)
     full = embeddings.tensors

@@ -8,6 +8,7 @@ from .chroma import ChromaAdapter
 from .cogview4 import CogView4Adapter
 from .flux import FluxAdapter
 from .lumina2 import Lumina2Adapter
+from .pixart_sigma import PixArtSigmaAdapter
 from .qwenimage import QwenImageAdapter
 from .sana import SanaAdapter
 from .sd3 import StableDiffusion3Adapter
@@ -29,6 +30,7 @@ ADAPTERS: dict[str, type[PipelineAdapter]] = {
         WanAdapter,
         ChromaAdapter,
         SanaAdapter,
+        PixArtSigmaAdapter,
     )
 }
 

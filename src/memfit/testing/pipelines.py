@@ -15,7 +15,7 @@ import torch
 
 from .tokenizers import clip_tokenizer, word_tokenizer
 
-PIPELINE_KINDS = ("sd", "sdxl", "lumina2", "cogview4", "flux", "flux_schnell", "sd3", "qwenimage", "chroma", "sana")
+PIPELINE_KINDS = ("sd", "sdxl", "lumina2", "cogview4", "flux", "flux_schnell", "sd3", "qwenimage", "chroma", "sana", "pixart_sigma")
 
 
 def _vae(scale: int, *, levels: int = 2, latent_channels: int = 4, **extra):
@@ -515,13 +515,46 @@ def _sana(scale: int, text_layers: int):
     )
 
 
+def _pixart_sigma(scale: int, text_layers: int):
+    from diffusers import DPMSolverMultistepScheduler, PixArtSigmaPipeline, PixArtTransformer2DModel
+
+    tokenizer = word_tokenizer()
+    text_hidden = 16 * scale
+    # PixArtSigmaPipeline bins the requested size to its aspect-ratio table (sample_size 32: the 256 px table)
+    # and resizes back after decoding, so a 32 px request runs at 256 px through an 8x VAE.
+    transformer = PixArtTransformer2DModel(
+        sample_size=32,
+        num_layers=4,
+        patch_size=2,
+        attention_head_dim=16,
+        num_attention_heads=2 * scale,
+        caption_channels=text_hidden,
+        in_channels=4,
+        cross_attention_dim=32 * scale,
+        out_channels=8,  # learned sigma: the pipeline keeps the first half
+        attention_bias=True,
+        activation_fn="gelu-approximate",
+        num_embeds_ada_norm=1000,
+        norm_type="ada_norm_single",
+        norm_elementwise_affine=False,
+        norm_eps=1e-6,
+    )
+    return PixArtSigmaPipeline(
+        tokenizer=tokenizer,
+        text_encoder=_t5_encoder(tokenizer, text_hidden, text_layers),
+        vae=_vae(scale, levels=4, scaling_factor=0.13025),
+        transformer=transformer,
+        scheduler=DPMSolverMultistepScheduler(),
+    )
+
+
 _BUILDERS: dict[str, Callable[[int, int], object]] = {
     "sd": _sd, "sdxl": _sdxl, "lumina2": _lumina2, "cogview4": _cogview4,
-    "flux": _flux, "flux_schnell": _flux_schnell, "sd3": _sd3, "qwenimage": _qwenimage, "wan": _wan, "chroma": _chroma, "sana": _sana,
+    "flux": _flux, "flux_schnell": _flux_schnell, "sd3": _sd3, "qwenimage": _qwenimage, "wan": _wan, "chroma": _chroma, "sana": _sana, "pixart_sigma": _pixart_sigma,
 }
 
 # Sizes each tiny architecture accepts (multiples of what its VAE and patching need).
-DEFAULT_SIZE = {"sd": 32, "sdxl": 32, "lumina2": 32, "cogview4": 32, "flux": 32, "flux_schnell": 32, "sd3": 32, "qwenimage": 32, "wan": 32, "chroma": 32, "sana": 32}
+DEFAULT_SIZE = {"sd": 32, "sdxl": 32, "lumina2": 32, "cogview4": 32, "flux": 32, "flux_schnell": 32, "sd3": 32, "qwenimage": 32, "wan": 32, "chroma": 32, "sana": 32, "pixart_sigma": 32}
 
 
 def build_pipeline(kind: str, *, seed: int = 0, scale: int = 1, text_layers: int = 2):
