@@ -34,6 +34,7 @@ CASES = {
     "chroma": (dict(guidance=1.0), dict(guidance=5.0, negative_prompt=NEGATIVE)),
     "sana": (dict(guidance=1.0), dict(guidance=4.5, negative_prompt=NEGATIVE)),
     "pixart_sigma": (dict(guidance=1.0), dict(guidance=4.5, negative_prompt=NEGATIVE)),
+    "aura_flow": (dict(guidance=1.0), dict(guidance=3.5, negative_prompt=NEGATIVE)),
 }
 
 
@@ -212,26 +213,29 @@ def test_flux_unequal_lengths(tiny_models, kind, monkeypatch):
     assert max_pixel_difference(plain, whole.images) == 0  # and memfit with embeddings equals diffusers
 
 
-def test_sd3_unequal_lengths_split_passes(tiny_models, monkeypatch):
-    """SD3 batches its guidance passes; unequal lengths run as two transformer calls. The padding
-    memfit adds never reaches the transformer (noise padding gives the same image), and with equal
-    lengths the split path computes what the pipeline's batched path does."""
+@pytest.mark.parametrize("kind, full_length", [("sd3", 77 + 256), ("aura_flow", 256)])
+def test_unequal_lengths_split_passes(tiny_models, kind, full_length, monkeypatch):
+    """SD3 and AuraFlow batch their guidance passes; unequal lengths run as two transformer calls.
+    The padding memfit adds never reaches the transformer (noise padding gives the same image), and
+    with equal lengths the split path computes what the pipeline's batched path does."""
+    import importlib
+
     import numpy as np
     import diffusers
 
-    import memfit.pipelines.sd3 as sd3
-
-    model = tiny_models("sd3")
-    settings = dict(steps=2, guidance=4.5, seed=7, width=32, height=32)
+    adapter_module = importlib.import_module(f"memfit.pipelines.{kind}")
+    model = tiny_models(kind)
+    guidance = CASES[kind][True]["guidance"]
+    settings = dict(steps=2, guidance=guidance, seed=7, width=32, height=32)
     embeddings, _ = memfit.encode(PROMPT, model=model, negative_prompt=NEGATIVE)
     full = embeddings.tensors
-    assert full["prompt_embeds"].shape[1] == full["negative_prompt_embeds"].shape[1] == 77 + 256
-    short = dict(full)
-    short["negative_prompt_embeds"] = full["negative_prompt_embeds"][:, :120]
+    assert full["prompt_embeds"].shape[1] == full["negative_prompt_embeds"].shape[1] == full_length
+    short = dict(full, negative_prompt_embeds=full["negative_prompt_embeds"][:, :120])
+    if "negative_prompt_attention_mask" in full:  # AuraFlow's mask is the embedding's, flattened: [B, L * D]
+        short["negative_prompt_attention_mask"] = full["negative_prompt_attention_mask"][:, :120 * full["prompt_embeds"].shape[2]]
     first = memfit.generate(model=model, embeddings=_embeddings(model, short), progress=False, **settings)
-    assert any("333 (positive) and 120 (negative)" in note for note in first.report.notes)
+    assert any(f"{full_length} (positive) and 120 (negative)" in note for note in first.report.notes)
     whole = memfit.generate(model=model, embeddings=_embeddings(model, full), progress=False, **settings)
-    assert max_pixel_difference(first.images, whole.images) > 0
 
     def noisy_pad(tensor, length, dim=1):
         shape = list(tensor.shape)
@@ -239,7 +243,7 @@ def test_sd3_unequal_lengths_split_passes(tiny_models, monkeypatch):
         return torch.cat([tensor, 100 * torch.randn(shape)], dim=dim) if shape[dim] > 0 else tensor
 
     with monkeypatch.context() as patch:
-        patch.setattr(sd3, "pad_to_length", noisy_pad)
+        patch.setattr(adapter_module, "pad_to_length", noisy_pad)
         second = memfit.generate(model=model, embeddings=_embeddings(model, short), progress=False, **settings)
     assert max_pixel_difference(first.images, second.images) == 0
 
@@ -247,15 +251,18 @@ def test_sd3_unequal_lengths_split_passes(tiny_models, monkeypatch):
     pipe.set_progress_bar_config(disable=True)
 
     def run(output_type):
-        return pipe(**full, num_inference_steps=2, guidance_scale=4.5, width=32, height=32,
+        return pipe(**full, num_inference_steps=2, guidance_scale=guidance, width=32, height=32,
                     generator=torch.Generator().manual_seed(7), output_type=output_type).images
 
     assert max_pixel_difference(run("pil"), whole.images) == 0  # memfit with embeddings equals diffusers
     batched = run("np")
-    with sd3.split_guidance_passes(pipe.transformer, 333, 333):
+    with adapter_module.split_guidance_passes(pipe.transformer, full_length, full_length):
         split = run("np")
     assert "forward" not in vars(pipe.transformer)
     np.testing.assert_allclose(split, batched, rtol=0, atol=1e-5)
+    with adapter_module.split_guidance_passes(pipe.transformer, 120, full_length):
+        cut = run("np")
+    assert np.abs(cut - batched).max() > 1e-5  # the negative pass really saw only 120 tokens
 
 
 def test_qwenimage_unequal_lengths_are_native(tiny_models, tmp_path):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from ..errors import MemfitError
+from .aura_flow import AuraFlowAdapter
 from .base import PipelineAdapter, Settings
 from .chroma import ChromaAdapter
 from .cogview4 import CogView4Adapter
@@ -31,6 +32,7 @@ ADAPTERS: dict[str, type[PipelineAdapter]] = {
         ChromaAdapter,
         SanaAdapter,
         PixArtSigmaAdapter,
+        AuraFlowAdapter,
     )
 }
 

@@ -15,7 +15,8 @@ import torch
 
 from .tokenizers import clip_tokenizer, word_tokenizer
 
-PIPELINE_KINDS = ("sd", "sdxl", "lumina2", "cogview4", "flux", "flux_schnell", "sd3", "qwenimage", "chroma", "sana", "pixart_sigma")
+PIPELINE_KINDS = ("sd", "sdxl", "lumina2", "cogview4", "flux", "flux_schnell", "sd3", "qwenimage", "chroma", "sana", "pixart_sigma",
+                  "aura_flow")
 
 
 def _vae(scale: int, *, levels: int = 2, latent_channels: int = 4, **extra):
@@ -548,13 +549,42 @@ def _pixart_sigma(scale: int, text_layers: int):
     )
 
 
+def _aura_flow(scale: int, text_layers: int):
+    from diffusers import AuraFlowPipeline, AuraFlowTransformer2DModel, FlowMatchEulerDiscreteScheduler
+
+    tokenizer = word_tokenizer()
+    # AuraFlow's encode_prompt passes the whole tokenizer output to the encoder, which takes no token_type_ids.
+    tokenizer.model_input_names = ["input_ids", "attention_mask"]
+    text_hidden = 16 * scale
+    transformer = AuraFlowTransformer2DModel(
+        sample_size=16,
+        patch_size=2,
+        in_channels=4,
+        num_mmdit_layers=1,
+        num_single_dit_layers=1,
+        attention_head_dim=8,
+        num_attention_heads=4 * scale,
+        caption_projection_dim=32 * scale,
+        joint_attention_dim=text_hidden,
+        out_channels=4,
+        pos_embed_max_size=256,
+    )
+    return AuraFlowPipeline(
+        tokenizer=tokenizer,
+        text_encoder=_t5_encoder(tokenizer, text_hidden, text_layers, "UMT5EncoderModel"),
+        vae=_vae(scale),
+        transformer=transformer,
+        scheduler=FlowMatchEulerDiscreteScheduler(),
+    )
+
+
 _BUILDERS: dict[str, Callable[[int, int], object]] = {
     "sd": _sd, "sdxl": _sdxl, "lumina2": _lumina2, "cogview4": _cogview4,
-    "flux": _flux, "flux_schnell": _flux_schnell, "sd3": _sd3, "qwenimage": _qwenimage, "wan": _wan, "chroma": _chroma, "sana": _sana, "pixart_sigma": _pixart_sigma,
+    "flux": _flux, "flux_schnell": _flux_schnell, "sd3": _sd3, "qwenimage": _qwenimage, "wan": _wan, "chroma": _chroma, "sana": _sana, "pixart_sigma": _pixart_sigma, "aura_flow": _aura_flow,
 }
 
 # Sizes each tiny architecture accepts (multiples of what its VAE and patching need).
-DEFAULT_SIZE = {"sd": 32, "sdxl": 32, "lumina2": 32, "cogview4": 32, "flux": 32, "flux_schnell": 32, "sd3": 32, "qwenimage": 32, "wan": 32, "chroma": 32, "sana": 32, "pixart_sigma": 32}
+DEFAULT_SIZE = {"sd": 32, "sdxl": 32, "lumina2": 32, "cogview4": 32, "flux": 32, "flux_schnell": 32, "sd3": 32, "qwenimage": 32, "wan": 32, "chroma": 32, "sana": 32, "pixart_sigma": 32, "aura_flow": 32}
 
 
 def build_pipeline(kind: str, *, seed: int = 0, scale: int = 1, text_layers: int = 2):
