@@ -35,6 +35,7 @@ CASES = {
     "sana": (dict(guidance=1.0), dict(guidance=4.5, negative_prompt=NEGATIVE)),
     "pixart_sigma": (dict(guidance=1.0), dict(guidance=4.5, negative_prompt=NEGATIVE)),
     "aura_flow": (dict(guidance=1.0), dict(guidance=3.5, negative_prompt=NEGATIVE)),
+    "hidream": (dict(guidance=1.0), dict(guidance=5.0, negative_prompt=NEGATIVE)),
 }
 
 
@@ -355,3 +356,51 @@ def test_masked_padding_equals_full_length(tiny_models, kind):
 
     assert max_pixel_difference(ours.images, run(7)) == 0
     assert max_pixel_difference(ours.images, run(8)) > 0
+
+
+def test_hidream_unequal_lengths_split_passes(tiny_models, monkeypatch):
+    """HiDream batches its guidance passes over two text sequences (T5 [B, L, D], Llama [layers, B, L, D]);
+    unequal lengths run as two transformer calls. The padding never reaches the transformer, and with
+    equal lengths the split path computes what the pipeline's batched path does."""
+    import numpy as np
+    import diffusers
+
+    import memfit.pipelines.hidream as hidream
+
+    model = tiny_models("hidream")
+    settings = dict(steps=2, guidance=5.0, seed=7, width=32, height=32)
+    embeddings, _ = memfit.encode(PROMPT, model=model, negative_prompt=NEGATIVE)
+    full = embeddings.tensors
+    assert full["negative_prompt_embeds_t5"].shape[1] == full["negative_prompt_embeds_llama3"].shape[2] == 128
+    short = dict(full, negative_prompt_embeds_t5=full["negative_prompt_embeds_t5"][:, :48],
+                 negative_prompt_embeds_llama3=full["negative_prompt_embeds_llama3"][:, :, :40])
+    first = memfit.generate(model=model, embeddings=_embeddings(model, short), progress=False, **settings)
+
+    def noisy_pad(tensor, length, dim=1):
+        shape = list(tensor.shape)
+        shape[dim] = length - tensor.shape[dim]
+        return torch.cat([tensor, 100 * torch.randn(shape)], dim=dim) if shape[dim] > 0 else tensor
+
+    with monkeypatch.context() as patch:
+        patch.setattr(hidream, "pad_to_length", noisy_pad)
+        second = memfit.generate(model=model, embeddings=_embeddings(model, short), progress=False, **settings)
+    assert max_pixel_difference(first.images, second.images) == 0
+
+    pipe = diffusers.DiffusionPipeline.from_pretrained(model)
+    pipe.set_progress_bar_config(disable=True)
+
+    def run(output_type):
+        return pipe(**full, num_inference_steps=2, guidance_scale=5.0, width=32, height=32,
+                    generator=torch.Generator().manual_seed(7), output_type=output_type).images
+
+    whole = memfit.generate(model=model, embeddings=_embeddings(model, full), progress=False, **settings)
+    assert max_pixel_difference(run("pil"), whole.images) == 0  # memfit with embeddings equals diffusers
+    batched = run("np")
+    equal = {"prompt_embeds_t5": (128, 128), "prompt_embeds_llama3": (128, 128)}
+    with hidream.split_guidance_passes(pipe.transformer, equal):
+        split = run("np")
+    assert "forward" not in vars(pipe.transformer)
+    np.testing.assert_allclose(split, batched, rtol=0, atol=1e-5)
+    with hidream.split_guidance_passes(pipe.transformer, {"prompt_embeds_t5": (48, 128), "prompt_embeds_llama3": (40, 128)}):
+        cut = run("np")
+    assert np.abs(cut - batched).max() > 1e-5  # the negative pass really saw only its cut embeddings

@@ -8,6 +8,7 @@ from .base import PipelineAdapter, Settings
 from .chroma import ChromaAdapter
 from .cogview4 import CogView4Adapter
 from .flux import FluxAdapter
+from .hidream import HiDreamImageAdapter
 from .lumina2 import Lumina2Adapter
 from .pixart_sigma import PixArtSigmaAdapter
 from .qwenimage import QwenImageAdapter
@@ -33,6 +34,7 @@ ADAPTERS: dict[str, type[PipelineAdapter]] = {
         SanaAdapter,
         PixArtSigmaAdapter,
         AuraFlowAdapter,
+        HiDreamImageAdapter,
     )
 }
 

@@ -16,7 +16,7 @@ import torch
 from .tokenizers import clip_tokenizer, word_tokenizer
 
 PIPELINE_KINDS = ("sd", "sdxl", "lumina2", "cogview4", "flux", "flux_schnell", "sd3", "qwenimage", "chroma", "sana", "pixart_sigma",
-                  "aura_flow")
+                  "aura_flow", "hidream")
 
 
 def _vae(scale: int, *, levels: int = 2, latent_channels: int = 4, **extra):
@@ -578,13 +578,69 @@ def _aura_flow(scale: int, text_layers: int):
     )
 
 
+def _hidream(scale: int, text_layers: int):
+    from diffusers import FlowMatchEulerDiscreteScheduler, HiDreamImagePipeline, HiDreamImageTransformer2DModel
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    # HiDream tokenizes for CLIP to min(max_sequence_length, 218) = 128 tokens.
+    clip_hidden = 16 * scale
+    t5_tokenizer = word_tokenizer()
+    t5_hidden = 16 * scale
+    llama_tokenizer = word_tokenizer()
+    llama_hidden = 16 * scale
+    llama = LlamaForCausalLM(
+        LlamaConfig(
+            hidden_size=llama_hidden,
+            intermediate_size=2 * llama_hidden,
+            num_hidden_layers=text_layers,
+            num_attention_heads=2,
+            num_key_value_heads=2,
+            vocab_size=len(llama_tokenizer),
+            pad_token_id=llama_tokenizer.eos_token_id,  # HiDreamImagePipeline pads with the eos token
+            bos_token_id=llama_tokenizer.bos_token_id,
+            eos_token_id=llama_tokenizer.eos_token_id,
+        )
+    ).eval()
+    transformer = HiDreamImageTransformer2DModel(
+        patch_size=2,
+        in_channels=4,
+        out_channels=4,
+        num_layers=1,
+        num_single_layers=1,
+        attention_head_dim=8,
+        num_attention_heads=4 * scale,
+        caption_channels=[t5_hidden, llama_hidden],
+        text_emb_dim=2 * clip_hidden,  # both CLIP projections
+        num_routed_experts=4,
+        num_activated_experts=2,
+        axes_dims_rope=(4, 2, 2),
+        max_resolution=(16, 16),  # latent pixels: a 32 px image, no padded image tokens
+        llama_layers=tuple(range(text_layers)),
+    )
+    return HiDreamImagePipeline(
+        scheduler=FlowMatchEulerDiscreteScheduler(),
+        vae=_vae(scale, scaling_factor=0.3611, shift_factor=0.1159),
+        text_encoder=_clip_text("CLIPTextModelWithProjection", clip_tokenizer(model_max_length=128), clip_hidden,
+                                text_layers, projection_dim=clip_hidden),
+        tokenizer=clip_tokenizer(model_max_length=128),
+        text_encoder_2=_clip_text("CLIPTextModelWithProjection", clip_tokenizer(model_max_length=128), clip_hidden,
+                                  text_layers, projection_dim=clip_hidden),
+        tokenizer_2=clip_tokenizer(model_max_length=128),
+        text_encoder_3=_t5_encoder(t5_tokenizer, t5_hidden, text_layers),
+        tokenizer_3=t5_tokenizer,
+        text_encoder_4=llama,
+        tokenizer_4=llama_tokenizer,
+        transformer=transformer,
+    )
+
+
 _BUILDERS: dict[str, Callable[[int, int], object]] = {
     "sd": _sd, "sdxl": _sdxl, "lumina2": _lumina2, "cogview4": _cogview4,
-    "flux": _flux, "flux_schnell": _flux_schnell, "sd3": _sd3, "qwenimage": _qwenimage, "wan": _wan, "chroma": _chroma, "sana": _sana, "pixart_sigma": _pixart_sigma, "aura_flow": _aura_flow,
+    "flux": _flux, "flux_schnell": _flux_schnell, "sd3": _sd3, "qwenimage": _qwenimage, "wan": _wan, "chroma": _chroma, "sana": _sana, "pixart_sigma": _pixart_sigma, "aura_flow": _aura_flow, "hidream": _hidream,
 }
 
 # Sizes each tiny architecture accepts (multiples of what its VAE and patching need).
-DEFAULT_SIZE = {"sd": 32, "sdxl": 32, "lumina2": 32, "cogview4": 32, "flux": 32, "flux_schnell": 32, "sd3": 32, "qwenimage": 32, "wan": 32, "chroma": 32, "sana": 32, "pixart_sigma": 32, "aura_flow": 32}
+DEFAULT_SIZE = {"sd": 32, "sdxl": 32, "lumina2": 32, "cogview4": 32, "flux": 32, "flux_schnell": 32, "sd3": 32, "qwenimage": 32, "wan": 32, "chroma": 32, "sana": 32, "pixart_sigma": 32, "aura_flow": 32, "hidream": 32}
 
 
 def build_pipeline(kind: str, *, seed: int = 0, scale: int = 1, text_layers: int = 2):
