@@ -11,6 +11,11 @@ two passes separately, as StableDiffusionAdapter does for the UNet. `split_guida
 the shorter T5 and Llama embeddings so the pipeline's check and torch.cat pass, and swaps in a
 transformer forward that cuts each half back to its true lengths and calls the transformer once per
 half. With equal lengths nothing is changed, so the pipeline's own batched path runs.
+
+Size: HiDreamImagePipeline rescales every requested size to the area of its default size,
+(128 x VAE scale)^2 (1024 x 1024 for the released models), keeping the aspect ratio. memfit passes
+the requested width and height on unchanged, as a plain call does, so the image has the pipeline's
+size; Settings (and the activation estimates) keep the requested one.
 """
 
 from __future__ import annotations

@@ -614,7 +614,7 @@ def _hidream(scale: int, text_layers: int):
         num_routed_experts=4,
         num_activated_experts=2,
         axes_dims_rope=(4, 2, 2),
-        max_resolution=(16, 16),  # latent pixels: a 32 px image, no padded image tokens
+        max_resolution=(128, 128),  # latent pixels: HiDream runs every request at the area of 128 x 128 latents
         llama_layers=tuple(range(text_layers)),
     )
     return HiDreamImagePipeline(
