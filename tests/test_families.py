@@ -404,3 +404,29 @@ def test_hidream_unequal_lengths_split_passes(tiny_models, monkeypatch):
     with hidream.split_guidance_passes(pipe.transformer, {"prompt_embeds_t5": (48, 128), "prompt_embeds_llama3": (40, 128)}):
         cut = run("np")
     assert np.abs(cut - batched).max() > 1e-5  # the negative pass really saw only its cut embeddings
+
+
+def test_optional_settings_are_resolved_or_refused(tiny_models):
+    """true_cfg_scale and num_frames reach only the pipelines that take them; Wan's defaults are its own."""
+    from memfit.errors import MemfitError
+
+    flux = ModelFolder.open(tiny_models("flux")).adapter
+    assert flux.resolve(PROMPT, None, 2, None, 0, 32, 32).true_cfg_scale == 1.0
+    settings = flux.resolve(PROMPT, NEGATIVE, 2, None, 0, 32, 32, true_cfg_scale=3)
+    assert settings.true_cfg_scale == 3.0 and settings.guidance == 3.5 and flux.guided(settings)
+    assert not flux.guided(flux.resolve(PROMPT, None, 2, None, 0, 32, 32, true_cfg_scale=3))  # no negative prompt
+    with pytest.raises(MemfitError, match="takes no true_cfg_scale"):
+        ModelFolder.open(tiny_models("sd3")).adapter.resolve(PROMPT, None, 2, None, 0, 32, 32, true_cfg_scale=3)
+    with pytest.raises(MemfitError, match="takes no num_frames"):
+        memfit.generate(PROMPT, model=tiny_models("flux"), num_frames=5, progress=False)
+
+    wan = ModelFolder.open(tiny_models("wan")).adapter
+    settings = wan.resolve(PROMPT, None, None, None, 0, None, None)
+    assert (settings.num_frames, settings.width, settings.height, settings.guidance) == (81, 832, 480, 5.0)
+    assert wan.latent_frames(settings) == 21
+    with pytest.raises(MemfitError, match="use 5 or 9"):
+        wan.resolve(PROMPT, None, 2, None, 0, 32, 32, num_frames=6)
+
+    qwen = ModelFolder.open(tiny_models("qwenimage")).adapter
+    settings = qwen.resolve(PROMPT, NEGATIVE, None, None, 0, 32, 32)
+    assert settings.guidance == 4.0 and qwen.call_kwargs(settings)["true_cfg_scale"] == 4.0
