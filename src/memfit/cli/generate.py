@@ -25,6 +25,9 @@ def register(commands: argparse._SubParsersAction) -> None:
     gen.add_argument("--embeddings", help="prompt embeddings from `memfit encode` (skips the text encoders)")
     gen.add_argument("--steps", type=int, help="denoising steps (default: the model's or pipeline's)")
     gen.add_argument("--guidance", type=float, help="classifier-free guidance scale (default: the model's or pipeline's)")
+    gen.add_argument("--true-cfg", type=float, help="true classifier-free guidance scale, for pipelines that take "
+                     "true_cfg_scale (Flux, QwenImage, Chroma); needs --negative-prompt")
+    gen.add_argument("--frames", type=int, help="frames to generate, for video pipelines (num_frames: Wan)")
     gen.add_argument("--seed", type=int, default=0)
     gen.add_argument("--width", type=int)
     gen.add_argument("--height", type=int)
@@ -86,6 +89,8 @@ def _generate(args) -> int:
         progress=not args.quiet,
         refiner=args.refiner,
         refiner_start=args.refiner_start,
+        true_cfg_scale=args.true_cfg,
+        num_frames=args.frames,
     )
     result.save(out)
     if args.report:

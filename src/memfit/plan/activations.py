@@ -42,7 +42,8 @@ def stage_strategies(adapter, stage: str, settings, guided: bool, dtype: str) ->
     from memfit.plan.meta import activation_estimate
 
     configs = adapter.configs
-    size = dict(width=settings.width, height=settings.height, vae_scale=adapter.vae_scale_factor())
+    size = dict(width=settings.width, height=settings.height, vae_scale=adapter.vae_scale_factor(),
+                frames=adapter.latent_frames(settings))
     if stage == "encode":
         encoders = [name for name in adapter.encode_components if name.startswith("text_encoder") and name in configs]
         batch = 2 if guided else 1

@@ -309,12 +309,14 @@ def activation_estimate(
     vae_scale: int = 8,
     text_tokens: int = 512,
     class_name: str = "",
+    frames: int = 1,
 ) -> int:
     """A first estimate of the peak activation bytes of one forward pass.
 
     kind is "unet", "transformer", "vae_decoder", "vae_decoder_banded" or "text_encoder"; ``config`` is the component's
     config.json; width/height are the *image* size in pixels; ``batch`` is the batch the model
-    really sees (2 when classifier-free guidance batches cond and uncond).
+    really sees (2 when classifier-free guidance batches cond and uncond); ``frames`` the latent
+    frames a video transformer sees at once (1 for images).
 
     Model: peak = factor[kind] * batch * dtype bytes * widest activation + offset[kind], where the widest
     activation is, per kind:
@@ -334,12 +336,12 @@ def activation_estimate(
     if width <= 0 or height <= 0 or batch <= 0:
         raise MemfitError(f"Width, height and batch must be positive, got {width}x{height}, batch {batch}.")
     elems = activation_elements(kind, config, width=width, height=height, vae_scale=vae_scale,
-                                text_tokens=text_tokens, class_name=class_name)
+                                text_tokens=text_tokens, class_name=class_name, frames=frames)
     return int(ACTIVATION_FACTORS[kind] * batch * dtype_bytes(dtype) * elems + ACTIVATION_OFFSETS[kind])
 
 
 def activation_elements(kind: str, config: Mapping[str, Any], *, width: int, height: int, vae_scale: int = 8,
-                        text_tokens: int = 512, class_name: str = "") -> int:
+                        text_tokens: int = 512, class_name: str = "", frames: int = 1) -> int:
     """The shape model's element count for one sample (what ACTIVATION_FACTORS multiply)."""
     return {
         "unet": _unet_elems,
@@ -347,7 +349,8 @@ def activation_elements(kind: str, config: Mapping[str, Any], *, width: int, hei
         "vae_decoder": _vae_decoder_elems,
         "vae_decoder_banded": _vae_decoder_elems,
         "text_encoder": _text_encoder_elems,
-    }[kind](config, width=width, height=height, vae_scale=vae_scale, text_tokens=text_tokens, class_name=class_name)
+    }[kind](config, width=width, height=height, vae_scale=vae_scale, text_tokens=text_tokens, class_name=class_name,
+             frames=frames)
 
 
 def _unet_elems(config, *, width, height, vae_scale, **_):
@@ -364,9 +367,12 @@ def _unet_elems(config, *, width, height, vae_scale, **_):
     return widest + skips
 
 
-def _transformer_elems(config, *, width, height, vae_scale, text_tokens, class_name, **_):
+def _transformer_elems(config, *, width, height, vae_scale, text_tokens, class_name, frames=1, **_):
     patch = _PACKED_PATCH.get(class_name, config.get("patch_size", 2))
-    image_tokens = (width // vae_scale // patch) * (height // vae_scale // patch)
+    if isinstance(patch, (list, tuple)):  # a video transformer's (time, height, width) patch
+        frames = -(-frames // patch[0])
+        patch = patch[-1]
+    image_tokens = frames * (width // vae_scale // patch) * (height // vae_scale // patch)
     hidden = config.get("hidden_size") or config.get("num_attention_heads", 24) * config.get("attention_head_dim", 128)
     return (image_tokens + text_tokens) * hidden * 4
 

@@ -41,7 +41,7 @@ def stage_options(adapter, *, dtype: str, width: int, height: int,
             f"{adapter.class_name} has no denoiser or no vae among the models memfit can size "
             f"({sorted(adapter.classes)}); memfit plans text-to-image and text-to-video pipelines."
         )
-    settings = SimpleNamespace(width=width, height=height)
+    settings = SimpleNamespace(width=width, height=height, num_frames=_default_frames(adapter), true_cfg_scale=1.0)
     result = []
     for stage in STAGES:
         sizes = []
@@ -58,6 +58,15 @@ def stage_options(adapter, *, dtype: str, width: int, height: int,
         result.append([(strategy, stage_input(stage, sizes, strategy.activation_bytes, runs=runs))
                        for strategy in stage_strategies(adapter, stage, settings, True, dtype)])
     return result
+
+
+def _default_frames(adapter) -> int:
+    """The frames a video pipeline makes by default (its __call__'s num_frames); 1 for images."""
+    import diffusers
+
+    if getattr(diffusers, adapter.class_name, None) is None:
+        return 1
+    return int(adapter.call_defaults().get("num_frames") or 1)
 
 
 def choose_strategies(options, budget: Budget, *, prefetch: int = 1) -> tuple[list[StageInput], dict[str, str]]:

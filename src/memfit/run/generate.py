@@ -78,6 +78,8 @@ def generate(
     progress: bool = True,
     refiner: str | Path | None = None,
     refiner_start: float | None = None,
+    true_cfg_scale: float | None = None,
+    num_frames: int | None = None,
 ) -> Generation:
     """Generate an image with a diffusers model folder, one stage resident at a time.
 
@@ -117,8 +119,9 @@ def generate(
         loaded = embeddings if isinstance(embeddings, Embeddings) else Embeddings.load(embeddings)
         check_embeddings(loaded, folder, "The embeddings" if isinstance(embeddings, Embeddings) else str(embeddings))
         prompt, negative_prompt = loaded.prompt, loaded.negative_prompt
-    settings = adapter.resolve(prompt, negative_prompt, steps, guidance, seed, width, height, folder.defaults)
-    guided = adapter.uses_guidance(settings.guidance)
+    settings = adapter.resolve(prompt, negative_prompt, steps, guidance, seed, width, height, folder.defaults,
+                               true_cfg_scale=true_cfg_scale, num_frames=num_frames)
+    guided = adapter.guided(settings)
     report = RunReport(device=str(device), dtype=dtype, model=str(folder.path), settings=settings.__dict__.copy())
     if budget is not None:
         return_large_frees_to_os()  # freed activations leave RSS at once, so stages stay within plan

@@ -32,7 +32,34 @@ def diffusers_image(model_dir: str | Path, *, prompt: str, negative_prompt=None,
     ).images[0]
 
 
+def diffusers_output(model_dir: str | Path, settings, dtype: torch.dtype = torch.float32, **call_kwargs) -> list:
+    """What plain diffusers makes for memfit's resolved `settings`: the images (or a video's frames).
+
+    The call arguments come from the folder's adapter (PipelineAdapter.call_kwargs), so settings
+    that only some pipelines take (true_cfg_scale, num_frames) reach diffusers as memfit passes them.
+    """
+    import diffusers
+
+    from memfit.models.folder import ModelFolder
+
+    pipe = diffusers.DiffusionPipeline.from_pretrained(model_dir, torch_dtype=dtype)
+    pipe.set_progress_bar_config(disable=True)
+    if settings.negative_prompt is not None:  # else the pipeline's own default, as a plain call leaves it
+        call_kwargs["negative_prompt"] = settings.negative_prompt
+    output = pipe(
+        prompt=settings.prompt,
+        **ModelFolder.open(model_dir).adapter.call_kwargs(settings),
+        generator=torch.Generator(device="cpu").manual_seed(settings.seed), output_type="pil", **call_kwargs,
+    )
+    images = getattr(output, "images", None)
+    return list(images) if images is not None else list(output.frames[0])
+
+
 def max_pixel_difference(a, b) -> int:
+    if isinstance(a, (list, tuple)) or isinstance(b, (list, tuple)):  # video frames
+        if len(a) != len(b):
+            raise AssertionError(f"frame counts differ: {len(a)} vs {len(b)}")
+        return max((max_pixel_difference(x, y) for x, y in zip(a, b)), default=0)
     a, b = np.asarray(a, dtype=np.int16), np.asarray(b, dtype=np.int16)
     if a.shape != b.shape:
         raise AssertionError(f"image shapes differ: {a.shape} vs {b.shape}")
@@ -45,11 +72,12 @@ def assert_matches_diffusers(model_dir: str | Path, *, atol: int = 0, **settings
 
     ours = generate(model=model_dir, progress=False, **settings)
     s = ours.settings
-    reference = diffusers_image(
-        model_dir, prompt=s.prompt, negative_prompt=s.negative_prompt, steps=s.steps, guidance=s.guidance,
-        seed=s.seed, width=s.width, height=s.height,
-    )
-    difference = max_pixel_difference(ours.images[0], reference)
+    if s.num_frames > 1:  # a video: every frame must match
+        reference = diffusers_output(model_dir, s)
+        difference = max_pixel_difference(ours.images, reference)
+    else:
+        reference = diffusers_output(model_dir, s)[0]
+        difference = max_pixel_difference(ours.images[0], reference)
     if difference > atol:
         raise AssertionError(f"memfit differs from plain diffusers by {difference} (allowed {atol}) for {model_dir}")
     return ours, reference

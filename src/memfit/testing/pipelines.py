@@ -15,7 +15,8 @@ import torch
 
 from memfit.testing.tokenizers import clip_tokenizer, word_tokenizer
 
-PIPELINE_KINDS = ("sd", "sdxl", "lumina2", "cogview4")
+PIPELINE_KINDS = ("sd", "sdxl", "lumina2", "cogview4", "flux", "flux_schnell", "sd3", "qwenimage", "chroma", "sana", "pixart_sigma",
+                  "aura_flow", "hidream")
 
 
 def _vae(scale: int, *, levels: int = 2, latent_channels: int = 4, **extra):
@@ -225,10 +226,421 @@ def _cogview4(scale: int, text_layers: int):
     )
 
 
-_BUILDERS: dict[str, Callable[[int, int], object]] = {"sd": _sd, "sdxl": _sdxl, "lumina2": _lumina2, "cogview4": _cogview4}
+def _t5_encoder(tokenizer, hidden: int, layers: int, cls_name: str = "T5EncoderModel", **extra):
+    """A tiny T5 (or UMT5) encoder for the word tokenizer; stands in for T5-XXL / UMT5-XXL."""
+    import transformers
+
+    config_class = transformers.UMT5Config if cls_name.startswith("UMT5") else transformers.T5Config
+    config = config_class(
+        vocab_size=len(tokenizer),
+        d_model=hidden,
+        d_kv=8,
+        d_ff=2 * hidden,
+        num_layers=layers,
+        num_heads=2,
+        relative_attention_num_buckets=8,
+        pad_token_id=tokenizer.pad_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        decoder_start_token_id=tokenizer.pad_token_id,
+        **extra,
+    )
+    return getattr(transformers, cls_name)(config).eval()
+
+
+def _flux(scale: int, text_layers: int, *, guidance_embeds: bool = True):
+    from diffusers import FlowMatchEulerDiscreteScheduler, FluxPipeline, FluxTransformer2DModel
+
+    tokenizer = clip_tokenizer()
+    clip_hidden = 16 * scale
+    t5_tokenizer = word_tokenizer()
+    t5_hidden = 16 * scale
+    latent_channels = 4
+    transformer = FluxTransformer2DModel(
+        patch_size=1,
+        in_channels=4 * latent_channels,  # latents are packed in 2x2 patches
+        num_layers=1,
+        num_single_layers=1,
+        attention_head_dim=16,
+        num_attention_heads=2 * scale,
+        joint_attention_dim=t5_hidden,
+        pooled_projection_dim=clip_hidden,
+        guidance_embeds=guidance_embeds,
+        axes_dims_rope=(4, 4, 8),
+    )
+    return FluxPipeline(
+        scheduler=FlowMatchEulerDiscreteScheduler(),
+        vae=_vae(scale, latent_channels=latent_channels, scaling_factor=1.5035, shift_factor=0.0609,
+                 use_quant_conv=False, use_post_quant_conv=False),
+        text_encoder=_clip_text("CLIPTextModel", tokenizer, clip_hidden, text_layers),
+        tokenizer=tokenizer,
+        text_encoder_2=_t5_encoder(t5_tokenizer, t5_hidden, text_layers),
+        tokenizer_2=t5_tokenizer,
+        transformer=transformer,
+    )
+
+
+def _flux_schnell(scale: int, text_layers: int):
+    return _flux(scale, text_layers, guidance_embeds=False)
+
+
+def _sd3(scale: int, text_layers: int):
+    from diffusers import FlowMatchEulerDiscreteScheduler, SD3Transformer2DModel, StableDiffusion3Pipeline
+
+    tokenizer = clip_tokenizer()
+    clip_hidden = 16 * scale
+    t5_tokenizer = word_tokenizer()
+    t5_hidden = 2 * clip_hidden  # the CLIP-L and CLIP-G embeddings, concatenated, are padded to T5's width
+    inner = 32 * scale
+    transformer = SD3Transformer2DModel(
+        sample_size=16,
+        patch_size=2,
+        in_channels=4,
+        num_layers=2,
+        attention_head_dim=8,
+        num_attention_heads=inner // 8,
+        joint_attention_dim=t5_hidden,
+        caption_projection_dim=inner,
+        pooled_projection_dim=2 * clip_hidden,  # both CLIP projections
+        out_channels=4,
+        pos_embed_max_size=16,
+    )
+    return StableDiffusion3Pipeline(
+        transformer=transformer,
+        scheduler=FlowMatchEulerDiscreteScheduler(shift=3.0),
+        vae=_vae(scale, scaling_factor=1.5305, shift_factor=0.0609),
+        text_encoder=_clip_text("CLIPTextModelWithProjection", tokenizer, clip_hidden, text_layers, projection_dim=clip_hidden),
+        tokenizer=tokenizer,
+        text_encoder_2=_clip_text("CLIPTextModelWithProjection", tokenizer, clip_hidden, text_layers,
+                                  projection_dim=clip_hidden),
+        tokenizer_2=clip_tokenizer(),
+        text_encoder_3=_t5_encoder(t5_tokenizer, t5_hidden, text_layers),
+        tokenizer_3=t5_tokenizer,
+    )
+
+
+# The words of QwenImagePipeline's prompt template, so the template does not tokenize to unknowns.
+_QWEN_TEMPLATE_WORDS = (
+    "im_start im_end system user assistant describe image by detailing color shape size texture quantity text "
+    "spatial relationships objects background"
+).split()
+
+
+def _qwenimage(scale: int, text_layers: int):
+    from diffusers import (AutoencoderKLQwenImage, FlowMatchEulerDiscreteScheduler, QwenImagePipeline,
+                           QwenImageTransformer2DModel)
+    from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
+
+    from memfit.testing.tokenizers import DEFAULT_WORDS
+
+    tokenizer = word_tokenizer([*DEFAULT_WORDS, *_QWEN_TEMPLATE_WORDS])
+    text_hidden = 16 * scale
+    vocab = len(tokenizer)
+    text_encoder = Qwen2_5_VLForConditionalGeneration(
+        Qwen2_5_VLConfig(
+            text_config={
+                "hidden_size": text_hidden, "intermediate_size": 2 * text_hidden, "num_hidden_layers": text_layers,
+                "num_attention_heads": 2, "num_key_value_heads": 2, "vocab_size": vocab,
+                "rope_scaling": {"mrope_section": [1, 1, 2], "rope_type": "default", "type": "default"},
+                "rope_theta": 1000000.0, "pad_token_id": tokenizer.pad_token_id,
+                "bos_token_id": tokenizer.bos_token_id, "eos_token_id": tokenizer.eos_token_id,
+            },
+            vision_config={"depth": 1, "hidden_size": 16, "intermediate_size": 16, "num_heads": 2,
+                           "out_hidden_size": text_hidden},
+            # Vision tokens never occur in a text prompt: ids past the word vocabulary.
+            vision_start_token_id=vocab + 1, vision_end_token_id=vocab + 2, image_token_id=vocab + 3,
+            video_token_id=vocab + 4, vocab_size=vocab,
+        )
+    ).eval()
+    latent_channels = 4
+    transformer = QwenImageTransformer2DModel(
+        patch_size=2,
+        in_channels=4 * latent_channels,  # latents are packed in 2x2 patches
+        out_channels=latent_channels,
+        num_layers=2,
+        attention_head_dim=16,
+        num_attention_heads=2 * scale,
+        joint_attention_dim=text_hidden,
+        guidance_embeds=False,
+        axes_dims_rope=(8, 4, 4),
+    )
+    vae = AutoencoderKLQwenImage(
+        base_dim=4 * scale,
+        z_dim=latent_channels,
+        dim_mult=[1, 2, 4],
+        num_res_blocks=1,
+        temperal_downsample=[False, True],
+        latents_mean=[0.1, -0.2, 0.05, 0.3],
+        latents_std=[1.5, 0.8, 1.2, 2.0],
+    )
+    return QwenImagePipeline(
+        scheduler=FlowMatchEulerDiscreteScheduler(),
+        vae=vae,
+        text_encoder=text_encoder,
+        tokenizer=tokenizer,
+        transformer=transformer,
+    )
+
+
+def _wan(scale: int, text_layers: int):
+    from diffusers import AutoencoderKLWan, FlowMatchEulerDiscreteScheduler, WanPipeline, WanTransformer3DModel
+
+    tokenizer = word_tokenizer()
+    text_hidden = 16 * scale
+    latent_channels = 4
+    vae = AutoencoderKLWan(
+        base_dim=4 * scale,
+        z_dim=latent_channels,
+        dim_mult=[1, 1, 1, 1],  # three downsamplings: 8x spatially
+        num_res_blocks=1,
+        temperal_downsample=[False, True, True],  # 4x in time
+        latents_mean=[0.1, -0.2, 0.05, 0.3],
+        latents_std=[1.5, 0.8, 1.2, 2.0],
+    )
+    transformer = WanTransformer3DModel(
+        patch_size=(1, 2, 2),
+        num_attention_heads=2 * scale,
+        attention_head_dim=12,
+        in_channels=latent_channels,
+        out_channels=latent_channels,
+        text_dim=text_hidden,
+        freq_dim=32,
+        ffn_dim=32 * scale,
+        num_layers=2,
+        cross_attn_norm=True,
+        qk_norm="rms_norm_across_heads",
+        rope_max_seq_len=32,
+    )
+    return WanPipeline(
+        tokenizer=tokenizer,
+        text_encoder=_t5_encoder(tokenizer, text_hidden, text_layers, "UMT5EncoderModel"),
+        vae=vae,
+        transformer=transformer,
+        scheduler=FlowMatchEulerDiscreteScheduler(shift=7.0),
+    )
+
+
+def _chroma(scale: int, text_layers: int):
+    from diffusers import ChromaPipeline, ChromaTransformer2DModel, FlowMatchEulerDiscreteScheduler
+
+    tokenizer = word_tokenizer()
+    text_hidden = 16 * scale
+    latent_channels = 4
+    transformer = ChromaTransformer2DModel(
+        patch_size=1,
+        in_channels=4 * latent_channels,  # latents are packed in 2x2 patches
+        num_layers=1,
+        num_single_layers=1,
+        attention_head_dim=16,
+        num_attention_heads=2 * scale,
+        joint_attention_dim=text_hidden,
+        axes_dims_rope=(4, 4, 8),
+        approximator_num_channels=16,
+        approximator_hidden_dim=32,
+        approximator_layers=1,
+    )
+    return ChromaPipeline(
+        scheduler=FlowMatchEulerDiscreteScheduler(),
+        vae=_vae(scale, latent_channels=latent_channels, scaling_factor=1.5035, shift_factor=0.0609,
+                 use_quant_conv=False, use_post_quant_conv=False),
+        text_encoder=_t5_encoder(tokenizer, text_hidden, text_layers),
+        tokenizer=tokenizer,
+        transformer=transformer,
+    )
+
+
+def _gemma2_encoder(tokenizer, hidden: int, layers: int):
+    from transformers import Gemma2Config, Gemma2Model
+
+    return Gemma2Model(
+        Gemma2Config(
+            head_dim=4,
+            hidden_size=hidden,
+            intermediate_size=2 * hidden,
+            num_attention_heads=4,
+            num_hidden_layers=layers,
+            num_key_value_heads=2,
+            vocab_size=len(tokenizer),
+            pad_token_id=tokenizer.pad_token_id,
+            bos_token_id=tokenizer.bos_token_id,
+            eos_token_id=tokenizer.eos_token_id,
+        )
+    ).eval()
+
+
+def _sana(scale: int, text_layers: int):
+    from diffusers import AutoencoderDC, FlowMatchEulerDiscreteScheduler, SanaPipeline, SanaTransformer2DModel
+
+    tokenizer = word_tokenizer()
+    text_hidden = 16 * scale
+    latent_channels = 4
+    # SanaPipeline bins the requested size to its aspect-ratio table (sample_size 16: the 512 px table) and
+    # resizes back after decoding, so a 32 px request runs at 512 px: the VAE compresses 32x, as Sana's does.
+    levels = 6
+    vae = AutoencoderDC(
+        in_channels=3,
+        latent_channels=latent_channels,
+        attention_head_dim=2,
+        encoder_block_types=("ResBlock",) * levels,
+        decoder_block_types=("ResBlock",) * levels,
+        encoder_block_out_channels=(4 * scale,) * levels,
+        decoder_block_out_channels=(4 * scale,) * levels,
+        encoder_layers_per_block=(1,) * levels,
+        decoder_layers_per_block=(1,) * levels,
+        encoder_qkv_multiscales=((),) * levels,
+        decoder_qkv_multiscales=((),) * levels,
+        upsample_block_type="interpolate",
+        downsample_block_type="Conv",
+        decoder_norm_types="rms_norm",
+        decoder_act_fns="silu",
+        scaling_factor=0.41407,
+    )
+    transformer = SanaTransformer2DModel(
+        patch_size=1,
+        in_channels=latent_channels,
+        out_channels=latent_channels,
+        num_layers=2,
+        num_attention_heads=2 * scale,
+        attention_head_dim=8,
+        num_cross_attention_heads=2 * scale,
+        cross_attention_head_dim=8,
+        cross_attention_dim=16 * scale,
+        caption_channels=text_hidden,
+        sample_size=16,
+    )
+    return SanaPipeline(
+        tokenizer=tokenizer,
+        text_encoder=_gemma2_encoder(tokenizer, text_hidden, text_layers),
+        vae=vae,
+        transformer=transformer,
+        scheduler=FlowMatchEulerDiscreteScheduler(shift=3.0),
+    )
+
+
+def _pixart_sigma(scale: int, text_layers: int):
+    from diffusers import DPMSolverMultistepScheduler, PixArtSigmaPipeline, PixArtTransformer2DModel
+
+    tokenizer = word_tokenizer()
+    text_hidden = 16 * scale
+    # PixArtSigmaPipeline bins the requested size to its aspect-ratio table (sample_size 32: the 256 px table)
+    # and resizes back after decoding, so a 32 px request runs at 256 px through an 8x VAE.
+    transformer = PixArtTransformer2DModel(
+        sample_size=32,
+        num_layers=4,
+        patch_size=2,
+        attention_head_dim=16,
+        num_attention_heads=2 * scale,
+        caption_channels=text_hidden,
+        in_channels=4,
+        cross_attention_dim=32 * scale,
+        out_channels=8,  # learned sigma: the pipeline keeps the first half
+        attention_bias=True,
+        activation_fn="gelu-approximate",
+        num_embeds_ada_norm=1000,
+        norm_type="ada_norm_single",
+        norm_elementwise_affine=False,
+        norm_eps=1e-6,
+    )
+    return PixArtSigmaPipeline(
+        tokenizer=tokenizer,
+        text_encoder=_t5_encoder(tokenizer, text_hidden, text_layers),
+        vae=_vae(scale, levels=4, scaling_factor=0.13025),
+        transformer=transformer,
+        scheduler=DPMSolverMultistepScheduler(),
+    )
+
+
+def _aura_flow(scale: int, text_layers: int):
+    from diffusers import AuraFlowPipeline, AuraFlowTransformer2DModel, FlowMatchEulerDiscreteScheduler
+
+    tokenizer = word_tokenizer()
+    # AuraFlow's encode_prompt passes the whole tokenizer output to the encoder, which takes no token_type_ids.
+    tokenizer.model_input_names = ["input_ids", "attention_mask"]
+    text_hidden = 16 * scale
+    transformer = AuraFlowTransformer2DModel(
+        sample_size=16,
+        patch_size=2,
+        in_channels=4,
+        num_mmdit_layers=1,
+        num_single_dit_layers=1,
+        attention_head_dim=8,
+        num_attention_heads=4 * scale,
+        caption_projection_dim=32 * scale,
+        joint_attention_dim=text_hidden,
+        out_channels=4,
+        pos_embed_max_size=256,
+    )
+    return AuraFlowPipeline(
+        tokenizer=tokenizer,
+        text_encoder=_t5_encoder(tokenizer, text_hidden, text_layers, "UMT5EncoderModel"),
+        vae=_vae(scale),
+        transformer=transformer,
+        scheduler=FlowMatchEulerDiscreteScheduler(),
+    )
+
+
+def _hidream(scale: int, text_layers: int):
+    from diffusers import FlowMatchEulerDiscreteScheduler, HiDreamImagePipeline, HiDreamImageTransformer2DModel
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    # HiDream tokenizes for CLIP to min(max_sequence_length, 218) = 128 tokens.
+    clip_hidden = 16 * scale
+    t5_tokenizer = word_tokenizer()
+    t5_hidden = 16 * scale
+    llama_tokenizer = word_tokenizer()
+    llama_hidden = 16 * scale
+    llama = LlamaForCausalLM(
+        LlamaConfig(
+            hidden_size=llama_hidden,
+            intermediate_size=2 * llama_hidden,
+            num_hidden_layers=text_layers,
+            num_attention_heads=2,
+            num_key_value_heads=2,
+            vocab_size=len(llama_tokenizer),
+            pad_token_id=llama_tokenizer.eos_token_id,  # HiDreamImagePipeline pads with the eos token
+            bos_token_id=llama_tokenizer.bos_token_id,
+            eos_token_id=llama_tokenizer.eos_token_id,
+        )
+    ).eval()
+    transformer = HiDreamImageTransformer2DModel(
+        patch_size=2,
+        in_channels=4,
+        out_channels=4,
+        num_layers=1,
+        num_single_layers=1,
+        attention_head_dim=8,
+        num_attention_heads=4 * scale,
+        caption_channels=[t5_hidden, llama_hidden],
+        text_emb_dim=2 * clip_hidden,  # both CLIP projections
+        num_routed_experts=4,
+        num_activated_experts=2,
+        axes_dims_rope=(4, 2, 2),
+        max_resolution=(128, 128),  # latent pixels: HiDream runs every request at the area of 128 x 128 latents
+        llama_layers=tuple(range(text_layers)),
+    )
+    return HiDreamImagePipeline(
+        scheduler=FlowMatchEulerDiscreteScheduler(),
+        vae=_vae(scale, scaling_factor=0.3611, shift_factor=0.1159),
+        text_encoder=_clip_text("CLIPTextModelWithProjection", clip_tokenizer(model_max_length=128), clip_hidden,
+                                text_layers, projection_dim=clip_hidden),
+        tokenizer=clip_tokenizer(model_max_length=128),
+        text_encoder_2=_clip_text("CLIPTextModelWithProjection", clip_tokenizer(model_max_length=128), clip_hidden,
+                                  text_layers, projection_dim=clip_hidden),
+        tokenizer_2=clip_tokenizer(model_max_length=128),
+        text_encoder_3=_t5_encoder(t5_tokenizer, t5_hidden, text_layers),
+        tokenizer_3=t5_tokenizer,
+        text_encoder_4=llama,
+        tokenizer_4=llama_tokenizer,
+        transformer=transformer,
+    )
+
+
+_BUILDERS: dict[str, Callable[[int, int], object]] = {
+    "sd": _sd, "sdxl": _sdxl, "lumina2": _lumina2, "cogview4": _cogview4,
+    "flux": _flux, "flux_schnell": _flux_schnell, "sd3": _sd3, "qwenimage": _qwenimage, "wan": _wan, "chroma": _chroma, "sana": _sana, "pixart_sigma": _pixart_sigma, "aura_flow": _aura_flow, "hidream": _hidream,
+}
 
 # Sizes each tiny architecture accepts (multiples of what its VAE and patching need).
-DEFAULT_SIZE = {"sd": 32, "sdxl": 32, "lumina2": 32, "cogview4": 32}
+DEFAULT_SIZE = {"sd": 32, "sdxl": 32, "lumina2": 32, "cogview4": 32, "flux": 32, "flux_schnell": 32, "sd3": 32, "qwenimage": 32, "wan": 32, "chroma": 32, "sana": 32, "pixart_sigma": 32, "aura_flow": 32, "hidream": 32}
 
 
 def build_pipeline(kind: str, *, seed: int = 0, scale: int = 1, text_layers: int = 2):

@@ -3,7 +3,16 @@
 from __future__ import annotations
 
 from memfit.models.families.base import DENOISER_NAMES, PipelineAdapter, Settings
+from memfit.models.families.aura_flow import AuraFlowAdapter
+from memfit.models.families.chroma import ChromaAdapter
 from memfit.models.families.cogview4 import CogView4Adapter
+from memfit.models.families.flux import FluxAdapter
+from memfit.models.families.hidream import HiDreamImageAdapter
+from memfit.models.families.pixart_sigma import PixArtSigmaAdapter
+from memfit.models.families.qwenimage import QwenImageAdapter
+from memfit.models.families.sana import SanaAdapter
+from memfit.models.families.sd3 import StableDiffusion3Adapter
+from memfit.models.families.wan import WanAdapter
 from memfit.models.families.generic import GenericAdapter
 from memfit.models.families.lumina2 import Lumina2Adapter
 from memfit.models.families.sdxl_img2img import StableDiffusionXLImg2ImgAdapter
@@ -17,6 +26,15 @@ ADAPTERS: dict[str, type[PipelineAdapter]] = {
         StableDiffusionXLImg2ImgAdapter,
         Lumina2Adapter,
         CogView4Adapter,
+        FluxAdapter,
+        StableDiffusion3Adapter,
+        QwenImageAdapter,
+        WanAdapter,
+        ChromaAdapter,
+        SanaAdapter,
+        PixArtSigmaAdapter,
+        AuraFlowAdapter,
+        HiDreamImageAdapter,
     )
 }
 

@@ -36,6 +36,9 @@ class Settings:
     seed: int
     width: int
     height: int
+    # Only for pipelines that take them (PipelineAdapter.options); the defaults mean "not used".
+    true_cfg_scale: float = 1.0  # Flux: true classifier-free guidance, besides the embedded guidance
+    num_frames: int = 1  # video pipelines (Wan): frames generated
 
 
 class PipelineAdapter:
@@ -56,6 +59,9 @@ class PipelineAdapter:
     # The module paths of a component that a stage runs, where it runs only part of it (as in
     # memfit.models.archs): the plan places only these; the rest stays memory-mapped on the disk tier.
     stage_parts: ClassVar[dict[str, dict[str, tuple[str, ...]]]] = {"decode": {"vae": VAE_DECODE_PARTS}}
+    # The optional Settings fields this pipeline takes (true_cfg_scale, num_frames); resolve()
+    # refuses the others rather than ignoring them.
+    options: ClassVar[tuple[str, ...]] = ()
 
     def __init__(self, configs: dict[str, dict], classes: dict[str, tuple[str, str]] | None = None):
         # Component configs read from the model folder (or a built-in architecture), and each
@@ -99,7 +105,21 @@ class PipelineAdapter:
     def uses_guidance(self, guidance: float) -> bool:
         return guidance > 1
 
-    def resolve(self, prompt, negative_prompt, steps, guidance, seed, width, height, defaults=None) -> Settings:
+    def guided(self, settings: Settings) -> bool:
+        """Whether this request runs an unconditional (negative) pass: what the encode stage must produce."""
+        return self.uses_guidance(settings.guidance)
+
+    def latent_frames(self, settings: Settings) -> int:
+        """The latent frames the denoiser sees at once (video pipelines); for activation estimates."""
+        return 1
+
+    def call_kwargs(self, settings: Settings) -> dict[str, Any]:
+        """The pipeline's __call__ arguments for these settings, embeddings and generator aside."""
+        return dict(num_inference_steps=settings.steps, guidance_scale=settings.guidance, height=settings.height,
+                    width=settings.width)
+
+    def resolve(self, prompt, negative_prompt, steps, guidance, seed, width, height, defaults=None, *,
+                true_cfg_scale=None, num_frames=None) -> Settings:
         call_defaults = self.call_defaults()
         defaults = defaults or {}
         if not isinstance(prompt, str) or not prompt.strip():
@@ -119,7 +139,19 @@ class PipelineAdapter:
                     f"The {label} {value} is not a positive multiple of {multiple}, which {self.class_name} needs; "
                     f"use {lower} or {lower + multiple}."
                 )
-        return Settings(prompt, negative_prompt or None, steps, guidance, int(seed), width, height)
+        options = {}
+        for name, value in (("true_cfg_scale", true_cfg_scale), ("num_frames", num_frames)):
+            value = value if value is not None else defaults.get(name)
+            if value is None:
+                continue
+            if name not in self.options:
+                raise MemfitError(f"{self.class_name} takes no {name}; leave it out.")
+            options[name] = float(value) if name == "true_cfg_scale" else int(value)
+        if "num_frames" in self.options:
+            options.setdefault("num_frames", int(call_defaults["num_frames"]))
+            if options["num_frames"] < 1:
+                raise MemfitError(f"num_frames must be at least 1, got {options['num_frames']}.")
+        return Settings(prompt, negative_prompt or None, steps, guidance, int(seed), width, height, **options)
 
     # ---- stages ------------------------------------------------------------------------------
     def encode(self, pipe, settings: Settings, with_negative: bool) -> dict[str, torch.Tensor]:

@@ -1,0 +1,61 @@
+"""ChromaPipeline (T5 text encoder with attention masks, Chroma MMDiT transformer, Flux VAE).
+
+Chroma has real classifier-free guidance (`guidance` > 1, its guidance_scale), run as two
+separate transformer calls per step, each with its own embedding, attention mask and text ids.
+
+Unequal lengths: native. check_inputs compares no shapes and each pass builds its mask and text ids
+from its own embedding, so embeddings of different lengths go through unchanged.
+
+The denoise stage hands over latents unpacked into the VAE's layout [B, C, H/8, W/8] (the
+pipeline's _unpack_latents, which needs the image size); decode copies the rest of the
+pipeline's post-loop code.
+"""
+
+from __future__ import annotations
+
+from memfit.errors import MemfitError
+from memfit.models.families.base import PipelineAdapter
+
+
+class ChromaAdapter(PipelineAdapter):
+    class_name = "ChromaPipeline"
+    encode_components = ("tokenizer", "text_encoder")
+    denoise_components = ("transformer", "scheduler")
+    text_encoders = ("text_encoder", "tokenizer")
+    unequal_lengths = "native: the pipeline runs the two guidance passes separately, each with its own mask"
+    max_text_tokens = 512
+    guidance_batch = 1  # the negative pass is a separate transformer call
+
+    def size_multiple(self) -> int:
+        return self.vae_scale_factor() * 2  # latents are packed in 2x2 patches
+
+    def default_size(self) -> int:
+        return 128 * self.vae_scale_factor()  # ChromaPipeline.default_sample_size
+
+    def encode(self, pipe, settings, with_negative):
+        positive, _, positive_mask, negative, _, negative_mask = pipe.encode_prompt(
+            prompt=settings.prompt,
+            negative_prompt=settings.negative_prompt,
+            device=pipe._execution_device,
+            num_images_per_prompt=1,
+            do_classifier_free_guidance=with_negative,
+        )
+        embeddings = {"prompt_embeds": positive, "prompt_attention_mask": positive_mask}
+        if with_negative:
+            embeddings["negative_prompt_embeds"] = negative
+            embeddings["negative_prompt_attention_mask"] = negative_mask
+        return embeddings
+
+    def denoise(self, pipe, embeddings, settings, generator, split=False):
+        if split:
+            raise MemfitError(f"{self.class_name} already runs its guidance passes separately; plan it without 'split'.")
+        kwargs = self.embedding_kwargs(embeddings, self.uses_guidance(settings.guidance))
+        latents = pipe(**kwargs, **self.call_kwargs(settings), generator=generator, output_type="latent").images
+        # As ChromaPipeline.__call__ does first after its loop: unpack into the VAE's layout.
+        return pipe._unpack_latents(latents, settings.height, settings.width, pipe.vae_scale_factor)
+
+    def decode(self, pipe, latents, generator):
+        # Copied from ChromaPipeline.__call__ after its denoising loop (_unpack_latents ran in denoise).
+        latents = (latents / pipe.vae.config.scaling_factor) + pipe.vae.config.shift_factor
+        image = pipe.vae.decode(latents, return_dict=False)[0]
+        return pipe.image_processor.postprocess(image, output_type="pil")

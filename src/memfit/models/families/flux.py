@@ -1,0 +1,117 @@
+"""FluxPipeline (CLIP-L pooled + T5 text encoders, MMDiT transformer), dev and schnell alike.
+
+`guidance` is Flux's own guidance_scale: the *embedded* guidance of guidance-distilled models
+(dev: transformer guidance_embeds=True; schnell ignores it). It needs no negative prompt.
+True classifier-free guidance is a separate setting, `true_cfg_scale` (Settings field): as in
+diffusers, it runs only when true_cfg_scale > 1 *and* a negative prompt is given, as a second,
+separate transformer pass per step.
+
+Unequal lengths: the two passes are separate calls, each with its own text ids
+(zeros of its own length), so they could take different lengths, but FluxPipeline.__call__
+refuses prompt/negative embeddings of different shapes. memfit pads the shorter embedding with
+zeros to pass that check and, while the pipeline runs, cuts the padded tensor (and its text ids)
+back to its true length inside the transformer call that receives it: each pass sees exactly its
+unpadded embedding, as the pipeline's own separate passes would.
+
+The denoise stage hands over latents unpacked into the VAE's layout [B, C, H/8, W/8] (the
+pipeline's _unpack_latents, which needs the image size); decode copies the rest of the
+pipeline's post-loop code.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+
+from memfit.errors import MemfitError
+from memfit.models.families.base import PipelineAdapter, pad_to_length
+
+
+@contextlib.contextmanager
+def trim_padded_text(transformer: torch.nn.Module, padded: dict[int, int]):
+    """While active, a transformer call whose encoder_hidden_states is one of the padded tensors
+    (keyed by id) runs on its first `length` tokens and text ids only."""
+    original_forward = transformer.forward
+    instance_forward = vars(transformer).get("forward")
+
+    def forward(*args, encoder_hidden_states=None, txt_ids=None, **kwargs):
+        length = padded.get(id(encoder_hidden_states))
+        if length is not None:
+            encoder_hidden_states = encoder_hidden_states[:, :length]
+            if txt_ids is not None:
+                txt_ids = txt_ids[:length] if txt_ids.ndim == 2 else txt_ids[:, :length]
+        return original_forward(*args, encoder_hidden_states=encoder_hidden_states, txt_ids=txt_ids, **kwargs)
+
+    transformer.forward = forward
+    try:
+        yield
+    finally:
+        if instance_forward is None:
+            del transformer.forward
+        else:
+            transformer.forward = instance_forward
+
+
+class FluxAdapter(PipelineAdapter):
+    class_name = "FluxPipeline"
+    encode_components = ("tokenizer", "tokenizer_2", "text_encoder", "text_encoder_2")
+    denoise_components = ("transformer", "scheduler")
+    text_encoders = ("text_encoder", "text_encoder_2", "tokenizer", "tokenizer_2")
+    unequal_lengths = "separate passes: the shorter embedding is padded for the pipeline's shape check and cut back inside its own transformer call"
+    max_text_tokens = 512
+    guidance_batch = 1  # true CFG runs the negative pass as a separate transformer call
+    options = ("true_cfg_scale",)
+
+    def size_multiple(self) -> int:
+        return self.vae_scale_factor() * 2  # latents are packed in 2x2 patches
+
+    def default_size(self) -> int:
+        return 128 * self.vae_scale_factor()  # FluxPipeline.default_sample_size
+
+    def guided(self, settings) -> bool:
+        # FluxPipeline: do_true_cfg = true_cfg_scale > 1 and has_neg_prompt.
+        return settings.true_cfg_scale > 1 and settings.negative_prompt is not None
+
+    def call_kwargs(self, settings):
+        return dict(super().call_kwargs(settings), true_cfg_scale=settings.true_cfg_scale)
+
+    def encode(self, pipe, settings, with_negative):
+        device = pipe._execution_device
+        positive, pooled, _ = pipe.encode_prompt(prompt=settings.prompt, prompt_2=None, device=device,
+                                                 num_images_per_prompt=1)
+        embeddings = {"prompt_embeds": positive, "pooled_prompt_embeds": pooled}
+        if with_negative:
+            # FluxPipeline encodes the negative prompt with the same encode_prompt call.
+            negative, negative_pooled, _ = pipe.encode_prompt(prompt=settings.negative_prompt or "", prompt_2=None,
+                                                              device=device, num_images_per_prompt=1)
+            embeddings["negative_prompt_embeds"] = negative
+            embeddings["negative_pooled_prompt_embeds"] = negative_pooled
+        return embeddings
+
+    def denoise(self, pipe, embeddings, settings, generator, split=False):
+        if split:
+            raise MemfitError(f"{self.class_name} already runs its guidance passes separately; plan it without 'split'.")
+        guided = self.guided(settings)
+        kwargs = self.embedding_kwargs(embeddings, guided)
+        padded: dict[int, int] = {}
+        if guided and kwargs["negative_prompt_embeds"].shape[1] != kwargs["prompt_embeds"].shape[1]:
+            length = max(kwargs["negative_prompt_embeds"].shape[1], kwargs["prompt_embeds"].shape[1])
+            for name in ("prompt_embeds", "negative_prompt_embeds"):
+                if kwargs[name].shape[1] < length:
+                    true_length = kwargs[name].shape[1]
+                    kwargs[name] = pad_to_length(kwargs[name], length)
+                    padded[id(kwargs[name])] = true_length
+        with trim_padded_text(pipe.transformer, padded) if padded else contextlib.nullcontext():
+            latents = pipe(**kwargs, **self.call_kwargs(settings), generator=generator, output_type="latent").images
+        # As FluxPipeline.__call__ does first after its loop: unpack into the VAE's layout.
+        return pipe._unpack_latents(latents, settings.height, settings.width, pipe.vae_scale_factor)
+
+    def decode(self, pipe, latents, generator):
+        # Copied from FluxPipeline.__call__ after its denoising loop (_unpack_latents ran in denoise).
+        from diffusers.utils.torch_utils import get_module_execution_device
+
+        latents = (latents / pipe.vae.config.scaling_factor) + pipe.vae.config.shift_factor
+        latents = latents.to(get_module_execution_device(pipe.vae))
+        image = pipe.vae.decode(latents, return_dict=False)[0]
+        return pipe.image_processor.postprocess(image, output_type="pil")

@@ -1,0 +1,100 @@
+"""WanPipeline, text to video (UMT5 text encoder, Wan 3D transformer, Wan 3D VAE).
+
+The output is a video: memfit's `images` are its frames (PIL), as `WanPipeline(...).frames[0]`
+with output_type="pil". `num_frames` (Settings field, default: the pipeline's 81) must be
+4k+1, which the pipeline would otherwise round silently; memfit refuses other counts.
+A Wan2.2 folder's second transformer (transformer_2, with boundary_ratio) is loaded in the
+denoise stage with the first; guidance_scale_2 is not exposed (the pipeline then uses guidance).
+
+Unequal lengths: native. The pipeline runs the conditional and unconditional passes as separate
+transformer calls and compares no shapes; the transformer takes no text mask (encode_prompt already
+zero-pads every prompt to max_sequence_length, so its own embeddings are equal in length).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from memfit.errors import MemfitError
+from memfit.models.families.base import PipelineAdapter
+
+
+class WanAdapter(PipelineAdapter):
+    class_name = "WanPipeline"
+    encode_components = ("tokenizer", "text_encoder")
+    denoise_components = ("transformer", "transformer_2", "scheduler")
+    text_encoders = ("text_encoder", "tokenizer")
+    unequal_lengths = "native: the pipeline runs the two guidance passes separately"
+    max_text_tokens = 512
+    guidance_batch = 1  # the negative pass is a separate transformer call
+    options = ("num_frames",)
+
+    def vae_scale_factor(self) -> int:
+        return self.configs["vae"].get("scale_factor_spatial", 8)
+
+    def temporal_scale_factor(self) -> int:
+        return self.configs["vae"].get("scale_factor_temporal", 4)
+
+    def size_multiple(self) -> int:
+        return 16  # WanPipeline.check_inputs
+
+    def default_size(self) -> int:
+        return self.call_defaults()["height"]  # not square: resolve() takes __call__'s width and height
+
+    def resolve(self, prompt, negative_prompt, steps, guidance, seed, width, height, defaults=None, **options):
+        call_defaults = self.call_defaults()
+        defaults = defaults or {}
+        width = width if width is not None else defaults.get("width", call_defaults["width"])
+        height = height if height is not None else defaults.get("height", call_defaults["height"])
+        settings = super().resolve(prompt, negative_prompt, steps, guidance, seed, width, height, defaults, **options)
+        temporal = self.temporal_scale_factor()
+        if settings.num_frames % temporal != 1:
+            lower = max(1, (settings.num_frames - 1) // temporal * temporal + 1)
+            raise MemfitError(
+                f"num_frames {settings.num_frames} is not a multiple of {temporal} plus 1, which {self.class_name} "
+                f"needs; use {lower} or {lower + temporal}."
+            )
+        return settings
+
+    def latent_frames(self, settings) -> int:
+        return (settings.num_frames - 1) // self.temporal_scale_factor() + 1
+
+    def call_kwargs(self, settings):
+        return dict(super().call_kwargs(settings), num_frames=settings.num_frames)
+
+    def encode(self, pipe, settings, with_negative):
+        positive, negative = pipe.encode_prompt(
+            prompt=settings.prompt,
+            negative_prompt=settings.negative_prompt,
+            do_classifier_free_guidance=with_negative,
+            num_videos_per_prompt=1,
+            max_sequence_length=512,  # __call__'s default
+            device=pipe._execution_device,
+        )
+        embeddings = {"prompt_embeds": positive}
+        if with_negative:
+            embeddings["negative_prompt_embeds"] = negative
+        return embeddings
+
+    def denoise(self, pipe, embeddings, settings, generator, split=False):
+        if split:
+            raise MemfitError(f"{self.class_name} already runs its guidance passes separately; plan it without 'split'.")
+        if pipe.vae is None:  # what WanPipeline.__init__ reads from the VAE it does not have in this stage
+            pipe.vae_scale_factor_spatial = self.vae_scale_factor()
+            pipe.vae_scale_factor_temporal = self.temporal_scale_factor()
+        kwargs = self.embedding_kwargs(embeddings, self.uses_guidance(settings.guidance))
+        return pipe(**kwargs, **self.call_kwargs(settings), generator=generator, output_type="latent").frames
+
+    def decode(self, pipe, latents, generator):
+        # Copied from WanPipeline.__call__ after its denoising loop (output_type="pil"); the frames of the video.
+        from diffusers.utils.torch_utils import get_module_execution_device
+
+        vae = pipe.vae
+        latents = latents.to(get_module_execution_device(vae), dtype=vae.dtype)
+        latents_mean = torch.tensor(vae.config.latents_mean).view(1, vae.config.z_dim, 1, 1, 1).to(latents.device, latents.dtype)
+        latents_std = 1.0 / torch.tensor(vae.config.latents_std).view(1, vae.config.z_dim, 1, 1, 1).to(
+            latents.device, latents.dtype
+        )
+        latents = latents / latents_std + latents_mean
+        video = vae.decode(latents, return_dict=False)[0]
+        return list(pipe.video_processor.postprocess_video(video, output_type="pil")[0])
