@@ -131,10 +131,10 @@ def child(spec: dict) -> dict:
         original_decode = StableDiffusionAdapter.decode
         holder = {}
 
-        def decode(self, pipe, latents, generator):
+        def decode(self, pipe, latents, settings, generator):
             installed = vars(pipe.vae).get("decode")  # memfit's compiled entry, or None (eager)
             probe.wrap_decode(pipe.vae)
-            images = original_decode(self, pipe, latents, generator)
+            images = original_decode(self, pipe, latents, settings, generator)
             holder["at"] = time.time()
             if spec.get("decode_again"):
                 started = time.perf_counter()

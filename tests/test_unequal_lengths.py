@@ -97,13 +97,13 @@ def test_split_passes_take_unequal_lengths_and_ignore_padding(tiny_models, kind,
     assert any("77 (positive) and 48 (negative)" in note for note in first.report.notes)
 
     # Pad with noise instead of zeros: if any padded position reached the UNet, the image would change.
-    import memfit.models.families.stable_diffusion as sd_adapter
+    import memfit.models.families.base as families_base
 
     def noisy_pad(tensor, length, dim=1):
         shape = list(tensor.shape)
         shape[dim] = length - tensor.shape[dim]
         return torch.cat([tensor, 100 * torch.randn(shape)], dim=dim) if shape[dim] > 0 else tensor
 
-    monkeypatch.setattr(sd_adapter, "pad_to_length", noisy_pad)
+    monkeypatch.setattr(families_base, "pad_to_length", noisy_pad)
     second = memfit.generate(model=model, embeddings=_embeddings(model, tensors), progress=False, **SETTINGS)
     assert max_pixel_difference(first.images[0], second.images[0]) == 0

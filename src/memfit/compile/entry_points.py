@@ -416,22 +416,21 @@ class _Entry:
 # --- used by the staged runner (memfit.run.generate) ------------------------------------------------
 
 
-def compile_stage(pipe, model_dir, backend: BackendSpec | None, fallback, records: list) -> None:
+def compile_stage(pipe, model_dir, backend: BackendSpec | None, fallback, records: list,
+                  fingerprint: Callable[[str], str]) -> None:
     """Compile a freshly loaded stage's components, with their folders' fingerprints as content.
 
     ``records`` receives the CompileRecords; they fill in as the entries compile during the stage.
+    ``fingerprint(name)`` is the content fingerprint of the folder ``model_dir/name``.
     """
     if backend is None:
         return
     from pathlib import Path
 
-    from memfit.cache.fingerprint import fingerprint_folder
-
     fingerprints = {}
     for name, module in getattr(pipe, "components", {}).items():
-        folder = Path(model_dir) / name
-        if entry_points(name, module) and folder.is_dir():
-            fingerprints[name] = fingerprint_folder(folder)
+        if entry_points(name, module) and (Path(model_dir) / name).is_dir():
+            fingerprints[name] = fingerprint(name)
     records.extend(compile_components(pipe, backend, fallback=fallback, fingerprints=fingerprints))
 
 

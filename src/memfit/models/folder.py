@@ -57,6 +57,7 @@ class ModelFolder:
     configs: dict[str, dict] = field(default_factory=dict)
     # Recommended settings shipped with a model (memfit_defaults.json): steps, guidance, width, height.
     defaults: dict = field(default_factory=dict)
+    _fingerprints: dict[str, str] = field(default_factory=dict, repr=False, compare=False)
 
     @classmethod
     def open(cls, path: str | Path) -> "ModelFolder":
@@ -88,16 +89,23 @@ class ModelFolder:
                     configs[name] = _read_json(config_path)
         defaults_path = path / "memfit_defaults.json"
         defaults = _read_json(defaults_path) if defaults_path.is_file() else {}
-        folder = cls(path, class_name, components, configs, defaults)
-        return folder
+        return cls(path, class_name, components, configs, defaults)
+
+    def component_fingerprint(self, name: str) -> str:
+        """Content fingerprint of one component's folder (memfit.cache.fingerprint): hashed once per folder object."""
+        if name not in self._fingerprints:
+            from memfit.cache.fingerprint import fingerprint_folder
+
+            self._fingerprints[name] = fingerprint_folder(self.path / name)
+        return self._fingerprints[name]
 
     @cached_property
     def text_fingerprint(self) -> str:
-        """Content fingerprint of the text encoders and tokenizers: hashed once per folder object."""
-        from memfit.cache.fingerprint import fingerprint_components
+        """Content fingerprint of the text encoders and tokenizers together."""
+        from memfit.cache.fingerprint import combine_fingerprints
 
         names = [name for name in self.adapter.text_encoders if name in self.components]
-        return fingerprint_components(self.path, names)
+        return combine_fingerprints(self.component_fingerprint(name) for name in names)
 
     @cached_property
     def adapter(self) -> PipelineAdapter:

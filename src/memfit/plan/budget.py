@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Mapping, Union
 
 from memfit.errors import MemfitError
-from memfit.sizes import format_bytes, parse_size
+from memfit.sizes import parse_size
 
 __all__ = [
     "Budget",

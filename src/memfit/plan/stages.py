@@ -62,10 +62,6 @@ def stage_options(adapter, *, dtype: str, width: int, height: int,
 
 def _default_frames(adapter) -> int:
     """The frames a video pipeline makes by default (its __call__'s num_frames); 1 for images."""
-    import diffusers
-
-    if getattr(diffusers, adapter.class_name, None) is None:
-        return 1
     return int(adapter.call_defaults().get("num_frames") or 1)
 
 

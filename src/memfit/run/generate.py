@@ -16,7 +16,7 @@ from memfit.errors import MemfitError
 from memfit.run.embeddings import Embeddings
 from memfit.run.memory import collects_only_its_own_garbage, return_large_frees_to_os
 from memfit.run.report import RunReport
-from memfit.run.runner import StageRunner
+from memfit.run.runner import StageRunner, default_device
 from memfit.run.stages import (
     Generation,
     check_embeddings,
@@ -28,10 +28,6 @@ from memfit.run.stages import (
 )
 
 __all__ = ["Generation", "encode", "generate"]
-
-
-def default_device() -> torch.device:
-    return torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
 
 @collects_only_its_own_garbage
@@ -148,6 +144,6 @@ def generate(
         return tensors
 
     generator = torch.Generator(device="cpu").manual_seed(settings.seed)
-    stages += [denoise_stage(folder, settings, prompt_embeddings, generator), decode_stage(folder, generator)]
+    stages += [denoise_stage(folder, settings, prompt_embeddings, generator), decode_stage(folder, settings, generator)]
     images = runner.run(stages)["decode"]
     return Generation(images, settings, report, png_metadata(settings, folder, dtype))

@@ -38,7 +38,7 @@ import torch
 from memfit.errors import MemfitError
 from memfit.models.folder import ModelFolder
 from memfit.run.report import RunReport
-from memfit.run.runner import StageRunner
+from memfit.run.runner import StageRunner, default_device
 from memfit.run.stages import Generation, decode_stage, denoise_stage, encode_stage, open_model, png_metadata
 
 __all__ = ["DEFAULT_REFINER_START", "generate_with_refiner"]
@@ -107,7 +107,7 @@ def generate_with_refiner(
     ref = open_model(refiner)
     _check_pair(base, ref, refiner_start)
     refiner_start = float(refiner_start)
-    device = torch.device(device) if device is not None else torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    device = torch.device(device) if device is not None else default_device()
     settings = base.adapter.resolve(prompt, negative_prompt, steps, guidance, seed, width, height, base.defaults)
     guided = base.adapter.uses_guidance(settings.guidance)
     report = RunReport(device=str(device), dtype=dtype, model=str(base.path),
@@ -128,7 +128,7 @@ def generate_with_refiner(
         denoise_stage(base, settings, lambda results: results["encode"].pop("base"), generator, run=base_run),
         denoise_stage(ref, settings, lambda results: results.pop("encode")["refiner"], generator, name="refine",
                       run=refiner_run, label="refiner."),
-        decode_stage(ref, generator, latents_from="refine"),
+        decode_stage(ref, settings, generator, latents_from="refine"),
     ])["decode"]
     metadata = png_metadata(settings, base, dtype)
     metadata.update(refiner=str(ref.path), refiner_start=str(refiner_start))

@@ -26,13 +26,13 @@ import torch
 from memfit.compile.entry_points import compile_stage, report_records
 from memfit.errors import MemfitError
 from memfit.models.families import Settings
-from memfit.models.folder import ModelFolder
+from memfit.models.folder import ModelFolder, parse_dtype
 from memfit.plan.budget import Budget
 from memfit.run.memory import PeakMemory, current_rss, release_freed_memory
 from memfit.run.report import RunReport, StageReport
 from memfit.sizes import format_bytes
 
-__all__ = ["Stage", "StageContext", "StageRunner", "memory_in_use"]
+__all__ = ["Stage", "StageContext", "StageRunner", "default_device", "memory_in_use", "resident_bytes"]
 
 
 @dataclass(frozen=True)
@@ -45,6 +45,11 @@ class Stage:
 
     name: str
     work: Callable[["StageContext", dict[str, Any]], Any]
+
+
+def default_device() -> torch.device:
+    """Where a run executes when the caller names no device: the GPU if there is one."""
+    return torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
 
 def memory_in_use(device: torch.device) -> int:
@@ -97,7 +102,7 @@ class StageContext:
             self._fit(pipe, folder, plan_as or self.stage, already_used)
         if shared:
             pipe.register_modules(**shared)  # objects loaded (and compiled) once for the whole run
-        compile_stage(pipe, folder.path, runner.backend, runner.fallback, self.compiled)
+        compile_stage(pipe, folder.path, runner.backend, runner.fallback, self.compiled, folder.component_fingerprint)
         pipe.set_progress_bar_config(disable=not runner.progress, desc=self.stage, leave=False)
         self.components += [label + name for name in to_load]
         self._loaded.append((pipe, to_load))
@@ -105,7 +110,7 @@ class StageContext:
 
     def _fit(self, pipe, folder: ModelFolder, plan_as: str, already_used: int) -> None:
         from memfit.plan.activations import choose, stage_strategies
-        from memfit.run.executor import PLAN_ATTR, blocks_not_run, optimize, plan_stage, reads_in_place
+        from memfit.run.executor import blocks_not_run, optimize, plan_stage, reads_in_place
 
         runner = self.runner
         report = runner.report
@@ -150,7 +155,7 @@ class StageContext:
                 f"{self.stage}: {strategy.name} (activations {format_bytes(strategy.activation_bytes)} instead of "
                 f"{format_bytes(options[0].activation_bytes)} for {options[0].name}), so more weights stay resident"
             )
-        for planned_stage in getattr(pipe, PLAN_ATTR).stages:
+        for planned_stage in plan.stages:
             report.notes.append(
                 f"plan {planned_stage.name}: {format_bytes(planned_stage.resident_bytes)} resident, "
                 f"{format_bytes(planned_stage.streamed_from_host_bytes)} streamed from host, "
@@ -170,8 +175,6 @@ class StageRunner:
 
     def __init__(self, *, report: RunReport, settings: Settings, guided: bool, dtype: str, device: torch.device,
                  budget=None, backend=None, fallback: str | None = None, progress: bool = True):
-        from memfit.models.folder import parse_dtype
-
         self.report = report
         self.settings = settings
         self.guided = guided

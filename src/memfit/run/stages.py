@@ -42,7 +42,6 @@ def encode_stage(folders: list[tuple[str, ModelFolder]], settings: Settings, wit
     """
 
     def work(context: StageContext, results: dict[str, Any]) -> dict[str, dict[str, torch.Tensor]]:
-        from memfit.cache.fingerprint import fingerprint_folder
         from memfit.run.prompt_cache import PromptCache, embeddings_key, text_backend_label
 
         runner = context.runner
@@ -59,7 +58,7 @@ def encode_stage(folders: list[tuple[str, ModelFolder]], settings: Settings, wit
                 tensors[label] = {k: v.to(runner.device) for k, v in found.items()}
                 hits.append(label)
                 continue
-            prints = {name: fingerprint_folder(folder.path / name) for name in names if (folder.path / name).is_dir()}
+            prints = {name: folder.component_fingerprint(name) for name in names if (folder.path / name).is_dir()}
             shared = {name: loaded[prints[name]] for name in names if prints.get(name) in loaded}
             if shared:
                 runner.report.notes.append(
@@ -102,13 +101,13 @@ def denoise_stage(folder: ModelFolder, settings: Settings, embeddings: Callable[
     return Stage(name, work)
 
 
-def decode_stage(folder: ModelFolder, generator, latents_from: str = "denoise") -> Stage:
-    """The VAE on the latents of stage ``latents_from``; returns the images."""
+def decode_stage(folder: ModelFolder, settings: Settings, generator, latents_from: str = "denoise") -> Stage:
+    """The VAE on the latents of stage ``latents_from``; returns the images (or a video's frames)."""
 
     def work(context: StageContext, results: dict[str, Any]) -> list:
         pipe = context.load(folder, folder.adapter.decode_components)
         with torch.inference_mode():
-            return folder.adapter.decode(pipe, results.pop(latents_from), generator)
+            return folder.adapter.decode(pipe, results.pop(latents_from), settings, generator)
 
     return Stage("decode", work)
 

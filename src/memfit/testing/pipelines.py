@@ -142,7 +142,6 @@ def _sdxl(scale: int, text_layers: int):
 
 def _lumina2(scale: int, text_layers: int):
     from diffusers import FlowMatchEulerDiscreteScheduler, Lumina2Pipeline, Lumina2Transformer2DModel
-    from transformers import Gemma2Config, Gemma2Model
 
     tokenizer = word_tokenizer()
     text_hidden = 16 * scale
@@ -161,20 +160,7 @@ def _lumina2(scale: int, text_layers: int):
         axes_lens=(300, 64, 64),
         cap_feat_dim=text_hidden,
     )
-    text_encoder = Gemma2Model(
-        Gemma2Config(
-            head_dim=4,
-            hidden_size=text_hidden,
-            intermediate_size=2 * text_hidden,
-            num_attention_heads=4,
-            num_hidden_layers=text_layers,
-            num_key_value_heads=2,
-            vocab_size=len(tokenizer),
-            pad_token_id=tokenizer.pad_token_id,
-            bos_token_id=tokenizer.bos_token_id,
-            eos_token_id=tokenizer.eos_token_id,
-        )
-    ).eval()
+    text_encoder = _gemma2_encoder(tokenizer, text_hidden, text_layers)
     return Lumina2Pipeline(
         transformer=transformer,
         scheduler=FlowMatchEulerDiscreteScheduler(),

@@ -4,48 +4,17 @@ Like SD, AuraFlow batches the unconditional and conditional passes into one tran
 (torch.cat of negative and positive embeddings), and its check_inputs refuses embeddings or masks
 of different shapes. Its transformer takes no text mask (encode_prompt only zeroes the padded
 positions, which the transformer still attends to), so padding cannot be masked: memfit runs the
-two passes separately, as StableDiffusionAdapter does for the UNet. `split_guidance_passes` pads
-the shorter embedding and mask so the pipeline's check and torch.cat pass, and swaps in a
+two passes separately, as StableDiffusionAdapter does for the UNet. memfit pads
+the shorter embedding and mask so the pipeline's check and torch.cat pass, and `split_transformer_passes` swaps in a
 transformer forward that cuts each half back to its true length and calls the transformer once per
 half. With equal lengths nothing is changed, so the pipeline's own batched path runs.
 """
 
 from __future__ import annotations
 
-import contextlib
-
 import torch
 
-from memfit.models.families.base import PipelineAdapter, pad_to_length
-
-
-@contextlib.contextmanager
-def split_guidance_passes(transformer: torch.nn.Module, negative_length: int, positive_length: int):
-    """While active, a batched [uncond, cond] transformer call runs as two calls on unpadded embeddings."""
-    original_forward = transformer.forward
-    instance_forward = vars(transformer).get("forward")
-
-    def forward(hidden_states, encoder_hidden_states=None, timestep=None, *args, **kwargs):
-        if hidden_states.shape[0] != 2:
-            return original_forward(hidden_states, encoder_hidden_states, timestep, *args, **kwargs)
-        outputs = []
-        for row, length in ((0, negative_length), (1, positive_length)):
-            rows = slice(row, row + 1)
-            step = timestep[rows] if torch.is_tensor(timestep) and timestep.ndim > 0 else timestep
-            outputs.append(
-                original_forward(hidden_states[rows], encoder_hidden_states[rows, :length], step, *args,
-                                 **{**kwargs, "return_dict": False})[0]
-            )
-        return (torch.cat(outputs),)
-
-    transformer.forward = forward
-    try:
-        yield
-    finally:
-        if instance_forward is None:
-            del transformer.forward
-        else:
-            transformer.forward = instance_forward
+from memfit.models.families.base import PipelineAdapter, pad_to_length, split_transformer_passes
 
 
 class AuraFlowAdapter(PipelineAdapter):
@@ -59,9 +28,6 @@ class AuraFlowAdapter(PipelineAdapter):
 
     def size_multiple(self) -> int:
         return self.vae_scale_factor() * self.configs["transformer"].get("patch_size", 2)
-
-    def default_size(self) -> int:
-        return self.configs["transformer"]["sample_size"] * self.vae_scale_factor()
 
     def encode(self, pipe, settings, with_negative):
         positive, positive_mask, negative, negative_mask = pipe.encode_prompt(
@@ -78,24 +44,19 @@ class AuraFlowAdapter(PipelineAdapter):
             embeddings["negative_prompt_attention_mask"] = negative_mask
         return embeddings
 
-    def denoise(self, pipe, embeddings, settings, generator, split=False):
-        guided = self.uses_guidance(settings.guidance)
-        positive = embeddings["prompt_embeds"]
-        negative = embeddings.get("negative_prompt_embeds")
-        if not guided or negative is None or (negative.shape[1] == positive.shape[1] and not split):
-            return super().denoise(pipe, embeddings, settings, generator)
-        length = max(positive.shape[1], negative.shape[1])
-        padded = dict(embeddings)
+    def split_passes(self, pipe, negative_length, positive_length):
+        return split_transformer_passes(pipe.transformer, negative_length, positive_length)
+
+    def pad_for_split(self, embeddings, length):
+        padded = super().pad_for_split(embeddings, length)
         for prefix in ("", "negative_"):
-            embeds = embeddings[f"{prefix}prompt_embeds"]
-            padded[f"{prefix}prompt_embeds"] = pad_to_length(embeds, length)
             mask = embeddings.get(f"{prefix}prompt_attention_mask")
             if mask is not None:  # encode_prompt's mask is the embedding's, flattened: [B, L * D]
+                embeds = embeddings[f"{prefix}prompt_embeds"]
                 padded[f"{prefix}prompt_attention_mask"] = pad_to_length(mask.reshape(embeds.shape), length).flatten(1)
-        with split_guidance_passes(pipe.transformer, negative.shape[1], positive.shape[1]):
-            return super().denoise(pipe, padded, settings, generator)
+        return padded
 
-    def decode(self, pipe, latents, generator):
+    def decode(self, pipe, latents, settings, generator):
         # Copied from AuraFlowPipeline.__call__ after its denoising loop.
         needs_upcasting = pipe.vae.dtype == torch.float16 and pipe.vae.config.force_upcast
         if needs_upcasting:

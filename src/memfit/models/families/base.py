@@ -8,6 +8,7 @@ memfit's images equal plain diffusers' bit for bit; the parity tests hold every 
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 from dataclasses import dataclass
 from typing import Any, ClassVar
@@ -85,9 +86,13 @@ class PipelineAdapter:
 
     # ---- settings ----------------------------------------------------------------------------
     def call_defaults(self) -> dict[str, Any]:
+        """The defaults of the pipeline's __call__ (none for a class diffusers does not have)."""
         import diffusers
 
-        signature = inspect.signature(getattr(diffusers, self.class_name).__call__)
+        pipeline_class = getattr(diffusers, self.class_name, None)
+        if pipeline_class is None:
+            return {}
+        signature = inspect.signature(pipeline_class.__call__)
         return {name: p.default for name, p in signature.parameters.items()}
 
     def vae_scale_factor(self) -> int:
@@ -100,7 +105,9 @@ class PipelineAdapter:
         return 8
 
     def default_size(self) -> int:
-        raise NotImplementedError
+        """The image side a request without --width/--height gets: the denoiser's trained latent
+        side (its config's sample_size) times the VAE's scale, as the pipelines compute it."""
+        return self.configs[self.denoiser]["sample_size"] * self.vae_scale_factor()
 
     def uses_guidance(self, guidance: float) -> bool:
         return guidance > 1
@@ -162,19 +169,38 @@ class PipelineAdapter:
         """Run the denoising loop with precomputed embeddings; returns the final latents.
 
         split: run the two guidance passes one after the other (only where splits_guidance).
+        Families that batch [uncond, cond] into one call (splits_guidance) run the two passes
+        apart whenever the embeddings' lengths differ, since the batch cannot hold both.
         """
         if split and not self.splits_guidance:
             raise MemfitError(f"{self.class_name} cannot split its guidance passes; plan it without 'split'.")
-        kwargs = self.embedding_kwargs(embeddings, self.uses_guidance(settings.guidance))
-        return pipe(
-            **kwargs,
-            num_inference_steps=settings.steps,
-            guidance_scale=settings.guidance,
-            height=settings.height,
-            width=settings.width,
-            generator=generator,
-            output_type="latent",
-        ).images
+        guided = self.guided(settings)
+        positive = embeddings.get("prompt_embeds")
+        negative = embeddings.get("negative_prompt_embeds")
+        if (self.splits_guidance and guided and negative is not None
+                and (split or negative.shape[1] != positive.shape[1])):
+            padded = self.pad_for_split(embeddings, max(positive.shape[1], negative.shape[1]))
+            with self.split_passes(pipe, negative.shape[1], positive.shape[1]):
+                return self.denoise_call(pipe, padded, settings, generator)
+        return self.denoise_call(pipe, embeddings, settings, generator)
+
+    def denoise_call(self, pipe, embeddings: dict[str, torch.Tensor], settings: Settings, generator) -> torch.Tensor:
+        """The pipeline's own __call__ up to the final latents."""
+        kwargs = self.embedding_kwargs(embeddings, self.guided(settings))
+        return pipe(**kwargs, **self.call_kwargs(settings), generator=generator, output_type="latent").images
+
+    def pad_for_split(self, embeddings: dict[str, torch.Tensor], length: int) -> dict[str, torch.Tensor]:
+        """The embeddings with both prompt embeddings padded to ``length``, so the pipeline's own
+        checks and torch.cat pass; split_passes cuts each pass back to its true length."""
+        padded = dict(embeddings)
+        for name in ("prompt_embeds", "negative_prompt_embeds"):
+            padded[name] = pad_to_length(embeddings[name], length)
+        return padded
+
+    def split_passes(self, pipe, negative_length: int, positive_length: int):
+        """A context in which the denoiser's batched [uncond, cond] call runs as two calls on the
+        unpadded embeddings (families with splits_guidance)."""
+        raise NotImplementedError
 
     def embedding_kwargs(self, embeddings: dict[str, torch.Tensor], guided: bool) -> dict[str, torch.Tensor]:
         if guided:
@@ -187,7 +213,8 @@ class PipelineAdapter:
             return dict(embeddings)
         return {name: value for name, value in embeddings.items() if not name.startswith("negative_")}
 
-    def decode(self, pipe, latents: torch.Tensor, generator) -> list:
+    def decode(self, pipe, latents: torch.Tensor, settings: Settings, generator) -> list:
+        """The images (or a video's frames) from the final latents, as the pipeline's post-loop code makes them."""
         raise NotImplementedError
 
 
@@ -195,6 +222,20 @@ def embeddings_needed(embeddings: dict[str, torch.Tensor], negative: bool) -> li
     """Names of the negative counterparts of the positive embeddings present."""
     positives = [name for name in embeddings if not name.startswith("negative_")]
     return [f"negative_{name}" for name in positives] if negative else positives
+
+
+def pad_masked(embeddings: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Positive and negative embeddings of unequal lengths, the shorter one right-padded with zeros
+    and its attention mask with zeros, so the padded tokens are masked out of attention (what a
+    tokenizer's own padding does). Embeddings of equal lengths, or without a negative, come back as they are."""
+    positive, negative = embeddings["prompt_embeds"], embeddings.get("negative_prompt_embeds")
+    if negative is None or negative.shape[1] == positive.shape[1]:
+        return embeddings
+    length = max(negative.shape[1], positive.shape[1])
+    padded = dict(embeddings)
+    for name in ("prompt_embeds", "prompt_attention_mask", "negative_prompt_embeds", "negative_prompt_attention_mask"):
+        padded[name] = pad_to_length(embeddings[name], length)
+    return padded
 
 
 def pad_to_length(tensor: torch.Tensor, length: int, dim: int = 1) -> torch.Tensor:
@@ -205,3 +246,51 @@ def pad_to_length(tensor: torch.Tensor, length: int, dim: int = 1) -> torch.Tens
     shape = list(tensor.shape)
     shape[dim] = missing
     return torch.cat([tensor, tensor.new_zeros(shape)], dim=dim)
+
+
+@contextlib.contextmanager
+def replaced_forward(module: torch.nn.Module, forward):
+    """While active, ``module(...)`` runs ``forward``; afterwards the module's own forward is back,
+    including an instance-level one (a compiled entry point), not just the class's."""
+    instance_forward = vars(module).get("forward")
+    module.forward = forward
+    try:
+        yield
+    finally:
+        if instance_forward is None:
+            del module.forward
+        else:
+            module.forward = instance_forward
+
+
+def split_transformer_passes(transformer: torch.nn.Module, negative_length: int, positive_length: int):
+    """While active, a batched [uncond, cond] call of a text-conditioned transformer (SD3, AuraFlow)
+    runs as two calls, each on its own row and its unpadded encoder_hidden_states.
+
+    Arguments are matched by name against the class's forward, so a caller's positional order does
+    not matter; a call whose batch is not the guidance pair of two passes through unchanged.
+    """
+    original_forward = transformer.forward
+    signature = inspect.signature(type(transformer).forward)
+
+    def forward(*args, **kwargs):
+        bound = signature.bind(transformer, *args, **kwargs)
+        if bound.arguments["hidden_states"].shape[0] != 2:
+            return original_forward(*args, **kwargs)
+        outputs = []
+        for row, length in ((0, negative_length), (1, positive_length)):
+            rows = slice(row, row + 1)
+            arguments = dict(bound.arguments)
+            for name, value in arguments.items():
+                if name == "encoder_hidden_states":
+                    arguments[name] = value[rows, :length]
+                elif name in ("hidden_states", "pooled_projections") or (
+                        name == "timestep" and torch.is_tensor(value) and value.ndim > 0):
+                    arguments[name] = value[rows]
+            if "return_dict" in signature.parameters:
+                arguments["return_dict"] = False
+            call = inspect.BoundArguments(signature, arguments)
+            outputs.append(original_forward(*call.args[1:], **call.kwargs)[0])
+        return (torch.cat(outputs),)
+
+    return replaced_forward(transformer, forward)

@@ -49,12 +49,11 @@ class ChromaAdapter(PipelineAdapter):
     def denoise(self, pipe, embeddings, settings, generator, split=False):
         if split:
             raise MemfitError(f"{self.class_name} already runs its guidance passes separately; plan it without 'split'.")
-        kwargs = self.embedding_kwargs(embeddings, self.uses_guidance(settings.guidance))
-        latents = pipe(**kwargs, **self.call_kwargs(settings), generator=generator, output_type="latent").images
+        latents = self.denoise_call(pipe, embeddings, settings, generator)
         # As ChromaPipeline.__call__ does first after its loop: unpack into the VAE's layout.
         return pipe._unpack_latents(latents, settings.height, settings.width, pipe.vae_scale_factor)
 
-    def decode(self, pipe, latents, generator):
+    def decode(self, pipe, latents, settings, generator):
         # Copied from ChromaPipeline.__call__ after its denoising loop (_unpack_latents ran in denoise).
         latents = (latents / pipe.vae.config.scaling_factor) + pipe.vae.config.shift_factor
         image = pipe.vae.decode(latents, return_dict=False)[0]

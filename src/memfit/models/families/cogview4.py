@@ -38,7 +38,7 @@ class CogView4Adapter(PipelineAdapter):
             embeddings["negative_prompt_embeds"] = negative
         return embeddings
 
-    def decode(self, pipe, latents, generator):
+    def decode(self, pipe, latents, settings, generator):
         # Copied from CogView4Pipeline.__call__ after its denoising loop.
         latents = latents.to(pipe.vae.dtype) / pipe.vae.config.scaling_factor
         image = pipe.vae.decode(latents, return_dict=False, generator=generator)[0]

@@ -25,15 +25,13 @@ import contextlib
 import torch
 
 from memfit.errors import MemfitError
-from memfit.models.families.base import PipelineAdapter, pad_to_length
+from memfit.models.families.base import PipelineAdapter, pad_to_length, replaced_forward
 
 
-@contextlib.contextmanager
 def trim_padded_text(transformer: torch.nn.Module, padded: dict[int, int]):
     """While active, a transformer call whose encoder_hidden_states is one of the padded tensors
     (keyed by id) runs on its first `length` tokens and text ids only."""
     original_forward = transformer.forward
-    instance_forward = vars(transformer).get("forward")
 
     def forward(*args, encoder_hidden_states=None, txt_ids=None, **kwargs):
         length = padded.get(id(encoder_hidden_states))
@@ -43,14 +41,7 @@ def trim_padded_text(transformer: torch.nn.Module, padded: dict[int, int]):
                 txt_ids = txt_ids[:length] if txt_ids.ndim == 2 else txt_ids[:, :length]
         return original_forward(*args, encoder_hidden_states=encoder_hidden_states, txt_ids=txt_ids, **kwargs)
 
-    transformer.forward = forward
-    try:
-        yield
-    finally:
-        if instance_forward is None:
-            del transformer.forward
-        else:
-            transformer.forward = instance_forward
+    return replaced_forward(transformer, forward)
 
 
 class FluxAdapter(PipelineAdapter):
@@ -107,7 +98,7 @@ class FluxAdapter(PipelineAdapter):
         # As FluxPipeline.__call__ does first after its loop: unpack into the VAE's layout.
         return pipe._unpack_latents(latents, settings.height, settings.width, pipe.vae_scale_factor)
 
-    def decode(self, pipe, latents, generator):
+    def decode(self, pipe, latents, settings, generator):
         # Copied from FluxPipeline.__call__ after its denoising loop (_unpack_latents ran in denoise).
         from diffusers.utils.torch_utils import get_module_execution_device
 

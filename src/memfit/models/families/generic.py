@@ -11,8 +11,6 @@ classes that have an adapter, and says so.
 
 from __future__ import annotations
 
-import inspect
-
 from memfit.errors import MemfitError
 from memfit.models.families.base import DENOISER_NAMES, PipelineAdapter
 
@@ -36,13 +34,7 @@ class GenericAdapter(PipelineAdapter):
         lengths = [min(int(configs[n].get("max_position_embeddings") or _LONGEST_PLANNED_PROMPT), _LONGEST_PLANNED_PROMPT)
                    for n in self.encode_components if n.startswith("text_encoder") and n in configs]
         self.max_text_tokens = max(lengths, default=77)
-        self.guidance_batch = 1 if "true_cfg_scale" in self._call_parameters() else 2
-
-    def _call_parameters(self) -> list[str]:
-        import diffusers
-
-        pipeline_class = getattr(diffusers, self.class_name, None)
-        return list(inspect.signature(pipeline_class.__call__).parameters) if pipeline_class else []
+        self.guidance_batch = 1 if "true_cfg_scale" in self.call_defaults() else 2
 
     def default_size(self) -> int:
         denoiser = self.configs.get(next((n for n in self.denoise_components if n in DENOISER_NAMES), ""), {})

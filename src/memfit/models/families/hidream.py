@@ -20,24 +20,20 @@ size; Settings (and the activation estimates) keep the requested one.
 
 from __future__ import annotations
 
-import contextlib
-
 import torch
 
-from memfit.models.families.base import PipelineAdapter, pad_to_length
+from memfit.models.families.base import PipelineAdapter, pad_to_length, replaced_forward
 
 # (embedding, its sequence dimension): Llama's hidden states are stacked per layer in front.
 SEQUENCES = (("prompt_embeds_t5", 1), ("prompt_embeds_llama3", 2))
 
 
-@contextlib.contextmanager
 def split_guidance_passes(transformer: torch.nn.Module, lengths: dict[str, tuple[int, int]]):
     """While active, a batched [uncond, cond] transformer call runs as two calls on unpadded embeddings.
 
     lengths: {"prompt_embeds_t5": (negative, positive), "prompt_embeds_llama3": (negative, positive)}.
     """
     original_forward = transformer.forward
-    instance_forward = vars(transformer).get("forward")
 
     def forward(hidden_states, timesteps=None, encoder_hidden_states_t5=None, encoder_hidden_states_llama3=None,
                 pooled_embeds=None, *args, **kwargs):
@@ -63,14 +59,7 @@ def split_guidance_passes(transformer: torch.nn.Module, lengths: dict[str, tuple
             )
         return (torch.cat(outputs),)
 
-    transformer.forward = forward
-    try:
-        yield
-    finally:
-        if instance_forward is None:
-            del transformer.forward
-        else:
-            transformer.forward = instance_forward
+    return replaced_forward(transformer, forward)
 
 
 class HiDreamImageAdapter(PipelineAdapter):
@@ -109,19 +98,19 @@ class HiDreamImageAdapter(PipelineAdapter):
     def denoise(self, pipe, embeddings, settings, generator, split=False):
         guided = self.uses_guidance(settings.guidance)
         if not guided or "negative_prompt_embeds_t5" not in embeddings:
-            return super().denoise(pipe, embeddings, settings, generator)
+            return self.denoise_call(pipe, embeddings, settings, generator)
         lengths = {name: (embeddings[f"negative_{name}"].shape[dim], embeddings[name].shape[dim]) for name, dim in SEQUENCES}
         if all(negative == positive for negative, positive in lengths.values()) and not split:
-            return super().denoise(pipe, embeddings, settings, generator)
+            return self.denoise_call(pipe, embeddings, settings, generator)
         padded = dict(embeddings)
         for name, dim in SEQUENCES:
             length = max(lengths[name])
             for prefix in ("", "negative_"):
                 padded[prefix + name] = pad_to_length(embeddings[prefix + name], length, dim=dim)
         with split_guidance_passes(pipe.transformer, lengths):
-            return super().denoise(pipe, padded, settings, generator)
+            return self.denoise_call(pipe, padded, settings, generator)
 
-    def decode(self, pipe, latents, generator):
+    def decode(self, pipe, latents, settings, generator):
         # Copied from HiDreamImagePipeline.__call__ after its denoising loop.
         latents = (latents / pipe.vae.config.scaling_factor) + pipe.vae.config.shift_factor
         image = pipe.vae.decode(latents, return_dict=False)[0]

@@ -8,7 +8,7 @@ out of attention: the same thing Lumina2's own tokenizer padding (to 256 tokens)
 
 from __future__ import annotations
 
-from memfit.models.families.base import PipelineAdapter, pad_to_length
+from memfit.models.families.base import PipelineAdapter, pad_masked
 
 class Lumina2Adapter(PipelineAdapter):
     class_name = "Lumina2Pipeline"
@@ -23,9 +23,6 @@ class Lumina2Adapter(PipelineAdapter):
 
     def size_multiple(self) -> int:
         return self.vae_scale_factor() * 2
-
-    def default_size(self) -> int:
-        return self.configs["transformer"]["sample_size"] * self.vae_scale_factor()
 
     def encode(self, pipe, settings, with_negative):
         positive, positive_mask, negative, negative_mask = pipe.encode_prompt(
@@ -42,19 +39,11 @@ class Lumina2Adapter(PipelineAdapter):
         return embeddings
 
     def denoise(self, pipe, embeddings, settings, generator, split=False):
-        negative = embeddings.get("negative_prompt_embeds")
-        positive = embeddings["prompt_embeds"]
-        if self.uses_guidance(settings.guidance) and negative is not None and negative.shape[1] != positive.shape[1]:
-            length = max(negative.shape[1], positive.shape[1])
-            embeddings = dict(embeddings)
-            for prefix in ("", "negative_"):
-                embeddings[f"{prefix}prompt_embeds"] = pad_to_length(embeddings[f"{prefix}prompt_embeds"], length)
-                embeddings[f"{prefix}prompt_attention_mask"] = pad_to_length(
-                    embeddings[f"{prefix}prompt_attention_mask"], length
-                )
+        if self.guided(settings):
+            embeddings = pad_masked(embeddings)
         return super().denoise(pipe, embeddings, settings, generator, split)
 
-    def decode(self, pipe, latents, generator):
+    def decode(self, pipe, latents, settings, generator):
         # Copied from Lumina2Pipeline.__call__ after its denoising loop.
         latents = (latents / pipe.vae.config.scaling_factor) + pipe.vae.config.shift_factor
         image = pipe.vae.decode(latents, return_dict=False)[0]

@@ -8,15 +8,13 @@ embedding with zeros and its mask with zeros, the same thing the tokenizer's own
 max_sequence_length does.
 
 Resolution binning: __call__ (use_resolution_binning=True, its default) runs at the nearest size of
-its aspect-ratio table and resizes the decoded image back to the requested size. The decode needs
-that requested size, which the decode stage is not given (PipelineAdapter.decode takes only the
-latents), so denoise() records it on the adapter (`output_size`) for the decode of the same run.
+its aspect-ratio table, and decode resizes the image back to the requested size (the settings').
+SanaPipeline works the same way (memfit.models.families.sana).
 """
 
 from __future__ import annotations
 
-from memfit.errors import MemfitError
-from memfit.models.families.base import PipelineAdapter, pad_to_length
+from memfit.models.families.base import PipelineAdapter, pad_masked
 
 
 class PixArtSigmaAdapter(PipelineAdapter):
@@ -26,14 +24,11 @@ class PixArtSigmaAdapter(PipelineAdapter):
     text_encoders = ("text_encoder", "tokenizer")
     unequal_lengths = "pad the shorter embedding with masked zeros (attention mask 0)"
     max_text_tokens = 300
-    # Set by denoise(): the size the decoded image is resized back to (resolution binning).
-    output_size: tuple[int, int] | None = None
+    # The encode_prompt arguments this pipeline's __call__ passes on from its own defaults.
+    encode_options = ("clean_caption", "max_sequence_length")
 
     def size_multiple(self) -> int:
         return self.vae_scale_factor() * self.configs["transformer"].get("patch_size", 2)
-
-    def default_size(self) -> int:
-        return self.configs["transformer"]["sample_size"] * self.vae_scale_factor()
 
     def encode(self, pipe, settings, with_negative):
         call_defaults = self.call_defaults()
@@ -43,8 +38,7 @@ class PixArtSigmaAdapter(PipelineAdapter):
             negative_prompt=settings.negative_prompt or call_defaults["negative_prompt"],
             num_images_per_prompt=1,
             device=pipe._execution_device,
-            clean_caption=call_defaults["clean_caption"],
-            max_sequence_length=call_defaults["max_sequence_length"],
+            **{name: call_defaults[name] for name in self.encode_options},
         )
         embeddings = {"prompt_embeds": positive, "prompt_attention_mask": positive_mask}
         if with_negative:
@@ -53,25 +47,19 @@ class PixArtSigmaAdapter(PipelineAdapter):
         return embeddings
 
     def denoise(self, pipe, embeddings, settings, generator, split=False):
-        if split:
-            raise MemfitError(f"{self.class_name} cannot split its guidance passes; plan it without 'split'.")
-        guided = self.uses_guidance(settings.guidance)
-        kwargs = self.embedding_kwargs(embeddings, guided)
-        if guided and kwargs["negative_prompt_embeds"].shape[1] != kwargs["prompt_embeds"].shape[1]:
-            length = max(kwargs["negative_prompt_embeds"].shape[1], kwargs["prompt_embeds"].shape[1])
-            for prefix in ("", "negative_"):
-                kwargs[f"{prefix}prompt_embeds"] = pad_to_length(kwargs[f"{prefix}prompt_embeds"], length)
-                kwargs[f"{prefix}prompt_attention_mask"] = pad_to_length(kwargs[f"{prefix}prompt_attention_mask"], length)
-        self.output_size = (settings.width, settings.height)
+        if self.guided(settings):
+            embeddings = pad_masked(embeddings)
+        return super().denoise(pipe, embeddings, settings, generator, split)
+
+    def denoise_call(self, pipe, embeddings, settings, generator):
+        kwargs = self.embedding_kwargs(embeddings, self.guided(settings))
         # negative_prompt=None: __call__ defaults it to "", which check_inputs refuses next to negative embeddings.
         return pipe(**kwargs, **self.call_kwargs(settings), negative_prompt=None, generator=generator,
                     output_type="latent").images
 
-    def decode(self, pipe, latents, generator):
-        # Copied from PixArtSigmaPipeline.__call__ after its denoising loop (use_resolution_binning=True).
-        if self.output_size is None:
-            raise MemfitError(f"{self.class_name}'s decode resizes to the requested size: run denoise first, with this adapter.")
-        orig_width, orig_height = self.output_size
+    def decode(self, pipe, latents, settings, generator):
+        # Copied from PixArtSigmaPipeline.__call__ (and SanaPipeline's) after the denoising loop
+        # (use_resolution_binning=True): back to the requested size.
         image = pipe.vae.decode(latents.to(pipe.vae.dtype) / pipe.vae.config.scaling_factor, return_dict=False)[0]
-        image = pipe.image_processor.resize_and_crop_tensor(image, orig_width, orig_height)
+        image = pipe.image_processor.resize_and_crop_tensor(image, settings.width, settings.height)
         return pipe.image_processor.postprocess(image, output_type="pil")

@@ -5,54 +5,15 @@ default); the pooled embedding is both CLIP projections. Like SD, the pipeline b
 unconditional and conditional passes into one transformer call (torch.cat of negative and
 positive embeddings), which cannot take embeddings of different lengths, and its check_inputs
 refuses them. memfit then runs the two passes separately, as StableDiffusionAdapter does for the
-UNet: `split_guidance_passes` pads the shorter embedding so the pipeline's check and torch.cat pass,
-and swaps in a transformer forward that cuts each half back to its true length and calls the
+UNet: the shorter embedding is padded so the pipeline's check and torch.cat pass, and
+`split_transformer_passes` swaps in a transformer forward that cuts each half back to its true length and calls the
 transformer once per half. With equal lengths nothing is changed, so the pipeline's own batched
 path runs. The SD3 transformer takes no text attention mask, so padding could not be masked instead.
 """
 
 from __future__ import annotations
 
-import contextlib
-
-import torch
-
-from memfit.models.families.base import PipelineAdapter, pad_to_length
-
-
-@contextlib.contextmanager
-def split_guidance_passes(transformer: torch.nn.Module, negative_length: int, positive_length: int):
-    """While active, a batched [uncond, cond] transformer call runs as two calls on unpadded embeddings."""
-    original_forward = transformer.forward
-    instance_forward = vars(transformer).get("forward")
-
-    def forward(hidden_states, encoder_hidden_states=None, pooled_projections=None, timestep=None, *args, **kwargs):
-        if hidden_states.shape[0] != 2:  # not the guidance batch (e.g. a skip-layer pass): as the pipeline calls it
-            return original_forward(hidden_states, encoder_hidden_states, pooled_projections, timestep, *args, **kwargs)
-        outputs = []
-        for row, length in ((0, negative_length), (1, positive_length)):
-            rows = slice(row, row + 1)
-            step = timestep[rows] if torch.is_tensor(timestep) and timestep.ndim > 0 else timestep
-            outputs.append(
-                original_forward(
-                    hidden_states[rows],
-                    encoder_hidden_states[rows, :length],
-                    pooled_projections[rows],
-                    step,
-                    *args,
-                    **{**kwargs, "return_dict": False},
-                )[0]
-            )
-        return (torch.cat(outputs),)
-
-    transformer.forward = forward
-    try:
-        yield
-    finally:
-        if instance_forward is None:
-            del transformer.forward
-        else:
-            transformer.forward = instance_forward
+from memfit.models.families.base import PipelineAdapter, split_transformer_passes
 
 
 class StableDiffusion3Adapter(PipelineAdapter):
@@ -66,9 +27,6 @@ class StableDiffusion3Adapter(PipelineAdapter):
 
     def size_multiple(self) -> int:
         return self.vae_scale_factor() * self.configs["transformer"].get("patch_size", 2)
-
-    def default_size(self) -> int:
-        return self.configs["transformer"]["sample_size"] * self.vae_scale_factor()
 
     def encode(self, pipe, settings, with_negative):
         positive, negative, pooled, negative_pooled = pipe.encode_prompt(
@@ -86,20 +44,10 @@ class StableDiffusion3Adapter(PipelineAdapter):
             embeddings["negative_pooled_prompt_embeds"] = negative_pooled
         return embeddings
 
-    def denoise(self, pipe, embeddings, settings, generator, split=False):
-        guided = self.uses_guidance(settings.guidance)
-        positive = embeddings["prompt_embeds"]
-        negative = embeddings.get("negative_prompt_embeds")
-        if not guided or negative is None or (negative.shape[1] == positive.shape[1] and not split):
-            return super().denoise(pipe, embeddings, settings, generator)
-        length = max(positive.shape[1], negative.shape[1])
-        padded = dict(embeddings)
-        padded["prompt_embeds"] = pad_to_length(positive, length)
-        padded["negative_prompt_embeds"] = pad_to_length(negative, length)
-        with split_guidance_passes(pipe.transformer, negative.shape[1], positive.shape[1]):
-            return super().denoise(pipe, padded, settings, generator)
+    def split_passes(self, pipe, negative_length, positive_length):
+        return split_transformer_passes(pipe.transformer, negative_length, positive_length)
 
-    def decode(self, pipe, latents, generator):
+    def decode(self, pipe, latents, settings, generator):
         # Copied from StableDiffusion3Pipeline.__call__ after its denoising loop.
         latents = (latents / pipe.vae.config.scaling_factor) + pipe.vae.config.shift_factor
         image = pipe.vae.decode(latents, return_dict=False)[0]

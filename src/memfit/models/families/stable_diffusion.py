@@ -9,19 +9,14 @@ once per half. With equal lengths nothing is changed, so the pipeline's own batc
 
 from __future__ import annotations
 
-import contextlib
-
 import torch
 
-from memfit.models.families.base import PipelineAdapter, Settings, pad_to_length
+from memfit.models.families.base import PipelineAdapter, Settings, replaced_forward
 
 
-@contextlib.contextmanager
 def split_guidance_passes(unet: torch.nn.Module, negative_length: int, positive_length: int):
     """While active, a batched [uncond, cond] UNet call runs as two calls on unpadded embeddings."""
     original_forward = unet.forward
-    # An instance-level forward (a compiled entry point) must come back, not just the class's.
-    instance_forward = vars(unet).get("forward")
 
     def forward(sample, timestep, encoder_hidden_states, *args, added_cond_kwargs=None, **kwargs):
         half = sample.shape[0] // 2
@@ -43,14 +38,7 @@ def split_guidance_passes(unet: torch.nn.Module, negative_length: int, positive_
             )
         return (torch.cat(outputs),)
 
-    unet.forward = forward
-    try:
-        yield
-    finally:
-        if instance_forward is None:
-            del unet.forward
-        else:
-            unet.forward = instance_forward
+    return replaced_forward(unet, forward)
 
 
 class StableDiffusionAdapter(PipelineAdapter):
@@ -60,9 +48,6 @@ class StableDiffusionAdapter(PipelineAdapter):
     text_encoders = ("text_encoder", "tokenizer")
     unequal_lengths = "split guidance passes (two UNet calls, each on its unpadded embeddings)"
     splits_guidance = True
-
-    def default_size(self) -> int:
-        return self.configs["unet"]["sample_size"] * self.vae_scale_factor()
 
     def uses_guidance(self, guidance: float) -> bool:
         return guidance > 1 and self.configs["unet"].get("time_cond_proj_dim") is None
@@ -80,20 +65,10 @@ class StableDiffusionAdapter(PipelineAdapter):
             embeddings["negative_prompt_embeds"] = negative
         return embeddings
 
-    def denoise(self, pipe, embeddings, settings, generator, split=False):
-        guided = self.uses_guidance(settings.guidance)
-        positive = embeddings["prompt_embeds"]
-        negative = embeddings.get("negative_prompt_embeds")
-        if not guided or negative is None or (negative.shape[1] == positive.shape[1] and not split):
-            return super().denoise(pipe, embeddings, settings, generator)
-        length = max(positive.shape[1], negative.shape[1])
-        padded = dict(embeddings)
-        padded["prompt_embeds"] = pad_to_length(positive, length)
-        padded["negative_prompt_embeds"] = pad_to_length(negative, length)
-        with split_guidance_passes(pipe.unet, negative.shape[1], positive.shape[1]):
-            return super().denoise(pipe, padded, settings, generator)
+    def split_passes(self, pipe, negative_length, positive_length):
+        return split_guidance_passes(pipe.unet, negative_length, positive_length)
 
-    def decode(self, pipe, latents, generator):
+    def decode(self, pipe, latents, settings, generator):
         # Copied from StableDiffusionPipeline.__call__ after its denoising loop (no safety checker:
         # memfit loads none, as the pipeline does when the folder has none).
         image = pipe.vae.decode(latents / pipe.vae.config.scaling_factor, return_dict=False, generator=generator)[0]
@@ -120,7 +95,7 @@ class StableDiffusionXLAdapter(StableDiffusionAdapter):
             embeddings["negative_pooled_prompt_embeds"] = negative_pooled
         return embeddings
 
-    def decode(self, pipe, latents, generator):
+    def decode(self, pipe, latents, settings, generator):
         # Copied from StableDiffusionXLPipeline.__call__ after its denoising loop.
         vae = pipe.vae
         needs_upcasting = vae.dtype == torch.float16 and vae.config.force_upcast

@@ -85,7 +85,7 @@ class WanAdapter(PipelineAdapter):
         kwargs = self.embedding_kwargs(embeddings, self.uses_guidance(settings.guidance))
         return pipe(**kwargs, **self.call_kwargs(settings), generator=generator, output_type="latent").frames
 
-    def decode(self, pipe, latents, generator):
+    def decode(self, pipe, latents, settings, generator):
         # Copied from WanPipeline.__call__ after its denoising loop (output_type="pil"); the frames of the video.
         from diffusers.utils.torch_utils import get_module_execution_device
 
