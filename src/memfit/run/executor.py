@@ -46,6 +46,7 @@ from typing import Mapping
 
 import torch
 
+from memfit.models.checkpoint_keys import saved_keys
 from memfit.plan.budget import Budget, BudgetLike, detect_budget
 from memfit.errors import MemfitError
 from memfit.run.offload import HookRegistry, MappedSafetensors, Runtime, Shared, Slot, SwapHook
@@ -362,6 +363,7 @@ def _apply_component(name, module, component_blocks, tiers, state: _State, model
     runtime = state.runtime
     anchor = _first_param(module)
     files: MappedSafetensors | None = None
+    file_keys: dict[str, str] = {}
     for block in component_blocks:
         tier = tiers.get(block.key, DEVICE)
         for hooked, tensors in block.units:
@@ -379,7 +381,8 @@ def _apply_component(name, module, component_blocks, tiers, state: _State, model
                 if tier == DISK and is_param:
                     if files is None:
                         files = _open_files(name, module, model_dir)
-                    mapped = _checked_mapping(files, name, full_name, tensor, module)
+                        file_keys = saved_keys(module)
+                    mapped = _checked_mapping(files, name, full_name, tensor, module, file_keys)
                     slot = Slot(owner, attr, tensor, home=mapped, kind="mmap")
                     state.slots.append(slot)
                     # The hook converts / copies it for each forward, or (same dtype, CPU) reads it
@@ -418,9 +421,11 @@ def _open_files(name: str, module, model_dir) -> MappedSafetensors:
     )
 
 
-def _checked_mapping(files: MappedSafetensors, component: str, full_name: str, tensor, module) -> Shared:
+def _checked_mapping(files: MappedSafetensors, component: str, full_name: str, tensor, module,
+                     file_keys: Mapping[str, str]) -> Shared:
     prefix = getattr(module, "base_model_prefix", "") or ""
-    for key in (full_name, f"{prefix}.{full_name}", full_name.removeprefix(prefix + ".")):
+    saved = file_keys.get(full_name, full_name)
+    for key in (saved, f"{prefix}.{saved}", saved.removeprefix(prefix + ".")):
         if key in files:
             break
     else:
