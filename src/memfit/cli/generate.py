@@ -39,7 +39,9 @@ def register(commands: argparse._SubParsersAction) -> None:
                      "the refiner finishes (diffusers' base + refiner workflow)")
     gen.add_argument("--refiner-start", type=float, help="fraction of the schedule the base runs before the refiner "
                      "takes over (default 0.8; needs --refiner)")
-    gen.add_argument("--out", default="memfit.png", help="output PNG (default memfit.png)")
+    gen.add_argument("--out", help="output file: .png for an image; .mp4, .webp or .gif for a video (.png writes its "
+                     "first frame; .mp4 needs memfit[video]) (default memfit.png, or memfit.mp4 for a video)")
+    gen.add_argument("--fps", type=int, help="frames per second of a video file (default: the model's, 16 for Wan)")
     gen.add_argument("--report", help="also write the per-stage report as JSON here")
     gen.add_argument("--quiet", action="store_true", help="no progress bar, no report table")
     gen.set_defaults(func=_generate)
@@ -64,13 +66,41 @@ def _check_out_path(path: str, suffix: str) -> Path:
     return out
 
 
+def _output_path(args) -> Path:
+    """Where the result goes, checked before any work so a long run is never lost to a bad name."""
+    from memfit.run.media import IMAGE_SUFFIXES, VIDEO_SUFFIXES, check_video_writer
+    from memfit.run.stages import open_model
+
+    video = open_model(args.model).adapter.makes_video
+    if args.out is None:
+        if not video:
+            return Path("memfit.png")
+        try:
+            import av  # noqa: F401
+            return Path("memfit.mp4")
+        except ImportError:
+            return Path("memfit.webp")  # Pillow writes it; MP4 needs the optional PyAV
+    out = Path(args.out)
+    suffixes = IMAGE_SUFFIXES + VIDEO_SUFFIXES if video else IMAGE_SUFFIXES
+    if out.suffix.lower() not in suffixes:
+        what = "a video" if video else "an image"
+        raise MemfitError(f"--out {args.out}: this model makes {what}; give a file name ending in {', '.join(suffixes)}.")
+    if out.is_dir():
+        raise MemfitError(f"--out {args.out} is a folder; give a file name ending in {', '.join(suffixes)}.")
+    if out.suffix.lower() in VIDEO_SUFFIXES:
+        check_video_writer(out)
+    return out
+
+
 def _generate(args) -> int:
     from memfit.compile.entry_points import parse_backend_arg
     from memfit.run.generate import generate
 
-    out = _check_out_path(args.out, ".png")
     if args.prompt is None and args.embeddings is None:
         raise MemfitError("Nothing to draw: pass --prompt TEXT, or --embeddings FILE from memfit encode.")
+    if args.fps is not None and args.fps < 1:
+        raise MemfitError(f"--fps must be at least 1, got {args.fps}.")
+    out = _output_path(args)
     result = generate(
         args.prompt,
         model=args.model,
@@ -92,7 +122,7 @@ def _generate(args) -> int:
         true_cfg_scale=args.true_cfg,
         num_frames=args.frames,
     )
-    result.save(out)
+    result.save(out, frames_per_second=args.fps)
     if args.report:
         result.report.write_json(args.report)
     if not args.quiet:

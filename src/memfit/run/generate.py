@@ -24,7 +24,7 @@ from memfit.run.stages import (
     denoise_stage,
     encode_stage,
     open_model,
-    png_metadata,
+    run_result,
 )
 
 __all__ = ["Generation", "encode", "generate"]
@@ -135,15 +135,15 @@ def generate(
     def prompt_embeddings(results):
         tensors = results.pop("encode")["base"] if loaded is None else {
             name: t.to(device) for name, t in loaded.tensors.items()}
-        negative = tensors.get("negative_prompt_embeds") if guided else None
-        if negative is not None and negative.shape[1] != tensors["prompt_embeds"].shape[1]:
-            report.notes.append(
-                f"prompt embeddings of lengths {tensors['prompt_embeds'].shape[1]} (positive) and {negative.shape[1]} "
-                f"(negative): {adapter.unequal_lengths}"
-            )
+        for name, dim in adapter.text_sequences if guided else ():
+            positive, negative = tensors.get(name), tensors.get(f"negative_{name}")
+            if positive is not None and negative is not None and negative.shape[dim] != positive.shape[dim]:
+                report.notes.append(
+                    f"{name} of lengths {positive.shape[dim]} (positive) and {negative.shape[dim]} "
+                    f"(negative): {adapter.unequal_lengths}"
+                )
         return tensors
 
     generator = torch.Generator(device="cpu").manual_seed(settings.seed)
     stages += [denoise_stage(folder, settings, prompt_embeddings, generator), decode_stage(folder, settings, generator)]
-    images = runner.run(stages)["decode"]
-    return Generation(images, settings, report, png_metadata(settings, folder, dtype))
+    return run_result(runner.run(stages)["decode"], settings, report, folder, dtype)

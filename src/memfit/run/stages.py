@@ -13,13 +13,13 @@ from typing import Any
 
 import torch
 
-from memfit.atomic import write_atomically
 from memfit.errors import MemfitError
 from memfit.models.families import Settings
 from memfit.models.folder import ModelFolder
+from memfit.run.media import IMAGE_SUFFIXES, VIDEO_SUFFIXES, save_png, save_video
 from memfit.run.runner import Stage, StageContext
 
-__all__ = ["Generation", "decode_stage", "denoise_stage", "encode_stage", "open_model", "png_metadata", "save_png"]
+__all__ = ["Generation", "decode_stage", "denoise_stage", "encode_stage", "open_model", "png_metadata", "run_result"]
 
 
 def open_model(model: str | Path | ModelFolder | None) -> ModelFolder:
@@ -114,32 +114,47 @@ def decode_stage(folder: ModelFolder, settings: Settings, generator, latents_fro
 
 @dataclass
 class Generation:
-    """What memfit.generate returns: the images, the settings actually used, and the run report."""
+    """What memfit.generate returns: the images (a video's frames), the settings used, and the run report.
+
+    A video pipeline's result has ``frames`` (its one video, as plain diffusers' ``.frames[0]``)
+    and no ``images``.
+    """
 
     images: list
     settings: Settings
     report: Any
     metadata: dict[str, str] = field(default_factory=dict)
+    frames: list | None = None
+    frames_per_second: int | None = None
 
-    def save(self, path: str | Path, index: int = 0) -> Path:
-        return save_png(self.images[index], path, self.metadata)
+    def save(self, path: str | Path, index: int = 0, frames_per_second: int | None = None) -> Path:
+        """Write the image (.png) or the video (.mp4, .webp, .gif; .png writes its first frame)."""
+        suffix = Path(path).suffix.lower()
+        if suffix in VIDEO_SUFFIXES:
+            if self.frames is None:
+                raise MemfitError(f"{path}: {self.metadata.get('pipeline', 'this pipeline')} makes images, not a "
+                                  "video; write a .png.")
+            return save_video(self.frames, path, frames_per_second or self.frames_per_second, self.metadata)
+        if suffix not in IMAGE_SUFFIXES:
+            raise MemfitError(f"{path}: memfit writes images as .png and videos as {', '.join(VIDEO_SUFFIXES)}.")
+        return save_png(self.frames[0] if self.frames is not None else self.images[index], path, self.metadata)
 
 
-def save_png(image, path: str | Path, metadata: dict[str, str]) -> Path:
-    """Write a PNG with text metadata atomically: no partial file is ever left at `path`."""
-    from PIL.PngImagePlugin import PngInfo
-
-    info = PngInfo()
-    for key, value in metadata.items():
-        info.add_text(key, str(value))
-    return write_atomically(path, lambda tmp: image.save(tmp, format="PNG", pnginfo=info))
+def run_result(output: list, settings: Settings, report, folder: ModelFolder, dtype: str) -> Generation:
+    """The Generation for what the decode stage of `folder` returned."""
+    adapter = folder.adapter
+    metadata = png_metadata(settings, folder, dtype)
+    if adapter.makes_video:
+        return Generation([], settings, report, metadata, frames=list(output),
+                          frames_per_second=adapter.frames_per_second)
+    return Generation(list(output), settings, report, metadata)
 
 
 def png_metadata(settings: Settings, folder: ModelFolder, dtype: str) -> dict[str, str]:
-    """What a PNG records about its run, enough to make it again."""
+    """What an output file records about its run, enough to make it again."""
     from memfit import __version__
 
-    return {
+    metadata = {
         "prompt": settings.prompt,
         "negative_prompt": settings.negative_prompt or "",
         "seed": str(settings.seed),
@@ -147,11 +162,12 @@ def png_metadata(settings: Settings, folder: ModelFolder, dtype: str) -> dict[st
         "guidance": str(settings.guidance),
         "width": str(settings.width),
         "height": str(settings.height),
-        "dtype": dtype,
-        "model": str(folder.path),
-        "pipeline": folder.class_name,
-        "memfit_version": __version__,
     }
+    for option in folder.adapter.options:  # the settings only some pipelines take
+        value = getattr(settings, option)
+        if value is not None:
+            metadata[option] = str(value)
+    return dict(metadata, dtype=dtype, model=str(folder.path), pipeline=folder.class_name, memfit_version=__version__)
 
 
 def check_embeddings(embeddings, folder: ModelFolder, where: str) -> None:

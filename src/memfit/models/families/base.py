@@ -63,6 +63,15 @@ class PipelineAdapter:
     # The optional Settings fields this pipeline takes (true_cfg_scale, num_frames); resolve()
     # refuses the others rather than ignoring them.
     options: ClassVar[tuple[str, ...]] = ()
+    # The prompt embeddings whose length varies with the prompt, each with its sequence dimension;
+    # each has a negative_ counterpart under guidance.
+    text_sequences: ClassVar[tuple[tuple[str, int], ...]] = (("prompt_embeds", 1),)
+    # Frames per second a video file of this family's output plays at (video pipelines only).
+    frames_per_second: ClassVar[int] = 16
+
+    @property
+    def makes_video(self) -> bool:
+        return "num_frames" in self.options
 
     def __init__(self, configs: dict[str, dict], classes: dict[str, tuple[str, str]] | None = None):
         # Component configs read from the model folder (or a built-in architecture), and each

@@ -24,8 +24,6 @@ import torch
 
 from memfit.models.families.base import PipelineAdapter, pad_to_length, replaced_forward
 
-# (embedding, its sequence dimension): Llama's hidden states are stacked per layer in front.
-SEQUENCES = (("prompt_embeds_t5", 1), ("prompt_embeds_llama3", 2))
 
 
 def split_guidance_passes(transformer: torch.nn.Module, lengths: dict[str, tuple[int, int]]):
@@ -72,6 +70,8 @@ class HiDreamImageAdapter(PipelineAdapter):
     unequal_lengths = "split guidance passes (two transformer calls, each on its unpadded T5 and Llama embeddings)"
     max_text_tokens = 128 * 2
     splits_guidance = True
+    # Llama's hidden states are stacked per layer in front of the batch.
+    text_sequences = (("prompt_embeds_t5", 1), ("prompt_embeds_llama3", 2))
 
     def size_multiple(self) -> int:
         return self.vae_scale_factor() * 2  # the VAE's and the transformer's 2x2 patches (image_processor)
@@ -99,11 +99,11 @@ class HiDreamImageAdapter(PipelineAdapter):
         guided = self.uses_guidance(settings.guidance)
         if not guided or "negative_prompt_embeds_t5" not in embeddings:
             return self.denoise_call(pipe, embeddings, settings, generator)
-        lengths = {name: (embeddings[f"negative_{name}"].shape[dim], embeddings[name].shape[dim]) for name, dim in SEQUENCES}
+        lengths = {name: (embeddings[f"negative_{name}"].shape[dim], embeddings[name].shape[dim]) for name, dim in self.text_sequences}
         if all(negative == positive for negative, positive in lengths.values()) and not split:
             return self.denoise_call(pipe, embeddings, settings, generator)
         padded = dict(embeddings)
-        for name, dim in SEQUENCES:
+        for name, dim in self.text_sequences:
             length = max(lengths[name])
             for prefix in ("", "negative_"):
                 padded[prefix + name] = pad_to_length(embeddings[prefix + name], length, dim=dim)
