@@ -87,13 +87,13 @@ def _unsupported(tiny_models, tmp_path):
     [
         (lambda t, p: str(p / "missing"), ["--prompt", "x"], "does not exist"),
         (_not_diffusers, ["--prompt", "x"], "not a diffusers model folder"),
-        (_unsupported, ["--prompt", "x"], "does not run"),
+        (_unsupported, ["--prompt", "x"], "expected ['movq'"),
         (_truncated_weights, ["--prompt", "x"], "is truncated"),
         (lambda t, p: t("sd"), ["--prompt", "   "], "prompt is empty"),
         (lambda t, p: t("sd"), ["--prompt", "x", "--width", "36"], "not a positive multiple of 8"),
         (lambda t, p: t("lumina2"), ["--prompt", "x", "--width", "40"], "not a positive multiple of 16"),
     ],
-    ids=["missing", "not-diffusers", "unsupported", "truncated-weights", "empty-prompt", "bad-size", "bad-size-lumina2"],
+    ids=["missing", "not-diffusers", "wrong-components", "truncated-weights", "empty-prompt", "bad-size", "bad-size-lumina2"],
 )
 def test_bad_input_is_one_sentence_and_leaves_no_file(tiny_models, tmp_path, make_model, extra, expected):
     out = tmp_path / "out.png"

@@ -443,7 +443,7 @@ def test_optional_settings_are_resolved_or_refused(tiny_models):
     assert settings.guidance == 4.0 and qwen.call_kwargs(settings)["true_cfg_scale"] == 4.0
 
 
-@pytest.mark.parametrize("kind", [*PIPELINE_KINDS, "wan"])
+@pytest.mark.parametrize("kind", [*PIPELINE_KINDS, "wan", "sd_pag"])
 def test_plan_model_works_for_every_family(tiny_models, kind, capsys):
     """memfit plan --model plans every family's folder from its configs, with the family's adapter."""
     from memfit.cli.app import main
@@ -453,3 +453,27 @@ def test_plan_model_works_for_every_family(tiny_models, kind, capsys):
     stages = {stage["name"]: stage for stage in report["plan"]["stages"]}
     assert set(stages) == {"encode", "denoise", "decode"}
     assert all(stage["placements"] for stage in stages.values()), kind
+
+
+def test_a_class_without_adapter_runs_its_own_call(tiny_models, streamed_plans, tmp_path, monkeypatch):
+    """StableDiffusionPAGPipeline has no adapter: memfit runs its __call__ in one stage, equal to plain
+    diffusers, also with a budget that streams weights from disk; encode-only is refused plainly."""
+    from memfit.errors import MemfitError
+
+    model = tiny_models("sd_pag")
+    assert not ModelFolder.open(model).adapter.staged
+    settings = dict(BASE, guidance=5.0, negative_prompt=NEGATIVE)
+    ours, _ = assert_matches_diffusers(model, atol=0, **settings)
+    assert [stage.stage for stage in ours.report.stages] == ["pipeline"]
+    assert "own __call__" in ours.report.stages[0].note
+    other_seed = diffusers_output(model, dataclasses.replace(ours.settings, seed=8))
+    assert max_pixel_difference(ours.images, other_seed) > 0
+
+    budget = _smallest_budget(model, settings)
+    assert budget < _weight_bytes(model, ["unet", "text_encoder", "vae"])
+    streamed_plans.clear()
+    assert_matches_diffusers(model, atol=0, budget=budget, **settings)
+    assert streamed_plans[0].stages[0].streamed_from_disk_bytes > 0
+
+    with pytest.raises(MemfitError, match="own __call__, which encodes the prompt itself"):
+        memfit.encode(PROMPT, model=model)

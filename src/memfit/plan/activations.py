@@ -72,7 +72,12 @@ def stage_strategies(adapter, stage: str, settings, guided: bool, dtype: str) ->
         if banded_decode_unsupported(adapter.classes.get("vae", ("", "AutoencoderKL"))[1], vae) is None:
             options.append(Strategy("banded", activation_estimate("vae_decoder_banded", vae, dtype=vae_dtype, **size)))
         return options
-    raise MemfitError(f"Unknown stage {stage!r}; memfit's stages are encode, denoise and decode.")
+    if stage == "pipeline":  # a pipeline's own __call__ runs its parts one after another
+        parts = [part for part in ("encode", "denoise", "decode") if adapter.stage_components(part)]
+        peak = max((stage_strategies(adapter, part, settings, guided, dtype)[0].activation_bytes for part in parts),
+                   default=0)
+        return [Strategy("plain", peak)]
+    raise MemfitError(f"Unknown stage {stage!r}; memfit's stages are encode, denoise, decode and pipeline.")
 
 
 def vae_execution_dtype(config, dtype: str) -> str:

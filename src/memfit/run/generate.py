@@ -24,6 +24,7 @@ from memfit.run.stages import (
     denoise_stage,
     encode_stage,
     open_model,
+    pipeline_stage,
     run_result,
 )
 
@@ -44,6 +45,8 @@ def encode(
 ) -> tuple[Embeddings, RunReport]:
     """Run only the encode stage; the embeddings carry both guidance branches."""
     folder = open_model(model)
+    if not folder.adapter.staged:
+        raise MemfitError(_not_staged(folder, "encode prompts on their own"))
     device = torch.device(device) if device is not None else default_device()
     settings = folder.adapter.resolve(prompt, negative_prompt, 1, None, 0, None, None, folder.defaults)
     report = RunReport(device=str(device), dtype=dtype, model=str(folder.path))
@@ -109,6 +112,8 @@ def generate(
     device = torch.device(device) if device is not None else default_device()
 
     loaded = None
+    if not adapter.staged and embeddings is not None:
+        raise MemfitError(_not_staged(folder, "generate from an embeddings file"))
     if embeddings is not None:
         if prompt is not None or negative_prompt is not None:
             raise MemfitError("Pass either a prompt or an embeddings file, not both: the embeddings already fix the prompt.")
@@ -124,6 +129,10 @@ def generate(
     runner = StageRunner(report=report, settings=settings, guided=guided, dtype=dtype, device=device, budget=budget,
                          backend=backend, fallback=fallback, progress=progress)
 
+    generator = torch.Generator(device="cpu").manual_seed(settings.seed)
+    if not adapter.staged:
+        return run_result(runner.run([pipeline_stage(folder, settings, generator)])["pipeline"], settings, report,
+                          folder, dtype)
     stages = []
     if loaded is None:
         stages.append(encode_stage([("base", folder)], settings, with_negative=guided))
@@ -144,6 +153,13 @@ def generate(
                 )
         return tensors
 
-    generator = torch.Generator(device="cpu").manual_seed(settings.seed)
     stages += [denoise_stage(folder, settings, prompt_embeddings, generator), decode_stage(folder, settings, generator)]
     return run_result(runner.run(stages)["decode"], settings, report, folder, dtype)
+
+
+def _not_staged(folder, what: str) -> str:
+    from memfit.models.families import ADAPTERS
+
+    return (f"memfit cannot {what} for {folder.class_name} ({folder.path}): memfit runs it through the pipeline's "
+            f"own __call__, which encodes the prompt itself. Pass --prompt instead. Staged families: "
+            f"{', '.join(sorted(ADAPTERS))}.")

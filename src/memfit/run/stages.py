@@ -19,7 +19,8 @@ from memfit.models.folder import ModelFolder
 from memfit.run.media import IMAGE_SUFFIXES, VIDEO_SUFFIXES, save_png, save_video
 from memfit.run.runner import Stage, StageContext
 
-__all__ = ["Generation", "decode_stage", "denoise_stage", "encode_stage", "open_model", "png_metadata", "run_result"]
+__all__ = ["Generation", "decode_stage", "denoise_stage", "encode_stage", "open_model", "pipeline_stage", "png_metadata",
+           "run_result"]
 
 
 def open_model(model: str | Path | ModelFolder | None) -> ModelFolder:
@@ -110,6 +111,27 @@ def decode_stage(folder: ModelFolder, settings: Settings, generator, latents_fro
             return folder.adapter.decode(pipe, results.pop(latents_from), settings, generator)
 
     return Stage("decode", work)
+
+
+def pipeline_stage(folder: ModelFolder, settings: Settings, generator) -> Stage:
+    """A pipeline without an adapter of its own: its __call__ in one stage, every component loaded
+    and fitted to the budget together. Returns the images (or a video's frames)."""
+
+    def work(context: StageContext, results: dict[str, Any]) -> list:
+        context.note = f"{folder.class_name}'s own __call__ (no staged encode: no adapter for this class)"
+        pipe = context.load(folder, list(folder.components))
+        try:
+            with torch.inference_mode():
+                output = pipe(**folder.adapter.pipeline_kwargs(settings), generator=generator)
+        except (TypeError, ValueError) as exc:
+            raise MemfitError(
+                f"{folder.class_name}'s own __call__ refused a text-to-image request ({type(exc).__name__}: {exc}). "
+                "memfit runs a class without an adapter with the prompt, size, steps and guidance only."
+            ) from exc
+        images = getattr(output, "images", None)
+        return list(images) if images is not None else list(output.frames[0])
+
+    return Stage("pipeline", work)
 
 
 @dataclass

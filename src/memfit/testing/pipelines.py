@@ -620,9 +620,17 @@ def _hidream(scale: int, text_layers: int):
     )
 
 
+def _sd_pag(scale: int, text_layers: int):
+    """A class memfit has no adapter for (SD with perturbed-attention guidance): the generic path."""
+    from diffusers import StableDiffusionPAGPipeline
+
+    return StableDiffusionPAGPipeline(**_sd(scale, text_layers).components, pag_applied_layers="mid")
+
+
 _BUILDERS: dict[str, Callable[[int, int], object]] = {
     "sd": _sd, "sdxl": _sdxl, "lumina2": _lumina2, "cogview4": _cogview4,
     "flux": _flux, "flux_schnell": _flux_schnell, "sd3": _sd3, "qwenimage": _qwenimage, "wan": _wan, "chroma": _chroma, "sana": _sana, "pixart_sigma": _pixart_sigma, "aura_flow": _aura_flow, "hidream": _hidream,
+    "sd_pag": _sd_pag,
 }
 
 # Sizes each tiny architecture accepts (multiples of what its VAE and patching need).

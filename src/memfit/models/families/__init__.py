@@ -40,11 +40,11 @@ ADAPTERS: dict[str, type[PipelineAdapter]] = {
 
 
 def adapter_for(class_name: str, configs: dict[str, dict], classes: dict[str, tuple[str, str]]) -> PipelineAdapter:
-    """The adapter of ``class_name``; any other pipeline class gets the generic one (it plans;
-    memfit generate refuses it with the list of supported classes)."""
+    """The adapter of ``class_name``; any other pipeline class gets the generic one, which plans it
+    and runs its own __call__ in one stage."""
     if class_name in ADAPTERS:
         return ADAPTERS[class_name](configs, classes)
-    return GenericAdapter(configs, classes, class_name, supported=sorted(ADAPTERS))
+    return GenericAdapter(configs, classes, class_name)
 
 
 __all__ = ["ADAPTERS", "DENOISER_NAMES", "GenericAdapter", "PipelineAdapter", "Settings", "adapter_for"]

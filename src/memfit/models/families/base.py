@@ -63,6 +63,9 @@ class PipelineAdapter:
     # The optional Settings fields this pipeline takes (true_cfg_scale, num_frames); resolve()
     # refuses the others rather than ignoring them.
     options: ClassVar[tuple[str, ...]] = ()
+    # Whether memfit runs this family as separate encode, denoise and decode stages; a family
+    # without an adapter of its own runs its pipeline's __call__ in one stage (GenericAdapter).
+    staged: ClassVar[bool] = True
     # The prompt embeddings whose length varies with the prompt, each with its sequence dimension;
     # each has a negative_ counterpart under guidance.
     text_sequences: ClassVar[tuple[tuple[str, int], ...]] = (("prompt_embeds", 1),)
@@ -140,8 +143,8 @@ class PipelineAdapter:
         defaults = defaults or {}
         if not isinstance(prompt, str) or not prompt.strip():
             raise MemfitError("The prompt is empty: pass a description of the image, e.g. --prompt \"a red circle\".")
-        steps = int(steps if steps is not None else defaults.get("steps", call_defaults["num_inference_steps"]))
-        guidance = float(guidance if guidance is not None else defaults.get("guidance", call_defaults["guidance_scale"]))
+        steps = int(steps if steps is not None else defaults.get("steps", call_defaults.get("num_inference_steps", 50)))
+        guidance = float(guidance if guidance is not None else defaults.get("guidance", call_defaults.get("guidance_scale", 1.0)))
         if steps < 1:
             raise MemfitError(f"--steps must be at least 1, got {steps}.")
         size = self.default_size()
