@@ -10,7 +10,7 @@ import torch
 
 from memfit.models.archs import ARCHS, get_arch
 from memfit.errors import MemfitError
-from memfit.plan.meta import activation_estimate, is_model_class, measure_component
+from memfit.plan.meta import ACTIVATION_FACTORS, ACTIVATION_OFFSETS, activation_estimate, is_model_class, measure_component
 
 TINY_UNET = {
     "block_out_channels": [4, 8],
@@ -232,6 +232,17 @@ def test_flux_tokens_cover_two_by_two_latent_patches():
     packed = activation_estimate("transformer", flux.config, class_name="FluxTransformer2DModel", text_tokens=0)
     unpacked = activation_estimate("transformer", flux.config, class_name="", text_tokens=0)
     assert unpacked == 4 * packed  # patch_size=1 in the config, yet one token per 2x2 latent pixels
+
+
+def test_video_vae_decode_counts_the_whole_output_video():
+    """Wan's VAE (base_dim 96, 4 video frames per latent frame) returns every frame at once."""
+    wan_vae = {"base_dim": 96, "scale_factor_temporal": 4}
+    one = activation_estimate("vae_decoder", wan_vae, width=832, height=480, frames=1) - ACTIVATION_OFFSETS["vae_decoder"]
+    video = activation_estimate("vae_decoder", wan_vae, width=832, height=480, frames=21)
+    longer = activation_estimate("vae_decoder", wan_vae, width=832, height=480, frames=41)
+    assert one < video < longer
+    per_frame = 3 * 832 * 480 * ACTIVATION_FACTORS["vae_decoder"] * 2  # bf16
+    assert longer - video == pytest.approx(20 * 4 * per_frame, rel=0.01)
 
 
 def test_activation_estimate_rejects_bad_input():

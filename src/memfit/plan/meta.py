@@ -316,7 +316,7 @@ def activation_estimate(
     kind is "unet", "transformer", "vae_decoder", "vae_decoder_banded" or "text_encoder"; ``config`` is the component's
     config.json; width/height are the *image* size in pixels; ``batch`` is the batch the model
     really sees (2 when classifier-free guidance batches cond and uncond); ``frames`` the latent
-    frames a video transformer sees at once (1 for images).
+    frames a video transformer sees at once, and a video VAE decodes (1 for images).
 
     Model: peak = factor[kind] * batch * dtype bytes * widest activation + offset[kind], where the widest
     activation is, per kind:
@@ -324,7 +324,8 @@ def activation_estimate(
                     GEGLU feed-forward's 8x-wide hidden / 2 with SDPA's O(n) memory, else 1), plus the
                     skip connections the down path keeps for the up path;
       transformer:  (image tokens + text tokens) * hidden size * 4 (feed-forward width);
-      vae_decoder:  width * height * block_out_channels[0] (the full-resolution last up block);
+      vae_decoder:  width * height * block_out_channels[0] (the full-resolution last up block); a
+                    video VAE: that for the frames of one latent frame, plus the whole output video;
       text_encoder: text_tokens * max(hidden size, intermediate size).
     Attention is assumed to run through a memory-efficient kernel (SDPA), so no n^2 score matrix
     is counted. Factors and offsets are calibrated on measured runs (ACTIVATION_FACTORS,
@@ -377,9 +378,15 @@ def _transformer_elems(config, *, width, height, vae_scale, text_tokens, class_n
     return (image_tokens + text_tokens) * hidden * 4
 
 
-def _vae_decoder_elems(config, *, width, height, **_):
-    channels = config.get("block_out_channels", (128, 256, 512, 512))
-    return width * height * channels[0]
+def _vae_decoder_elems(config, *, width, height, frames=1, **_):
+    channels = config.get("block_out_channels") or (config.get("base_dim", 128),)
+    if frames == 1:
+        return width * height * channels[0]
+    # A video VAE decodes a latent frame at a time (scale_factor_temporal video frames, widest at
+    # full resolution) but returns the whole video at once.
+    temporal = int(config.get("scale_factor_temporal", 4))
+    video_frames = (frames - 1) * temporal + 1
+    return width * height * (channels[0] * temporal + 3 * video_frames)
 
 
 def _text_encoder_elems(config, *, text_tokens, **_):
