@@ -14,6 +14,9 @@ def _add_model_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", help="diffusers model folder (default: memfit's built-in demo model)")
     parser.add_argument("--dtype", choices=("fp32", "bf16", "fp16"), default="fp32", help="run dtype (default fp32)")
     parser.add_argument("--device", help="torch device, e.g. cpu or cuda:0 (default: cuda if available)")
+    parser.add_argument("--allow-pickle", action="store_true",
+                        help="load pickle checkpoints (.bin, .pt, .pth, .ckpt) with torch's weights_only loader; "
+                        "refused by default (convert them to safetensors instead)")
 
 
 def register(commands: argparse._SubParsersAction) -> None:
@@ -91,6 +94,7 @@ def _generate(args) -> int:
         refiner_start=args.refiner_start,
         true_cfg_scale=args.true_cfg,
         num_frames=args.frames,
+        allow_pickle=args.allow_pickle,
     )
     result.save(out)
     if args.report:
@@ -107,7 +111,7 @@ def _encode(args) -> int:
     out = _check_out_path(args.out, ".safetensors")
     embeddings, report = encode(
         args.prompt, model=args.model, negative_prompt=args.negative_prompt, dtype=args.dtype, device=args.device,
-        budget=args.budget,
+        budget=args.budget, allow_pickle=args.allow_pickle,
     )
     embeddings.save(out)
     if args.report:

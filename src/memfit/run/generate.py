@@ -16,7 +16,7 @@ from memfit.errors import MemfitError
 from memfit.run.embeddings import Embeddings
 from memfit.run.memory import collects_only_its_own_garbage, return_large_frees_to_os
 from memfit.run.report import RunReport
-from memfit.run.runner import StageRunner, default_device
+from memfit.run.runner import StageRunner, resolve_device
 from memfit.run.stages import (
     Generation,
     check_embeddings,
@@ -41,10 +41,11 @@ def encode(
     budget=None,
     backend=None,
     fallback: str | None = None,
+    allow_pickle: bool = False,
 ) -> tuple[Embeddings, RunReport]:
     """Run only the encode stage; the embeddings carry both guidance branches."""
-    folder = open_model(model)
-    device = torch.device(device) if device is not None else default_device()
+    folder = open_model(model, allow_pickle=allow_pickle)
+    device = resolve_device(device)
     settings = folder.adapter.resolve(prompt, negative_prompt, 1, None, 0, None, None, folder.defaults)
     report = RunReport(device=str(device), dtype=dtype, model=str(folder.path))
     runner = StageRunner(report=report, settings=settings, guided=True, dtype=dtype, device=device, budget=budget,
@@ -76,6 +77,7 @@ def generate(
     refiner_start: float | None = None,
     true_cfg_scale: float | None = None,
     num_frames: int | None = None,
+    allow_pickle: bool = False,
 ) -> Generation:
     """Generate an image with a diffusers model folder, one stage resident at a time.
 
@@ -101,12 +103,13 @@ def generate(
             refiner_start=DEFAULT_REFINER_START if refiner_start is None else refiner_start,
             negative_prompt=negative_prompt, steps=steps, guidance=guidance, seed=seed, width=width, height=height,
             dtype=dtype, device=device, budget=budget, backend=backend, fallback=fallback, progress=progress,
+            allow_pickle=allow_pickle,
         )
     if refiner_start is not None:
         raise MemfitError("--refiner-start only applies with --refiner REFINER.")
-    folder = open_model(model)
+    folder = open_model(model, allow_pickle=allow_pickle)
     adapter = folder.adapter
-    device = torch.device(device) if device is not None else default_device()
+    device = resolve_device(device)
 
     loaded = None
     if embeddings is not None:

@@ -32,7 +32,7 @@ from memfit.run.memory import PeakMemory, current_rss, release_freed_memory
 from memfit.run.report import RunReport, StageReport
 from memfit.sizes import format_bytes
 
-__all__ = ["Stage", "StageContext", "StageRunner", "default_device", "memory_in_use", "resident_bytes"]
+__all__ = ["Stage", "StageContext", "StageRunner", "default_device", "memory_in_use", "resident_bytes", "resolve_device"]
 
 
 @dataclass(frozen=True)
@@ -50,6 +50,27 @@ class Stage:
 def default_device() -> torch.device:
     """Where a run executes when the caller names no device: the GPU if there is one."""
     return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+
+def resolve_device(device: str | torch.device | None) -> torch.device:
+    """The device a run executes on: ``device`` checked to exist on this machine, else the default."""
+    if device is None:
+        return default_device()
+    try:
+        resolved = torch.device(device)
+    except (RuntimeError, TypeError, ValueError):
+        raise MemfitError(f"--device {device} is not a device torch knows; use cpu, cuda or cuda:N.") from None
+    if resolved.type == "cpu":
+        return resolved
+    if resolved.type != "cuda":
+        raise MemfitError(f"--device {device} is not supported by memfit; use cpu, cuda or cuda:N.")
+    count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if count == 0:
+        raise MemfitError(f"--device {device} names a CUDA GPU but torch sees none here; use --device cpu.")
+    if resolved.index is not None and resolved.index >= count:
+        raise MemfitError(
+            f"--device {device} does not exist: torch sees {count} CUDA GPU(s), cuda:0 to cuda:{count - 1}.")
+    return resolved
 
 
 def memory_in_use(device: torch.device) -> int:

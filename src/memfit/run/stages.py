@@ -22,15 +22,24 @@ from memfit.run.runner import Stage, StageContext
 __all__ = ["Generation", "decode_stage", "denoise_stage", "encode_stage", "open_model", "png_metadata", "save_png"]
 
 
-def open_model(model: str | Path | ModelFolder | None) -> ModelFolder:
-    """A ModelFolder for a path; None is memfit's built-in demo model."""
-    if isinstance(model, ModelFolder):
-        return model
-    if model is None:
-        from memfit.demo import model_dir
+def open_model(model: str | Path | ModelFolder | None, *, allow_pickle: bool = False) -> ModelFolder:
+    """A ModelFolder for a path, its layout checked (memfit.models.folder); None is memfit's built-in demo model.
 
-        model = model_dir()
-    return ModelFolder.open(model)
+    ``allow_pickle`` loads pickle checkpoints (.bin, .pt, ...) with torch's weights_only loader;
+    without it they are refused.
+    """
+    if isinstance(model, ModelFolder):
+        folder = model
+    else:
+        if model is None:
+            from memfit.demo import model_dir
+
+            model = model_dir()
+        folder = ModelFolder.open(model)
+    folder.check_layout()
+    if allow_pickle:
+        folder.allow_pickle = True
+    return folder
 
 
 def encode_stage(folders: list[tuple[str, ModelFolder]], settings: Settings, with_negative: bool) -> Stage:
