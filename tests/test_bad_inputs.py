@@ -104,6 +104,51 @@ def pickle_weights(model, tmp):
     path.unlink()
 
 
+def nan_weights(component, suffix):
+    def make(model, tmp):
+        def change(t):
+            key = _key(t, suffix)
+            t[key] = torch.full_like(t[key], float("nan"))
+
+        _edit(model, component, change)
+
+    return make
+
+
+# -- parameter faults ---------------------------------------------------------------------------
+
+def args(*extra, env=None):
+    return lambda model, tmp: {"args": ["--prompt", "a red circle", *extra], "env": env or {}}
+
+
+# -- output faults ------------------------------------------------------------------------------
+
+def out_in_missing_folder(model, tmp):
+    return {"out": tmp / "no-such-folder" / "out.png"}
+
+
+def out_under_a_file(model, tmp):
+    (tmp / "a-file").write_text("x")
+    return {"out": tmp / "a-file" / "out.png"}
+
+
+def out_is_a_folder(model, tmp):
+    (tmp / "folder.png").mkdir()
+    return {"out": tmp / "folder.png"}
+
+
+def report_under_a_file(model, tmp):
+    (tmp / "a-file").write_text("x")
+    return {"args": ["--prompt", "a red circle", "--report", str(tmp / "a-file" / "r.json")]}
+
+
+# -- cache faults -------------------------------------------------------------------------------
+
+def cache_required_but_unusable(model, tmp):
+    (tmp / "cache").write_text("a file where the cache directory goes")
+    return {"args": ["--prompt", "a red circle"], "env": {"MEMFIT_CACHE_DIR": str(tmp / "cache"), "MEMFIT_CACHE": "require"}}
+
+
 CASES = [
     ("no-unet-folder", no_unet, "unet is missing"),
     ("no-vae-folder", no_vae, "vae is missing"),
@@ -116,6 +161,23 @@ CASES = [
     ("remote-code", remote_code, "memfit never runs code from a model folder"),
     ("remote-code-auto-map", remote_code_auto_map, "memfit never runs code from a model folder"),
     ("pickle-weights", pickle_weights, "is a pickle checkpoint"),
+    ("nan-unet-weights", nan_weights("unet", "conv_out.weight"), "denoise stage produced non-finite values"),
+    ("nan-text-weights", nan_weights("text_encoder", "final_layer_norm.weight"), "encode stage produced non-finite"),
+    ("nan-vae-weights", nan_weights("vae", "decoder.conv_out.weight"), "decode stage produced non-finite values"),
+    ("seed-too-large", args("--seed", str(2**70)), "--seed"),
+    ("width-huge", args("--width", "1000000"), "larger than memfit takes"),
+    ("steps-huge", args("--steps", "100000000"), "more than memfit takes"),
+    ("device-banana", args("--device", "banana"), "--device banana"),
+    ("device-missing-gpu", args("--device", "cuda:7"), "--device cuda:7"),
+    ("guidance-inf", args("--guidance", "inf"), "not a finite number"),
+    ("guidance-nan", args("--guidance", "nan"), "not a finite number"),
+    ("budget-garbage", args("--budget", "lots"), "lots"),
+    ("cache-mode-garbage", args(env={"MEMFIT_CACHE": "sometimes"}), "MEMFIT_CACHE"),
+    ("out-missing-folder", out_in_missing_folder, "does not exist"),
+    ("out-under-a-file", out_under_a_file, "which is a file"),
+    ("out-is-a-folder", out_is_a_folder, "is a folder"),
+    ("report-under-a-file", report_under_a_file, "--report"),
+    ("cache-require-unusable", cache_required_but_unusable, "MEMFIT_CACHE=require"),
 ]
 
 
@@ -166,5 +228,36 @@ def test_bad_input_is_one_sentence_exit_2_and_changes_nothing(bad_run, make, exp
     assert expected in err, err
     assert err.startswith("memfit: error: ") and err.strip().count("\n") == 0, err
     assert "Traceback" not in err
-    assert not out.exists()
+    assert not out.is_file()
     assert after == before, "a refused run must leave the disk as it was"
+
+
+def test_a_failed_write_is_one_sentence_and_leaves_nothing(tmp_path, monkeypatch):
+    """A full disk (or any write error) while saving: MemfitError naming the file, no file, no temporary."""
+    from memfit.atomic import write_atomically
+    from memfit.errors import MemfitError
+
+    def full_disk(tmp):
+        Path(tmp).write_bytes(b"partial")
+        raise OSError(28, "No space left on device")
+
+    with pytest.raises(MemfitError, match="out.png.*No space left"):
+        write_atomically(tmp_path / "out.png", full_disk)
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_temporaries_of_killed_writers_are_removed_by_the_next_write(tmp_path):
+    import subprocess
+    import sys
+
+    from memfit.atomic import write_atomically
+
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    pid = int(dead.stdout)
+    stale = tmp_path / f".out.png.memfit-{pid}-abc123.tmp"
+    stale.write_bytes(b"")
+    foreign = tmp_path / ".out.png.abc123.tmp"  # not ours: never touched
+    foreign.write_bytes(b"")
+    write_atomically(tmp_path / "other.png", lambda tmp: Path(tmp).write_bytes(b"png"))
+    assert not stale.exists() and foreign.exists()
+    assert sorted(p.name for p in tmp_path.iterdir()) == [".out.png.abc123.tmp", "other.png"]

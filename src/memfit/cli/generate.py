@@ -59,12 +59,15 @@ def register(commands: argparse._SubParsersAction) -> None:
 
 
 def _check_out_path(path: str, suffix: str) -> Path:
+    """``--out``, checked before anything loads: a failed check costs nothing (memfit.atomic.check_writable)."""
+    from memfit.atomic import check_writable
+
     out = Path(path)
     if out.suffix.lower() != suffix:
         raise MemfitError(f"--out {path} should end in {suffix}.")
     if out.is_dir():
         raise MemfitError(f"--out {path} is a folder; give a file name ending in {suffix}.")
-    return out
+    return check_writable(out)
 
 
 def _generate(args) -> int:
@@ -72,6 +75,10 @@ def _generate(args) -> int:
     from memfit.run.generate import generate
 
     out = _check_out_path(args.out, ".png")
+    if args.report:
+        from memfit.atomic import check_writable
+
+        check_writable(args.report, "--report")
     if args.prompt is None and args.embeddings is None:
         raise MemfitError("Nothing to draw: pass --prompt TEXT, or --embeddings FILE from memfit encode.")
     result = generate(
@@ -109,6 +116,10 @@ def _encode(args) -> int:
     from memfit.run.generate import encode
 
     out = _check_out_path(args.out, ".safetensors")
+    if args.report:
+        from memfit.atomic import check_writable
+
+        check_writable(args.report, "--report")
     embeddings, report = encode(
         args.prompt, model=args.model, negative_prompt=args.negative_prompt, dtype=args.dtype, device=args.device,
         budget=args.budget, allow_pickle=args.allow_pickle,

@@ -11,10 +11,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import contextlib
+import logging
+import warnings
+
 import torch
 
 from memfit.atomic import write_atomically
-from memfit.errors import MemfitError
+from memfit.errors import MemfitError, MemfitWarning
 from memfit.models.families import Settings
 from memfit.models.folder import ModelFolder
 from memfit.run.runner import Stage, StageContext
@@ -40,6 +44,44 @@ def open_model(model: str | Path | ModelFolder | None, *, allow_pickle: bool = F
     if allow_pickle:
         folder.allow_pickle = True
     return folder
+
+
+def check_finite(tensors, stage: str, folder: ModelFolder, components) -> None:
+    """Raise, naming the stage, if a stage's result holds NaN or infinity (NaN weights, an fp16
+    overflow): an image made from it would be black, never an exit 0."""
+    items = tensors.items() if isinstance(tensors, dict) else [("latents", tensors)]
+    for name, tensor in items:
+        if isinstance(tensor, torch.Tensor) and tensor.is_floating_point() and not torch.isfinite(tensor).all():
+            raise MemfitError(
+                f"The {stage} stage produced non-finite values (NaN or inf) in its {name}; check the weights of "
+                f"{', '.join(str(folder.path / c) for c in components)} (re-download them) or run at --dtype fp32."
+            )
+
+
+class PromptTruncatedWarning(MemfitWarning):
+    """A prompt longer than a text encoder takes was cut."""
+
+
+@contextlib.contextmanager
+def _truncation_notices():
+    """Collect diffusers' "input was truncated" notices, which memfit's quiet logging would drop."""
+    found: list[str] = []
+
+    class Collect(logging.Handler):
+        def emit(self, record):
+            message = record.getMessage()
+            if "truncated" in message:
+                found.append(message)
+
+    logger = logging.getLogger("diffusers")
+    handlers, level, propagate = logger.handlers[:], logger.level, logger.propagate
+    logger.handlers, logger.propagate = [Collect()], False
+    logger.setLevel(logging.WARNING)
+    try:
+        yield found
+    finally:
+        logger.handlers, logger.propagate = handlers, propagate
+        logger.setLevel(level)
 
 
 def encode_stage(folders: list[tuple[str, ModelFolder]], settings: Settings, with_negative: bool) -> Stage:
@@ -76,8 +118,12 @@ def encode_stage(folders: list[tuple[str, ModelFolder]], settings: Settings, wit
             for name, fingerprint in prints.items():
                 if isinstance(getattr(pipe, name, None), torch.nn.Module):
                     loaded.setdefault(fingerprint, getattr(pipe, name))
-            with torch.inference_mode():
+            with torch.inference_mode(), _truncation_notices() as cut:
                 embeddings = folder.adapter.encode(pipe, settings, with_negative)
+            for notice in dict.fromkeys(cut):  # once each, however many encoders or branches saw it
+                warnings.warn(f"The prompt is longer than {folder.path.name}'s text encoder takes and was cut: "
+                              f"{notice.splitlines()[0]}", PromptTruncatedWarning, stacklevel=2)
+            check_finite(embeddings, "encode", folder, names)
             tensors[label] = {k: v.clone() for k, v in embeddings.items()}
             cache.save(tensors[label], folder.class_name, folder.text_fingerprint, settings.prompt,
                        settings.negative_prompt)
@@ -105,6 +151,7 @@ def denoise_stage(folder: ModelFolder, settings: Settings, embeddings: Callable[
                 latents = adapter.denoise(pipe, embeddings(results), settings, generator, split=split)
             else:
                 latents = run(adapter, pipe, embeddings(results), results, split)
+        check_finite(latents, name, folder, [c for c in adapter.denoise_components if c in folder.components])
         return latents.clone()
 
     return Stage(name, work)
@@ -115,8 +162,23 @@ def decode_stage(folder: ModelFolder, settings: Settings, generator, latents_fro
 
     def work(context: StageContext, results: dict[str, Any]) -> list:
         pipe = context.load(folder, folder.adapter.decode_components)
-        with torch.inference_mode():
-            return folder.adapter.decode(pipe, results.pop(latents_from), settings, generator)
+        bad: list[bool] = []
+        decoder = getattr(getattr(pipe, "vae", None), "decoder", None)
+        hook = decoder.register_forward_hook(
+            lambda module, args, out: bad.append(isinstance(out, torch.Tensor) and not torch.isfinite(out).all())
+        ) if isinstance(decoder, torch.nn.Module) else None
+        try:
+            with torch.inference_mode():
+                images = folder.adapter.decode(pipe, results.pop(latents_from), settings, generator)
+        finally:
+            if hook is not None:
+                hook.remove()
+        if any(bad):
+            raise MemfitError(
+                f"The decode stage produced non-finite values (NaN or inf); check the weights of {folder.path / 'vae'} "
+                "(re-download them) or run at --dtype fp32."
+            )
+        return images
 
     return Stage("decode", work)
 
