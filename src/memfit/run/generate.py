@@ -16,7 +16,7 @@ from memfit.errors import MemfitError
 from memfit.run.embeddings import Embeddings
 from memfit.run.memory import collects_only_its_own_garbage, return_large_frees_to_os
 from memfit.run.report import RunReport
-from memfit.run.runner import StageRunner, resolve_device
+from memfit.run.runner import StageRunner, check_budget_floor, resolve_device
 from memfit.run.stages import (
     Generation,
     check_embeddings,
@@ -123,6 +123,7 @@ def generate(
     guided = adapter.guided(settings)
     report = RunReport(device=str(device), dtype=dtype, model=str(folder.path), settings=settings.__dict__.copy())
     if budget is not None:
+        check_budget_floor(folder, settings, dtype, budget, device)
         return_large_frees_to_os()  # freed activations leave RSS at once, so stages stay within plan
     runner = StageRunner(report=report, settings=settings, guided=guided, dtype=dtype, device=device, budget=budget,
                          backend=backend, fallback=fallback, progress=progress)
