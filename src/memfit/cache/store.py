@@ -38,7 +38,7 @@ from pathlib import Path
 from typing import Any, Callable, Mapping, Union
 
 from memfit.cache.key import CacheKey, summarize_parts
-from memfit.cache.locking import key_lock
+from memfit.cache.locking import fcntl, key_lock
 from memfit.cache.manifest import (
     DATA_DIR_NAME,
     LAST_USED_NAME,
@@ -348,6 +348,7 @@ class CacheStore:
             self._discard(entry_dir)
             removed += 1
         self._remove_abandoned_staging()
+        self._prune_locks()
         return removed
 
     def total_bytes(self) -> int:
@@ -391,6 +392,29 @@ class CacheStore:
             if _writer_is_gone(path):
                 shutil.rmtree(path, ignore_errors=True)
 
+    def _prune_locks(self) -> None:
+        """Remove the lock files of keys that have no entry and that nobody holds, so .locks does
+        not keep one file per key ever built. A lock in use is left alone (taken without waiting);
+        the lock is an optimization, entries stay whole by their atomic rename either way."""
+        locks = self.root / _LOCKS_DIR
+        if fcntl is None or not locks.is_dir():
+            return
+        for lock in locks.glob("*.lock"):
+            kind, _, digest = lock.stem.rpartition("-")
+            if len(digest) == 64 and (self.root / kind / digest[:2] / digest).exists():
+                continue
+            try:
+                fd = os.open(lock, os.O_RDWR)
+            except OSError:
+                continue
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                lock.unlink()
+            except OSError:
+                pass  # held by a builder right now
+            finally:
+                os.close(fd)
+
     def _discard(self, entry_dir: Path) -> None:
         """Remove an entry so that readers see it either whole or absent, never half-deleted."""
         staging_root = self.root / _STAGING_DIR
@@ -414,6 +438,7 @@ class CacheStore:
                 continue
             self._discard(entry.path)
             total -= entry.size
+        self._prune_locks()
         if total > self.max_bytes:
             warnings.warn(
                 f"memfit cache entry at {keep} alone is larger than the cache limit "

@@ -13,6 +13,7 @@ import warnings
 
 from memfit.cli import cache, generate, plan
 from memfit.errors import MemfitError
+from memfit.run.libraries import quiet_libraries
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -27,18 +28,6 @@ def build_parser() -> argparse.ArgumentParser:
     for module in (generate, plan, cache):
         module.register(commands)
     return parser
-
-
-def quiet_libraries() -> None:
-    # diffusers/transformers print loading bars and config warnings for every stage; memfit
-    # shows its own progress instead.
-    import diffusers
-    import transformers
-
-    diffusers.utils.logging.disable_progress_bar()
-    diffusers.utils.logging.set_verbosity_error()
-    transformers.utils.logging.disable_progress_bar()
-    transformers.utils.logging.set_verbosity_error()
 
 
 def _show_warning(message, category, filename, lineno, file=None, line=None, *, _default=warnings.showwarning):

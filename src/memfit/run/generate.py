@@ -14,6 +14,7 @@ import torch
 
 from memfit.errors import MemfitError
 from memfit.run.embeddings import Embeddings
+from memfit.run.libraries import quiet_libraries
 from memfit.run.memory import collects_only_its_own_garbage, return_large_frees_to_os
 from memfit.run.report import RunReport
 from memfit.run.runner import StageRunner, check_budget_floor, resolve_device
@@ -44,6 +45,7 @@ def encode(
     allow_pickle: bool = False,
 ) -> tuple[Embeddings, RunReport]:
     """Run only the encode stage; the embeddings carry both guidance branches."""
+    quiet_libraries()
     folder = open_model(model, allow_pickle=allow_pickle)
     device = resolve_device(device)
     settings = folder.adapter.resolve(prompt, negative_prompt, 1, None, 0, None, None, folder.defaults)
@@ -93,6 +95,7 @@ def generate(
     `refiner` (an SDXL refiner folder) runs diffusers' base + refiner workflow: the base stops at
     `refiner_start` (default 0.8) of the schedule and the refiner finishes (memfit.run.refiner).
     """
+    quiet_libraries()
     if refiner is not None:
         from memfit.run.refiner import DEFAULT_REFINER_START, generate_with_refiner
 
