@@ -166,7 +166,7 @@ def decode_stage(folder: ModelFolder, settings: Settings, generator, latents_fro
         decoder = getattr(getattr(pipe, "vae", None), "decoder", None)
         hook = decoder.register_forward_hook(
             lambda module, args, out: bad.append(isinstance(out, torch.Tensor) and not torch.isfinite(out).all())
-        ) if isinstance(decoder, torch.nn.Module) else None
+        ) if isinstance(decoder, torch.nn.Module) and not is_compiled(vae) else None
         try:
             with torch.inference_mode():
                 images = folder.adapter.decode(pipe, results.pop(latents_from), settings, generator)
