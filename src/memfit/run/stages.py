@@ -162,8 +162,13 @@ def decode_stage(folder: ModelFolder, settings: Settings, generator, latents_fro
 
     def work(context: StageContext, results: dict[str, Any]) -> list:
         pipe = context.load(folder, folder.adapter.decode_components)
+        from memfit.compile.entry_points import is_compiled
+
         bad: list[bool] = []
-        decoder = getattr(getattr(pipe, "vae", None), "decoder", None)
+        vae = getattr(pipe, "vae", None)
+        decoder = getattr(vae, "decoder", None)
+        # A compiled decode is traced, not run through its submodules: no hook (a check inside an
+        # export would be a data-dependent guard), and the compiled output is not checked here.
         hook = decoder.register_forward_hook(
             lambda module, args, out: bad.append(isinstance(out, torch.Tensor) and not torch.isfinite(out).all())
         ) if isinstance(decoder, torch.nn.Module) and not is_compiled(vae) else None
