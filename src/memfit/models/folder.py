@@ -12,6 +12,7 @@ the file, never a wrong image.
 from __future__ import annotations
 
 import json
+import os
 import re
 from functools import cached_property
 from dataclasses import dataclass, field
@@ -119,6 +120,12 @@ def _as_loaded(module: torch.nn.Module, entries: dict) -> dict | None:
     """``entries`` under the names the live module uses: transformers renames some checkpoint keys
     while loading (transformers 5: Qwen2.5-VL's ``model.layers`` -> ``model.language_model.layers``).
     None when a conversion also merges or splits tensors, so names cannot be compared one to one."""
+    fix_keys = getattr(module, "_fix_state_dict_keys_on_load", None)
+    if callable(fix_keys):  # diffusers: pre-2023 attention names (query, key, value, proj_attn)
+        try:
+            return dict(fix_keys(dict(entries)) or entries)
+        except Exception:  # noqa: BLE001 - a diffusers internal changed; diffusers itself checked the load
+            return None
     try:
         from transformers import PreTrainedModel
     except ImportError:  # pragma: no cover - transformers is a dependency
@@ -173,13 +180,16 @@ def check_loaded_weights(module: torch.nn.Module, name: str, folder: Path, files
             "uninitialised weights; re-download or re-save the model."
         )
     ignore_unexpected = getattr(module, "_keys_to_ignore_on_load_unexpected", None)
-    unexpected = sorted(k for k in entries if state is not None and k not in state
+    # Buffers the model does not save (CLIP's position_ids) may be in older checkpoints: never unexpected.
+    known = set(state or ()) | {key for key, _ in module.named_buffers()}
+    unexpected = sorted(k for k in entries if state is not None and k not in known
                         and not _matches_any(k, ignore_unexpected))
-    if unexpected:
+    if unexpected and os.environ.get("MEMFIT_ALLOW_EXTRA_KEYS", "").strip().lower() not in ("1", "yes", "true", "on"):
         more = f" (and {len(unexpected) - 1} more)" if len(unexpected) > 1 else ""
         raise MemfitError(
             f"{entries[unexpected[0]][2]} holds tensor {unexpected[0]!r}{more}, which {name} ({cls}) does not have; "
-            f"the weights are for another model or config: check {folder / 'config.json'} or re-download the model."
+            f"the weights are for another model or config: check {folder / 'config.json'} or re-download the model "
+            "(MEMFIT_ALLOW_EXTRA_KEYS=1 loads it anyway)."
         )
     keep_fp32 = getattr(module, "_keep_in_fp32_modules", None) or []
     counts: dict[str, int] = {}
