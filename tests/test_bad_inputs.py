@@ -209,7 +209,8 @@ def bad_run(tiny_models, tmp_path, monkeypatch, capsys):
         args = extra.get("args", ["--prompt", "a red circle"])
         before = _snapshot(tmp_path)
         capsys.readouterr()
-        code = main([command, "--model", str(model), *RUN, *args, "--out", str(out)])
+        run_args = RUN if command == "generate" else ["--quiet"]
+        code = main([command, "--model", str(model), *run_args, *args, "--out", str(out)])
         err = capsys.readouterr().err
         after = _snapshot(tmp_path)
         # The store may have gained a whole, valid entry from a stage that ran before the fault was
@@ -261,3 +262,28 @@ def test_temporaries_of_killed_writers_are_removed_by_the_next_write(tmp_path):
     write_atomically(tmp_path / "other.png", lambda tmp: Path(tmp).write_bytes(b"png"))
     assert not stale.exists() and foreign.exists()
     assert sorted(p.name for p in tmp_path.iterdir()) == [".out.png.abc123.tmp", "other.png"]
+
+
+ENCODE_CASES = [
+    ("missing-text-tensor", missing_text_tensor, "final_layer_norm.weight"),
+    ("pickle-weights", pickle_weights, "is a pickle checkpoint"),
+    ("no-text-encoder-folder", lambda model, tmp: shutil.rmtree(model / "text_encoder"), "text_encoder is missing"),
+    ("nan-text-weights", nan_weights("text_encoder", "final_layer_norm.weight"), "encode stage produced non-finite"),
+    ("device-banana", lambda model, tmp: {"args": ["--prompt", "x", "--device", "banana"],
+                                          "out": tmp / "e.safetensors"}, "--device banana"),
+    ("out-missing-folder", lambda model, tmp: {"args": ["--prompt", "x"], "out": tmp / "nope" / "e.safetensors"},
+     "does not exist"),
+]
+
+
+@pytest.mark.parametrize("make, expected", [case[1:] for case in ENCODE_CASES], ids=[case[0] for case in ENCODE_CASES])
+def test_bad_input_to_encode_is_one_sentence_exit_2_and_changes_nothing(bad_run, make, expected):
+    def with_encode_out(model, tmp):
+        extra = make(model, tmp) or {}
+        return {"args": ["--prompt", "a red circle"], "out": tmp / "e.safetensors", **extra}
+
+    code, err, out, before, after = bad_run(with_encode_out, command="encode")
+    assert code == 2, err
+    assert expected in err, err
+    assert err.startswith("memfit: error: ") and err.strip().count("\n") == 0, err
+    assert not out.is_file() and after == before
