@@ -47,3 +47,15 @@ def test_allow_pickle_never_runs_code_from_the_file(tiny_models, tmp_path, capsy
     err = capsys.readouterr().err
     assert code == 2 and str(path.parent) in err and "Traceback" not in err, err
     assert not (tmp_path / "pwned").exists() and not (tmp_path / "p.png").exists()
+
+
+def test_legacy_format_pickles_pass_the_weights_only_check(tmp_path):
+    from memfit.models.folder import ModelFolder
+
+    (tmp_path / "model_index.json").write_text('{"_class_name": "StableDiffusionPipeline", "text_encoder": ["transformers", "CLIPTextModel"]}')
+    (tmp_path / "text_encoder").mkdir()
+    (tmp_path / "text_encoder" / "config.json").write_text("{}")
+    torch.save({"w": torch.ones(2)}, tmp_path / "text_encoder" / "pytorch_model.bin", _use_new_zipfile_serialization=False)
+    folder = ModelFolder.open(tmp_path)
+    folder.allow_pickle = True
+    folder.check_weights(["text_encoder"])  # torch's mmap cannot read the legacy format; the check must still pass

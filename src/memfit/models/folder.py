@@ -64,10 +64,21 @@ _CONVERT = ("convert it to safetensors: python -c \"import torch, safetensors.to
 _SAFETENSORS_NAMES = {"pytorch_model": "model", "diffusion_pytorch_model": "diffusion_pytorch_model"}
 
 
+def _load_pickle(path: Path):
+    """``path`` through torch's weights_only loader: memory-mapped when it is torch's zip format,
+    read whole when it is the legacy format (mmap cannot read that)."""
+    try:
+        return torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+    except RuntimeError as exc:
+        if "mmap" not in str(exc):
+            raise
+        return torch.load(path, map_location="cpu", weights_only=True)
+
+
 def _check_tensors_only(path: Path) -> None:
     """Raise unless torch's weights_only loader reads ``path`` (tensors and plain containers, no code)."""
     try:
-        torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+        _load_pickle(path)
     except Exception as exc:  # noqa: BLE001 - UnpicklingError, RuntimeError, ... all mean: not plain tensors
         reason = str(exc).strip().splitlines()[0][:200] if str(exc).strip() else type(exc).__name__
         raise MemfitError(
@@ -99,7 +110,7 @@ def _checkpoint_entries(files: list[Path]) -> dict[str, tuple[str, list[int], Pa
             for key, entry in read_header(path).entries.items():
                 entries[key] = (_SAFETENSORS_DTYPES.get(entry["dtype"], entry["dtype"]), list(entry["shape"]), path)
         else:  # pickle, only with allow_pickle; weights_only never runs code from the file
-            state = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+            state = _load_pickle(path)
             for key, tensor in state.items():
                 if isinstance(tensor, torch.Tensor):
                     entries[key] = (str(tensor.dtype).removeprefix("torch."), list(tensor.shape), path)
