@@ -219,8 +219,12 @@ def check_loaded_weights(module: torch.nn.Module, name: str, folder: Path, files
                 )
 
 
+# diffusers words a shape mismatch two ways: torch's load_state_dict (copying ... from checkpoint), and
+# its own loader into meta tensors when accelerate is installed (expected shape ..., but got ...).
 _SIZE_MISMATCH = re.compile(r"size mismatch for ([\w.]+): copying a param with shape (torch\.Size\(\[[^\]]*\]\)) "
                             r"from checkpoint, the shape in current model is (torch\.Size\(\[[^\]]*\]\))")
+_SIZE_MISMATCH_META = re.compile(r"because ([\w.]+) expected shape (torch\.Size\(\[[^\]]*\]\)), "
+                                 r"but got (torch\.Size\(\[[^\]]*\]\))")
 
 
 _DTYPE_KWARG = ""
@@ -379,11 +383,15 @@ class ModelFolder:
             raise
         except Exception as exc:  # diffusers raises many types; name the folder and the stage
             mismatch = _SIZE_MISMATCH.search(str(exc))
-            if mismatch:
-                key, stored, needed = mismatch.groups()
+            meta_mismatch = _SIZE_MISMATCH_META.search(str(exc))
+            if mismatch or meta_mismatch:
+                if mismatch:
+                    key, stored, needed = mismatch.groups()
+                else:
+                    key, needed, stored = meta_mismatch.groups()
                 # diffusers names the class ("... in loading state_dict for UNet2DConditionModel")
                 owners = [n for n in names if n in self.components and self.components[n][1] in str(exc)] or \
-                    [n for n in names if n in self.components]
+                    [n for n in names if n in self.components and self.weight_files(n)]
                 files = ", ".join(str(f) for n in owners for f in self.weight_files(n)) or str(self.path)
                 raise MemfitError(
                     f"Tensor {key!r} in {files} has shape {_shape_of(stored)} where {owners[0] if owners else 'the model'}'s "
