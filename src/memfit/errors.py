@@ -8,3 +8,8 @@ prints the message alone (no traceback unless --debug) and exits non-zero.
 
 class MemfitError(Exception):
     """A problem the user can fix; the message says how."""
+
+
+class MemfitWarning(UserWarning):
+    """Something the user should know that does not stop the run (a prompt cut short); the CLI
+    prints it as one line."""

@@ -40,6 +40,8 @@ class SafetensorsHeader:
 def read_header(path: str | Path) -> SafetensorsHeader:
     """Read and check ``path``'s header; a truncated or corrupt file raises MemfitError naming it."""
     path = Path(path)
+    if not path.is_file():  # a device (a link to /dev/zero), a fifo or a folder: its size means nothing
+        raise MemfitError(f"{path} is not a regular file (a device, pipe or folder); {_FIX}.")
     size = path.stat().st_size
     with path.open("rb") as handle:
         prefix = handle.read(8)

@@ -7,7 +7,7 @@
 
 from memfit.cache.key import CACHE_FORMAT_VERSION, CacheKey, compile_key, library_versions
 from memfit.cache.settings import DEFAULT_MAX_BYTES, CacheMode
-from memfit.cache.store import BadEntry, CacheCorruptionWarning, CacheEntry, CacheStore
+from memfit.cache.store import BadEntry, CacheCorruptionWarning, CacheEntry, CacheStore, CacheUnavailableWarning
 
 
 def open_store() -> CacheStore:
@@ -27,6 +27,7 @@ __all__ = [
     "CacheKey",
     "CacheMode",
     "CacheStore",
+    "CacheUnavailableWarning",
     "compile_key",
     "library_versions",
     "open_store",

@@ -1,8 +1,10 @@
 """Content fingerprints of model components, cheap enough to take on every run.
 
-A fingerprint covers a component folder's configs and tokenizer files in full, and each
-safetensors file's header (names, dtypes, shapes, offsets), size, and its data: all of it for
-files up to FULL_HASH_LIMIT bytes, otherwise SAMPLES evenly spaced blocks. Sampling keeps a
+A fingerprint covers a component folder's configs and tokenizer files in full, each
+safetensors file's header (names, dtypes, shapes, offsets), size, and its data, and every other
+weights file (pickle formats: .bin, .pt, .ckpt, .pth; .gguf) by size and content: all of it for
+files up to FULL_HASH_LIMIT bytes, otherwise SAMPLES evenly spaced blocks. Size alone is never a
+key: every fine-tune of one architecture has the same size. Sampling keeps a
 multi-gigabyte encoder at milliseconds instead of seconds; any fine-tune or re-initialisation
 changes bytes everywhere, so sampled blocks catch it. Part names ("unet", "vae") never enter a
 fingerprint: the same weights under two names fingerprint the same.
@@ -13,10 +15,12 @@ from __future__ import annotations
 import hashlib
 from pathlib import Path
 
-FINGERPRINT_VERSION = "2"
+FINGERPRINT_VERSION = "3"  # 3: pickle and gguf weights hashed by content, not size alone
 FULL_HASH_LIMIT = 64 * 1024 * 1024
 SAMPLES = 64
 SAMPLE_BYTES = 64 * 1024
+# Weights formats other than safetensors: hashed by sampled content like safetensors data.
+WEIGHT_SUFFIXES = {".bin", ".pt", ".ckpt", ".pth", ".gguf"}
 
 
 def _hash_safetensors(path: Path, digest: "hashlib._Hash") -> None:
@@ -31,17 +35,24 @@ def _hash_safetensors(path: Path, digest: "hashlib._Hash") -> None:
         digest.update(path.read_bytes()[: FULL_HASH_LIMIT])
         return
     digest.update(header.raw)
-    data_len = max(size - header.data_start, 0)
+    _hash_data(path, header.data_start, size, digest)
+
+
+def _hash_data(path: Path, start: int, size: int, digest: "hashlib._Hash") -> None:
+    """Bytes ``start``..``size`` of ``path``: all of them for a small file, else SAMPLES evenly spaced blocks."""
+    data_len = max(size - start, 0)
     with path.open("rb") as handle:
-        handle.seek(header.data_start)
+        handle.seek(start)
         if size <= FULL_HASH_LIMIT:
             for block in iter(lambda: handle.read(1 << 20), b""):
                 digest.update(block)
             return
         step = max(data_len // SAMPLES, 1)
         for index in range(SAMPLES):
-            handle.seek(header.data_start + index * step)
+            handle.seek(start + index * step)
             digest.update(handle.read(SAMPLE_BYTES))
+        handle.seek(max(size - SAMPLE_BYTES, start))
+        digest.update(handle.read(SAMPLE_BYTES))  # the tail too: a pickle's index sits at its end
 
 
 def fingerprint_folder(folder: str | Path) -> str:
@@ -53,8 +64,10 @@ def fingerprint_folder(folder: str | Path) -> str:
         digest.update(b"\0" + relative.encode() + b"\0")
         if path.suffix == ".safetensors":
             _hash_safetensors(path, digest)
-        elif path.suffix in {".bin", ".pt", ".ckpt", ".pth", ".gguf"}:
-            digest.update(str(path.stat().st_size).encode())
+        elif path.suffix in WEIGHT_SUFFIXES:
+            size = path.stat().st_size
+            digest.update(str(size).encode())
+            _hash_data(path, 0, size, digest)
         else:
             digest.update(path.read_bytes())
     return digest.hexdigest()

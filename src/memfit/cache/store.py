@@ -16,7 +16,11 @@ Guarantees, each with a test in tests/test_cache_store.py:
   the second wait and reuse the first one's result).
 * An entry is loaded only after every file matches its manifest's size and sha256; a damaged
   entry is reported (a CacheCorruptionWarning naming it), removed and rebuilt.
-* Past ``max_bytes`` the least recently used entries are evicted (never the one just written).
+* Past ``max_bytes`` the least recently used entries are evicted (never the one just written),
+  with the lock files of the keys they held.
+* A store that cannot be read or written (a read-only directory, a file in its place, a full
+  disk) never fails a run: lookups miss and builds go to a private temporary directory, with one
+  CacheUnavailableWarning per store root naming it. Under MEMFIT_CACHE=require it is an error.
 """
 
 from __future__ import annotations
@@ -34,7 +38,7 @@ from pathlib import Path
 from typing import Any, Callable, Mapping, Union
 
 from memfit.cache.key import CacheKey, summarize_parts
-from memfit.cache.locking import key_lock
+from memfit.cache.locking import fcntl, key_lock
 from memfit.cache.manifest import (
     DATA_DIR_NAME,
     LAST_USED_NAME,
@@ -61,6 +65,13 @@ _LOCKS_DIR = ".locks"
 
 class CacheCorruptionWarning(UserWarning):
     """A cache entry failed its checksum or is incomplete; it was not loaded."""
+
+
+class CacheUnavailableWarning(UserWarning):
+    """The store cannot be read or written; the run goes on uncached."""
+
+
+_warned_roots: set[str] = set()
 
 
 @dataclass(frozen=True)
@@ -142,7 +153,11 @@ class CacheStore:
         """
         if self.mode is CacheMode.OFF:
             return None
-        found = self._load(key)
+        try:
+            found = self._load(key)
+        except OSError as exc:
+            self._unavailable(exc)
+            found = None
         if found is None and self.mode is CacheMode.REQUIRE:
             raise MemfitError(
                 f"Cache miss for {key} under {self.root}, and MEMFIT_CACHE=require forbids "
@@ -191,11 +206,15 @@ class CacheStore:
             _write_content(content, out_dir, key)
             return meta
 
-        with key_lock(self._lock_path(key)):
-            existing = self._load(key)
-            if existing is not None:
-                return existing
-            return self._build_and_commit(key, copy_in)
+        try:
+            with key_lock(self._lock_path(key)):
+                existing = self._load(key)
+                if existing is not None:
+                    return existing
+                return self._build_and_commit(key, copy_in)
+        except OSError as exc:
+            self._unavailable(exc)
+            return None
 
     def get_or_build(self, key: CacheKey, build: Callable[[Path], Mapping[str, Any] | None]) -> Path:
         """Return the entry for ``key``, building it first on a miss.
@@ -210,12 +229,33 @@ class CacheStore:
             return found
         if self.mode is CacheMode.OFF:
             return _build_uncached(key, build)
-        with key_lock(self._lock_path(key)):
-            # Another process may have built it while we waited for the lock.
-            found = self._load(key)
-            if found is not None:
-                return found
-            return self._build_and_commit(key, build)
+        try:
+            with key_lock(self._lock_path(key)):
+                # Another process may have built it while we waited for the lock.
+                found = self._load(key)
+                if found is not None:
+                    return found
+                return self._build_and_commit(key, build)
+        except OSError as exc:
+            self._unavailable(exc)
+            return _build_uncached(key, build)
+
+    def _unavailable(self, exc: OSError) -> None:
+        """A store fault: an error under MEMFIT_CACHE=require, else one warning per root and go on uncached."""
+        reason = f"{exc.strerror or type(exc).__name__}" + (f": {exc.filename}" if exc.filename else "")
+        if self.mode is CacheMode.REQUIRE:
+            raise MemfitError(
+                f"The memfit cache at {self.root} cannot be used ({reason}), and MEMFIT_CACHE=require forbids "
+                "running uncached; point MEMFIT_CACHE_DIR at a writable directory holding the cache."
+            ) from exc
+        if str(self.root) not in _warned_roots:
+            _warned_roots.add(str(self.root))
+            warnings.warn(
+                f"memfit cache at {self.root} cannot be used ({reason}); running uncached. Point MEMFIT_CACHE_DIR "
+                "at a writable directory, or set MEMFIT_CACHE=0 to silence this.",
+                CacheUnavailableWarning,
+                stacklevel=4,
+            )
 
     def _build_and_commit(self, key: CacheKey, build: Callable[[Path], Mapping[str, Any] | None]) -> Path:
         """Build into a staging directory and rename it into place. Caller holds the key lock."""
@@ -308,6 +348,7 @@ class CacheStore:
             self._discard(entry_dir)
             removed += 1
         self._remove_abandoned_staging()
+        self._prune_locks()
         return removed
 
     def total_bytes(self) -> int:
@@ -351,6 +392,29 @@ class CacheStore:
             if _writer_is_gone(path):
                 shutil.rmtree(path, ignore_errors=True)
 
+    def _prune_locks(self) -> None:
+        """Remove the lock files of keys that have no entry and that nobody holds, so .locks does
+        not keep one file per key ever built. A lock in use is left alone (taken without waiting);
+        the lock is an optimization, entries stay whole by their atomic rename either way."""
+        locks = self.root / _LOCKS_DIR
+        if fcntl is None or not locks.is_dir():
+            return
+        for lock in locks.glob("*.lock"):
+            kind, _, digest = lock.stem.rpartition("-")
+            if len(digest) == 64 and (self.root / kind / digest[:2] / digest).exists():
+                continue
+            try:
+                fd = os.open(lock, os.O_RDWR)
+            except OSError:
+                continue
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                lock.unlink()
+            except OSError:
+                pass  # held by a builder right now
+            finally:
+                os.close(fd)
+
     def _discard(self, entry_dir: Path) -> None:
         """Remove an entry so that readers see it either whole or absent, never half-deleted."""
         staging_root = self.root / _STAGING_DIR
@@ -374,6 +438,7 @@ class CacheStore:
                 continue
             self._discard(entry.path)
             total -= entry.size
+        self._prune_locks()
         if total > self.max_bytes:
             warnings.warn(
                 f"memfit cache entry at {keep} alone is larger than the cache limit "

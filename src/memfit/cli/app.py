@@ -9,9 +9,11 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+import warnings
 
 from memfit.cli import cache, generate, plan
 from memfit.errors import MemfitError
+from memfit.run.libraries import quiet_libraries
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -28,22 +30,21 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def quiet_libraries() -> None:
-    # diffusers/transformers print loading bars and config warnings for every stage; memfit
-    # shows its own progress instead.
-    import diffusers
-    import transformers
-
-    diffusers.utils.logging.disable_progress_bar()
-    diffusers.utils.logging.set_verbosity_error()
-    transformers.utils.logging.disable_progress_bar()
-    transformers.utils.logging.set_verbosity_error()
+def _show_warning(message, category, filename, lineno, file=None, line=None, *, _default=warnings.showwarning):
+    # memfit's own warnings are sentences for the user (a cache that cannot be used, a prompt cut
+    # short): one line each, like errors, not a source location.
+    if category.__module__.startswith("memfit"):
+        print(f"memfit: warning: {message}", file=file or sys.stderr)
+    else:
+        _default(message, category, filename, lineno, file, line)
 
 
 def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("HF_HUB_OFFLINE", "1")  # memfit never downloads; fail fast instead
     parser = build_parser()
     args = parser.parse_args(argv)
+    previous = warnings.showwarning
+    warnings.showwarning = _show_warning
     try:
         quiet_libraries()
         return args.func(args)
@@ -55,6 +56,8 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("memfit: interrupted", file=sys.stderr)
         return 130
+    finally:
+        warnings.showwarning = previous
 
 
 if __name__ == "__main__":

@@ -12,6 +12,7 @@ import sys
 import time
 
 from memfit.cache import CacheStore
+from memfit.errors import MemfitError
 
 
 def register(subparsers: "argparse._SubParsersAction") -> argparse.ArgumentParser:
@@ -43,7 +44,13 @@ def register(subparsers: "argparse._SubParsersAction") -> argparse.ArgumentParse
 def _store(args: argparse.Namespace) -> CacheStore:
     # Maintenance works on the files on disk whatever MEMFIT_CACHE says (clearing a cache that
     # is switched off must still clear it).
-    return CacheStore(getattr(args, "cache_dir", None), mode="on")
+    store = CacheStore(getattr(args, "cache_dir", None), mode="on")
+    if store.root.exists() and not store.root.is_dir():
+        raise MemfitError(
+            f"The memfit cache path {store.root} is a file, not a folder; point MEMFIT_CACHE_DIR (or --cache-dir) "
+            "at the cache folder, or move the file away."
+        )
+    return store
 
 
 def cmd_ls(args: argparse.Namespace) -> int:

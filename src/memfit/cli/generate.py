@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
+from memfit.atomic import check_writable
 from memfit.errors import MemfitError
 
 __all__ = ["register"]
@@ -14,6 +15,9 @@ def _add_model_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", help="diffusers model folder (default: memfit's built-in demo model)")
     parser.add_argument("--dtype", choices=("fp32", "bf16", "fp16"), default="fp32", help="run dtype (default fp32)")
     parser.add_argument("--device", help="torch device, e.g. cpu or cuda:0 (default: cuda if available)")
+    parser.add_argument("--allow-pickle", action="store_true",
+                        help="load pickle checkpoints (.bin, .pt, .pth, .ckpt) with torch's weights_only loader; "
+                        "refused by default (convert them to safetensors instead)")
 
 
 def register(commands: argparse._SubParsersAction) -> None:
@@ -58,12 +62,14 @@ def register(commands: argparse._SubParsersAction) -> None:
 
 
 def _check_out_path(path: str, suffix: str) -> Path:
+    """``--out``, checked before anything loads: a failed check costs nothing (memfit.atomic.check_writable)."""
+
     out = Path(path)
     if out.suffix.lower() != suffix:
         raise MemfitError(f"--out {path} should end in {suffix}.")
     if out.is_dir():
         raise MemfitError(f"--out {path} is a folder; give a file name ending in {suffix}.")
-    return out
+    return check_writable(out)
 
 
 def _output_path(args) -> Path:
@@ -89,7 +95,7 @@ def _output_path(args) -> Path:
         raise MemfitError(f"--out {args.out} is a folder; give a file name ending in {', '.join(suffixes)}.")
     if out.suffix.lower() in VIDEO_SUFFIXES:
         check_video_writer(out)
-    return out
+    return check_writable(out)
 
 
 def _generate(args) -> int:
@@ -101,6 +107,8 @@ def _generate(args) -> int:
     if args.fps is not None and args.fps < 1:
         raise MemfitError(f"--fps must be at least 1, got {args.fps}.")
     out = _output_path(args)
+    if args.report:
+        check_writable(args.report, "--report")
     result = generate(
         args.prompt,
         model=args.model,
@@ -121,6 +129,7 @@ def _generate(args) -> int:
         refiner_start=args.refiner_start,
         true_cfg_scale=args.true_cfg,
         num_frames=args.frames,
+        allow_pickle=args.allow_pickle,
     )
     result.save(out, frames_per_second=args.fps)
     if args.report:
@@ -135,9 +144,11 @@ def _encode(args) -> int:
     from memfit.run.generate import encode
 
     out = _check_out_path(args.out, ".safetensors")
+    if args.report:
+        check_writable(args.report, "--report")
     embeddings, report = encode(
         args.prompt, model=args.model, negative_prompt=args.negative_prompt, dtype=args.dtype, device=args.device,
-        budget=args.budget,
+        budget=args.budget, allow_pickle=args.allow_pickle,
     )
     embeddings.save(out)
     if args.report:

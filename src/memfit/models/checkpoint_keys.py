@@ -1,54 +1,54 @@
-"""The key each live weight of a component has in the component's own safetensors files.
+"""The names a component's checkpoint keys take once loaded: what loading renames, and back.
 
-transformers loads some checkpoints under other names than the files hold (transformers 5 moves
-Qwen2.5-VL's language model under ``model.language_model``), and its ``save_pretrained`` reverts
-those renamings when it writes. Reading a weight straight from the file (the disk tier) needs the
-same reverse, taken from transformers itself so it stays right for every model it knows.
+diffusers renames pre-2023 attention keys (query, key, value, proj_attn) while loading, and
+transformers renames some checkpoints' keys (transformers 5 moves Qwen2.5-VL's language model under
+``model.language_model``). Checking a loaded model against its files, and reading a live weight
+straight from its file (the disk tier), need the same renaming, taken from the libraries
+themselves so it stays right for every model they know.
 """
 
 from __future__ import annotations
 
-import re
+from collections.abc import Iterable
 
 import torch
 
-__all__ = ["saved_keys"]
+__all__ = ["loaded_names"]
 
 
-def saved_keys(module: torch.nn.Module) -> dict[str, str]:
-    """Live parameter name -> the key save_pretrained writes it under, where the two differ.
+def loaded_names(module: torch.nn.Module, keys: Iterable[str]) -> dict[str, str] | None:
+    """Checkpoint key -> the name ``module`` gives that tensor once loaded.
 
-    Names that save_pretrained keeps, and weights it does not save one-to-one (a converter that
-    merges or splits tensors), are absent: such a weight has no single key in the file.
+    None when loading also merges or splits tensors (a transformers converter), so keys and live
+    names do not pair one to one.
     """
-    names = [name for name, _ in module.named_parameters(remove_duplicate=False)]
+    keys = list(keys)
+    fix_keys = getattr(module, "_fix_state_dict_keys_on_load", None)
+    if callable(fix_keys):  # diffusers renames the dict in place; each value here is its original key
+        renamed = {key: key for key in keys}
+        try:
+            returned = fix_keys(renamed)
+        except Exception:  # noqa: BLE001 - a diffusers internal changed; diffusers itself checked the load
+            return None
+        return {key: name for name, key in (returned if isinstance(returned, dict) else renamed).items()}
     try:
-        from transformers.core_model_loading import revert_weight_conversion
-    except ImportError:  # transformers 4: a regex table on the class
-        return _reverted_by_table(names, getattr(module, "_checkpoint_conversion_mapping", None) or {})
-    # Placeholders stand for the tensors: a renaming passes each through unchanged, so identity
-    # pairs a live name with its saved key without touching a weight.
-    placeholders = {name: torch.empty(0, device="meta") for name in names}
-    by_identity = {id(tensor): name for name, tensor in placeholders.items()}
+        from transformers import PreTrainedModel
+    except ImportError:  # pragma: no cover - transformers is a dependency
+        return {key: key for key in keys}
+    if not isinstance(module, PreTrainedModel):
+        return {key: key for key in keys}
     try:
-        saved = revert_weight_conversion(module, placeholders)
-    except Exception:  # a converter that cannot run on placeholders: no key is known for it
-        return {}
-    keys = {}
-    for key, tensor in saved.items():
-        name = by_identity.get(id(tensor))
-        if name is not None and name != key:
-            keys[name] = key
-    return keys
-
-
-def _reverted_by_table(names: list[str], table: dict[str, str]) -> dict[str, str]:
-    """transformers 4's save_pretrained: the first reversed pattern that matches renames the key."""
-    keys = {}
-    for name in names:
-        for live, file_pattern in ((v, k) for k, v in table.items()):
-            renamed, count = re.subn(live, re.sub(r"\(.*\)", "", file_pattern.lstrip("^")), name)
-            if count:
-                keys[name] = renamed
-                break
-    return keys
+        from transformers.conversion_mapping import get_model_conversion_mapping
+        from transformers.core_model_loading import WeightRenaming, rename_source_key
+    except ImportError:  # transformers 4: names are the checkpoint's
+        return {key: key for key in keys}
+    try:
+        transforms = get_model_conversion_mapping(module)
+        if any(not isinstance(t, WeightRenaming) for t in transforms):
+            return None
+        if not transforms and not getattr(module, "base_model_prefix", None):
+            return {key: key for key in keys}
+        state = module.state_dict()
+        return {key: rename_source_key(key, transforms, [], module.base_model_prefix, state)[0] for key in keys}
+    except Exception:  # noqa: BLE001 - a transformers internal changed; transformers itself checked the load
+        return None

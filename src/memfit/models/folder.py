@@ -1,13 +1,19 @@
 """A diffusers model folder: validated up front, read without weights, loaded one stage at a time.
 
 Everything that can be wrong with a folder (missing, not a diffusers layout, unsupported pipeline,
+a missing component folder or config.json, a component naming code to import, pickle weights,
 truncated or corrupt safetensors) is found here, before any work starts, and reported as one
-sentence naming the file.
+sentence naming the file. Once a stage's components are loaded their weights are held to their
+checkpoint: a tensor the model needs but the files lack (diffusers would leave it uninitialised),
+one the model does not have, one of a stray dtype or a wrong shape is an error naming the key and
+the file, never a wrong image.
 """
 
 from __future__ import annotations
 
 import json
+import os
+import re
 from functools import cached_property
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -15,6 +21,7 @@ from pathlib import Path
 import torch
 
 from memfit.errors import MemfitError
+from memfit.models.checkpoint_keys import loaded_names
 from memfit.safetensors_header import check_complete
 from memfit.models.families import PipelineAdapter, adapter_for
 
@@ -46,7 +53,154 @@ def check_safetensors(path: Path) -> None:
     check_complete(path)
 
 
+# The libraries whose classes memfit loads. Any other name in model_index.json is a module to
+# import (code shipped with or named by the model): memfit never runs code from a model folder.
+LIBRARIES = ("diffusers", "transformers")
+PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt")
+_CONVERT = ("convert it to safetensors: python -c \"import torch, safetensors.torch as s; "
+            "s.save_file(torch.load('{src}', weights_only=True), '{dst}')\"")
+
+
+# What diffusers and transformers call the safetensors file that replaces a pickle one.
+_SAFETENSORS_NAMES = {"pytorch_model": "model", "diffusion_pytorch_model": "diffusion_pytorch_model"}
+
+
+def _load_pickle(path: Path):
+    """``path`` through torch's weights_only loader: memory-mapped when it is torch's zip format,
+    read whole when it is the legacy format (mmap cannot read that)."""
+    try:
+        return torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+    except RuntimeError as exc:
+        if "mmap" not in str(exc):
+            raise
+        return torch.load(path, map_location="cpu", weights_only=True)
+
+
+def _check_tensors_only(path: Path) -> None:
+    """Raise unless torch's weights_only loader reads ``path`` (tensors and plain containers, no code)."""
+    try:
+        _load_pickle(path)
+    except Exception as exc:  # noqa: BLE001 - UnpicklingError, RuntimeError, ... all mean: not plain tensors
+        reason = str(exc).strip().splitlines()[0][:200] if str(exc).strip() else type(exc).__name__
+        raise MemfitError(
+            f"{path} is not a plain tensor checkpoint ({reason}); memfit loads pickle files only with torch's "
+            "weights_only loader and never runs code from them; get the model in safetensors format instead."
+        ) from None
+
+
+def _needs_config(class_name: str) -> bool:
+    """Tokenizers and processors keep their own files; every model and scheduler has a config."""
+    return not any(word in class_name for word in ("Tokenizer", "Processor", "FeatureExtractor"))
+
+
+def _weight_files(folder: Path) -> list[Path]:
+    """The safetensors files diffusers loads from a component folder (variants such as .fp16 only
+    when there is no plain file)."""
+    files = sorted(folder.glob("*.safetensors"))
+    plain = [f for f in files if "." not in f.stem]
+    return plain or files
+
+
+def _checkpoint_entries(files: list[Path]) -> dict[str, tuple[str, list[int], Path]]:
+    """tensor name -> (dtype, shape, file) over a component's weights files, read without loading data."""
+    from memfit.safetensors_header import read_header
+
+    entries = {}
+    for path in files:
+        if path.suffix == ".safetensors":
+            for key, entry in read_header(path).entries.items():
+                entries[key] = (_SAFETENSORS_DTYPES.get(entry["dtype"], entry["dtype"]), list(entry["shape"]), path)
+        else:  # pickle, only with allow_pickle; weights_only never runs code from the file
+            state = _load_pickle(path)
+            for key, tensor in state.items():
+                if isinstance(tensor, torch.Tensor):
+                    entries[key] = (str(tensor.dtype).removeprefix("torch."), list(tensor.shape), path)
+    return entries
+
+
+_SAFETENSORS_DTYPES = {"F64": "float64", "F32": "float32", "F16": "float16", "BF16": "bfloat16",
+                       "F8_E4M3": "float8_e4m3fn", "F8_E5M2": "float8_e5m2", "I64": "int64", "I32": "int32",
+                       "I16": "int16", "I8": "int8", "U8": "uint8", "BOOL": "bool"}
+_FLOAT_DTYPES = {"float64", "float32", "float16", "bfloat16", "float8_e4m3fn", "float8_e5m2"}
+
+
+def _matches_any(key: str, patterns) -> bool:
+    return any(re.search(pattern, key) for pattern in patterns or ())
+
+
+def check_loaded_weights(module: torch.nn.Module, name: str, folder: Path, files: list[Path]) -> None:
+    """Raise, naming the key and the file, unless ``module``'s weights are exactly its checkpoint's.
+
+    Missing tensors (left uninitialised by diffusers, with a warning memfit's quiet logging hides),
+    unexpected ones (a checkpoint for another config) and floating tensors in a dtype the rest of
+    the checkpoint does not use (fp32 kept by the model's ``_keep_in_fp32_modules`` excepted).
+    """
+    if not files:
+        return
+    stored = _checkpoint_entries(files)
+    names = loaded_names(module, stored)
+    if names is None:
+        entries, state = stored, None  # names not comparable: only the dtype check applies
+    else:
+        entries = {names[key]: value for key, value in stored.items()}
+        state = module.state_dict(keep_vars=True)
+    where = files[0] if len(files) == 1 else folder
+    cls = type(module).__name__
+    by_tensor: dict[int, list[str]] = {}
+    for key, tensor in (state or {}).items():
+        by_tensor.setdefault(id(tensor), []).append(key)
+    ignore_missing = getattr(module, "_keys_to_ignore_on_load_missing", None)
+    missing = sorted(keys[0] for keys in by_tensor.values()
+                     if not any(k in entries for k in keys) and not any(_matches_any(k, ignore_missing) for k in keys))
+    if missing:
+        more = f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""
+        raise MemfitError(
+            f"{where} has no tensor {missing[0]!r}{more}, which {name} ({cls}) needs, so it would run with "
+            "uninitialised weights; re-download or re-save the model."
+        )
+    ignore_unexpected = getattr(module, "_keys_to_ignore_on_load_unexpected", None)
+    # Buffers the model does not save (CLIP's position_ids) may be in older checkpoints: never unexpected.
+    known = set(state or ()) | {key for key, _ in module.named_buffers()}
+    unexpected = sorted(k for k in entries if state is not None and k not in known
+                        and not _matches_any(k, ignore_unexpected))
+    if unexpected and os.environ.get("MEMFIT_ALLOW_EXTRA_KEYS", "").strip().lower() not in ("1", "yes", "true", "on"):
+        more = f" (and {len(unexpected) - 1} more)" if len(unexpected) > 1 else ""
+        raise MemfitError(
+            f"{entries[unexpected[0]][2]} holds tensor {unexpected[0]!r}{more}, which {name} ({cls}) does not have; "
+            f"the weights are for another model or config: check {folder / 'config.json'} or re-download the model "
+            "(MEMFIT_ALLOW_EXTRA_KEYS=1 loads it anyway)."
+        )
+    keep_fp32 = getattr(module, "_keep_in_fp32_modules", None) or []
+    counts: dict[str, int] = {}
+    for dtype, _, _ in entries.values():
+        if dtype in _FLOAT_DTYPES:
+            counts[dtype] = counts.get(dtype, 0) + 1
+    if len(counts) > 1:
+        main = max(counts, key=counts.get)
+        for key, (dtype, _, path) in sorted(entries.items()):
+            if dtype in _FLOAT_DTYPES and dtype != main:
+                if dtype == "float32" and any(part in keep_fp32 for part in key.split(".")):
+                    continue
+                raise MemfitError(
+                    f"{path} stores tensor {key!r} as {dtype} but the rest of {name} as {main}; re-save the "
+                    f"component in one dtype (e.g. load it and save it again with {name}.to(torch.{main}))."
+                )
+
+
+# diffusers words a shape mismatch two ways: torch's load_state_dict (copying ... from checkpoint), and
+# its own loader into meta tensors when accelerate is installed (expected shape ..., but got ...).
+_SIZE_MISMATCH = re.compile(r"size mismatch for ([\w.]+): copying a param with shape (torch\.Size\(\[[^\]]*\]\)) "
+                            r"from checkpoint, the shape in current model is (torch\.Size\(\[[^\]]*\]\))")
+_SIZE_MISMATCH_META = re.compile(r"because ([\w.]+) expected shape (torch\.Size\(\[[^\]]*\]\)), "
+                                 r"but got (torch\.Size\(\[[^\]]*\]\))")
+
+
 _DTYPE_KWARG = ""
+
+
+def _shape_of(text: str) -> list[int]:
+    """[1, 2] from diffusers' "torch.Size([1, 2])"."""
+    return [int(n) for n in re.findall(r"\d+", text)]
 
 
 @dataclass
@@ -58,6 +212,8 @@ class ModelFolder:
     # Recommended settings shipped with a model (memfit_defaults.json): steps, guidance, width, height.
     defaults: dict = field(default_factory=dict)
     _fingerprints: dict[str, str] = field(default_factory=dict, repr=False, compare=False)
+    # Load pickle checkpoints (.bin, .pt, ...) with torch's weights_only loader; refused by default.
+    allow_pickle: bool = False
 
     @classmethod
     def open(cls, path: str | Path) -> "ModelFolder":
@@ -112,6 +268,34 @@ class ModelFolder:
         """The family's description (memfit.models.families); a class without one gets the generic adapter."""
         return adapter_for(self.class_name, self.configs, self.components)
 
+    def check_layout(self) -> None:
+        """Raise, naming the file, if a listed component cannot be loaded: its folder or config.json
+        is missing, or model_index.json names code to import rather than a diffusers or transformers class."""
+        index = self.path / "model_index.json"
+        for name, (library, class_name) in self.components.items():
+            if library not in LIBRARIES:
+                raise MemfitError(
+                    f"{index} names {library}.{class_name} for {name!r}, code that would have to be imported from the "
+                    f"model; memfit never runs code from a model folder, so use a model whose components are "
+                    f"{' or '.join(LIBRARIES)} classes."
+                )
+            folder = self.path / name
+            if not folder.is_dir():
+                raise MemfitError(
+                    f"Component {name!r} is listed in model_index.json but {folder} is missing; "
+                    "restore that folder from the original model."
+                )
+            if _needs_config(class_name) and name not in self.configs:
+                raise MemfitError(
+                    f"{folder / 'config.json'} does not exist but model_index.json lists {name!r} as "
+                    f"{library}.{class_name}; restore it from the original model."
+                )
+            if (self.configs.get(name) or {}).get("auto_map"):
+                raise MemfitError(
+                    f"{folder / 'config.json'} maps {name!r} to code shipped with the model (auto_map); memfit never "
+                    "runs code from a model folder, so use a model whose components are diffusers or transformers classes."
+                )
+
     def require_configs(self, names) -> None:
         """Raise, naming the file, if a component in ``names`` has no config.json (planning needs it)."""
         for name in names:
@@ -129,8 +313,28 @@ class ModelFolder:
                 continue
             if not folder.is_dir():
                 raise MemfitError(f"Component {name!r} is listed in model_index.json but {folder} is missing.")
-            for weights in sorted(folder.glob("*.safetensors")):
+            safetensors = sorted(folder.glob("*.safetensors"))
+            for weights in safetensors:
                 check_safetensors(weights)
+            pickles = sorted(p for p in folder.iterdir() if p.suffix in PICKLE_SUFFIXES)
+            if pickles and not safetensors and not self.allow_pickle:
+                src = pickles[0]
+                raise MemfitError(
+                    f"{src} is a pickle checkpoint, which memfit does not load by default (pickle can run code); "
+                    + _CONVERT.format(src=src, dst=src.with_name(_SAFETENSORS_NAMES.get(src.stem, src.stem) + ".safetensors"))
+                    + ", or pass --allow-pickle to load it with torch's weights_only loader."
+                )
+            if pickles and not safetensors:
+                for src in pickles:
+                    _check_tensors_only(src)
+
+    def weight_files(self, name: str) -> list[Path]:
+        """The checkpoint files of component ``name`` that loading it reads."""
+        folder = self.path / name
+        files = _weight_files(folder)
+        if not files and self.allow_pickle:
+            files = sorted(p for p in folder.iterdir() if p.suffix in PICKLE_SUFFIXES)
+        return files
 
     def load_stage(self, names, dtype: torch.dtype, device: torch.device):
         """The pipeline with only `names` loaded; every other component is None (not resident)."""
@@ -146,9 +350,29 @@ class ModelFolder:
         except MemfitError:
             raise
         except Exception as exc:  # diffusers raises many types; name the folder and the stage
+            mismatch = _SIZE_MISMATCH.search(str(exc))
+            meta_mismatch = _SIZE_MISMATCH_META.search(str(exc))
+            if mismatch or meta_mismatch:
+                if mismatch:
+                    key, stored, needed = mismatch.groups()
+                else:
+                    key, needed, stored = meta_mismatch.groups()
+                # diffusers names the class ("... in loading state_dict for UNet2DConditionModel")
+                owners = [n for n in names if n in self.components and self.components[n][1] in str(exc)] or \
+                    [n for n in names if n in self.components and self.weight_files(n)]
+                files = ", ".join(str(f) for n in owners for f in self.weight_files(n)) or str(self.path)
+                raise MemfitError(
+                    f"Tensor {key!r} in {files} has shape {_shape_of(stored)} where {owners[0] if owners else 'the model'}'s "
+                    f"config needs {_shape_of(needed)}; the weights do not belong to this config: re-download the model."
+                ) from exc
+            first_line = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
             raise MemfitError(
-                f"Could not load {', '.join(names)} from {self.path}: {type(exc).__name__}: {exc}"
+                f"Could not load {', '.join(names)} from {self.path}: {type(exc).__name__}: {first_line}"
             ) from exc
+        for name in names:
+            module = getattr(pipe, name, None)
+            if isinstance(module, torch.nn.Module):
+                check_loaded_weights(module, name, self.path / name, self.weight_files(name))
         pipe.set_progress_bar_config(disable=True)
         # Attributes the pipeline derives from components that are not loaded in this stage.
         if "vae" in self.configs and "vae" not in names:

@@ -28,7 +28,8 @@ from memfit.plan.budget import Budget, BudgetLike
 from memfit.sizes import format_bytes
 from memfit.errors import MemfitError
 
-__all__ = ["BlockSpec", "Plan", "Placement", "StageInput", "StagePlan", "make_plan", "stage_input"]
+__all__ = ["BlockSpec", "Plan", "Placement", "StageInput", "StagePlan", "make_plan", "minimum_device_bytes",
+           "stage_input"]
 
 DEVICE, HOST, DISK = "device", "host", "disk"
 
@@ -217,6 +218,11 @@ def _validate(stages: Sequence[StageInput]) -> None:
 
 def _window(sizes: Iterable[int], prefetch: int) -> int:
     return sum(sorted(sizes, reverse=True)[: 1 + prefetch])
+
+
+def minimum_device_bytes(stage: StageInput, prefetch: int = 1) -> int:
+    """The smallest device budget ``stage`` can be planned in (every block streamed)."""
+    return _minimum_device(stage, prefetch)
 
 
 def _minimum_device(stage: StageInput, prefetch: int) -> int:

@@ -46,7 +46,7 @@ from typing import Mapping
 
 import torch
 
-from memfit.models.checkpoint_keys import saved_keys
+from memfit.models.checkpoint_keys import loaded_names
 from memfit.plan.budget import Budget, BudgetLike, detect_budget
 from memfit.errors import MemfitError
 from memfit.run.offload import HookRegistry, MappedSafetensors, Runtime, Shared, Slot, SwapHook
@@ -381,7 +381,7 @@ def _apply_component(name, module, component_blocks, tiers, state: _State, model
                 if tier == DISK and is_param:
                     if files is None:
                         files = _open_files(name, module, model_dir)
-                        file_keys = saved_keys(module)
+                        file_keys = {name: key for key, name in (loaded_names(module, files.keys()) or {}).items()}
                     mapped = _checked_mapping(files, name, full_name, tensor, module, file_keys)
                     slot = Slot(owner, attr, tensor, home=mapped, kind="mmap")
                     state.slots.append(slot)

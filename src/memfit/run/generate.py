@@ -14,9 +14,10 @@ import torch
 
 from memfit.errors import MemfitError
 from memfit.run.embeddings import Embeddings
+from memfit.run.libraries import quiet_libraries
 from memfit.run.memory import collects_only_its_own_garbage, return_large_frees_to_os
 from memfit.run.report import RunReport
-from memfit.run.runner import StageRunner, default_device
+from memfit.run.runner import StageRunner, check_budget_floor, resolve_device
 from memfit.run.stages import (
     Generation,
     check_embeddings,
@@ -42,12 +43,14 @@ def encode(
     budget=None,
     backend=None,
     fallback: str | None = None,
+    allow_pickle: bool = False,
 ) -> tuple[Embeddings, RunReport]:
     """Run only the encode stage; the embeddings carry both guidance branches."""
-    folder = open_model(model)
+    quiet_libraries()
+    folder = open_model(model, allow_pickle=allow_pickle)
     if not folder.adapter.staged:
         raise MemfitError(_not_staged(folder, "encode prompts on their own"))
-    device = torch.device(device) if device is not None else default_device()
+    device = resolve_device(device)
     settings = folder.adapter.resolve(prompt, negative_prompt, 1, None, 0, None, None, folder.defaults)
     report = RunReport(device=str(device), dtype=dtype, model=str(folder.path))
     runner = StageRunner(report=report, settings=settings, guided=True, dtype=dtype, device=device, budget=budget,
@@ -79,6 +82,7 @@ def generate(
     refiner_start: float | None = None,
     true_cfg_scale: float | None = None,
     num_frames: int | None = None,
+    allow_pickle: bool = False,
 ) -> Generation:
     """Generate an image with a diffusers model folder, one stage resident at a time.
 
@@ -94,6 +98,7 @@ def generate(
     `refiner` (an SDXL refiner folder) runs diffusers' base + refiner workflow: the base stops at
     `refiner_start` (default 0.8) of the schedule and the refiner finishes (memfit.run.refiner).
     """
+    quiet_libraries()
     if refiner is not None:
         from memfit.run.refiner import DEFAULT_REFINER_START, generate_with_refiner
 
@@ -104,12 +109,13 @@ def generate(
             refiner_start=DEFAULT_REFINER_START if refiner_start is None else refiner_start,
             negative_prompt=negative_prompt, steps=steps, guidance=guidance, seed=seed, width=width, height=height,
             dtype=dtype, device=device, budget=budget, backend=backend, fallback=fallback, progress=progress,
+            allow_pickle=allow_pickle,
         )
     if refiner_start is not None:
         raise MemfitError("--refiner-start only applies with --refiner REFINER.")
-    folder = open_model(model)
+    folder = open_model(model, allow_pickle=allow_pickle)
     adapter = folder.adapter
-    device = torch.device(device) if device is not None else default_device()
+    device = resolve_device(device)
 
     loaded = None
     if not adapter.staged and embeddings is not None:
@@ -125,6 +131,7 @@ def generate(
     guided = adapter.guided(settings)
     report = RunReport(device=str(device), dtype=dtype, model=str(folder.path), settings=settings.__dict__.copy())
     if budget is not None:
+        check_budget_floor(folder, settings, dtype, budget, device)
         return_large_frees_to_os()  # freed activations leave RSS at once, so stages stay within plan
     runner = StageRunner(report=report, settings=settings, guided=guided, dtype=dtype, device=device, budget=budget,
                          backend=backend, fallback=fallback, progress=progress)

@@ -38,7 +38,7 @@ import torch
 from memfit.errors import MemfitError
 from memfit.models.folder import ModelFolder
 from memfit.run.report import RunReport
-from memfit.run.runner import StageRunner, default_device
+from memfit.run.runner import StageRunner, resolve_device
 from memfit.run.stages import Generation, decode_stage, denoise_stage, encode_stage, open_model, png_metadata
 
 __all__ = ["DEFAULT_REFINER_START", "generate_with_refiner"]
@@ -98,16 +98,17 @@ def generate_with_refiner(
     backend=None,
     fallback: str | None = None,
     progress: bool = True,
+    allow_pickle: bool = False,
 ) -> Generation:
     """Base then refiner, staged (see the module doc). Same arguments as memfit.generate, plus the
     refiner folder and the fraction of the denoising schedule the base runs (`refiner_start`)."""
     if model is None:
         raise MemfitError("--refiner needs an SDXL base model: pass --model BASE as well.")
-    base = open_model(model)
-    ref = open_model(refiner)
+    base = open_model(model, allow_pickle=allow_pickle)
+    ref = open_model(refiner, allow_pickle=allow_pickle)
     _check_pair(base, ref, refiner_start)
     refiner_start = float(refiner_start)
-    device = torch.device(device) if device is not None else default_device()
+    device = resolve_device(device)
     settings = base.adapter.resolve(prompt, negative_prompt, steps, guidance, seed, width, height, base.defaults)
     guided = base.adapter.uses_guidance(settings.guidance)
     report = RunReport(device=str(device), dtype=dtype, model=str(base.path),

@@ -65,4 +65,7 @@ class RunReport:
         return data
 
     def write_json(self, path: str | Path) -> None:
-        Path(path).write_text(json.dumps(self.to_dict(), indent=2) + "\n")
+        from memfit.atomic import write_atomically
+
+        text = json.dumps(self.to_dict(), indent=2) + "\n"
+        write_atomically(path, lambda tmp: Path(tmp).write_text(text))

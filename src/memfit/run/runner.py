@@ -32,7 +32,8 @@ from memfit.run.memory import PeakMemory, current_rss, release_freed_memory
 from memfit.run.report import RunReport, StageReport
 from memfit.sizes import format_bytes
 
-__all__ = ["Stage", "StageContext", "StageRunner", "default_device", "memory_in_use", "resident_bytes"]
+__all__ = ["Stage", "StageContext", "StageRunner", "check_budget_floor", "default_device", "memory_in_use",
+           "resident_bytes", "resolve_device"]
 
 
 @dataclass(frozen=True)
@@ -50,6 +51,69 @@ class Stage:
 def default_device() -> torch.device:
     """Where a run executes when the caller names no device: the GPU if there is one."""
     return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+
+def resolve_device(device: str | torch.device | None) -> torch.device:
+    """The device a run executes on: ``device`` checked to exist on this machine, else the default."""
+    if device is None:
+        return default_device()
+    try:
+        resolved = torch.device(device)
+    except (RuntimeError, TypeError, ValueError):
+        raise MemfitError(f"--device {device} is not a device torch knows; use cpu, cuda or cuda:N.") from None
+    if resolved.type == "cpu":
+        return resolved
+    if resolved.type != "cuda":
+        raise MemfitError(f"--device {device} is not supported by memfit; use cpu, cuda or cuda:N.")
+    count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if count == 0:
+        raise MemfitError(f"--device {device} names a CUDA GPU but torch sees none here; use --device cpu.")
+    if resolved.index is not None and resolved.index >= count:
+        raise MemfitError(
+            f"--device {device} does not exist: torch sees {count} CUDA GPU(s), cuda:0 to cuda:{count - 1}.")
+    return resolved
+
+
+def check_budget_floor(folder: ModelFolder, settings: Settings, dtype: str, budget, device: torch.device) -> None:
+    """Refuse, before any stage runs, a budget below the smallest that can work for the whole run.
+
+    Each stage's floor (its cheapest activation strategy with every block streamed) comes from the
+    configs alone (memfit.plan.stages, meta-device sizing); the process's own memory is added. One
+    message names the budget to give, instead of one stage's shortfall after another.
+    """
+    from memfit.plan.planner import minimum_device_bytes
+    from memfit.plan.stages import stage_options
+
+    limit = Budget.of(budget).device
+    if limit is None:
+        return
+    try:
+        options = stage_options(folder.adapter, dtype=dtype, width=settings.width, height=settings.height,
+                                steps=settings.steps)
+    except MemfitError:
+        return  # a class the planner cannot size: each stage's own check still applies
+    floors = {opts[0][1].name: min(minimum_device_bytes(stage) for _, stage in opts) for opts in options}
+    worst = max(floors, key=floors.get)
+    already = memory_in_use(device)
+    if device.type == "cpu":
+        # What the process gains before the last stage starts (the pipeline's modules imported,
+        # tokenizers, allocator pools): ~11% (40 MiB) on the tiny SD model. A GPU starts empty.
+        already += already // PROCESS_GROWTH_DIVISOR
+    needed = already + floors[worst]
+    if limit < needed:
+        raise MemfitError(
+            f"The budget of {format_bytes(limit)} is below the smallest that can work for this run, about "
+            f"{format_bytes(needed)} ({format_bytes(already)} for this process, Python, torch and the "
+            f"libraries, plus {format_bytes(floors[worst])} for the {worst} stage with every weight streamed): "
+            f"the smallest device budget that works is {needed} bytes; give --budget {_round_up_mib(needed)}MiB or more."
+        )
+
+
+PROCESS_GROWTH_DIVISOR = 8
+
+
+def _round_up_mib(size: int) -> int:
+    return -(-size // (1 << 20))
 
 
 def memory_in_use(device: torch.device) -> int:

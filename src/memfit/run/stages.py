@@ -11,9 +11,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import contextlib
+import logging
+import warnings
+
 import torch
 
-from memfit.errors import MemfitError
+from memfit.errors import MemfitError, MemfitWarning
 from memfit.models.families import Settings
 from memfit.models.folder import ModelFolder
 from memfit.run.media import IMAGE_SUFFIXES, VIDEO_SUFFIXES, save_png, save_video
@@ -23,15 +27,62 @@ __all__ = ["Generation", "decode_stage", "denoise_stage", "encode_stage", "open_
            "run_result"]
 
 
-def open_model(model: str | Path | ModelFolder | None) -> ModelFolder:
-    """A ModelFolder for a path; None is memfit's built-in demo model."""
-    if isinstance(model, ModelFolder):
-        return model
-    if model is None:
-        from memfit.demo import model_dir
+def open_model(model: str | Path | ModelFolder | None, *, allow_pickle: bool = False) -> ModelFolder:
+    """A ModelFolder for a path, its layout checked (memfit.models.folder); None is memfit's built-in demo model.
 
-        model = model_dir()
-    return ModelFolder.open(model)
+    ``allow_pickle`` loads pickle checkpoints (.bin, .pt, ...) with torch's weights_only loader;
+    without it they are refused.
+    """
+    if isinstance(model, ModelFolder):
+        folder = model
+    else:
+        if model is None:
+            from memfit.demo import model_dir
+
+            model = model_dir()
+        folder = ModelFolder.open(model)
+    folder.check_layout()
+    if allow_pickle:
+        folder.allow_pickle = True
+    return folder
+
+
+def check_finite(tensors, stage: str, folder: ModelFolder, components) -> None:
+    """Raise, naming the stage, if a stage's result holds NaN or infinity (NaN weights, an fp16
+    overflow): an image made from it would be black, never an exit 0."""
+    items = tensors.items() if isinstance(tensors, dict) else [("latents", tensors)]
+    for name, tensor in items:
+        if isinstance(tensor, torch.Tensor) and tensor.is_floating_point() and not torch.isfinite(tensor).all():
+            raise MemfitError(
+                f"The {stage} stage produced non-finite values (NaN or inf) in its {name}; check the weights of "
+                f"{', '.join(str(folder.path / c) for c in components)} (re-download them) or run at --dtype fp32."
+            )
+
+
+class PromptTruncatedWarning(MemfitWarning):
+    """A prompt longer than a text encoder takes was cut."""
+
+
+@contextlib.contextmanager
+def _truncation_notices():
+    """Collect diffusers' "input was truncated" notices, which memfit's quiet logging would drop."""
+    found: list[str] = []
+
+    class Collect(logging.Handler):
+        def emit(self, record):
+            message = record.getMessage()
+            if "truncated" in message:
+                found.append(message)
+
+    logger = logging.getLogger("diffusers")
+    handlers, level, propagate = logger.handlers[:], logger.level, logger.propagate
+    logger.handlers, logger.propagate = [Collect()], False
+    logger.setLevel(logging.WARNING)
+    try:
+        yield found
+    finally:
+        logger.handlers, logger.propagate = handlers, propagate
+        logger.setLevel(level)
 
 
 def encode_stage(folders: list[tuple[str, ModelFolder]], settings: Settings, with_negative: bool) -> Stage:
@@ -68,8 +119,12 @@ def encode_stage(folders: list[tuple[str, ModelFolder]], settings: Settings, wit
             for name, fingerprint in prints.items():
                 if isinstance(getattr(pipe, name, None), torch.nn.Module):
                     loaded.setdefault(fingerprint, getattr(pipe, name))
-            with torch.inference_mode():
+            with torch.inference_mode(), _truncation_notices() as cut:
                 embeddings = folder.adapter.encode(pipe, settings, with_negative)
+            for notice in dict.fromkeys(cut):  # once each, however many encoders or branches saw it
+                warnings.warn(f"The prompt is longer than {folder.path.name}'s text encoder takes and was cut: "
+                              f"{notice.splitlines()[0]}", PromptTruncatedWarning, stacklevel=2)
+            check_finite(embeddings, "encode", folder, names)
             tensors[label] = {k: v.clone() for k, v in embeddings.items()}
             cache.save(tensors[label], folder.class_name, folder.text_fingerprint, settings.prompt,
                        settings.negative_prompt)
@@ -97,6 +152,7 @@ def denoise_stage(folder: ModelFolder, settings: Settings, embeddings: Callable[
                 latents = adapter.denoise(pipe, embeddings(results), settings, generator, split=split)
             else:
                 latents = run(adapter, pipe, embeddings(results), results, split)
+        check_finite(latents, name, folder, [c for c in adapter.denoise_components if c in folder.components])
         return latents.clone()
 
     return Stage(name, work)
@@ -107,8 +163,28 @@ def decode_stage(folder: ModelFolder, settings: Settings, generator, latents_fro
 
     def work(context: StageContext, results: dict[str, Any]) -> list:
         pipe = context.load(folder, folder.adapter.decode_components)
-        with torch.inference_mode():
-            return folder.adapter.decode(pipe, results.pop(latents_from), settings, generator)
+        from memfit.compile.entry_points import is_compiled
+
+        bad: list[bool] = []
+        vae = getattr(pipe, "vae", None)
+        decoder = getattr(vae, "decoder", None)
+        # A compiled decode is traced, not run through its submodules: no hook (a check inside an
+        # export would be a data-dependent guard), and the compiled output is not checked here.
+        hook = decoder.register_forward_hook(
+            lambda module, args, out: bad.append(isinstance(out, torch.Tensor) and not torch.isfinite(out).all())
+        ) if isinstance(decoder, torch.nn.Module) and not is_compiled(vae) else None
+        try:
+            with torch.inference_mode():
+                images = folder.adapter.decode(pipe, results.pop(latents_from), settings, generator)
+        finally:
+            if hook is not None:
+                hook.remove()
+        if any(bad):
+            raise MemfitError(
+                f"The decode stage produced non-finite values (NaN or inf); check the weights of {folder.path / 'vae'} "
+                "(re-download them) or run at --dtype fp32."
+            )
+        return images
 
     return Stage("decode", work)
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import inspect
+import math
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
@@ -23,6 +24,10 @@ from memfit.errors import MemfitError
 VAE_DECODE_PARTS = ("decoder", "rest")
 
 # The names diffusers pipelines give their denoisers (Wan 2.2 has two experts: transformer, transformer_2).
+# Upper limits that catch typos before they reach an allocator (--width 1000000 would ask for terabytes).
+MAX_SIDE = 16384
+MAX_STEPS = 10000
+
 DENOISER_NAMES = ("unet", "transformer", "transformer_2", "prior")
 
 
@@ -147,11 +152,22 @@ class PipelineAdapter:
         guidance = float(guidance if guidance is not None else defaults.get("guidance", call_defaults.get("guidance_scale", 1.0)))
         if steps < 1:
             raise MemfitError(f"--steps must be at least 1, got {steps}.")
+        if steps > MAX_STEPS:
+            raise MemfitError(f"--steps {steps} is more than memfit takes ({MAX_STEPS}); use fewer steps.")
+        if not math.isfinite(guidance):
+            raise MemfitError(f"--guidance {guidance} is not a finite number; use a scale such as 1 (off) or 7.5.")
+        seed = int(seed)
+        if not -(2**63) <= seed < 2**64:
+            raise MemfitError(f"--seed {seed} is outside the range torch's generator takes (0 to 2**64 - 1).")
         size = self.default_size()
         width = int(width if width is not None else defaults.get("width", size))
         height = int(height if height is not None else defaults.get("height", size))
         multiple = self.size_multiple()
         for label, value in (("width", width), ("height", height)):
+            if value > MAX_SIDE:
+                raise MemfitError(
+                    f"The {label} {value} is larger than memfit takes ({MAX_SIDE} pixels); use a smaller size."
+                )
             if value <= 0 or value % multiple:
                 lower = max(multiple, value // multiple * multiple)
                 raise MemfitError(
@@ -166,11 +182,13 @@ class PipelineAdapter:
             if name not in self.options:
                 raise MemfitError(f"{self.class_name} takes no {name}; leave it out.")
             options[name] = float(value) if name == "true_cfg_scale" else int(value)
+            if not math.isfinite(options[name]):
+                raise MemfitError(f"{name} {value} is not a finite number; use a scale such as 4.0.")
         if "num_frames" in self.options:
             options.setdefault("num_frames", int(call_defaults["num_frames"]))
             if options["num_frames"] < 1:
                 raise MemfitError(f"num_frames must be at least 1, got {options['num_frames']}.")
-        return Settings(prompt, negative_prompt or None, steps, guidance, int(seed), width, height, **options)
+        return Settings(prompt, negative_prompt or None, steps, guidance, seed, width, height, **options)
 
     # ---- stages ------------------------------------------------------------------------------
     def encode(self, pipe, settings: Settings, with_negative: bool) -> dict[str, torch.Tensor]:

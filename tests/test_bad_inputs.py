@@ -1,0 +1,289 @@
+"""Bad input of every kind gets one sentence: exit 2, naming the thing at fault, no traceback,
+no output file, and nothing else changed on disk (issue 17).
+
+One table, one row per fault: folder faults, parameter faults, cache faults and output faults.
+Extend it whenever a new flag or file format appears. A row is (id, make, expected): ``make(model,
+tmp)`` gets a private copy of the tiny SD folder and a scratch folder, damages what it needs and
+returns the extra CLI arguments (and environment) of the run; ``expected`` must appear in the one
+line on stderr.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from memfit.cli.app import main
+
+RUN = ["--steps", "1", "--width", "32", "--height", "32", "--quiet"]
+
+
+def _weights(model: Path, component: str) -> Path:
+    return next((model / component).glob("*.safetensors"))
+
+
+def _edit(model: Path, component: str, change) -> None:
+    path = _weights(model, component)
+    tensors = load_file(path)
+    change(tensors)
+    save_file(tensors, path, metadata={"format": "pt"})
+
+
+def _key(tensors, suffix: str) -> str:
+    return sorted(k for k in tensors if k.endswith(suffix))[0]
+
+
+def _index(model: Path, **changes) -> None:
+    index = json.loads((model / "model_index.json").read_text())
+    index.update(changes)
+    (model / "model_index.json").write_text(json.dumps(index))
+
+
+# -- folder faults ------------------------------------------------------------------------------
+
+def no_unet(model, tmp):
+    shutil.rmtree(model / "unet")
+
+
+def no_vae(model, tmp):
+    shutil.rmtree(model / "vae")
+
+
+def no_unet_config(model, tmp):
+    (model / "unet" / "config.json").unlink()
+
+
+def missing_tensor(model, tmp):
+    _edit(model, "unet", lambda t: t.pop(_key(t, "conv_out.weight")))
+
+
+def missing_text_tensor(model, tmp):
+    _edit(model, "text_encoder", lambda t: t.pop(_key(t, "final_layer_norm.weight")))
+
+
+def extra_tensor(model, tmp):
+    _edit(model, "unet", lambda t: t.__setitem__("bogus.weight", torch.zeros(3)))
+
+
+def mixed_dtypes(model, tmp):
+    def change(t):
+        key = _key(t, "conv_in.weight")
+        t[key] = t[key].half()
+
+    _edit(model, "unet", change)
+
+
+def wrong_shape(model, tmp):
+    def change(t):
+        key = _key(t, "conv_in.weight")
+        t[key] = torch.zeros(*[n + 1 for n in t[key].shape])
+
+    _edit(model, "unet", change)
+
+
+def remote_code(model, tmp):
+    _index(model, unet=["my_unet", "MyUNet"])
+
+
+def remote_code_auto_map(model, tmp):
+    config = json.loads((model / "unet" / "config.json").read_text())
+    config["auto_map"] = {"AutoModel": "modeling_my.MyUNet"}
+    (model / "unet" / "config.json").write_text(json.dumps(config))
+
+
+def pickle_weights(model, tmp):
+    path = _weights(model, "text_encoder")
+    torch.save(load_file(path), path.with_name("pytorch_model.bin"))
+    path.unlink()
+
+
+def nan_weights(component, suffix):
+    def make(model, tmp):
+        def change(t):
+            key = _key(t, suffix)
+            t[key] = torch.full_like(t[key], float("nan"))
+
+        _edit(model, component, change)
+
+    return make
+
+
+# -- parameter faults ---------------------------------------------------------------------------
+
+def args(*extra, env=None):
+    return lambda model, tmp: {"args": ["--prompt", "a red circle", *extra], "env": env or {}}
+
+
+# -- output faults ------------------------------------------------------------------------------
+
+def out_in_missing_folder(model, tmp):
+    return {"out": tmp / "no-such-folder" / "out.png"}
+
+
+def out_under_a_file(model, tmp):
+    (tmp / "a-file").write_text("x")
+    return {"out": tmp / "a-file" / "out.png"}
+
+
+def out_is_a_folder(model, tmp):
+    (tmp / "folder.png").mkdir()
+    return {"out": tmp / "folder.png"}
+
+
+def report_under_a_file(model, tmp):
+    (tmp / "a-file").write_text("x")
+    return {"args": ["--prompt", "a red circle", "--report", str(tmp / "a-file" / "r.json")]}
+
+
+# -- cache faults -------------------------------------------------------------------------------
+
+def cache_required_but_unusable(model, tmp):
+    (tmp / "cache").write_text("a file where the cache directory goes")
+    return {"args": ["--prompt", "a red circle"], "env": {"MEMFIT_CACHE_DIR": str(tmp / "cache"), "MEMFIT_CACHE": "require"}}
+
+
+CASES = [
+    ("no-unet-folder", no_unet, "unet is missing"),
+    ("no-vae-folder", no_vae, "vae is missing"),
+    ("no-unet-config", no_unet_config, "unet/config.json does not exist"),
+    ("missing-tensor", missing_tensor, "has no tensor 'conv_out.weight'"),
+    ("missing-text-tensor", missing_text_tensor, "final_layer_norm.weight"),
+    ("extra-tensor", extra_tensor, "holds tensor 'bogus.weight'"),
+    ("mixed-dtypes", mixed_dtypes, "stores tensor 'conv_in.weight' as float16"),
+    ("wrong-shape", wrong_shape, "Tensor 'conv_in.weight' in"),
+    ("remote-code", remote_code, "memfit never runs code from a model folder"),
+    ("remote-code-auto-map", remote_code_auto_map, "memfit never runs code from a model folder"),
+    ("pickle-weights", pickle_weights, "is a pickle checkpoint"),
+    ("nan-unet-weights", nan_weights("unet", "conv_out.weight"), "denoise stage produced non-finite values"),
+    ("nan-text-weights", nan_weights("text_encoder", "final_layer_norm.weight"), "encode stage produced non-finite"),
+    ("nan-vae-weights", nan_weights("vae", "decoder.conv_out.weight"), "decode stage produced non-finite values"),
+    ("seed-too-large", args("--seed", str(2**70)), "--seed"),
+    ("width-huge", args("--width", "1000000"), "larger than memfit takes"),
+    ("steps-huge", args("--steps", "100000000"), "more than memfit takes"),
+    ("device-banana", args("--device", "banana"), "--device banana"),
+    ("device-missing-gpu", args("--device", "cuda:7"), "--device cuda:7"),
+    ("guidance-inf", args("--guidance", "inf"), "not a finite number"),
+    ("guidance-nan", args("--guidance", "nan"), "not a finite number"),
+    ("budget-garbage", args("--budget", "lots"), "lots"),
+    ("cache-mode-garbage", args(env={"MEMFIT_CACHE": "sometimes"}), "MEMFIT_CACHE"),
+    ("out-missing-folder", out_in_missing_folder, "does not exist"),
+    ("out-under-a-file", out_under_a_file, "which is a file"),
+    ("out-is-a-folder", out_is_a_folder, "is a folder"),
+    ("report-under-a-file", report_under_a_file, "--report"),
+    ("cache-require-unusable", cache_required_but_unusable, "MEMFIT_CACHE=require"),
+]
+
+
+def _snapshot(*roots: Path) -> dict[str, tuple[int, int]]:
+    files = {}
+    for root in roots:
+        for path in sorted(root.rglob("*")) if root.exists() else ():
+            if path.is_file():
+                stat = path.stat()
+                files[str(path)] = (stat.st_size, stat.st_mtime_ns)
+    return files
+
+
+@pytest.fixture
+def bad_run(tiny_models, tmp_path, monkeypatch, capsys):
+    """Run ``memfit generate`` on a damaged copy of the tiny SD model; returns (code, stderr, out)."""
+
+    def run(make, *, command="generate"):
+        model = tmp_path / "model"
+        shutil.copytree(tiny_models("sd"), model)
+        scratch = tmp_path / "scratch"
+        scratch.mkdir()
+        extra = make(model, scratch) or {}
+        if isinstance(extra, list):
+            extra = {"args": extra}
+        for name, value in extra.get("env", {}).items():
+            monkeypatch.setenv(name, value)
+        out = Path(extra.get("out", scratch / "out.png"))
+        args = extra.get("args", ["--prompt", "a red circle"])
+        before = _snapshot(tmp_path)
+        capsys.readouterr()
+        run_args = RUN if command == "generate" else ["--quiet"]
+        code = main([command, "--model", str(model), *run_args, *args, "--out", str(out)])
+        err = capsys.readouterr().err
+        after = _snapshot(tmp_path)
+        # The store may have gained a whole, valid entry from a stage that ran before the fault was
+        # found (the prompt's embeddings); never a partial one.
+        cache = Path(os.environ["MEMFIT_CACHE_DIR"])
+        assert not [p for p in (cache / ".tmp").glob("*")] if (cache / ".tmp").is_dir() else True
+        return code, err, out, before, after
+
+    return run
+
+
+@pytest.mark.parametrize("make, expected", [case[1:] for case in CASES], ids=[case[0] for case in CASES])
+def test_bad_input_is_one_sentence_exit_2_and_changes_nothing(bad_run, make, expected):
+    code, err, out, before, after = bad_run(make)
+    assert code == 2, err
+    assert expected in err, err
+    assert err.startswith("memfit: error: ") and err.strip().count("\n") == 0, err
+    assert "Traceback" not in err
+    assert not out.is_file()
+    assert after == before, "a refused run must leave the disk as it was"
+
+
+def test_a_failed_write_is_one_sentence_and_leaves_nothing(tmp_path, monkeypatch):
+    """A full disk (or any write error) while saving: MemfitError naming the file, no file, no temporary."""
+    from memfit.atomic import write_atomically
+    from memfit.errors import MemfitError
+
+    def full_disk(tmp):
+        Path(tmp).write_bytes(b"partial")
+        raise OSError(28, "No space left on device")
+
+    with pytest.raises(MemfitError, match="out.png.*No space left"):
+        write_atomically(tmp_path / "out.png", full_disk)
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_temporaries_of_killed_writers_are_removed_by_the_next_write(tmp_path):
+    import subprocess
+    import sys
+
+    from memfit.atomic import write_atomically
+
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    pid = int(dead.stdout)
+    stale = tmp_path / f".out.png.memfit-{pid}-abc123.tmp"
+    stale.write_bytes(b"")
+    foreign = tmp_path / ".out.png.abc123.tmp"  # not ours: never touched
+    foreign.write_bytes(b"")
+    write_atomically(tmp_path / "other.png", lambda tmp: Path(tmp).write_bytes(b"png"))
+    assert not stale.exists() and foreign.exists()
+    assert sorted(p.name for p in tmp_path.iterdir()) == [".out.png.abc123.tmp", "other.png"]
+
+
+ENCODE_CASES = [
+    ("missing-text-tensor", missing_text_tensor, "final_layer_norm.weight"),
+    ("pickle-weights", pickle_weights, "is a pickle checkpoint"),
+    ("no-text-encoder-folder", lambda model, tmp: shutil.rmtree(model / "text_encoder"), "text_encoder is missing"),
+    ("nan-text-weights", nan_weights("text_encoder", "final_layer_norm.weight"), "encode stage produced non-finite"),
+    ("device-banana", lambda model, tmp: {"args": ["--prompt", "x", "--device", "banana"],
+                                          "out": tmp / "e.safetensors"}, "--device banana"),
+    ("out-missing-folder", lambda model, tmp: {"args": ["--prompt", "x"], "out": tmp / "nope" / "e.safetensors"},
+     "does not exist"),
+]
+
+
+@pytest.mark.parametrize("make, expected", [case[1:] for case in ENCODE_CASES], ids=[case[0] for case in ENCODE_CASES])
+def test_bad_input_to_encode_is_one_sentence_exit_2_and_changes_nothing(bad_run, make, expected):
+    def with_encode_out(model, tmp):
+        extra = make(model, tmp) or {}
+        return {"args": ["--prompt", "a red circle"], "out": tmp / "e.safetensors", **extra}
+
+    code, err, out, before, after = bad_run(with_encode_out, command="encode")
+    assert code == 2, err
+    assert expected in err, err
+    assert err.startswith("memfit: error: ") and err.strip().count("\n") == 0, err
+    assert not out.is_file() and after == before
