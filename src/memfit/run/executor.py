@@ -27,7 +27,10 @@ Known limits, chosen on purpose:
     cast embeddings. It is a single tensor (usually a small embedding or conv).
   * A disk-tier weight must equal what the model's safetensors file holds (after conversion to the
     run dtype); optimize checks this once, block by block, and raises naming the first weight that
-    differs (e.g. after fusing a LoRA), instead of silently running other weights.
+    differs (e.g. after fusing a LoRA), instead of silently running other weights. An unfused LoRA
+    (PEFT layers, as diffusers' load_lora_weights leaves it) keeps the original weight as
+    ``base_layer``, which maps to the file's key; the LoRA's own tensors (lora_A, lora_B) are in no
+    file and stay on the host tier whatever the plan says.
   * Buffers are not put on the disk tier (they are small and often not saved); on CUDA they travel
     with their block like host-tier weights.
   * ``.to()`` after optimize is supported where it is a no-op for the placed tensors (``.to("cpu")``
@@ -374,9 +377,13 @@ def _apply_component(name, module, component_blocks, tiers, state: _State, model
                     tensor.data = tensor.data.to(runtime.device)
                     state.slots.append(slot)
                     continue
-                if tier == DEVICE or (not runtime.is_cuda and (tier == HOST or not is_param)):
+                if tier == DISK and is_param and is_adapter_weight(full_name):
+                    tier_of_tensor = HOST  # a LoRA's own tensor is in no model file: it stays in memory
+                else:
+                    tier_of_tensor = tier
+                if tier_of_tensor == DEVICE or (not runtime.is_cuda and (tier_of_tensor == HOST or not is_param)):
                     continue  # on the CPU host RAM is the device; buffers stay where they are
-                if tier == DISK and is_param:
+                if tier_of_tensor == DISK and is_param:
                     if files is None:
                         files = _open_files(name, module, model_dir)
                     mapped = _checked_mapping(files, name, full_name, tensor, module)
@@ -418,8 +425,17 @@ def _open_files(name: str, module, model_dir) -> MappedSafetensors:
     )
 
 
+def is_adapter_weight(full_name: str) -> bool:
+    """Whether a parameter is a LoRA's own tensor (PEFT's lora_A / lora_B ...), which no model file holds."""
+    from memfit.models.lora import ADAPTER_PARAMETER_NAMES
+
+    return any(part in ADAPTER_PARAMETER_NAMES for part in full_name.split("."))
+
+
 def _checked_mapping(files: MappedSafetensors, component: str, full_name: str, tensor, module) -> Shared:
     prefix = getattr(module, "base_model_prefix", "") or ""
+    # A layer with a LoRA (PEFT) keeps the original layer as ``base_layer``; its weights are the file's.
+    full_name = ".".join(part for part in full_name.split(".") if part != "base_layer")
     for key in (full_name, f"{prefix}.{full_name}", full_name.removeprefix(prefix + ".")):
         if key in files:
             break

@@ -15,7 +15,7 @@ import torch
 
 from memfit.atomic import write_atomically
 from memfit.errors import MemfitError
-from memfit.models.families import Settings
+from memfit.models.families import Conditioning, Settings
 from memfit.models.folder import ModelFolder
 from memfit.run.runner import Stage, StageContext
 
@@ -33,8 +33,25 @@ def open_model(model: str | Path | ModelFolder | None) -> ModelFolder:
     return ModelFolder.open(model)
 
 
-def encode_stage(folders: list[tuple[str, ModelFolder]], settings: Settings, with_negative: bool) -> Stage:
+def lora_fingerprint(loras) -> list[str]:
+    """What of the LoRAs enters a prompt cache key: each file's content, its scale and its place."""
+    import hashlib
+
+    from memfit.cache.fingerprint import fingerprint_folder
+
+    parts = []
+    for index, (path, scale) in enumerate(loras):
+        path = Path(path)
+        content = fingerprint_folder(path) if path.is_dir() else hashlib.sha256(path.read_bytes()).hexdigest()
+        parts.append(f"lora{index}:{content}:{scale!r}")
+    return parts
+
+
+def encode_stage(folders: list[tuple[str, ModelFolder]], settings: Settings, with_negative: bool,
+                 loras=()) -> Stage:
     """The text encoders of each (label, folder), in order; returns {label: embedding tensors}.
+
+    ``loras`` ((file, scale) pairs) are loaded into the text encoders (those a LoRA file has keys for).
 
     A repeated prompt is served from the prompt cache and loads no text encoder. A component whose
     content equals one an earlier folder of this stage loaded (an SDXL refiner's text_encoder_2) is
@@ -50,8 +67,13 @@ def encode_stage(folders: list[tuple[str, ModelFolder]], settings: Settings, wit
         hits = []
         for label, folder in folders:
             names = [name for name in folder.adapter.encode_components if name in folder.components]
+            text_fingerprint = folder.text_fingerprint
+            if loras:
+                from memfit.cache.fingerprint import combine_fingerprints
+
+                text_fingerprint = combine_fingerprints([text_fingerprint, *lora_fingerprint(loras)])
             cache = PromptCache(embeddings_key(
-                folder.text_fingerprint, folder.class_name, settings.prompt, settings.negative_prompt, with_negative,
+                text_fingerprint, folder.class_name, settings.prompt, settings.negative_prompt, with_negative,
                 runner.torch_dtype, text_backend_label(runner.backend, names)))
             found = cache.lookup()  # a hit never loads a text encoder
             if found is not None:
@@ -63,14 +85,14 @@ def encode_stage(folders: list[tuple[str, ModelFolder]], settings: Settings, wit
             if shared:
                 runner.report.notes.append(
                     f"encode: {label} shares {', '.join(sorted(shared))} with an earlier model (same content): loaded once")
-            pipe = context.load(folder, names, shared=shared, label=f"{label}." if label != "base" else "")
+            pipe = context.load(folder, names, shared=shared, label=f"{label}." if label != "base" else "", loras=loras)
             for name, fingerprint in prints.items():
                 if isinstance(getattr(pipe, name, None), torch.nn.Module):
                     loaded.setdefault(fingerprint, getattr(pipe, name))
             with torch.inference_mode():
                 embeddings = folder.adapter.encode(pipe, settings, with_negative)
             tensors[label] = {k: v.clone() for k, v in embeddings.items()}
-            cache.save(tensors[label], folder.class_name, folder.text_fingerprint, settings.prompt,
+            cache.save(tensors[label], folder.class_name, text_fingerprint, settings.prompt,
                        settings.negative_prompt)
         if hits:
             context.note = "cache hit" if len(folders) == 1 else f"cache hit ({', '.join(hits)})"
@@ -80,20 +102,29 @@ def encode_stage(folders: list[tuple[str, ModelFolder]], settings: Settings, wit
 
 
 def denoise_stage(folder: ModelFolder, settings: Settings, embeddings: Callable[[dict], dict], generator, *,
-                  name: str = "denoise", run: Callable | None = None, label: str = "") -> Stage:
+                  name: str = "denoise", run: Callable | None = None, label: str = "",
+                  conditioning: Conditioning | None = None) -> Stage:
     """The denoiser's loop on the embeddings ``embeddings(results)`` picks; returns the latents.
 
     ``run(adapter, pipe, embeddings, results, split)`` replaces the adapter's own denoise call
-    (the refiner's hand-over uses it).
+    (the refiner's hand-over uses it). ``conditioning`` (images, a ControlNet, LoRAs) runs the
+    family's pipeline for its task (img2img, inpaint, ControlNet) with the VAE's encoder and the
+    ControlNet loaded and planned in this stage, since they run in it.
     """
+    conditioning = conditioning or Conditioning()
 
     def work(context: StageContext, results: dict[str, Any]) -> torch.Tensor:
         adapter = folder.adapter
-        pipe = context.load(folder, adapter.denoise_components, plan_as="denoise", label=label)
+        task = settings.task
+        external = {"controlnet": Path(conditioning.controlnet)} if conditioning.controlnet else None
+        pipe = context.load(folder, adapter.task_denoise_components(task), plan_as="denoise", label=label,
+                            pipeline_class=adapter.pipeline_class(task), external=external, loras=conditioning.loras)
         split = context.strategy == "split"
+        inputs = conditioning.pipeline_inputs()
         with torch.inference_mode():
             if run is None:
-                latents = adapter.denoise(pipe, embeddings(results), settings, generator, split=split)
+                extra = {"inputs": inputs} if inputs else {}
+                latents = adapter.denoise(pipe, embeddings(results), settings, generator, split=split, **extra)
             else:
                 latents = run(adapter, pipe, embeddings(results), results, split)
         return latents.clone()

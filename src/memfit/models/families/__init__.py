@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
-from memfit.models.families.base import DENOISER_NAMES, PipelineAdapter, Settings
+from memfit.models.families.base import DENOISE_COMPANIONS, DENOISER_NAMES, TEXT2IMG, Conditioning, PipelineAdapter, Settings
 from memfit.models.families.aura_flow import AuraFlowAdapter
 from memfit.models.families.chroma import ChromaAdapter
 from memfit.models.families.cogview4 import CogView4Adapter
+from memfit.models.families.controlnet import StableDiffusionControlNetAdapter, StableDiffusionXLControlNetAdapter
 from memfit.models.families.flux import FluxAdapter
 from memfit.models.families.hidream import HiDreamImageAdapter
 from memfit.models.families.pixart_sigma import PixArtSigmaAdapter
@@ -24,6 +25,8 @@ ADAPTERS: dict[str, type[PipelineAdapter]] = {
         StableDiffusionAdapter,
         StableDiffusionXLAdapter,
         StableDiffusionXLImg2ImgAdapter,
+        StableDiffusionControlNetAdapter,
+        StableDiffusionXLControlNetAdapter,
         Lumina2Adapter,
         CogView4Adapter,
         FluxAdapter,
@@ -47,4 +50,11 @@ def adapter_for(class_name: str, configs: dict[str, dict], classes: dict[str, tu
     return GenericAdapter(configs, classes, class_name, supported=sorted(ADAPTERS))
 
 
-__all__ = ["ADAPTERS", "DENOISER_NAMES", "GenericAdapter", "PipelineAdapter", "Settings", "adapter_for"]
+def supporting(task: str) -> list[str]:
+    """The pipeline classes whose adapter runs ``task`` (Conditioning.task), for error messages."""
+    return sorted(name for name, adapter in ADAPTERS.items()
+                  if task == TEXT2IMG or task in adapter.tasks) if task else sorted(ADAPTERS)
+
+
+__all__ = ["ADAPTERS", "DENOISER_NAMES", "DENOISE_COMPANIONS", "Conditioning", "GenericAdapter", "PipelineAdapter",
+           "Settings", "adapter_for", "supporting"]
