@@ -349,3 +349,51 @@ def test_lora_flag_parsing():
     assert parse_lora("style.safetensors") == ("style.safetensors", 1.0)
     assert parse_lora("style.safetensors:0.8") == ("style.safetensors", 0.8)
     assert parse_lora("/a/b:c/style.safetensors") == ("/a/b:c/style.safetensors", 1.0)
+
+
+# ---- memfit.optimize plans what runs together ---------------------------------------------------
+
+
+def test_optimize_plans_components_that_run_together(tiny_models, inputs, tmp_path):
+    """memfit.optimize on a live ControlNet pipeline: one stage per group that runs together (the
+    UNet with its ControlNet, the text encoder, the VAE), the denoise group fitted to the budget as a
+    whole, and the image unchanged."""
+    import diffusers
+    import torch
+
+    from memfit.run.executor import optimize, restore
+
+    folder = save_controlnet_pipeline(tiny_models("sd"), tmp_path / "sd-controlnet", seed=3)
+    pipe = diffusers.DiffusionPipeline.from_pretrained(folder)
+    pipe.set_progress_bar_config(disable=True)
+
+    def run():
+        return pipe(PROMPT, image=inputs["control"], num_inference_steps=2, guidance_scale=4.0, height=32, width=32,
+                    output_type="np", generator=torch.Generator().manual_seed(0)).images
+
+    expected = run()
+    together = sum(p.numel() * p.element_size() for m in (pipe.unet, pipe.controlnet) for p in m.parameters())
+    budget = int(together * 0.8)  # each alone would fit; together they do not
+    assert max(sum(p.numel() * p.element_size() for p in m.parameters()) for m in (pipe.unet, pipe.controlnet)) < budget
+    optimize(pipe, budget=budget, device="cpu")
+    stages = {stage.name: stage for stage in pipe._memfit_plan.stages}
+    groups = {name: {p.component for p in stage.placements} for name, stage in stages.items()}
+    assert groups == {"encode": {"text_encoder"}, "denoise": {"unet", "controlnet"}, "decode": {"vae"}}
+    assert stages["denoise"].streamed_from_host_bytes + stages["denoise"].streamed_from_disk_bytes > 0
+    assert stages["denoise"].resident_bytes <= budget
+    assert (run() == expected).all()
+    restore(pipe)
+
+
+def test_generic_pipelines_plan_a_controlnet_with_the_denoiser():
+    """A ControlNet pipeline class without an adapter of its own (Flux's) plans its controlnet in the
+    denoise stage, and memfit.optimize groups it with the transformer."""
+    from memfit.models.families import adapter_for, run_together
+
+    classes = {name: ("diffusers", "X") for name in ("text_encoder", "tokenizer", "transformer", "controlnet",
+                                                     "scheduler", "vae", "image_encoder")}
+    adapter = adapter_for("FluxControlNetPipeline", {}, classes)
+    assert adapter.stage_components("denoise") == ("transformer", "controlnet", "scheduler")
+    assert run_together("FluxControlNetPipeline", ["text_encoder", "transformer", "controlnet", "vae", "image_encoder"]) == [
+        ("encode", ["text_encoder"]), ("denoise", ["transformer", "controlnet"]), ("decode", ["vae"]),
+        ("image_encoder", ["image_encoder"])]

@@ -128,7 +128,8 @@ def optimize(
                  ``config._name_or_path`` does not point at its own folder.
     device:      execution device; default: where the pipeline's weights are now.
     stage:       plan all components as one stage of that name (they are resident together, as in
-                 one stage of memfit.generate); default: each component is its own stage.
+                 one stage of memfit.generate); default: one stage per group of components that run
+                 together (text encoders; denoiser with a ControlNet; VAE; each other component alone).
     activation_bytes: the activation peak the plan reserves room for (one stage, or each).
     parts:       {component: module paths} for components the stage runs only part of ({"vae":
                  ("decoder", "rest")} for a text-to-image decode): only those blocks are planned; the
@@ -153,7 +154,7 @@ def optimize(
 
     blocks = {name: live_blocks(name, module) for name, module in components.items()}
     unrun = unrun_blocks(blocks, parts)
-    stages = _stage_inputs(_without(blocks, unrun), stage, activation_bytes)
+    stages = _stage_inputs(_without(blocks, unrun), stage, activation_bytes, type(pipe).__name__)
     if plan is None and force_tiers is not None:
         plan = _forced_plan(stages, force_tiers)
     elif plan is None:
@@ -185,7 +186,7 @@ def plan_stage(pipe, budget: BudgetLike, stage: str, activation_bytes: int = 0,
                parts: Mapping[str, tuple[str, ...]] | None = None) -> Plan:
     """The plan ``optimize(pipe, budget, stage=stage, activation_bytes=..., parts=...)`` would carry out."""
     blocks = {name: live_blocks(name, module) for name, module in _components(pipe).items()}
-    return make_plan(_stage_inputs(_without(blocks, unrun_blocks(blocks, parts)), stage, activation_bytes),
+    return make_plan(_stage_inputs(_without(blocks, unrun_blocks(blocks, parts)), stage, activation_bytes, type(pipe).__name__),
                      Budget.of(budget))
 
 
@@ -219,11 +220,18 @@ def _without(blocks: dict[str, list[LiveBlock]], left_out: list[LiveBlock]) -> d
     return {name: [b for b in found if id(b) not in ids] for name, found in blocks.items()}
 
 
-def _stage_inputs(blocks: dict[str, list[LiveBlock]], stage: str | None, activation_bytes: int) -> list[StageInput]:
+def _stage_inputs(blocks: dict[str, list[LiveBlock]], stage: str | None, activation_bytes: int,
+                  pipeline_class: str = "") -> list[StageInput]:
+    """One stage named ``stage`` holding every component, or (no stage named) one stage per group of
+    components that run together (memfit.models.families.run_together: the denoiser with a ControlNet,
+    the text encoders together, the VAE alone), so each group fits the budget at once."""
+    from memfit.models.families import run_together
+
     specs = {name: tuple(BlockSpec(b.component, b.name, b.bytes) for b in found) for name, found in blocks.items()}
     if stage is not None:
         return [StageInput(stage, tuple(spec for found in specs.values() for spec in found), activation_bytes)]
-    return [StageInput(name, found, activation_bytes) for name, found in specs.items()]
+    return [StageInput(name, tuple(spec for member in members for spec in specs[member]), activation_bytes)
+            for name, members in run_together(pipeline_class, specs)]
 
 
 def _compile(pipe, backend, fallback):

@@ -50,6 +50,24 @@ def adapter_for(class_name: str, configs: dict[str, dict], classes: dict[str, tu
     return GenericAdapter(configs, classes, class_name, supported=sorted(ADAPTERS))
 
 
+def run_together(class_name: str, names) -> list[tuple[str, list[str]]]:
+    """The components ``names`` of a live ``class_name`` pipeline, grouped by what runs together:
+    [(stage, components)] with the text encoders in "encode", the denoiser(s) with a ControlNet in
+    "denoise", the VAE in "decode" (the family's adapter, else the generic rule), and each other
+    component (an image encoder, a safety checker) as a stage of its own. memfit.optimize plans each
+    group as one stage: its members are resident together."""
+    names = list(names)
+    adapter = adapter_for(class_name, {}, {name: ("", "") for name in names})
+    groups, placed = [], set()
+    for stage in ("encode", "denoise", "decode"):
+        wanted = set(adapter.stage_components(stage)) | (set(DENOISE_COMPANIONS) if stage == "denoise" else set())
+        members = [name for name in names if name in wanted and name not in placed]
+        if members:
+            groups.append((stage, members))
+            placed.update(members)
+    return groups + [(name, [name]) for name in names if name not in placed]
+
+
 def supporting(task: str) -> list[str]:
     """The pipeline classes whose adapter runs ``task`` (Conditioning.task), for error messages."""
     return sorted(name for name, adapter in ADAPTERS.items()
@@ -57,4 +75,4 @@ def supporting(task: str) -> list[str]:
 
 
 __all__ = ["ADAPTERS", "DENOISER_NAMES", "DENOISE_COMPANIONS", "Conditioning", "GenericAdapter", "PipelineAdapter",
-           "Settings", "adapter_for", "supporting"]
+           "Settings", "adapter_for", "run_together", "supporting"]
