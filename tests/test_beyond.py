@@ -171,6 +171,11 @@ def test_controlnet_pipeline_folder(tiny_models, inputs, tmp_path):
     assert max_pixel_difference(ours.images[0], reference) == 0
     with pytest.raises(MemfitError, match="--control-image"):
         memfit.generate(PROMPT, model=folder, progress=False, **OURS)
+    # memfit encode needs no control image; generating from its embeddings gives the same image.
+    embeddings, _ = memfit.encode(PROMPT, model=folder, negative_prompt=NEGATIVE)
+    again = memfit.generate(model=folder, embeddings=embeddings, progress=False, control_image=inputs["control"],
+                            **{k: v for k, v in OURS.items() if k != "negative_prompt"})
+    assert max_pixel_difference(again.images[0], reference) == 0
 
 
 def test_plan_model_places_a_controlnet_in_the_denoise_stage(tiny_models, tmp_path, capsys):

@@ -178,6 +178,9 @@ def check_conditioning(adapter, conditioning: Conditioning, from_embeddings: boo
     from memfit.models.families.base import TASK_FLAGS
 
     task = conditioning.task
+    if adapter.needs_control_image and conditioning.control_image is None:
+        raise MemfitError(f"{adapter.class_name} draws from a control image: pass --control-image IMG "
+                          "(memfit.generate(..., control_image=...)).")
     if task != TEXT2IMG and task not in adapter.tasks:
         flag = TASK_FLAGS[task].split(" with ")[0] if conditioning.mask_image is None else "--mask"
         raise MemfitError(f"{adapter.class_name} does not take {flag} yet; supported: {', '.join(supporting(task))}.")

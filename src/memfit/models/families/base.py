@@ -112,6 +112,8 @@ class PipelineAdapter:
     # The diffusers pipeline class that runs each task besides text to image (Conditioning.task):
     # e.g. {"img2img": "StableDiffusionImg2ImgPipeline"}. A task missing here is refused, naming its flag.
     tasks: ClassVar[dict[str, str]] = {}
+    # Whether every generation needs --control-image (a ControlNet pipeline folder).
+    needs_control_image: ClassVar[bool] = False
     # Whether memfit runs this family with --lora (diffusers' load_lora_weights in each stage; tested).
     takes_lora: ClassVar[bool] = False
 
