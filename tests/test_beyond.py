@@ -402,3 +402,43 @@ def test_generic_pipelines_plan_a_controlnet_with_the_denoiser():
     assert run_together("FluxControlNetPipeline", ["text_encoder", "transformer", "controlnet", "vae", "image_encoder"]) == [
         ("encode", ["text_encoder"]), ("denoise", ["transformer", "controlnet"]), ("decode", ["vae"]),
         ("image_encoder", ["image_encoder"])]
+
+
+@needs_peft
+@pytest.mark.slow
+def test_prompt_cache_knows_the_lora(tiny_models, loras):
+    """A LoRA changes the text encoder: the same prompt with another LoRA (or none) is no cache hit,
+    the same prompt with the same LoRAs is."""
+    model = tiny_models("sd")
+    pair = loras("sd")
+
+    def encode_note(**kwargs):
+        result = memfit.generate(PROMPT, model=model, progress=False, width=32, height=32, **OURS, **kwargs)
+        return result.report.stages[0].note
+
+    assert "cache hit" not in encode_note(loras=pair)
+    assert "cache hit" not in encode_note()
+    assert "cache hit" not in encode_note(loras=[pair[0], (pair[1][0], 0.2)])
+    assert "cache hit" in encode_note(loras=pair)
+
+
+@needs_peft
+@pytest.mark.slow
+def test_cli_controlnet_with_loras_equals_diffusers(tiny_models, inputs, controlnets, loras, tmp_path):
+    from PIL import Image
+
+    from memfit.cli import main
+
+    model = tiny_models("sd")
+    pair = loras("sd")
+    control = tmp_path / "control.png"
+    inputs["control"].save(control)
+    out = tmp_path / "out.png"
+    assert main(["generate", "--model", model, "--prompt", PROMPT, "--negative-prompt", NEGATIVE, "--steps", "2",
+                 "--guidance", "4", "--seed", "5", "--control-image", str(control), "--controlnet", controlnets("sd"),
+                 "--lora", f"{pair[0][0]}:{pair[0][1]}", "--lora", f"{pair[1][0]}:{pair[1][1]}",
+                 "--out", str(out), "--quiet"]) == 0
+    reference = _reference(model, "StableDiffusionControlNetPipeline",
+                           dict(image=Image.open(control).convert("RGB"), controlnet=controlnets("sd"), height=32, width=32),
+                           loras=pair)
+    assert max_pixel_difference(Image.open(out).convert("RGB"), reference) == 0
