@@ -346,6 +346,7 @@ def test_cli_img2img_equals_the_api(tiny_models, inputs, tmp_path):
                            dict(image=Image.open(image_path).convert("RGB"), mask_image=Image.open(mask_path),
                                 strength=0.9, height=32, width=32))
     assert max_pixel_difference(Image.open(out).convert("RGB"), reference) == 0
+    assert (Image.open(out).text["task"], Image.open(out).text["strength"]) == ("inpaint", "0.9")
 
 
 def test_lora_flag_parsing():

@@ -103,8 +103,9 @@ class StageContext:
         present = [name for name in names if name in folder.components or name in external]
         to_load = [name for name in present if name not in shared]
         already_used = memory_in_use(runner.device)
-        pipe = folder.load_stage(to_load, runner.torch_dtype, runner.device, pipeline_class=pipeline_class,
-                                 external=external)
+        task_options = {key: value for key, value in (("pipeline_class", pipeline_class), ("external", external))
+                        if value}  # only where a task needs them: text to image loads as before
+        pipe = folder.load_stage(to_load, runner.torch_dtype, runner.device, **task_options)
         if loras:
             from memfit.models.lora import load_loras
 

@@ -181,6 +181,8 @@ def png_metadata(settings: Settings, folder: ModelFolder, dtype: str) -> dict[st
         "dtype": dtype,
         "model": str(folder.path),
         "pipeline": folder.class_name,
+        **({"task": settings.task, "strength": str(settings.strength)} if settings.strength is not None else
+           {"task": settings.task} if settings.task != "text2img" else {}),
         "memfit_version": __version__,
     }
 
