@@ -2,8 +2,8 @@
 
 Components are known by the names diffusers gives them: text encoders and tokenizers
 (``text_encoder*``, ``tokenizer*``) run in the encode stage, the denoiser(s) (DENOISER_NAMES) and a
-ControlNet (DENOISE_COMPANIONS)
-with the scheduler in the denoise stage, the ``vae`` in the decode stage. Pipelines whose
+ControlNet (DENOISE_COMPANIONS) with the scheduler in the denoise stage, the ``vae`` in the decode
+stage. Pipelines whose
 ``__call__`` takes ``true_cfg_scale`` run the negative pass as a separate call, so their denoiser
 sees a batch of one; every other pipeline is taken to batch both guidance passes (the safe side
 for memory). This is enough to plan (``memfit plan --model``); memfit generate runs only the
