@@ -19,9 +19,9 @@ def loads(monkeypatch, tmp_path):
     calls: list[list[str]] = []
     original = ModelFolder.load_stage
 
-    def spy(self, names, dtype, device):
+    def spy(self, names, dtype, device, **kwargs):
         calls.append(list(names))
-        return original(self, names, dtype, device)
+        return original(self, names, dtype, device, **kwargs)
 
     monkeypatch.setattr(ModelFolder, "load_stage", spy)
     return calls

@@ -43,6 +43,15 @@ def register(commands: argparse._SubParsersAction) -> None:
                      "the refiner finishes (diffusers' base + refiner workflow)")
     gen.add_argument("--refiner-start", type=float, help="fraction of the schedule the base runs before the refiner "
                      "takes over (default 0.8; needs --refiner)")
+    gen.add_argument("--image", help="init image: img2img (with --strength), or the image to inpaint (with --mask)")
+    gen.add_argument("--strength", type=float, help="how far --image is noised before denoising, in (0, 1] "
+                     "(default: the pipeline's, 0.8 for img2img)")
+    gen.add_argument("--mask", help="inpainting mask for --image: white is repainted, black kept")
+    gen.add_argument("--control-image", help="the image a ControlNet follows (needs --controlnet DIR, or a "
+                     "ControlNet pipeline folder as --model)")
+    gen.add_argument("--controlnet", help="a diffusers ControlNet model folder; planned in the denoise stage")
+    gen.add_argument("--lora", action="append", default=[], metavar="PATH[:SCALE]",
+                     help="a LoRA .safetensors file, with its scale (default 1); repeat for several")
     gen.add_argument("--out", help="output file: .png for an image; .mp4, .webp or .gif for a video (.png writes its "
                      "first frame; .mp4 needs memfit[video]) (default memfit.png, or memfit.mp4 for a video)")
     gen.add_argument("--fps", type=int, help="frames per second of a video file (default: the model's, 16 for Wan)")
@@ -130,6 +139,12 @@ def _generate(args) -> int:
         true_cfg_scale=args.true_cfg,
         num_frames=args.frames,
         allow_pickle=args.allow_pickle,
+        image=args.image,
+        strength=args.strength,
+        mask=args.mask,
+        control_image=args.control_image,
+        controlnet=args.controlnet,
+        loras=args.lora,
     )
     result.save(out, frames_per_second=args.fps)
     if args.report:

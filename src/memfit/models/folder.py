@@ -336,17 +336,25 @@ class ModelFolder:
             files = sorted(p for p in folder.iterdir() if p.suffix in PICKLE_SUFFIXES)
         return files
 
-    def load_stage(self, names, dtype: torch.dtype, device: torch.device):
-        """The pipeline with only `names` loaded; every other component is None (not resident)."""
+    def load_stage(self, names, dtype: torch.dtype, device: torch.device, *, pipeline_class: str | None = None,
+                   external: dict[str, Path] | None = None):
+        """The pipeline with only `names` loaded; every other component is None (not resident).
+
+        ``pipeline_class`` loads the folder's components as another diffusers pipeline class (the
+        img2img, inpaint or ControlNet pipeline of the family). ``external`` maps a component name in
+        ``names`` to a model folder of its own (``--controlnet DIR``), loaded with its config's class.
+        """
         import diffusers
 
         global _DTYPE_KWARG
         _DTYPE_KWARG = _DTYPE_KWARG or dtype_keyword()
-        self.check_weights(names)
-        pipeline_class = getattr(diffusers, self.class_name)
+        external = {name: folder for name, folder in (external or {}).items() if name in names}
+        self.check_weights([name for name in names if name not in external])
+        pipeline_class = getattr(diffusers, pipeline_class or self.class_name)
         skipped = {name: None for name in self.components if name not in names}
         try:
-            pipe = pipeline_class.from_pretrained(self.path, **{_DTYPE_KWARG: dtype}, **skipped)
+            modules = {name: load_component(folder, dtype) for name, folder in external.items()}
+            pipe = pipeline_class.from_pretrained(self.path, **{_DTYPE_KWARG: dtype}, **skipped, **modules)
         except MemfitError:
             raise
         except Exception as exc:  # diffusers raises many types; name the folder and the stage
@@ -378,3 +386,23 @@ class ModelFolder:
         if "vae" in self.configs and "vae" not in names:
             pipe.vae_scale_factor = self.adapter.vae_scale_factor()
         return pipe.to(device)
+
+
+def load_component(path: str | Path, dtype: torch.dtype):
+    """A diffusers model saved on its own (a ControlNet folder), as the class its config.json names."""
+    import diffusers
+
+    path = Path(path).expanduser()
+    config_path = path / "config.json"
+    if not config_path.is_file():
+        raise MemfitError(f"{path} is not a diffusers model folder (no config.json); pass the folder that "
+                          "save_pretrained wrote for the model, e.g. --controlnet ./my-controlnet.")
+    class_name = _read_json(config_path).get("_class_name")
+    model_class = getattr(diffusers, class_name or "", None)
+    if model_class is None:
+        raise MemfitError(f"{config_path} names no diffusers model class ({class_name!r}).")
+    for weights in sorted(path.glob("*.safetensors")):
+        check_safetensors(weights)
+    global _DTYPE_KWARG
+    _DTYPE_KWARG = _DTYPE_KWARG or dtype_keyword()
+    return model_class.from_pretrained(path, **{_DTYPE_KWARG: dtype})

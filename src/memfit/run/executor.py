@@ -27,7 +27,10 @@ Known limits, chosen on purpose:
     cast embeddings. It is a single tensor (usually a small embedding or conv).
   * A disk-tier weight must equal what the model's safetensors file holds (after conversion to the
     run dtype); optimize checks this once, block by block, and raises naming the first weight that
-    differs (e.g. after fusing a LoRA), instead of silently running other weights.
+    differs (e.g. after fusing a LoRA), instead of silently running other weights. An unfused LoRA
+    (PEFT layers, as diffusers' load_lora_weights leaves it) keeps the original weight as
+    ``base_layer``, which maps to the file's key; the LoRA's own tensors (lora_A, lora_B) are in no
+    file and stay on the host tier whatever the plan says.
   * Buffers are not put on the disk tier (they are small and often not saved); on CUDA they travel
     with their block like host-tier weights.
   * ``.to()`` after optimize is supported where it is a no-op for the placed tensors (``.to("cpu")``
@@ -126,7 +129,8 @@ def optimize(
                  ``config._name_or_path`` does not point at its own folder.
     device:      execution device; default: where the pipeline's weights are now.
     stage:       plan all components as one stage of that name (they are resident together, as in
-                 one stage of memfit.generate); default: each component is its own stage.
+                 one stage of memfit.generate); default: one stage per group of components that run
+                 together (text encoders; denoiser with a ControlNet; VAE; each other component alone).
     activation_bytes: the activation peak the plan reserves room for (one stage, or each).
     parts:       {component: module paths} for components the stage runs only part of ({"vae":
                  ("decoder", "rest")} for a text-to-image decode): only those blocks are planned; the
@@ -151,7 +155,7 @@ def optimize(
 
     blocks = {name: live_blocks(name, module) for name, module in components.items()}
     unrun = unrun_blocks(blocks, parts)
-    stages = _stage_inputs(_without(blocks, unrun), stage, activation_bytes)
+    stages = _stage_inputs(_without(blocks, unrun), stage, activation_bytes, type(pipe).__name__)
     if plan is None and force_tiers is not None:
         plan = _forced_plan(stages, force_tiers)
     elif plan is None:
@@ -183,7 +187,7 @@ def plan_stage(pipe, budget: BudgetLike, stage: str, activation_bytes: int = 0,
                parts: Mapping[str, tuple[str, ...]] | None = None) -> Plan:
     """The plan ``optimize(pipe, budget, stage=stage, activation_bytes=..., parts=...)`` would carry out."""
     blocks = {name: live_blocks(name, module) for name, module in _components(pipe).items()}
-    return make_plan(_stage_inputs(_without(blocks, unrun_blocks(blocks, parts)), stage, activation_bytes),
+    return make_plan(_stage_inputs(_without(blocks, unrun_blocks(blocks, parts)), stage, activation_bytes, type(pipe).__name__),
                      Budget.of(budget))
 
 
@@ -217,11 +221,18 @@ def _without(blocks: dict[str, list[LiveBlock]], left_out: list[LiveBlock]) -> d
     return {name: [b for b in found if id(b) not in ids] for name, found in blocks.items()}
 
 
-def _stage_inputs(blocks: dict[str, list[LiveBlock]], stage: str | None, activation_bytes: int) -> list[StageInput]:
+def _stage_inputs(blocks: dict[str, list[LiveBlock]], stage: str | None, activation_bytes: int,
+                  pipeline_class: str = "") -> list[StageInput]:
+    """One stage named ``stage`` holding every component, or (no stage named) one stage per group of
+    components that run together (memfit.models.families.run_together: the denoiser with a ControlNet,
+    the text encoders together, the VAE alone), so each group fits the budget at once."""
+    from memfit.models.families import run_together
+
     specs = {name: tuple(BlockSpec(b.component, b.name, b.bytes) for b in found) for name, found in blocks.items()}
     if stage is not None:
         return [StageInput(stage, tuple(spec for found in specs.values() for spec in found), activation_bytes)]
-    return [StageInput(name, found, activation_bytes) for name, found in specs.items()]
+    return [StageInput(name, tuple(spec for member in members for spec in specs[member]), activation_bytes)
+            for name, members in run_together(pipeline_class, specs)]
 
 
 def _compile(pipe, backend, fallback):
@@ -376,12 +387,16 @@ def _apply_component(name, module, component_blocks, tiers, state: _State, model
                     tensor.data = tensor.data.to(runtime.device)
                     state.slots.append(slot)
                     continue
-                if tier == DEVICE or (not runtime.is_cuda and (tier == HOST or not is_param)):
+                if tier == DISK and is_param and is_adapter_weight(full_name):
+                    tier_of_tensor = HOST  # a LoRA's own tensor is in no model file: it stays in memory
+                else:
+                    tier_of_tensor = tier
+                if tier_of_tensor == DEVICE or (not runtime.is_cuda and (tier_of_tensor == HOST or not is_param)):
                     continue  # on the CPU host RAM is the device; buffers stay where they are
-                if tier == DISK and is_param:
+                if tier_of_tensor == DISK and is_param:
                     if files is None:
                         files = _open_files(name, module, model_dir)
-                        file_keys = {name: key for key, name in (loaded_names(module, files.keys()) or {}).items()}
+                        file_keys = {live: key for key, live in (loaded_names(module, files.keys()) or {}).items()}
                     mapped = _checked_mapping(files, name, full_name, tensor, module, file_keys)
                     slot = Slot(owner, attr, tensor, home=mapped, kind="mmap")
                     state.slots.append(slot)
@@ -421,9 +436,18 @@ def _open_files(name: str, module, model_dir) -> MappedSafetensors:
     )
 
 
+def is_adapter_weight(full_name: str) -> bool:
+    """Whether a parameter is a LoRA's own tensor (PEFT's lora_A / lora_B ...), which no model file holds."""
+    from memfit.models.lora import ADAPTER_PARAMETER_NAMES
+
+    return any(part in ADAPTER_PARAMETER_NAMES for part in full_name.split("."))
+
+
 def _checked_mapping(files: MappedSafetensors, component: str, full_name: str, tensor, module,
                      file_keys: Mapping[str, str]) -> Shared:
     prefix = getattr(module, "base_model_prefix", "") or ""
+    # A layer with a LoRA (PEFT) keeps the original layer as ``base_layer``; its weights are the file's.
+    full_name = ".".join(part for part in full_name.split(".") if part != "base_layer")
     saved = file_keys.get(full_name, full_name)
     for key in (saved, f"{prefix}.{saved}", saved.removeprefix(prefix + ".")):
         if key in files:

@@ -13,6 +13,8 @@ from pathlib import Path
 import torch
 
 from memfit.errors import MemfitError
+from memfit.models.families import ADAPTERS, TEXT2IMG, Conditioning, supporting
+from memfit.models.lora import check_loras
 from memfit.run.embeddings import Embeddings
 from memfit.run.libraries import quiet_libraries
 from memfit.run.memory import collects_only_its_own_garbage, return_large_frees_to_os
@@ -83,6 +85,12 @@ def generate(
     true_cfg_scale: float | None = None,
     num_frames: int | None = None,
     allow_pickle: bool = False,
+    image=None,
+    strength: float | None = None,
+    mask=None,
+    control_image=None,
+    controlnet: str | Path | None = None,
+    loras=(),
 ) -> Generation:
     """Generate an image with a diffusers model folder, one stage resident at a time.
 
@@ -97,8 +105,21 @@ def generate(
     (memfit.compile.entry_points); a backend failure raises unless `fallback="eager"`, and the report says so.
     `refiner` (an SDXL refiner folder) runs diffusers' base + refiner workflow: the base stops at
     `refiner_start` (default 0.8) of the schedule and the refiner finishes (memfit.run.refiner).
+
+    Beyond text to image (the family's own diffusers pipeline for each, PipelineAdapter.tasks):
+    `image` (a PIL image or a file) runs img2img, noised by `strength`; with `mask` (white = repaint)
+    it inpaints; `control_image` with `controlnet` (a ControlNet model folder; a ControlNet pipeline
+    folder has its own) steers every step, the ControlNet loaded and planned in the denoise stage.
+    `loras` are LoRA files, each a path, "PATH:SCALE" or (path, scale), loaded unfused with diffusers'
+    load_lora_weights into the text encoders and the denoiser.
     """
     quiet_libraries()
+    conditioning = Conditioning(
+        image=_open_image(image, "--image", "RGB"), mask_image=_open_image(mask, "--mask", None),
+        control_image=_open_image(control_image, "--control-image", "RGB"),
+        controlnet=None if controlnet is None else str(Path(controlnet).expanduser()), loras=check_loras(loras))
+    if refiner is not None and conditioning != Conditioning():
+        raise MemfitError("--refiner cannot be combined with --image, --mask, --control-image or --lora yet.")
     if refiner is not None:
         from memfit.run.refiner import DEFAULT_REFINER_START, generate_with_refiner
 
@@ -126,8 +147,10 @@ def generate(
         loaded = embeddings if isinstance(embeddings, Embeddings) else Embeddings.load(embeddings)
         check_embeddings(loaded, folder, "The embeddings" if isinstance(embeddings, Embeddings) else str(embeddings))
         prompt, negative_prompt = loaded.prompt, loaded.negative_prompt
+    check_conditioning(adapter, conditioning, loaded is not None)
     settings = adapter.resolve(prompt, negative_prompt, steps, guidance, seed, width, height, folder.defaults,
-                               true_cfg_scale=true_cfg_scale, num_frames=num_frames)
+                               true_cfg_scale=true_cfg_scale, num_frames=num_frames, conditioning=conditioning,
+                               strength=strength)
     guided = adapter.guided(settings)
     report = RunReport(device=str(device), dtype=dtype, model=str(folder.path), settings=settings.__dict__.copy())
     if budget is not None:
@@ -142,7 +165,7 @@ def generate(
                           folder, dtype)
     stages = []
     if loaded is None:
-        stages.append(encode_stage([("base", folder)], settings, with_negative=guided))
+        stages.append(encode_stage([("base", folder)], settings, with_negative=guided, loras=conditioning.loras))
     else:
         if guided and not loaded.has_negative:
             raise MemfitError("These embeddings have no negative prompt branch; generate with --guidance 1 or encode again.")
@@ -160,13 +183,51 @@ def generate(
                 )
         return tensors
 
-    stages += [denoise_stage(folder, settings, prompt_embeddings, generator), decode_stage(folder, settings, generator)]
+    stages += [denoise_stage(folder, settings, prompt_embeddings, generator, conditioning=conditioning),
+               decode_stage(folder, settings, generator)]
     return run_result(runner.run(stages)["decode"], settings, report, folder, dtype)
 
 
-def _not_staged(folder, what: str) -> str:
-    from memfit.models.families import ADAPTERS
+def check_conditioning(adapter, conditioning: Conditioning, from_embeddings: bool) -> None:
+    """Refuse, naming the flag, what this family does not run yet (and the families that do)."""
+    from memfit.models.families.base import TASK_FLAGS
 
+    task = conditioning.task
+    if adapter.needs_control_image and conditioning.control_image is None:
+        raise MemfitError(f"{adapter.class_name} draws from a control image: pass --control-image IMG "
+                          "(memfit.generate(..., control_image=...)).")
+    if task != TEXT2IMG and task not in adapter.tasks:
+        flag = TASK_FLAGS[task].split(" with ")[0] if conditioning.mask_image is None else "--mask"
+        raise MemfitError(f"{adapter.class_name} does not take {flag} yet; supported: {', '.join(supporting(task))}.")
+    if conditioning.loras:
+        if not adapter.takes_lora:
+            lora_families = sorted(name for name, a in ADAPTERS.items() if a.takes_lora)
+            raise MemfitError(f"{adapter.class_name} does not take --lora yet; supported: {', '.join(lora_families)}.")
+        if from_embeddings:
+            raise MemfitError("--lora cannot be combined with --embeddings: a LoRA may change the text encoders; "
+                              "pass --prompt instead.")
+
+
+def _open_image(value, flag: str, mode: str | None):
+    """A PIL image from a PIL image or a file path; None stays None."""
+    if value is None:
+        return None
+    from PIL import Image
+
+    if isinstance(value, Image.Image):
+        return value
+    path = Path(value).expanduser()
+    if not path.is_file():
+        raise MemfitError(f"{flag} {path}: no such image file.")
+    try:
+        with Image.open(path) as opened:
+            image = opened.convert(mode) if mode else opened.copy()
+    except (OSError, ValueError) as exc:
+        raise MemfitError(f"{flag} {path} is not an image Pillow can read ({exc}).") from None
+    return image
+
+
+def _not_staged(folder, what: str) -> str:
     return (f"memfit cannot {what} for {folder.class_name} ({folder.path}): memfit runs it through the pipeline's "
             f"own __call__, which encodes the prompt itself. Pass --prompt instead. Staged families: "
             f"{', '.join(sorted(ADAPTERS))}.")

@@ -148,20 +148,33 @@ class StageContext:
         self._loaded: list[tuple[Any, list[str]]] = []
 
     def load(self, folder: ModelFolder, names, *, plan_as: str | None = None, shared: Mapping[str, Any] | None = None,
-             label: str = ""):
+             label: str = "", pipeline_class: str | None = None, external: Mapping[str, Any] | None = None,
+             loras=()):
         """The pipeline of ``folder`` with only ``names`` loaded, fitted to the budget and compiled.
 
         ``plan_as`` names the activation rules to plan with (default: this stage's name).
         ``shared`` maps component names to live modules another load of this run already fitted
         and compiled (same content): they are reused, not loaded again. ``label`` prefixes the
         component names in the report (e.g. "refiner.").
+        ``pipeline_class`` loads the components as another pipeline class of the family (img2img,
+        inpaint, ControlNet); ``external`` maps a component name to its own model folder (a ControlNet),
+        planned with the rest of the stage. ``loras`` ((file, scale) pairs) are loaded into the loaded
+        components before fitting (memfit.models.lora).
         """
         runner = self.runner
         shared = dict(shared or {})
-        present = [name for name in names if name in folder.components]
+        external = dict(external or {})
+        present = [name for name in names if name in folder.components or name in external]
         to_load = [name for name in present if name not in shared]
         already_used = memory_in_use(runner.device)
-        pipe = folder.load_stage(to_load, runner.torch_dtype, runner.device)
+        task_options = {key: value for key, value in (("pipeline_class", pipeline_class), ("external", external))
+                        if value}  # only where a task needs them: text to image loads as before
+        pipe = folder.load_stage(to_load, runner.torch_dtype, runner.device, **task_options)
+        if loras:
+            from memfit.models.lora import load_loras
+
+            if load_loras(pipe, loras, folder.configs):
+                self.note = (self.note + "; " if self.note else "") + f"{len(loras)} LoRA(s), unfused"
         if runner.budget is not None and _has_weights(pipe, to_load):
             self._fit(pipe, folder, plan_as or self.stage, already_used)
         if shared:

@@ -18,7 +18,7 @@ import warnings
 import torch
 
 from memfit.errors import MemfitError, MemfitWarning
-from memfit.models.families import Settings
+from memfit.models.families import Conditioning, Settings
 from memfit.models.folder import ModelFolder
 from memfit.run.media import IMAGE_SUFFIXES, VIDEO_SUFFIXES, save_png, save_video
 from memfit.run.runner import Stage, StageContext
@@ -85,8 +85,25 @@ def _truncation_notices():
         logger.setLevel(level)
 
 
-def encode_stage(folders: list[tuple[str, ModelFolder]], settings: Settings, with_negative: bool) -> Stage:
+def lora_fingerprint(loras) -> list[str]:
+    """What of the LoRAs enters a prompt cache key: each file's content, its scale and its place."""
+    import hashlib
+
+    from memfit.cache.fingerprint import fingerprint_folder
+
+    parts = []
+    for index, (path, scale) in enumerate(loras):
+        path = Path(path)
+        content = fingerprint_folder(path) if path.is_dir() else hashlib.sha256(path.read_bytes()).hexdigest()
+        parts.append(f"lora{index}:{content}:{scale!r}")
+    return parts
+
+
+def encode_stage(folders: list[tuple[str, ModelFolder]], settings: Settings, with_negative: bool,
+                 loras=()) -> Stage:
     """The text encoders of each (label, folder), in order; returns {label: embedding tensors}.
+
+    ``loras`` ((file, scale) pairs) are loaded into the text encoders (those a LoRA file has keys for).
 
     A repeated prompt is served from the prompt cache and loads no text encoder. A component whose
     content equals one an earlier folder of this stage loaded (an SDXL refiner's text_encoder_2) is
@@ -102,8 +119,13 @@ def encode_stage(folders: list[tuple[str, ModelFolder]], settings: Settings, wit
         hits = []
         for label, folder in folders:
             names = [name for name in folder.adapter.encode_components if name in folder.components]
+            text_fingerprint = folder.text_fingerprint
+            if loras:
+                from memfit.cache.fingerprint import combine_fingerprints
+
+                text_fingerprint = combine_fingerprints([text_fingerprint, *lora_fingerprint(loras)])
             cache = PromptCache(embeddings_key(
-                folder.text_fingerprint, folder.class_name, settings.prompt, settings.negative_prompt, with_negative,
+                text_fingerprint, folder.class_name, settings.prompt, settings.negative_prompt, with_negative,
                 runner.torch_dtype, text_backend_label(runner.backend, names)))
             found = cache.lookup()  # a hit never loads a text encoder
             if found is not None:
@@ -115,7 +137,7 @@ def encode_stage(folders: list[tuple[str, ModelFolder]], settings: Settings, wit
             if shared:
                 runner.report.notes.append(
                     f"encode: {label} shares {', '.join(sorted(shared))} with an earlier model (same content): loaded once")
-            pipe = context.load(folder, names, shared=shared, label=f"{label}." if label != "base" else "")
+            pipe = context.load(folder, names, shared=shared, label=f"{label}." if label != "base" else "", loras=loras)
             for name, fingerprint in prints.items():
                 if isinstance(getattr(pipe, name, None), torch.nn.Module):
                     loaded.setdefault(fingerprint, getattr(pipe, name))
@@ -126,7 +148,7 @@ def encode_stage(folders: list[tuple[str, ModelFolder]], settings: Settings, wit
                               f"{notice.splitlines()[0]}", PromptTruncatedWarning, stacklevel=2)
             check_finite(embeddings, "encode", folder, names)
             tensors[label] = {k: v.clone() for k, v in embeddings.items()}
-            cache.save(tensors[label], folder.class_name, folder.text_fingerprint, settings.prompt,
+            cache.save(tensors[label], folder.class_name, text_fingerprint, settings.prompt,
                        settings.negative_prompt)
         if hits:
             context.note = "cache hit" if len(folders) == 1 else f"cache hit ({', '.join(hits)})"
@@ -136,20 +158,29 @@ def encode_stage(folders: list[tuple[str, ModelFolder]], settings: Settings, wit
 
 
 def denoise_stage(folder: ModelFolder, settings: Settings, embeddings: Callable[[dict], dict], generator, *,
-                  name: str = "denoise", run: Callable | None = None, label: str = "") -> Stage:
+                  name: str = "denoise", run: Callable | None = None, label: str = "",
+                  conditioning: Conditioning | None = None) -> Stage:
     """The denoiser's loop on the embeddings ``embeddings(results)`` picks; returns the latents.
 
     ``run(adapter, pipe, embeddings, results, split)`` replaces the adapter's own denoise call
-    (the refiner's hand-over uses it).
+    (the refiner's hand-over uses it). ``conditioning`` (images, a ControlNet, LoRAs) runs the
+    family's pipeline for its task (img2img, inpaint, ControlNet) with the VAE's encoder and the
+    ControlNet loaded and planned in this stage, since they run in it.
     """
+    conditioning = conditioning or Conditioning()
 
     def work(context: StageContext, results: dict[str, Any]) -> torch.Tensor:
         adapter = folder.adapter
-        pipe = context.load(folder, adapter.denoise_components, plan_as="denoise", label=label)
+        task = settings.task
+        external = {"controlnet": Path(conditioning.controlnet)} if conditioning.controlnet else None
+        pipe = context.load(folder, adapter.task_denoise_components(task), plan_as="denoise", label=label,
+                            pipeline_class=adapter.pipeline_class(task), external=external, loras=conditioning.loras)
         split = context.strategy == "split"
+        inputs = conditioning.pipeline_inputs()
         with torch.inference_mode():
             if run is None:
-                latents = adapter.denoise(pipe, embeddings(results), settings, generator, split=split)
+                extra = {"inputs": inputs} if inputs else {}
+                latents = adapter.denoise(pipe, embeddings(results), settings, generator, split=split, **extra)
             else:
                 latents = run(adapter, pipe, embeddings(results), results, split)
         check_finite(latents, name, folder, [c for c in adapter.denoise_components if c in folder.components])
@@ -265,6 +296,10 @@ def png_metadata(settings: Settings, folder: ModelFolder, dtype: str) -> dict[st
         value = getattr(settings, option)
         if value is not None:
             metadata[option] = str(value)
+    if settings.task != "text2img":
+        metadata["task"] = settings.task
+    if settings.strength is not None:
+        metadata["strength"] = str(settings.strength)
     return dict(metadata, dtype=dtype, model=str(folder.path), pipeline=folder.class_name, memfit_version=__version__)
 
 

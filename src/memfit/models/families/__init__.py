@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
-from memfit.models.families.base import DENOISER_NAMES, PipelineAdapter, Settings
+from memfit.models.families.base import DENOISE_COMPANIONS, DENOISER_NAMES, TEXT2IMG, Conditioning, PipelineAdapter, Settings
 from memfit.models.families.aura_flow import AuraFlowAdapter
 from memfit.models.families.chroma import ChromaAdapter
 from memfit.models.families.cogview4 import CogView4Adapter
+from memfit.models.families.controlnet import StableDiffusionControlNetAdapter, StableDiffusionXLControlNetAdapter
 from memfit.models.families.flux import FluxAdapter
 from memfit.models.families.hidream import HiDreamImageAdapter
 from memfit.models.families.pixart_sigma import PixArtSigmaAdapter
@@ -24,6 +25,8 @@ ADAPTERS: dict[str, type[PipelineAdapter]] = {
         StableDiffusionAdapter,
         StableDiffusionXLAdapter,
         StableDiffusionXLImg2ImgAdapter,
+        StableDiffusionControlNetAdapter,
+        StableDiffusionXLControlNetAdapter,
         Lumina2Adapter,
         CogView4Adapter,
         FluxAdapter,
@@ -47,4 +50,29 @@ def adapter_for(class_name: str, configs: dict[str, dict], classes: dict[str, tu
     return GenericAdapter(configs, classes, class_name)
 
 
-__all__ = ["ADAPTERS", "DENOISER_NAMES", "GenericAdapter", "PipelineAdapter", "Settings", "adapter_for"]
+def run_together(class_name: str, names) -> list[tuple[str, list[str]]]:
+    """The components ``names`` of a live ``class_name`` pipeline, grouped by what runs together:
+    [(stage, components)] with the text encoders in "encode", the denoiser(s) with a ControlNet in
+    "denoise", the VAE in "decode" (the family's adapter, else the generic rule), and each other
+    component (an image encoder, a safety checker) as a stage of its own. memfit.optimize plans each
+    group as one stage: its members are resident together."""
+    names = list(names)
+    adapter = adapter_for(class_name, {}, {name: ("", "") for name in names})
+    groups, placed = [], set()
+    for stage in ("encode", "denoise", "decode"):
+        wanted = set(adapter.stage_components(stage)) | (set(DENOISE_COMPANIONS) if stage == "denoise" else set())
+        members = [name for name in names if name in wanted and name not in placed]
+        if members:
+            groups.append((stage, members))
+            placed.update(members)
+    return groups + [(name, [name]) for name in names if name not in placed]
+
+
+def supporting(task: str) -> list[str]:
+    """The pipeline classes whose adapter runs ``task`` (Conditioning.task), for error messages."""
+    return sorted(name for name, adapter in ADAPTERS.items()
+                  if task == TEXT2IMG or task in adapter.tasks) if task else sorted(ADAPTERS)
+
+
+__all__ = ["ADAPTERS", "DENOISER_NAMES", "DENOISE_COMPANIONS", "Conditioning", "GenericAdapter", "PipelineAdapter",
+           "Settings", "adapter_for", "run_together", "supporting"]

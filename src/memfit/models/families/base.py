@@ -23,6 +23,13 @@ from memfit.errors import MemfitError
 # (a few KB, which comes along). The encoder half is only needed for img2img.
 VAE_DECODE_PARTS = ("decoder", "rest")
 
+# The tasks an adapter may run besides text to image (keys of PipelineAdapter.tasks); what each needs.
+TEXT2IMG, IMG2IMG, INPAINT, CONTROLNET = "text2img", "img2img", "inpaint", "controlnet"
+TASK_FLAGS = {IMG2IMG: "--image", INPAINT: "--mask", CONTROLNET: "--control-image",
+              f"{CONTROLNET}_{IMG2IMG}": "--control-image with --image", f"{CONTROLNET}_{INPAINT}": "--control-image with --mask"}
+# Components that run every denoising step beside the denoiser: planned in the denoise stage.
+DENOISE_COMPANIONS = ("controlnet",)
+
 # The names diffusers pipelines give their denoisers (Wan 2.2 has two experts: transformer, transformer_2).
 # Upper limits that catch typos before they reach an allocator (--width 1000000 would ask for terabytes).
 MAX_SIDE = 16384
@@ -45,6 +52,43 @@ class Settings:
     # Only for pipelines that take them (PipelineAdapter.options); the defaults mean "not used".
     true_cfg_scale: float = 1.0  # Flux: true classifier-free guidance, besides the embedded guidance
     num_frames: int = 1  # video pipelines (Wan): frames generated
+    # Beyond text-to-image (PipelineAdapter.tasks): the task run, and how far an init image is noised.
+    task: str = TEXT2IMG
+    strength: float | None = None  # img2img / inpaint only
+
+
+@dataclass(frozen=True)
+class Conditioning:
+    """What a request brings besides the prompt and settings: images and adapters.
+
+    Images are PIL images as the user gave them; the pipeline's own image processors prepare them,
+    so memfit and plain diffusers see the same input. ``controlnet`` is a ControlNet model folder;
+    ``loras`` are (file, scale) pairs loaded with diffusers' load_lora_weights.
+    """
+
+    image: Any = None
+    mask_image: Any = None
+    control_image: Any = None
+    controlnet: str | None = None
+    loras: tuple[tuple[str, float], ...] = ()
+
+    @property
+    def task(self) -> str:
+        """text2img, img2img or inpaint, with a "controlnet_" prefix when a ControlNet steers it
+        (controlnet alone for text to image): the key of PipelineAdapter.tasks."""
+        base = INPAINT if self.mask_image is not None else IMG2IMG if self.image is not None else TEXT2IMG
+        if self.control_image is None:
+            return base
+        return CONTROLNET if base == TEXT2IMG else f"{CONTROLNET}_{base}"
+
+    def pipeline_inputs(self) -> dict[str, Any]:
+        """The images as the task pipeline's own __call__ arguments."""
+        names = {"image": self.image, "mask_image": self.mask_image}
+        if self.control_image is not None:
+            # The ControlNet pipelines name the control image `image` when there is no init image,
+            # and `control_image` beside an init image.
+            names["control_image" if self.image is not None else "image"] = self.control_image
+        return {name: value for name, value in names.items() if value is not None}
 
 
 class PipelineAdapter:
@@ -64,7 +108,9 @@ class PipelineAdapter:
     splits_guidance: ClassVar[bool] = False
     # The module paths of a component that a stage runs, where it runs only part of it (as in
     # memfit.models.archs): the plan places only these; the rest stays memory-mapped on the disk tier.
-    stage_parts: ClassVar[dict[str, dict[str, tuple[str, ...]]]] = {"decode": {"vae": VAE_DECODE_PARTS}}
+    # The VAE's encoder half runs in the denoise stage of img2img and inpaint (the init image's latents).
+    stage_parts: ClassVar[dict[str, dict[str, tuple[str, ...]]]] = {"decode": {"vae": VAE_DECODE_PARTS},
+                                                                     "denoise": {"vae": ("encoder", "rest")}}
     # The optional Settings fields this pipeline takes (true_cfg_scale, num_frames); resolve()
     # refuses the others rather than ignoring them.
     options: ClassVar[tuple[str, ...]] = ()
@@ -80,6 +126,13 @@ class PipelineAdapter:
     @property
     def makes_video(self) -> bool:
         return "num_frames" in self.options
+    # The diffusers pipeline class that runs each task besides text to image (Conditioning.task):
+    # e.g. {"img2img": "StableDiffusionImg2ImgPipeline"}. A task missing here is refused, naming its flag.
+    tasks: ClassVar[dict[str, str]] = {}
+    # Whether every generation needs --control-image (a ControlNet pipeline folder).
+    needs_control_image: ClassVar[bool] = False
+    # Whether memfit runs this family with --lora (diffusers' load_lora_weights in each stage; tested).
+    takes_lora: ClassVar[bool] = False
 
     def __init__(self, configs: dict[str, dict], classes: dict[str, tuple[str, str]] | None = None):
         # Component configs read from the model folder (or a built-in architecture), and each
@@ -94,6 +147,24 @@ class PipelineAdapter:
                  "decode": self.decode_components}.get(stage)
         if names is None:
             raise MemfitError(f"Unknown stage {stage!r}; memfit's stages are encode, denoise and decode.")
+        return names
+
+    def pipeline_class(self, task: str = TEXT2IMG) -> str:
+        """The diffusers pipeline class the denoise stage of ``task`` loads the folder as."""
+        if task == TEXT2IMG:
+            return self.class_name
+        if task not in self.tasks:
+            raise MemfitError(f"{self.class_name} does not take {TASK_FLAGS.get(task, task)} yet.")
+        return self.tasks[task]
+
+    def task_denoise_components(self, task: str = TEXT2IMG) -> tuple[str, ...]:
+        """The denoise stage's components for ``task``: the VAE comes along where the pipeline encodes
+        an init image in its loop set-up (img2img, inpaint), a ControlNet where one steers every step."""
+        names = tuple(self.denoise_components)
+        if IMG2IMG in task or INPAINT in task:
+            names += ("vae",)
+        if task.startswith(CONTROLNET) and "controlnet" not in names:
+            names += ("controlnet",)
         return names
 
     @property
@@ -139,12 +210,56 @@ class PipelineAdapter:
 
     def call_kwargs(self, settings: Settings) -> dict[str, Any]:
         """The pipeline's __call__ arguments for these settings, embeddings and generator aside."""
-        return dict(num_inference_steps=settings.steps, guidance_scale=settings.guidance, height=settings.height,
-                    width=settings.width)
+        kwargs = dict(num_inference_steps=settings.steps, guidance_scale=settings.guidance, height=settings.height,
+                      width=settings.width)
+        if settings.task != TEXT2IMG:
+            if settings.strength is not None:
+                kwargs["strength"] = settings.strength
+            # img2img pipelines take the init image's size: they have no height/width to pass
+            taken = self.task_call_defaults(settings.task)
+            kwargs = {name: value for name, value in kwargs.items() if name in taken}
+        return kwargs
+
+    def task_call_defaults(self, task: str) -> dict[str, Any]:
+        """The defaults of ``task``'s pipeline __call__."""
+        import diffusers
+
+        signature = inspect.signature(getattr(diffusers, self.pipeline_class(task)).__call__)
+        return {name: p.default for name, p in signature.parameters.items()}
 
     def resolve(self, prompt, negative_prompt, steps, guidance, seed, width, height, defaults=None, *,
-                true_cfg_scale=None, num_frames=None) -> Settings:
+                true_cfg_scale=None, num_frames=None, conditioning: Conditioning | None = None,
+                strength=None) -> Settings:
         call_defaults = self.call_defaults()
+        conditioning = conditioning or Conditioning()
+        task = conditioning.task
+        task_defaults = self.task_call_defaults(task) if task != TEXT2IMG else call_defaults
+        if strength is not None and conditioning.image is None:
+            raise MemfitError("--strength only applies with --image IMG (img2img or inpaint); leave it out.")
+        if conditioning.mask_image is not None and conditioning.image is None:
+            raise MemfitError("--mask needs --image: the mask says which part of that image to repaint.")
+        if conditioning.control_image is not None and conditioning.controlnet is None and "controlnet" not in self.configs:
+            raise MemfitError("--control-image needs --controlnet DIR, a diffusers ControlNet model folder.")
+        if conditioning.controlnet is not None and conditioning.control_image is None:
+            raise MemfitError("--controlnet needs --control-image IMG, the image the ControlNet follows.")
+        if task != TEXT2IMG:
+            self.pipeline_class(task)  # refuses a task this family does not run
+            if conditioning.image is not None:
+                strength = float(strength if strength is not None else task_defaults["strength"])
+                if not 0 < strength <= 1:
+                    raise MemfitError(f"--strength must be in (0, 1], got {strength}.")
+            # Without --width/--height the output takes the input image's size, rounded down to
+            # what the pipeline's image processor takes; img2img pipelines only ever take it.
+            first = conditioning.image if conditioning.image is not None else conditioning.control_image
+            step = self.vae_scale_factor() if "height" not in task_defaults else self.size_multiple()
+            sized = (first.width // step * step, first.height // step * step)
+            if "height" not in task_defaults:
+                if (width is not None and width != sized[0]) or (height is not None and height != sized[1]):
+                    raise MemfitError(
+                        f"{self.pipeline_class(task)} draws at the size of --image ({sized[0]}x{sized[1]}); "
+                        "leave out --width/--height, or resize the image.")
+            width = sized[0] if width is None else width
+            height = sized[1] if height is None else height
         defaults = defaults or {}
         if not isinstance(prompt, str) or not prompt.strip():
             raise MemfitError("The prompt is empty: pass a description of the image, e.g. --prompt \"a red circle\".")
@@ -188,20 +303,28 @@ class PipelineAdapter:
             options.setdefault("num_frames", int(call_defaults["num_frames"]))
             if options["num_frames"] < 1:
                 raise MemfitError(f"num_frames must be at least 1, got {options['num_frames']}.")
-        return Settings(prompt, negative_prompt or None, steps, guidance, seed, width, height, **options)
+        if strength is not None and int(steps * strength) < 1:
+            # the pipelines run int(steps * strength) of the schedule's steps on the init image
+            raise MemfitError(f"--steps {steps} with --strength {strength} runs no denoising step "
+                              f"(int({steps} * {strength}) = 0); raise --steps or --strength.")
+        return Settings(prompt, negative_prompt or None, steps, guidance, int(seed), width, height, **options,
+                        task=task, strength=strength)
 
     # ---- stages ------------------------------------------------------------------------------
     def encode(self, pipe, settings: Settings, with_negative: bool) -> dict[str, torch.Tensor]:
         """Run the text encoders; returns the keyword arguments the denoise stage passes on."""
         raise NotImplementedError
 
-    def denoise(self, pipe, embeddings: dict[str, torch.Tensor], settings: Settings, generator, split: bool = False) -> torch.Tensor:
+    def denoise(self, pipe, embeddings: dict[str, torch.Tensor], settings: Settings, generator, split: bool = False,
+                inputs: dict[str, Any] | None = None) -> torch.Tensor:
         """Run the denoising loop with precomputed embeddings; returns the final latents.
 
         split: run the two guidance passes one after the other (only where splits_guidance).
         Families that batch [uncond, cond] into one call (splits_guidance) run the two passes
         apart whenever the embeddings' lengths differ, since the batch cannot hold both.
+        inputs: the task pipeline's image arguments (Conditioning.pipeline_inputs), passed as they are.
         """
+        inputs = inputs or {}
         if split and not self.splits_guidance:
             raise MemfitError(f"{self.class_name} cannot split its guidance passes; plan it without 'split'.")
         guided = self.guided(settings)
@@ -209,15 +332,22 @@ class PipelineAdapter:
         negative = embeddings.get("negative_prompt_embeds")
         if (self.splits_guidance and guided and negative is not None
                 and (split or negative.shape[1] != positive.shape[1])):
+            if getattr(pipe, "controlnet", None) is not None:
+                # The ControlNet sees the same batched embeddings; cutting them per pass is not done yet.
+                raise MemfitError(
+                    "A ControlNet run cannot split its guidance passes yet (positive and negative prompt embeddings "
+                    "of different lengths, or a budget too small for the batched pass); use prompts of one length "
+                    "(memfit encode shows them) or a larger --budget.")
             padded = self.pad_for_split(embeddings, max(positive.shape[1], negative.shape[1]))
             with self.split_passes(pipe, negative.shape[1], positive.shape[1]):
-                return self.denoise_call(pipe, padded, settings, generator)
-        return self.denoise_call(pipe, embeddings, settings, generator)
+                return self.denoise_call(pipe, padded, settings, generator, **inputs)
+        return self.denoise_call(pipe, embeddings, settings, generator, **inputs)
 
-    def denoise_call(self, pipe, embeddings: dict[str, torch.Tensor], settings: Settings, generator) -> torch.Tensor:
+    def denoise_call(self, pipe, embeddings: dict[str, torch.Tensor], settings: Settings, generator,
+                     **inputs) -> torch.Tensor:
         """The pipeline's own __call__ up to the final latents."""
         kwargs = self.embedding_kwargs(embeddings, self.guided(settings))
-        return pipe(**kwargs, **self.call_kwargs(settings), generator=generator, output_type="latent").images
+        return pipe(**kwargs, **self.call_kwargs(settings), **inputs, generator=generator, output_type="latent").images
 
     def pad_for_split(self, embeddings: dict[str, torch.Tensor], length: int) -> dict[str, torch.Tensor]:
         """The embeddings with both prompt embeddings padded to ``length``, so the pipeline's own

@@ -1,8 +1,9 @@
 """Any diffusers pipeline class without an adapter of its own: described from its folder alone.
 
 Components are known by the names diffusers gives them: text encoders and tokenizers
-(``text_encoder*``, ``tokenizer*``) run in the encode stage, the denoiser(s) (DENOISER_NAMES)
-with the scheduler in the denoise stage, the ``vae`` in the decode stage. Pipelines whose
+(``text_encoder*``, ``tokenizer*``) run in the encode stage, the denoiser(s) (DENOISER_NAMES) and a
+ControlNet (DENOISE_COMPANIONS) with the scheduler in the denoise stage, the ``vae`` in the decode
+stage. Pipelines whose
 ``__call__`` takes ``true_cfg_scale`` run the negative pass as a separate call, so their denoiser
 sees a batch of one; every other pipeline is taken to batch both guidance passes (the safe side
 for memory).
@@ -18,7 +19,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from memfit.models.families.base import DENOISER_NAMES, PipelineAdapter, Settings
+from memfit.errors import MemfitError
+from memfit.models.families.base import DENOISE_COMPANIONS, DENOISER_NAMES, PipelineAdapter, Settings
 
 # Prompts longer than this are rare; a long-context encoder (Gemma: 8192 positions) is planned at 512.
 _LONGEST_PLANNED_PROMPT = 512
@@ -35,7 +37,8 @@ class GenericAdapter(PipelineAdapter):
         names = list(classes)
         self.encode_components = tuple(n for n in names if n.startswith(("tokenizer", "text_encoder")))
         self.text_encoders = self.encode_components
-        self.denoise_components = (tuple(n for n in DENOISER_NAMES if n in names)
+        # A ControlNet (DENOISE_COMPANIONS) runs every step beside the denoiser: planned with it.
+        self.denoise_components = (tuple(n for n in DENOISER_NAMES + DENOISE_COMPANIONS if n in names)
                                    + tuple(n for n in names if n.startswith("scheduler")))
         self.decode_components = ("vae",) if "vae" in names else ()
         lengths = [min(int(configs[n].get("max_position_embeddings") or _LONGEST_PLANNED_PROMPT), _LONGEST_PLANNED_PROMPT)

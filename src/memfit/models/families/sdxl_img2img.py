@@ -27,6 +27,8 @@ class _ConfigOnly:
 
 class StableDiffusionXLImg2ImgAdapter(StableDiffusionXLAdapter):
     class_name = "StableDiffusionXLImg2ImgPipeline"
+    tasks = {}  # runs only as a refiner (memfit.run.refiner), which takes no --image, --mask or --lora yet
+    takes_lora = False
     # Components missing from a refiner folder (text_encoder, tokenizer) are skipped by the runner.
 
     def resolve(self, *args, **kwargs):

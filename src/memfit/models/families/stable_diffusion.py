@@ -48,6 +48,14 @@ class StableDiffusionAdapter(PipelineAdapter):
     text_encoders = ("text_encoder", "tokenizer")
     unequal_lengths = "split guidance passes (two UNet calls, each on its unpadded embeddings)"
     splits_guidance = True
+    tasks = {
+        "img2img": "StableDiffusionImg2ImgPipeline",
+        "inpaint": "StableDiffusionInpaintPipeline",
+        "controlnet": "StableDiffusionControlNetPipeline",
+        "controlnet_img2img": "StableDiffusionControlNetImg2ImgPipeline",
+        "controlnet_inpaint": "StableDiffusionControlNetInpaintPipeline",
+    }
+    takes_lora = True
 
     def uses_guidance(self, guidance: float) -> bool:
         return guidance > 1 and self.configs["unet"].get("time_cond_proj_dim") is None
@@ -79,6 +87,13 @@ class StableDiffusionXLAdapter(StableDiffusionAdapter):
     class_name = "StableDiffusionXLPipeline"
     encode_components = ("tokenizer", "tokenizer_2", "text_encoder", "text_encoder_2")
     text_encoders = ("text_encoder", "text_encoder_2", "tokenizer", "tokenizer_2")
+    tasks = {
+        "img2img": "StableDiffusionXLImg2ImgPipeline",
+        "inpaint": "StableDiffusionXLInpaintPipeline",
+        "controlnet": "StableDiffusionXLControlNetPipeline",
+        "controlnet_img2img": "StableDiffusionXLControlNetImg2ImgPipeline",
+        "controlnet_inpaint": "StableDiffusionXLControlNetInpaintPipeline",
+    }
 
     def encode(self, pipe, settings, with_negative):
         device = pipe._execution_device
