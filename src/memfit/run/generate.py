@@ -76,6 +76,8 @@ def generate(
     refiner_start: float | None = None,
     true_cfg_scale: float | None = None,
     num_frames: int | None = None,
+    sampler: str | None = None,
+    session=None,
 ) -> Generation:
     """Generate an image with a diffusers model folder, one stage resident at a time.
 
@@ -90,7 +92,11 @@ def generate(
     (memfit.compile.entry_points); a backend failure raises unless `fallback="eager"`, and the report says so.
     `refiner` (an SDXL refiner folder) runs diffusers' base + refiner workflow: the base stops at
     `refiner_start` (default 0.8) of the schedule and the refiner finishes (memfit.run.refiner).
+    `sampler` (an AUTOMATIC1111 sampler name, memfit.run.samplers) replaces the model's scheduler and
+    is recorded in the PNG. `session` (memfit.run.session.Session) keeps stages loaded between calls.
     """
+    if refiner is not None and (sampler is not None or session is not None):
+        raise MemfitError("--sampler and sessions do not combine with --refiner yet; leave them out.")
     if refiner is not None:
         from memfit.run.refiner import DEFAULT_REFINER_START, generate_with_refiner
 
@@ -122,7 +128,12 @@ def generate(
     if budget is not None:
         return_large_frees_to_os()  # freed activations leave RSS at once, so stages stay within plan
     runner = StageRunner(report=report, settings=settings, guided=guided, dtype=dtype, device=device, budget=budget,
-                         backend=backend, fallback=fallback, progress=progress)
+                         backend=backend, fallback=fallback, progress=progress,
+                         pool=getattr(session, "pool", None), on_step=getattr(session, "on_step", None))
+    if sampler is not None:  # refused before anything loads when it does not fit the model
+        from memfit.run.samplers import resolve_sampler
+
+        resolve_sampler(sampler, folder.components.get("scheduler", ("", ""))[1])
 
     stages = []
     if loaded is None:
@@ -144,6 +155,10 @@ def generate(
         return tensors
 
     generator = torch.Generator(device="cpu").manual_seed(settings.seed)
-    stages += [denoise_stage(folder, settings, prompt_embeddings, generator), decode_stage(folder, settings, generator)]
+    stages += [denoise_stage(folder, settings, prompt_embeddings, generator, sampler=sampler),
+               decode_stage(folder, settings, generator)]
     images = runner.run(stages)["decode"]
-    return Generation(images, settings, report, png_metadata(settings, folder, dtype))
+    metadata = png_metadata(settings, folder, dtype)
+    if sampler is not None:
+        metadata["sampler"] = sampler
+    return Generation(images, settings, report, metadata)

@@ -19,7 +19,8 @@ from memfit.models.families import Settings
 from memfit.models.folder import ModelFolder
 from memfit.run.runner import Stage, StageContext
 
-__all__ = ["Generation", "decode_stage", "denoise_stage", "encode_stage", "open_model", "png_metadata", "save_png"]
+__all__ = ["Generation", "decode_stage", "denoise_stage", "encode_stage", "open_model", "png_bytes", "png_metadata",
+           "save_png"]
 
 
 def open_model(model: str | Path | ModelFolder | None) -> ModelFolder:
@@ -80,18 +81,21 @@ def encode_stage(folders: list[tuple[str, ModelFolder]], settings: Settings, wit
 
 
 def denoise_stage(folder: ModelFolder, settings: Settings, embeddings: Callable[[dict], dict], generator, *,
-                  name: str = "denoise", run: Callable | None = None, label: str = "") -> Stage:
+                  name: str = "denoise", run: Callable | None = None, label: str = "", sampler: str | None = None) -> Stage:
     """The denoiser's loop on the embeddings ``embeddings(results)`` picks; returns the latents.
 
     ``run(adapter, pipe, embeddings, results, split)`` replaces the adapter's own denoise call
-    (the refiner's hand-over uses it).
+    (the refiner's hand-over uses it). ``sampler`` (an AUTOMATIC1111 name, memfit.run.samplers)
+    replaces the model's own scheduler for this run.
     """
 
     def work(context: StageContext, results: dict[str, Any]) -> torch.Tensor:
+        from memfit.run.samplers import sampler_scheduler
+
         adapter = folder.adapter
         pipe = context.load(folder, adapter.denoise_components, plan_as="denoise", label=label)
         split = context.strategy == "split"
-        with torch.inference_mode():
+        with torch.inference_mode(), sampler_scheduler(pipe, sampler):
             if run is None:
                 latents = adapter.denoise(pipe, embeddings(results), settings, generator, split=split)
             else:
@@ -127,12 +131,25 @@ class Generation:
 
 def save_png(image, path: str | Path, metadata: dict[str, str]) -> Path:
     """Write a PNG with text metadata atomically: no partial file is ever left at `path`."""
+    return write_atomically(path, lambda tmp: image.save(tmp, format="PNG", pnginfo=png_info(metadata)))
+
+
+def png_bytes(image, metadata: dict[str, str]) -> bytes:
+    """The bytes save_png writes for ``image`` and ``metadata``."""
+    import io
+
+    buffer = io.BytesIO()
+    image.save(buffer, format="PNG", pnginfo=png_info(metadata))
+    return buffer.getvalue()
+
+
+def png_info(metadata: dict[str, str]):
     from PIL.PngImagePlugin import PngInfo
 
     info = PngInfo()
     for key, value in metadata.items():
         info.add_text(key, str(value))
-    return write_atomically(path, lambda tmp: image.save(tmp, format="PNG", pnginfo=info))
+    return info
 
 
 def png_metadata(settings: Settings, folder: ModelFolder, dtype: str) -> dict[str, str]:
