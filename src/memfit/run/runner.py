@@ -119,6 +119,8 @@ class StageContext:
             pipe.register_modules(**shared)  # objects loaded (and compiled) once for the whole run
         if runner.on_step is not None:
             watch_steps(pipe, self.stage, runner.on_step)
+        else:
+            vars(pipe).pop("progress_bar", None)  # a warm pipe's watch from an earlier run
         pipe.set_progress_bar_config(disable=not runner.progress, desc=self.stage, leave=False)
         self.components += [label + name for name in to_load]
         self._loaded.append((pipe, to_load, key))
