@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import ipaddress
+import signal
 
 from memfit.errors import MemfitError
 
@@ -70,6 +71,12 @@ def _serve(args) -> int:
             # then uvicorn closes the connections and the app's shutdown ends the worker.
             app.state.queue.close()
             super().handle_exit(sig, frame)
+            if sig == signal.SIGTERM:
+                # uvicorn re-raises the signals it caught once it has shut down, so the process would
+                # die by SIGTERM after draining; a drained server exits with status 0 instead.
+                captured = getattr(self, "_captured_signals", None)
+                if isinstance(captured, list):
+                    captured[:] = [s for s in captured if s != signal.SIGTERM]
 
     print(f"memfit serve: {session.folder.path} ({session.folder.class_name}) on http://{args.host}:{args.port}/",
           flush=True)

@@ -207,6 +207,7 @@ def create_app(session: Session, *, limits: Limits = Limits(), auth: str | None 
         if job is None:
             raise HTTPException(404, f"No job {job_id!r}: the server keeps the last {queue.keep_finished} jobs.")
         return {"job": job.id, "state": job.state, "error": job.error, "images": len(job.images),
+                "created_at": job.created, "started_at": job.started, "finished_at": job.finished,
                 "queued_seconds": None if job.started is None else round(job.started - job.created, 3),
                 "seconds": None if job.finished is None or job.started is None else round(job.finished - job.started, 3),
                 "runs": job.reports, "warm": session.warm_state()}
