@@ -71,3 +71,15 @@ def test_the_pool_lets_go_when_kept_stages_would_make_a_stage_stream(tmp_path):
     assert "warm" not in notes(second).values()
     plain = memfit.generate("a green circle", model=model, seed=2, progress=False, **ARGS)
     assert list(second.images[0].getdata()) == list(plain.images[0].getdata())
+
+
+def test_a_sampler_without_an_equivalent_is_refused_before_anything_loads(tiny_models):
+    from memfit.errors import MemfitError
+    from memfit.run.samplers import resolve_sampler, sampler_names
+
+    with pytest.raises(MemfitError, match="no diffusers equivalent; use one of: Euler, Euler a"):
+        memfit.generate("a red circle", model=tiny_models("sd"), sampler="DPM fast", progress=False, **ARGS)
+    assert sampler_names("FlowMatchEulerDiscreteScheduler") == ["Euler"]
+    with pytest.raises(MemfitError, match="does not fit this model's FlowMatchEulerDiscreteScheduler"):
+        resolve_sampler("DDIM", "FlowMatchEulerDiscreteScheduler")
+    assert resolve_sampler("DPM++ 2M Karras", "PNDMScheduler") == ("DPMSolverMultistepScheduler", {"use_karras_sigmas": True})
