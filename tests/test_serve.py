@@ -258,3 +258,15 @@ def test_import_memfit_does_not_import_the_server():
     code = "import sys, memfit, memfit.run.session; print(','.join(m for m in ('fastapi', 'uvicorn', 'starlette') if m in sys.modules))"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.strip()
     assert out == "", f"`import memfit` imported {out}"
+
+
+def test_a_request_the_budget_cannot_fit_gets_422_with_what_works(served):
+    from memfit.run.memory import current_rss
+
+    _, session, model = served
+    tight = Session(model, budget=current_rss() + 8 * 2**20)  # below the denoiser's activations
+    with TestClient(create_app(tight)) as client:
+        response = client.post("/sdapi/v1/txt2img", json={**BASE, "seed": 1})
+        assert response.status_code == 422, response.text
+        assert "smallest device budget that works" in response.json()["detail"]
+        assert client.get("/sdapi/v1/progress").json()["state"]["job_count"] == 0  # the queue is free
