@@ -93,7 +93,7 @@ def _generate(args) -> int:
         refiner_start=args.refiner_start,
         true_cfg_scale=args.true_cfg,
         num_frames=args.frames,
-        **({"sampler": args.sampler} if args.sampler is not None else {}),
+        sampler=args.sampler,
     )
     result.save(out)
     if args.report:
