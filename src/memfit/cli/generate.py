@@ -32,6 +32,8 @@ def register(commands: argparse._SubParsersAction) -> None:
     gen.add_argument("--true-cfg", type=float, help="true classifier-free guidance scale, for pipelines that take "
                      "true_cfg_scale (Flux, QwenImage, Chroma); needs --negative-prompt")
     gen.add_argument("--frames", type=int, help="frames to generate, for video pipelines (num_frames: Wan)")
+    gen.add_argument("--sampler", help="sample with this AUTOMATIC1111 sampler instead of the model's scheduler, "
+                     "e.g. \"Euler a\", \"DPM++ 2M Karras\", DDIM (recorded in the PNG)")
     gen.add_argument("--seed", type=int, default=0)
     gen.add_argument("--width", type=int)
     gen.add_argument("--height", type=int)
@@ -145,6 +147,7 @@ def _generate(args) -> int:
         control_image=args.control_image,
         controlnet=args.controlnet,
         loras=args.lora,
+        sampler=args.sampler,
     )
     result.save(out, frames_per_second=args.fps)
     if args.report:

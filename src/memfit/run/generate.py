@@ -91,6 +91,8 @@ def generate(
     control_image=None,
     controlnet: str | Path | None = None,
     loras=(),
+    sampler: str | None = None,
+    session=None,
 ) -> Generation:
     """Generate an image with a diffusers model folder, one stage resident at a time.
 
@@ -112,6 +114,9 @@ def generate(
     folder has its own) steers every step, the ControlNet loaded and planned in the denoise stage.
     `loras` are LoRA files, each a path, "PATH:SCALE" or (path, scale), loaded unfused with diffusers'
     load_lora_weights into the text encoders and the denoiser.
+
+    `sampler` (an AUTOMATIC1111 sampler name, memfit.run.samplers) replaces the model's scheduler and
+    is recorded in the PNG. `session` (memfit.run.session.Session) keeps stages loaded between calls.
     """
     quiet_libraries()
     conditioning = Conditioning(
@@ -120,6 +125,8 @@ def generate(
         controlnet=None if controlnet is None else str(Path(controlnet).expanduser()), loras=check_loras(loras))
     if refiner is not None and conditioning != Conditioning():
         raise MemfitError("--refiner cannot be combined with --image, --mask, --control-image or --lora yet.")
+    if refiner is not None and (sampler is not None or session is not None):
+        raise MemfitError("--sampler and sessions do not combine with --refiner yet; leave them out.")
     if refiner is not None:
         from memfit.run.refiner import DEFAULT_REFINER_START, generate_with_refiner
 
@@ -157,10 +164,17 @@ def generate(
         check_budget_floor(folder, settings, dtype, budget, device)
         return_large_frees_to_os()  # freed activations leave RSS at once, so stages stay within plan
     runner = StageRunner(report=report, settings=settings, guided=guided, dtype=dtype, device=device, budget=budget,
-                         backend=backend, fallback=fallback, progress=progress)
+                         backend=backend, fallback=fallback, progress=progress,
+                         pool=getattr(session, "pool", None), on_step=getattr(session, "on_step", None))
+    if sampler is not None:  # refused before anything loads when it does not fit the model
+        from memfit.run.samplers import resolve_sampler
+
+        resolve_sampler(sampler, folder.components.get("scheduler", ("", ""))[1])
 
     generator = torch.Generator(device="cpu").manual_seed(settings.seed)
     if not adapter.staged:
+        if sampler is not None:
+            raise MemfitError(_not_staged(folder, "replace the scheduler (--sampler)", "Leave --sampler out."))
         return run_result(runner.run([pipeline_stage(folder, settings, generator)])["pipeline"], settings, report,
                           folder, dtype)
     stages = []
@@ -183,9 +197,12 @@ def generate(
                 )
         return tensors
 
-    stages += [denoise_stage(folder, settings, prompt_embeddings, generator, conditioning=conditioning),
+    stages += [denoise_stage(folder, settings, prompt_embeddings, generator, conditioning=conditioning, sampler=sampler),
                decode_stage(folder, settings, generator)]
-    return run_result(runner.run(stages)["decode"], settings, report, folder, dtype)
+    result = run_result(runner.run(stages)["decode"], settings, report, folder, dtype)
+    if sampler is not None:
+        result.metadata["sampler"] = sampler
+    return result
 
 
 def check_conditioning(adapter, conditioning: Conditioning, from_embeddings: bool) -> None:
@@ -227,7 +244,7 @@ def _open_image(value, flag: str, mode: str | None):
     return image
 
 
-def _not_staged(folder, what: str) -> str:
-    return (f"memfit cannot {what} for {folder.class_name} ({folder.path}): memfit runs it through the pipeline's "
-            f"own __call__, which encodes the prompt itself. Pass --prompt instead. Staged families: "
+def _not_staged(folder, what: str, instead: str = "Pass --prompt instead.") -> str:
+    return (f"memfit cannot {what} for {folder.class_name} ({folder.path}): it has no adapter, so memfit runs the "
+            f"pipeline's own __call__, which encodes the prompt itself. {instead} Families with an adapter: "
             f"{', '.join(sorted(ADAPTERS))}.")

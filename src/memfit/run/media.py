@@ -14,7 +14,7 @@ from pathlib import Path
 from memfit.atomic import write_atomically
 from memfit.errors import MemfitError
 
-__all__ = ["IMAGE_SUFFIXES", "VIDEO_SUFFIXES", "check_video_writer", "save_png", "save_video"]
+__all__ = ["IMAGE_SUFFIXES", "VIDEO_SUFFIXES", "check_video_writer", "png_bytes", "save_png", "save_video"]
 
 IMAGE_SUFFIXES = (".png",)
 VIDEO_SUFFIXES = (".mp4", ".webp", ".gif")
@@ -22,12 +22,25 @@ VIDEO_SUFFIXES = (".mp4", ".webp", ".gif")
 
 def save_png(image, path: str | Path, metadata: dict[str, str]) -> Path:
     """Write a PNG with the run's settings as text chunks."""
+    return write_atomically(path, lambda tmp: image.save(tmp, format="PNG", pnginfo=_png_info(metadata)))
+
+
+def png_bytes(image, metadata: dict[str, str]) -> bytes:
+    """The bytes save_png writes for ``image`` and ``metadata``."""
+    import io
+
+    buffer = io.BytesIO()
+    image.save(buffer, format="PNG", pnginfo=_png_info(metadata))
+    return buffer.getvalue()
+
+
+def _png_info(metadata: dict[str, str]):
     from PIL.PngImagePlugin import PngInfo
 
     info = PngInfo()
     for key, value in metadata.items():
         info.add_text(key, str(value))
-    return write_atomically(path, lambda tmp: image.save(tmp, format="PNG", pnginfo=info))
+    return info
 
 
 def check_video_writer(path: str | Path) -> None:

@@ -145,7 +145,8 @@ class StageContext:
         self.note = ""
         self.components: list[str] = []
         self.compiled: list = []
-        self._loaded: list[tuple[Any, list[str]]] = []
+        self.streamed_bytes = 0  # weights the stage's plan left off the device (streamed)
+        self._loaded: list[tuple[Any, list[str], tuple]] = []
 
     def load(self, folder: ModelFolder, names, *, plan_as: str | None = None, shared: Mapping[str, Any] | None = None,
              label: str = "", pipeline_class: str | None = None, external: Mapping[str, Any] | None = None,
@@ -166,6 +167,37 @@ class StageContext:
         external = dict(external or {})
         present = [name for name in names if name in folder.components or name in external]
         to_load = [name for name in present if name not in shared]
+        key = (str(folder.path), tuple(to_load), tuple(sorted(shared)), plan_as or self.stage, label)
+        pool = runner.pool
+        pipe = pool.take(key) if pool is not None else None
+        if pipe is not None:
+            self.note = "warm" if not self.note else f"{self.note}, warm"
+        else:
+            pipe = self._load_fitted(folder, to_load, shared, plan_as)
+            if pool is not None and self.streamed_bytes and pool.holds_any():
+                # Warm stages took the room this one needed: give it back and plan this stage as a
+                # one-shot run would; from now on the pool keeps nothing (WarmPool.give_up).
+                pool.give_up(f"{self.stage} streams {format_bytes(self.streamed_bytes)} of weights with the other "
+                             "stages kept loaded")
+                del pipe
+                release_freed_memory()
+                self.streamed_bytes = 0
+                pipe = self._load_fitted(folder, to_load, shared, plan_as)
+            elif pool is not None and self.streamed_bytes:
+                pool.give_up(f"{self.stage} streams {format_bytes(self.streamed_bytes)} of weights even alone")
+        if shared:
+            pipe.register_modules(**shared)  # objects loaded (and compiled) once for the whole run
+        if runner.on_step is not None:
+            watch_steps(pipe, self.stage, runner.on_step)
+        else:
+            vars(pipe).pop("progress_bar", None)  # a warm pipe's watch from an earlier run
+        pipe.set_progress_bar_config(disable=not runner.progress, desc=self.stage, leave=False)
+        self.components += [label + name for name in to_load]
+        self._loaded.append((pipe, to_load, key))
+        return pipe
+
+    def _load_fitted(self, folder: ModelFolder, to_load: list[str], shared: dict, plan_as: str | None):
+        runner = self.runner
         already_used = memory_in_use(runner.device)
         task_options = {key: value for key, value in (("pipeline_class", pipeline_class), ("external", external))
                         if value}  # only where a task needs them: text to image loads as before
@@ -178,11 +210,8 @@ class StageContext:
         if runner.budget is not None and _has_weights(pipe, to_load):
             self._fit(pipe, folder, plan_as or self.stage, already_used)
         if shared:
-            pipe.register_modules(**shared)  # objects loaded (and compiled) once for the whole run
+            pipe.register_modules(**shared)
         compile_stage(pipe, folder.path, runner.backend, runner.fallback, self.compiled, folder.component_fingerprint)
-        pipe.set_progress_bar_config(disable=not runner.progress, desc=self.stage, leave=False)
-        self.components += [label + name for name in to_load]
-        self._loaded.append((pipe, to_load))
         return pipe
 
     def _fit(self, pipe, folder: ModelFolder, plan_as: str, already_used: int) -> None:
@@ -219,6 +248,7 @@ class StageContext:
                 "on disk, outside the plan"
             )
         stage_plan = plan.stages[0]
+        self.streamed_bytes += stage_plan.streamed_from_host_bytes + stage_plan.streamed_from_disk_bytes
         # The plan fits the read-ahead into the budget (a cgroup cap charges the page cache), but read in
         # place it is mapped into this process only once its block runs: the predicted peak RSS leaves it out.
         read_ahead = stage_plan.stream_window_bytes - stage_plan.largest_streamed_bytes if reads_in_place(pipe) else 0
@@ -241,8 +271,12 @@ class StageContext:
             )
 
     def _release(self) -> int:
-        """Drop every pipeline this stage loaded; returns the weight bytes they held."""
-        weights = sum(resident_bytes(pipe, names) for pipe, names in self._loaded)
+        """Drop every pipeline this stage loaded (or hand it to the runner's pool, which may keep it
+        loaded for the next run); returns the weight bytes they held."""
+        weights = sum(resident_bytes(pipe, names) for pipe, names, _ in self._loaded)
+        if self.runner.pool is not None:
+            for pipe, _, key in self._loaded:
+                self.runner.pool.keep(key, pipe)
         self._loaded.clear()
         return weights
 
@@ -251,7 +285,8 @@ class StageRunner:
     """Carries out a list of stages with one set of run options; every stage lands in ``report``."""
 
     def __init__(self, *, report: RunReport, settings: Settings, guided: bool, dtype: str, device: torch.device,
-                 budget=None, backend=None, fallback: str | None = None, progress: bool = True):
+                 budget=None, backend=None, fallback: str | None = None, progress: bool = True,
+                 pool=None, on_step: Callable[[str, int, int], None] | None = None):
         self.report = report
         self.settings = settings
         self.guided = guided
@@ -262,6 +297,11 @@ class StageRunner:
         self.backend = backend
         self.fallback = fallback
         self.progress = progress
+        # A long-running caller (memfit.run.session) passes a pool that keeps stage pipelines loaded
+        # between runs (take/keep/holds_any/give_up), and on_step(stage, done, total), called as the
+        # pipeline's own progress bar advances (it may raise to stop the run).
+        self.pool = pool
+        self.on_step = on_step
 
     def run(self, stages: list[Stage]) -> dict[str, Any]:
         """Run ``stages`` in order; returns each stage's result by name."""
@@ -279,7 +319,7 @@ class StageRunner:
                 result = stage.work(context, results)
                 weights = context._release()
             finally:
-                context._loaded.clear()
+                context._release()  # after a failure too: a pool keeps pipes that a stopped run left intact
                 release_freed_memory()  # the stage's pipelines are gone once its work returns
                 if self.device.type == "cuda":
                     torch.cuda.empty_cache()  # the next stage's weights need the blocks this one cached
@@ -290,6 +330,47 @@ class StageRunner:
         ))
         report_records(self.report, context.compiled)
         return result
+
+
+def watch_steps(pipe, stage: str, on_step: Callable[[str, int, int], None]) -> None:
+    """Make ``pipe``'s own progress bar (every diffusers pipeline's denoising loop advances one) also
+    call ``on_step(stage, steps done, total)``: progress reports and interrupts need no adapter code."""
+    bar_of_class = type(pipe).progress_bar
+
+    def progress_bar(iterable=None, total=None):
+        bar = bar_of_class(pipe, iterable=iterable, total=total)
+        return StepWatch(bar, stage, total if total is not None else len(iterable), on_step)
+
+    pipe.progress_bar = progress_bar
+
+
+class StepWatch:
+    """A tqdm bar that also reports each update to ``on_step``."""
+
+    def __init__(self, bar, stage: str, total: int, on_step):
+        self.bar, self.stage, self.total, self.on_step, self.done = bar, stage, total, on_step, 0
+        on_step(stage, 0, total)
+
+    def __enter__(self):
+        self.bar.__enter__()
+        return self
+
+    def __exit__(self, *exc):
+        return self.bar.__exit__(*exc)
+
+    def update(self, n: int = 1):
+        self.bar.update(n)
+        self.done += n
+        self.on_step(self.stage, self.done, self.total)
+
+    def __iter__(self):
+        for item in self.bar:
+            yield item
+            self.done += 1
+            self.on_step(self.stage, self.done, self.total)
+
+    def __getattr__(self, name):
+        return getattr(self.bar, name)
 
 
 def _has_weights(pipe, names) -> bool:

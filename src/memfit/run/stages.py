@@ -159,17 +159,20 @@ def encode_stage(folders: list[tuple[str, ModelFolder]], settings: Settings, wit
 
 def denoise_stage(folder: ModelFolder, settings: Settings, embeddings: Callable[[dict], dict], generator, *,
                   name: str = "denoise", run: Callable | None = None, label: str = "",
-                  conditioning: Conditioning | None = None) -> Stage:
+                  conditioning: Conditioning | None = None, sampler: str | None = None) -> Stage:
     """The denoiser's loop on the embeddings ``embeddings(results)`` picks; returns the latents.
 
     ``run(adapter, pipe, embeddings, results, split)`` replaces the adapter's own denoise call
     (the refiner's hand-over uses it). ``conditioning`` (images, a ControlNet, LoRAs) runs the
     family's pipeline for its task (img2img, inpaint, ControlNet) with the VAE's encoder and the
-    ControlNet loaded and planned in this stage, since they run in it.
+    ControlNet loaded and planned in this stage, since they run in it. ``sampler`` (an
+    AUTOMATIC1111 name, memfit.run.samplers) replaces the model's own scheduler for this run.
     """
     conditioning = conditioning or Conditioning()
 
     def work(context: StageContext, results: dict[str, Any]) -> torch.Tensor:
+        from memfit.run.samplers import sampler_scheduler
+
         adapter = folder.adapter
         task = settings.task
         external = {"controlnet": Path(conditioning.controlnet)} if conditioning.controlnet else None
@@ -177,7 +180,7 @@ def denoise_stage(folder: ModelFolder, settings: Settings, embeddings: Callable[
                             pipeline_class=adapter.pipeline_class(task), external=external, loras=conditioning.loras)
         split = context.strategy == "split"
         inputs = conditioning.pipeline_inputs()
-        with torch.inference_mode():
+        with torch.inference_mode(), sampler_scheduler(pipe, sampler):
             if run is None:
                 extra = {"inputs": inputs} if inputs else {}
                 latents = adapter.denoise(pipe, embeddings(results), settings, generator, split=split, **extra)

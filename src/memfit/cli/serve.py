@@ -1,0 +1,85 @@
+"""``memfit serve``: the AUTOMATIC1111-compatible HTTP API and web page (memfit.serve) on uvicorn.
+
+FastAPI and uvicorn come with the optional extra ``memfit[serve]``; they are imported only when
+this command runs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ipaddress
+import signal
+
+from memfit.errors import MemfitError
+
+__all__ = ["register"]
+
+
+def register(commands: argparse._SubParsersAction) -> None:
+    """Add the ``serve`` subcommand."""
+    srv = commands.add_parser("serve", help="serve an AUTOMATIC1111-compatible HTTP API and a web page, model kept warm")
+    srv.add_argument("--model", help="diffusers model folder (default: memfit's built-in demo model)")
+    srv.add_argument("--dtype", choices=("fp32", "bf16", "fp16"), default="fp32", help="run dtype (default fp32)")
+    srv.add_argument("--device", help="torch device, e.g. cpu or cuda:0 (default: cuda if available)")
+    srv.add_argument("--budget", help="memory budget for each stage, as for generate; stages stay loaded between "
+                     "requests only while all of them fit it together")
+    srv.add_argument("--backend", help="compile with a backend, as for generate")
+    srv.add_argument("--fallback", choices=("eager",), help="if a backend fails on a component, run it eagerly")
+    srv.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1; any other needs --api-auth)")
+    srv.add_argument("--port", type=int, default=7861, help="port (default 7861)")
+    srv.add_argument("--api-auth", metavar="USER:PASSWORD", help="require HTTP basic auth (as AUTOMATIC1111's --api-auth)")
+    srv.add_argument("--max-steps", type=int, default=150, help="most denoising steps a request may ask for (150)")
+    srv.add_argument("--max-pixels", type=int, default=2048 * 2048, help="most width*height a request may ask for")
+    srv.add_argument("--max-images", type=int, default=8, help="most images (batch_size*n_iter) per request (8)")
+    srv.add_argument("--no-warm", action="store_true", help="release every stage after each request, as generate does")
+    srv.set_defaults(func=_serve)
+
+
+def check_bind(host: str, auth: str | None) -> None:
+    """Refuse to serve beyond this machine without a password, and a malformed --api-auth."""
+    if auth is not None and (":" not in auth or not auth.split(":", 1)[0] or not auth.split(":", 1)[1]):
+        raise MemfitError("--api-auth takes USER:PASSWORD, both non-empty.")
+    try:
+        loopback = host == "localhost" or ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        loopback = False
+    if not loopback and auth is None:
+        raise MemfitError(f"--host {host} lets other machines reach the server; add --api-auth USER:PASSWORD, "
+                          "or bind 127.0.0.1.")
+
+
+def _serve(args) -> int:
+    check_bind(args.host, args.api_auth)
+    try:
+        import uvicorn
+
+        from memfit.serve import Limits, create_app
+    except ImportError as exc:
+        raise MemfitError(f"memfit serve needs its optional dependencies ({exc.name} is missing): "
+                          "pip install 'memfit[serve]'.") from exc
+    from memfit.compile.entry_points import parse_backend_arg
+    from memfit.run.session import Session
+
+    session = Session(args.model, dtype=args.dtype, device=args.device, budget=args.budget,
+                      backend=parse_backend_arg(args.backend) if args.backend else None, fallback=args.fallback,
+                      warm=not args.no_warm)
+    app = create_app(session, limits=Limits(args.max_steps, args.max_pixels, args.max_images), auth=args.api_auth)
+
+    class Server(uvicorn.Server):
+        def handle_exit(self, sig, frame):
+            # SIGTERM / Ctrl-C: waiting requests are answered (503) at once, the running one finishes,
+            # then uvicorn closes the connections and the app's shutdown ends the worker.
+            app.state.queue.close()
+            super().handle_exit(sig, frame)
+            if sig == signal.SIGTERM:
+                # uvicorn re-raises the signals it caught once it has shut down, so the process would
+                # die by SIGTERM after draining; a drained server exits with status 0 instead.
+                captured = getattr(self, "_captured_signals", None)
+                if isinstance(captured, list):
+                    captured[:] = [s for s in captured if s != signal.SIGTERM]
+
+    print(f"memfit serve: {session.folder.path} ({session.folder.class_name}) on http://{args.host}:{args.port}/",
+          flush=True)
+    Server(uvicorn.Config(app, host=args.host, port=args.port, log_level="warning")).run()
+    session.close()
+    return 0

@@ -1,0 +1,116 @@
+"""A session: one model folder and one set of run options, generating image after image with the
+stages kept loaded (fitted and compiled) between runs while the budget allows it.
+
+memfit.generate loads, fits, runs and releases each stage per call. A session runs the very same
+stages through the same runner (memfit.run.generate with ``session=``); the only difference is the
+runner's pool (WarmPool): a stage hands its fitted pipeline to the pool instead of dropping it, and
+the next run's stage takes it back instead of loading, planning and compiling again. The images
+are the same as memfit.generate's, bit for bit (tests/test_serve.py holds the server to that).
+
+The rule that keeps a session inside the budget: a stage's plan is made with the memory the process
+holds at the time, warm stages included, so nothing is ever planned past the budget. Stages are
+kept warm only while every stage fits fully resident that way; the first stage that would have to
+stream weights because others are kept makes the pool release them and plan that stage as a one-shot
+run would, and from then on the session runs like memfit.generate (releasing every stage), which
+the pool's ``gave_up`` says and the session's ``warm_state`` reports.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from memfit.run.generate import generate
+from memfit.run.memory import release_freed_memory
+from memfit.run.runner import default_device, resident_bytes
+from memfit.run.stages import Generation, open_model
+
+__all__ = ["Interrupted", "Session", "WarmPool"]
+
+
+class Interrupted(Exception):
+    """A run stopped between two denoising steps because its caller asked (Session.generate's on_step)."""
+
+
+class WarmPool:
+    """Stage pipelines kept loaded between runs, by what the stage loads (folder, components, plan)."""
+
+    def __init__(self) -> None:
+        self._pipes: dict[tuple, Any] = {}
+        self.gave_up = ""  # why the pool stopped keeping stages (empty while it keeps them)
+
+    def take(self, key: tuple):
+        """The kept pipeline for ``key`` (removed from the pool until the stage hands it back), or None."""
+        return self._pipes.pop(key, None)
+
+    def keep(self, key: tuple, pipe) -> None:
+        if not self.gave_up:
+            self._pipes[key] = pipe
+
+    def holds_any(self) -> bool:
+        return bool(self._pipes)
+
+    def give_up(self, reason: str) -> None:
+        """Release every kept pipeline and keep none from now on."""
+        self.gave_up = reason
+        self.clear()
+
+    def clear(self) -> None:
+        self._pipes.clear()
+        release_freed_memory()
+
+    def components(self) -> list[str]:
+        """The components kept loaded, as stage:component."""
+        return [f"{key[3]}:{key[4]}{name}" for key in self._pipes for name in key[1]]
+
+    def weights_bytes(self) -> int:
+        return sum(resident_bytes(pipe, key[1]) for key, pipe in self._pipes.items())
+
+
+class Session:
+    """Generate with one model and one set of run options, the stages kept warm between calls.
+
+    One run at a time (a lock): memory is the constraint, so runs never overlap. ``warm=False``
+    releases every stage after each run, as memfit.generate does.
+    """
+
+    def __init__(self, model: str | Path | None = None, *, dtype: str = "fp32", device: str | torch.device | None = None,
+                 budget=None, backend=None, fallback: str | None = None, warm: bool = True):
+        self.folder = open_model(model)
+        self.dtype = dtype
+        self.device = torch.device(device) if device is not None else default_device()
+        self.budget = budget
+        self.backend = backend
+        self.fallback = fallback
+        self.pool = WarmPool() if warm else None
+        self.on_step: Callable[[str, int, int], None] | None = None
+        self._lock = threading.Lock()
+
+    def generate(self, prompt: str, *, on_step: Callable[[str, int, int], None] | None = None, **settings) -> Generation:
+        """memfit.generate for this session's model and options; ``settings`` are its keyword arguments
+        (negative_prompt, steps, guidance, seed, width, height, sampler, ...). ``on_step(stage, done,
+        total)`` is called as the denoising loop advances; raising Interrupted from it stops the run."""
+        with self._lock:
+            self.on_step = on_step
+            try:
+                return generate(prompt, model=self.folder, dtype=self.dtype, device=self.device, budget=self.budget,
+                                backend=self.backend, fallback=self.fallback, progress=False, session=self, **settings)
+            finally:
+                self.on_step = None
+
+    def warm_state(self) -> dict[str, Any]:
+        """What is kept loaded, for reports: components, their weight bytes, and why not, where not."""
+        if self.pool is None:
+            return {"warm": False, "components": [], "weights_bytes": 0, "reason": "warm=False"}
+        return {"warm": not self.pool.gave_up, "components": self.pool.components(),
+                "weights_bytes": self.pool.weights_bytes(), "reason": self.pool.gave_up}
+
+    def close(self) -> None:
+        """Release every kept stage."""
+        with self._lock:
+            if self.pool is not None:
+                self.pool.clear()

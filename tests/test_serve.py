@@ -1,0 +1,272 @@
+"""memfit serve: the A1111-compatible API over a warm Session, on a tiny pipeline (no network).
+
+Every image must equal, byte for byte (PNG metadata included), what `memfit generate` writes for
+the same inputs; refusals are 422s that say what to do; the queue is FIFO and a cancelled or
+interrupted job frees it.
+"""
+
+import base64
+import io
+import json
+import subprocess
+import sys
+import threading
+import time
+
+import pytest
+from fastapi.testclient import TestClient
+from PIL import Image
+
+from memfit.cli.app import main
+from memfit.errors import MemfitError
+from memfit.run.session import Session
+from memfit.serve import Limits, create_app
+from memfit.serve.jobs import Job, JobQueue
+
+BASE = {"prompt": "a red circle", "negative_prompt": "blurry", "steps": 2, "cfg_scale": 3.5, "width": 32, "height": 32}
+
+
+@pytest.fixture(scope="module")
+def served(tmp_path_factory):
+    """(client, session, model folder) for a tiny SD pipeline, one server for the module."""
+    from memfit.testing import save_pipeline
+
+    model = str(save_pipeline("sd", tmp_path_factory.mktemp("serve") / "sd", seed=0))
+    session = Session(model)
+    with TestClient(create_app(session, limits=Limits(max_steps=40, max_pixels=64 * 64, max_images=4))) as client:
+        yield client, session, model
+
+
+def generated_png(model, tmp_path, *args):
+    out = tmp_path / "cli.png"
+    assert main(["generate", "--model", model, "--quiet", "--out", str(out), *args]) == 0
+    return out.read_bytes()
+
+
+def cli_args(seed, **fields):
+    body = {**BASE, **fields}
+    return ["--prompt", body["prompt"], "--negative-prompt", body["negative_prompt"], "--steps", str(body["steps"]),
+            "--guidance", str(body["cfg_scale"]), "--width", str(body["width"]), "--height", str(body["height"]),
+            "--seed", str(seed)]
+
+
+def test_txt2img_bytes_equal_memfit_generate_and_stay_equal_when_warm(served, tmp_path):
+    client, session, model = served
+    first = client.post("/sdapi/v1/txt2img", json={**BASE, "seed": 7})
+    assert first.status_code == 200, first.text
+    # batch_size 2: seeds 8 and 9 (A1111's seed + index), both served by the stages kept warm
+    second = client.post("/sdapi/v1/txt2img", json={**BASE, "seed": 8, "batch_size": 2})
+    assert second.status_code == 200, second.text
+    body = second.json()
+    info = json.loads(body["info"])
+    assert info["all_seeds"] == [8, 9] and info["seed"] == 8 and len(body["images"]) == 2
+    assert body["parameters"]["seed"] == 8 and body["parameters"]["cfg_scale"] == 3.5
+    assert base64.b64decode(first.json()["images"][0]) == generated_png(model, tmp_path, *cli_args(7))
+    assert base64.b64decode(body["images"][1]) == generated_png(model, tmp_path, *cli_args(9))
+    assert Image.open(io.BytesIO(base64.b64decode(body["images"][1]))).text["seed"] == "9"
+    report = client.get(info["memfit"]["report"]).json()
+    assert report["state"] == "done" and len(report["runs"]) == 2
+    notes = [{stage["stage"]: stage["note"] for stage in run["stages"]} for run in report["runs"]]
+    # the repeated prompt comes from the prompt cache; the denoiser and the VAE were kept loaded
+    assert notes == [{"encode": "cache hit", "denoise": "warm", "decode": "warm"}] * 2, notes
+    assert set(report["warm"]["components"]) >= {"encode:text_encoder", "denoise:unet", "decode:vae"}
+
+
+def test_a_mapped_sampler_equals_memfit_generate_with_it(served, tmp_path):
+    client, _, model = served
+    response = client.post("/sdapi/v1/txt2img", json={**BASE, "seed": 3, "sampler_name": "Euler a"})
+    assert response.status_code == 200, response.text
+    png = base64.b64decode(response.json()["images"][0])
+    assert png == generated_png(model, tmp_path, *cli_args(3), "--sampler", "Euler a")
+    assert Image.open(io.BytesIO(png)).text["sampler"] == "Euler a"
+    assert png != generated_png(model, tmp_path, *cli_args(3)), "the sampler changed nothing"
+    karras = client.post("/sdapi/v1/txt2img", json={**BASE, "seed": 3, "sampler_name": "DPM++ 2M", "scheduler": "Karras"})
+    assert json.loads(karras.json()["info"])["sampler_name"] == "DPM++ 2M Karras"
+
+
+def test_seed_minus_one_is_random_and_reported(served):
+    client, _, _ = served
+    seeds = []
+    for _ in range(2):
+        response = client.post("/sdapi/v1/txt2img", json={**BASE, "seed": -1, "steps": 1})
+        info = json.loads(response.json()["info"])
+        png = Image.open(io.BytesIO(base64.b64decode(response.json()["images"][0])))
+        assert 0 <= info["seed"] < 2**32 and png.text["seed"] == str(info["seed"])
+        seeds.append(info["seed"])
+    assert seeds[0] != seeds[1]
+
+
+@pytest.mark.parametrize("body, says", [
+    ({"sampler_name": "DPM fast"}, "no diffusers equivalent"),
+    ({"sampler_name": "Euler", "scheduler": "Exponential"}, "Automatic or Karras"),
+    ({"width": 36}, "multiple of 8"),
+    ({"steps": 41}, "at most 40"),
+    ({"width": 128, "height": 64}, "pixels"),
+    ({"batch_size": 3, "n_iter": 2}, "1 to 4 images"),
+    ({"seed": -2}, "seed must be -1"),
+    ({"prompt": ""}, "prompt is empty"),
+])
+def test_requests_that_cannot_run_get_422_saying_why(served, body, says):
+    client, _, _ = served
+    response = client.post("/sdapi/v1/txt2img", json={**BASE, **body})
+    assert response.status_code == 422, response.text
+    assert says in response.json()["detail"]
+
+
+def test_malformed_bodies_get_422_not_500(served):
+    client, _, _ = served
+    bad_json = client.post("/sdapi/v1/txt2img", content=b'{"prompt": "a", ', headers={"content-type": "application/json"})
+    assert bad_json.status_code == 422
+    wrong_type = client.post("/sdapi/v1/txt2img", json={**BASE, "steps": "many"})
+    assert wrong_type.status_code == 422
+    assert client.post("/sdapi/v1/options", content=b"[1", headers={"content-type": "application/json"}).status_code == 422
+    assert client.post("/sdapi/v1/img2img", json={"init_images": []}).status_code == 422
+
+
+def test_unsupported_fields_are_reported_not_silently_dropped(served):
+    client, _, _ = served
+    response = client.post("/sdapi/v1/txt2img", json={**BASE, "steps": 1, "restore_faces": False, "enable_hr": True,
+                                                      "styles": []})
+    assert json.loads(response.json()["info"])["memfit"]["ignored_fields"] == ["enable_hr"]
+
+
+def test_models_options_samplers_and_progress_when_idle(served):
+    client, session, model = served
+    models = client.get("/sdapi/v1/sd-models").json()
+    assert models[0]["filename"] == model and models[0]["title"] == "sd"
+    options = client.get("/sdapi/v1/options").json()
+    assert options["sd_model_checkpoint"] == "sd" and options["memfit_pipeline"] == "StableDiffusionPipeline"
+    assert client.post("/sdapi/v1/options", json={"sd_model_checkpoint": "sd"}).status_code == 200
+    assert client.post("/sdapi/v1/options", json={"sd_model_checkpoint": "other"}).status_code == 422
+    names = [s["name"] for s in client.get("/sdapi/v1/samplers").json()]
+    assert {"Euler", "Euler a", "DPM++ 2M", "DDIM", "PLMS"} <= set(names)
+    progress = client.get("/sdapi/v1/progress").json()
+    assert progress["progress"] == 0 and progress["state"]["job_count"] == 0 and progress["memfit"]["queue_length"] == 0
+    page = client.get("/")
+    assert page.status_code == 200 and 'id="prompt"' in page.text and "/sdapi/v1/txt2img" in page.text
+
+
+def test_progress_then_interrupt_stops_the_running_request(served):
+    client, _, _ = served
+    result = {}
+    worker = threading.Thread(target=lambda: result.update(
+        response=client.post("/sdapi/v1/txt2img", json={**BASE, "steps": 40, "force_task_id": "long"})))
+    worker.start()
+    deadline = time.time() + 60
+    progress = None
+    while time.time() < deadline:
+        progress = client.get("/sdapi/v1/progress", params={"id_task": "long"}).json()
+        if progress["state"]["sampling_step"] >= 1:
+            break
+        time.sleep(0.02)
+    assert progress["memfit"]["queue_position"] == 0 and progress["state"]["sampling_steps"] == 40
+    assert 0 < progress["progress"] < 1 and progress["state"]["job"] == "long"
+    assert client.post("/sdapi/v1/interrupt").status_code == 200
+    worker.join(60)
+    info = json.loads(result["response"].json()["info"])
+    assert info["memfit"]["interrupted"] and result["response"].json()["images"] == []
+    # the queue is free again and the warm stages still give the right image
+    after = client.post("/sdapi/v1/txt2img", json={**BASE, "seed": 1, "steps": 1})
+    assert after.status_code == 200 and len(after.json()["images"]) == 1
+
+
+class FakeSession:
+    """Session stand-in for the queue: records the order of runs; a run blocks until released."""
+
+    def __init__(self):
+        self.ran, self.gates = [], {}
+
+    def generate(self, prompt, on_step=None, **settings):
+        gate = self.gates.setdefault(prompt, threading.Event())
+        for step in range(1, 3):
+            on_step("denoise", step, 2)
+            if not gate.wait(10):
+                raise AssertionError("never released")
+        self.ran.append(prompt)
+        image = Image.new("RGB", (2, 2))
+
+        class Generation:
+            images, metadata = [image], {}
+            report = type("R", (), {"to_dict": lambda self: {"stages": []}})()
+
+        return Generation()
+
+
+def test_the_queue_is_fifo_and_a_cancelled_job_frees_its_slot():
+    session = FakeSession()
+    queue = JobQueue(session)
+    jobs = [queue.submit(Job([{"prompt": name}])) for name in ("a", "b", "c", "d")]
+    deadline = time.time() + 5
+    while jobs[0].state != "running" and time.time() < deadline:
+        time.sleep(0.01)
+    assert [queue.position(job) for job in jobs] == [0, 1, 2, 3]
+    queue.cancel(jobs[2])  # a waiting client that went away
+    assert jobs[2].state == "cancelled" and queue.position(jobs[3]) == 2
+    for name in ("a", "b", "d"):
+        session.gates.setdefault(name, threading.Event()).set()
+    assert all(job.done.wait(10) for job in jobs)
+    assert session.ran == ["a", "b", "d"] and [j.state for j in jobs] == ["done", "done", "cancelled", "done"]
+    queue.stop(10)
+
+
+def test_stopping_cancels_waiting_jobs_and_lets_the_running_one_finish():
+    session = FakeSession()
+    queue = JobQueue(session)
+    running, waiting = queue.submit(Job([{"prompt": "a"}])), queue.submit(Job([{"prompt": "b"}]))
+    while running.state != "running":
+        time.sleep(0.01)
+    queue.close()
+    assert waiting.state == "cancelled" and "stopped" in waiting.error
+    with pytest.raises(MemfitError, match="shutting down"):
+        queue.submit(Job([{"prompt": "c"}]))
+    session.gates["a"].set()
+    queue.stop(10)
+    assert running.state == "done" and session.ran == ["a"]
+
+
+def test_a_cancelled_running_job_stops_at_its_next_step():
+    session = FakeSession()
+    queue = JobQueue(session)
+    job = queue.submit(Job([{"prompt": "a"}, {"prompt": "a2"}]))
+    while job.step < 1:
+        time.sleep(0.01)
+    queue.cancel(job)  # a client that went away mid-run
+    session.gates["a"].set()
+    assert job.done.wait(10) and job.state == "interrupted" and session.ran == []
+    queue.stop(10)
+
+
+def test_basic_auth_when_asked_and_no_open_bind_without_it(served):
+    from memfit.cli.serve import check_bind
+
+    _, session, _ = served
+    app = create_app(session, auth="user:secret")
+    with TestClient(app) as client:
+        assert client.get("/sdapi/v1/options").status_code == 401
+        assert client.get("/sdapi/v1/options", auth=("user", "wrong")).status_code == 401
+        assert client.get("/sdapi/v1/options", auth=("user", "secret")).status_code == 200
+    with pytest.raises(MemfitError, match="--api-auth"):
+        check_bind("0.0.0.0", None)
+    with pytest.raises(MemfitError, match="USER:PASSWORD"):
+        check_bind("0.0.0.0", "nopassword")
+    check_bind("0.0.0.0", "user:secret")
+    check_bind("127.0.0.1", None)
+    check_bind("::1", None)
+
+
+def test_import_memfit_does_not_import_the_server():
+    code = "import sys, memfit, memfit.run.session; print(','.join(m for m in ('fastapi', 'uvicorn', 'starlette') if m in sys.modules))"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.strip()
+    assert out == "", f"`import memfit` imported {out}"
+
+
+def test_a_request_the_budget_cannot_fit_gets_422_with_what_works(served):
+    from memfit.run.memory import current_rss
+
+    _, session, model = served
+    tight = Session(model, budget=current_rss() + 8 * 2**20)  # below the denoiser's activations
+    with TestClient(create_app(tight)) as client:
+        response = client.post("/sdapi/v1/txt2img", json={**BASE, "seed": 1})
+        assert response.status_code == 422, response.text
+        assert "smallest device budget that works" in response.json()["detail"]
+        assert client.get("/sdapi/v1/progress").json()["state"]["job_count"] == 0  # the queue is free
