@@ -76,6 +76,7 @@ def generate(
     refiner_start: float | None = None,
     true_cfg_scale: float | None = None,
     num_frames: int | None = None,
+    session=None,
 ) -> Generation:
     """Generate an image with a diffusers model folder, one stage resident at a time.
 
@@ -90,6 +91,8 @@ def generate(
     (memfit.compile.entry_points); a backend failure raises unless `fallback="eager"`, and the report says so.
     `refiner` (an SDXL refiner folder) runs diffusers' base + refiner workflow: the base stops at
     `refiner_start` (default 0.8) of the schedule and the refiner finishes (memfit.run.refiner).
+    `session` (a memfit.run.session.WarmSession) keeps each stage's fitted pipeline for the next
+    call with the same model and options, which then loads, plans and compiles nothing.
     """
     if refiner is not None:
         from memfit.run.refiner import DEFAULT_REFINER_START, generate_with_refiner
@@ -122,7 +125,7 @@ def generate(
     if budget is not None:
         return_large_frees_to_os()  # freed activations leave RSS at once, so stages stay within plan
     runner = StageRunner(report=report, settings=settings, guided=guided, dtype=dtype, device=device, budget=budget,
-                         backend=backend, fallback=fallback, progress=progress)
+                         backend=backend, fallback=fallback, progress=progress, session=session)
 
     stages = []
     if loaded is None:

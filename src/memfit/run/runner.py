@@ -82,6 +82,8 @@ class StageContext:
         self.components: list[str] = []
         self.compiled: list = []
         self._loaded: list[tuple[Any, list[str]]] = []
+        self._kept: list[tuple[Any, list[str]]] = []  # pipelines a WarmSession keeps after the stage
+        self._last_planned: int | None = None
 
     def load(self, folder: ModelFolder, names, *, plan_as: str | None = None, shared: Mapping[str, Any] | None = None,
              label: str = ""):
@@ -91,9 +93,17 @@ class StageContext:
         ``shared`` maps component names to live modules another load of this run already fitted
         and compiled (same content): they are reused, not loaded again. ``label`` prefixes the
         component names in the report (e.g. "refiner.").
+        With a WarmSession (memfit.run.session) the fitted pipeline is kept after the stage, and a
+        later run asking for the same components under the same options gets it back as it is.
         """
-        runner = self.runner
         shared = dict(shared or {})
+        if self.runner.session is not None and not shared:
+            return self._load_warm(self.runner.session, folder, names, plan_as, label)
+        return self._load_fresh(folder, names, plan_as, shared, label)
+
+    def _load_fresh(self, folder: ModelFolder, names, plan_as: str | None, shared: dict, label: str):
+        runner = self.runner
+        self._last_planned = None
         present = [name for name in names if name in folder.components]
         to_load = [name for name in present if name not in shared]
         already_used = memory_in_use(runner.device)
@@ -107,6 +117,36 @@ class StageContext:
         self.components += [label + name for name in to_load]
         self._loaded.append((pipe, to_load))
         return pipe
+
+    def _load_warm(self, session, folder: ModelFolder, names, plan_as: str | None, label: str):
+        from memfit.run.session import WarmStage
+
+        runner = self.runner
+        slot, key = session.key(folder, names, plan_as or self.stage, label, runner)
+        entry = session.get(slot, key)
+        if entry is None:
+            try:
+                pipe = self._load_fresh(folder, names, plan_as, {}, label)
+            except MemfitError:
+                if not len(session):
+                    raise
+                # The warm stages leave too little room for this one: free them and plan again.
+                runner.report.notes.append(f"{self.stage}: planned again after releasing the warm stages")
+                session.drop_all()
+                release_freed_memory()
+                pipe = self._load_fresh(folder, names, plan_as, {}, label)
+            self._loaded.pop()  # kept, not released
+            entry = WarmStage(key, pipe, [n for n in names if n in folder.components], self.strategy,
+                              self._last_planned)
+            session.keep(slot, entry)
+        else:
+            self.strategy = entry.strategy or self.strategy
+            if entry.planned_peak is not None:
+                self.planned_peak = max(self.planned_peak or 0, entry.planned_peak)
+            self.components += [label + name for name in entry.names]
+            self.note = self.note or "warm"
+        self._kept.append((entry.pipe, entry.names))
+        return entry.pipe
 
     def _fit(self, pipe, folder: ModelFolder, plan_as: str, already_used: int) -> None:
         from memfit.plan.activations import choose, stage_strategies
@@ -147,6 +187,7 @@ class StageContext:
         read_ahead = stage_plan.stream_window_bytes - stage_plan.largest_streamed_bytes if reads_in_place(pipe) else 0
         planned = already_used + stage_plan.peak_bytes - read_ahead
         self.planned_peak = planned if self.planned_peak is None else max(self.planned_peak, planned)
+        self._last_planned = planned
         if read_ahead:
             report.notes.append(f"{self.stage}: {format_bytes(read_ahead)} read ahead into the page cache, "
                                 "outside this process's memory until its block runs")
@@ -164,9 +205,10 @@ class StageContext:
             )
 
     def _release(self) -> int:
-        """Drop every pipeline this stage loaded; returns the weight bytes they held."""
-        weights = sum(resident_bytes(pipe, names) for pipe, names in self._loaded)
+        """Drop every pipeline this stage loaded (a WarmSession's stay kept); returns the weight bytes they held."""
+        weights = sum(resident_bytes(pipe, names) for pipe, names in [*self._loaded, *self._kept])
         self._loaded.clear()
+        self._kept.clear()
         return weights
 
 
@@ -174,7 +216,7 @@ class StageRunner:
     """Carries out a list of stages with one set of run options; every stage lands in ``report``."""
 
     def __init__(self, *, report: RunReport, settings: Settings, guided: bool, dtype: str, device: torch.device,
-                 budget=None, backend=None, fallback: str | None = None, progress: bool = True):
+                 budget=None, backend=None, fallback: str | None = None, progress: bool = True, session=None):
         self.report = report
         self.settings = settings
         self.guided = guided
@@ -185,6 +227,7 @@ class StageRunner:
         self.backend = backend
         self.fallback = fallback
         self.progress = progress
+        self.session = session  # a memfit.run.session.WarmSession keeps stage pipelines between runs
 
     def run(self, stages: list[Stage]) -> dict[str, Any]:
         """Run ``stages`` in order; returns each stage's result by name."""
@@ -203,6 +246,7 @@ class StageRunner:
                 weights = context._release()
             finally:
                 context._loaded.clear()
+                context._kept.clear()
                 release_freed_memory()  # the stage's pipelines are gone once its work returns
                 if self.device.type == "cuda":
                     torch.cuda.empty_cache()  # the next stage's weights need the blocks this one cached
