@@ -9,7 +9,7 @@ import pytest
 SRC = Path(__file__).resolve().parents[1] / "src"
 
 # Highest first; a module may import its own layer and the layers below it.
-LAYERS = ["testing", "cli", "run", "models", "plan", "compile", "cache", "base"]
+LAYERS = ["testing", "cli", "batch", "run", "models", "plan", "compile", "cache", "base"]
 BASE = {"memfit", "memfit.errors", "memfit.sizes", "memfit.atomic", "memfit.safetensors_header", "memfit.demo",
         "memfit.demo.shapes"}
 

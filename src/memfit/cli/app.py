@@ -1,4 +1,4 @@
-"""The `memfit` command: one module per subcommand (generate and encode, plan, cache) registers its parser.
+"""The `memfit` command: one module per subcommand (generate and encode, plan, cache, batch) registers its parser.
 
 Errors for bad input are MemfitErrors: printed as one sentence, exit status 2, no traceback
 unless --debug. Output files are written atomically, so a failed run leaves none behind.
@@ -10,7 +10,7 @@ import argparse
 import os
 import sys
 
-from memfit.cli import cache, generate, plan
+from memfit.cli import batch, cache, generate, plan
 from memfit.errors import MemfitError
 
 
@@ -23,7 +23,7 @@ def build_parser() -> argparse.ArgumentParser:
     commands = parser.add_subparsers(dest="command", metavar="COMMAND")
     commands.required = True
 
-    for module in (generate, plan, cache):
+    for module in (generate, plan, cache, batch):
         module.register(commands)
     return parser
 

@@ -19,7 +19,7 @@ from memfit.models.families import Settings
 from memfit.models.folder import ModelFolder
 from memfit.run.runner import Stage, StageContext
 
-__all__ = ["Generation", "decode_stage", "denoise_stage", "encode_stage", "open_model", "png_metadata", "save_png"]
+__all__ = ["Generation", "decode_stage", "denoise_stage", "encode_stage", "open_model", "png_bytes", "png_metadata", "save_png"]
 
 
 def open_model(model: str | Path | ModelFolder | None) -> ModelFolder:
@@ -127,12 +127,22 @@ class Generation:
 
 def save_png(image, path: str | Path, metadata: dict[str, str]) -> Path:
     """Write a PNG with text metadata atomically: no partial file is ever left at `path`."""
+    data = png_bytes(image, metadata)
+    return write_atomically(path, lambda tmp: Path(tmp).write_bytes(data))
+
+
+def png_bytes(image, metadata: dict[str, str]) -> bytes:
+    """The PNG file of ``image`` with ``metadata`` as text chunks (what save_png writes)."""
+    import io
+
     from PIL.PngImagePlugin import PngInfo
 
     info = PngInfo()
     for key, value in metadata.items():
         info.add_text(key, str(value))
-    return write_atomically(path, lambda tmp: image.save(tmp, format="PNG", pnginfo=info))
+    buffer = io.BytesIO()
+    image.save(buffer, format="PNG", pnginfo=info)
+    return buffer.getvalue()
 
 
 def png_metadata(settings: Settings, folder: ModelFolder, dtype: str) -> dict[str, str]:

@@ -1,0 +1,88 @@
+"""One batch worker: the model folder opened once, its stages loaded, planned and compiled once
+(a memfit.run.session.WarmSession), then one job after another through memfit.generate.
+
+The same class runs in the local driver's process and, as a Ray actor, on any node of a cluster:
+it returns each image as PNG bytes with the metadata ``memfit generate`` writes, and the driver
+writes the files, so workers need no shared folder with the driver.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import time
+import traceback
+
+from memfit.batch.jobs import Job
+from memfit.batch.output import JobOutput
+from memfit.errors import MemfitError
+
+__all__ = ["BatchWorker", "resolve_budget"]
+
+
+def resolve_budget(budget, device):
+    """``"auto"``: what this node can give right now (memfit.plan.budget.detect_budget); ``"none"``/None: no budget."""
+    if budget is None or (isinstance(budget, str) and budget.lower() == "none"):
+        return None
+    if isinstance(budget, str) and budget.lower() == "auto":
+        from memfit.plan.budget import detect_budget
+
+        return detect_budget(str(device))
+    return budget
+
+
+class BatchWorker:
+    """Runs jobs for one model under one set of run options; keeps the pipeline warm between them."""
+
+    def __init__(self, model, *, dtype: str = "fp32", device=None, budget=None, backend=None,
+                 fallback: str | None = None, name: str | None = None):
+        import torch
+
+        from memfit.run.runner import default_device
+        from memfit.run.session import WarmSession
+        from memfit.run.stages import open_model
+
+        self.folder = open_model(model)
+        self.dtype = dtype
+        self.device = torch.device(device) if device is not None else default_device()
+        self.budget = resolve_budget(budget, self.device)
+        self.backend = backend
+        self.fallback = fallback
+        self.session = WarmSession()
+        self.name = f"{name + '@' if name else ''}{socket.gethostname()}:{os.getpid()}"
+
+    def describe(self) -> dict:
+        """Where this worker runs and what it planned with (for the driver's log)."""
+        budget = self.budget.device if hasattr(self.budget, "device") else self.budget
+        return {"worker": self.name, "device": str(self.device), "budget": budget}
+
+    def run(self, job: Job | dict, *, fresh: bool = False) -> JobOutput:
+        """Run one job; a failure of the job itself comes back as a JobOutput with its message.
+
+        ``fresh`` drops the warm stages first (a retry starts from a clean load).
+        """
+        from memfit.run.generate import generate
+        from memfit.run.memory import release_freed_memory
+        from memfit.run.stages import png_bytes
+
+        if isinstance(job, dict):
+            job = Job.from_dict(job)
+        if fresh and len(self.session):
+            self.session.drop_all()
+            release_freed_memory()
+        started = time.perf_counter()
+        try:
+            result = generate(job.prompt, model=self.folder, dtype=self.dtype, device=self.device, budget=self.budget,
+                              backend=self.backend, fallback=self.fallback, progress=False, session=self.session,
+                              **job.arguments())
+            png = png_bytes(result.images[0], result.metadata)
+        except MemfitError as exc:
+            return JobOutput(job.id, job.key, self.name, time.perf_counter() - started, error=str(exc))
+        except Exception as exc:  # noqa: BLE001 - a job's own failure must not stop the batch
+            last = traceback.extract_tb(exc.__traceback__)[-1:]
+            where = f" (at {last[0].filename}:{last[0].lineno})" if last else ""
+            return JobOutput(job.id, job.key, self.name, time.perf_counter() - started,
+                             error=f"{type(exc).__name__}: {exc}{where}")
+        return JobOutput(job.id, job.key, self.name, time.perf_counter() - started, png=png,
+                         seed=result.settings.seed, peak_bytes=result.report.peak_bytes)
+
