@@ -80,10 +80,10 @@ def run_on_ray(todo: list[Job], options: BatchOptions, output: BatchOutput, summ
     started_here = not ray.is_initialized()
     if started_here:
         init = {"include_dashboard": False, "log_to_driver": False, "configure_logging": False}
-        # Workers import memfit the way this process does (a source checkout on PYTHONPATH included).
-        init["runtime_env"] = {"env_vars": {k: os.environ[k] for k in ("PYTHONPATH", "MEMFIT_CACHE_DIR", "MEMFIT_CACHE",
-                                                                       "HF_HUB_OFFLINE") if k in os.environ}}
         if address == "local":
+            # Workers on this machine see memfit and its store as this process does (a source
+            # checkout on PYTHONPATH included); a joined cluster's nodes keep their own environment.
+            init["runtime_env"] = {"env_vars": _local_environment()}
             cpus = (workers or 1) * cpus_per_worker
             ray.init(num_cpus=max(1, int(round(cpus))), **init)
         else:
@@ -127,3 +127,12 @@ def run_on_ray(todo: list[Job], options: BatchOptions, output: BatchOutput, summ
     finally:
         if started_here:
             ray.shutdown()
+
+
+def _local_environment() -> dict[str, str]:
+    env = {name: os.environ[name] for name in ("MEMFIT_CACHE_DIR", "MEMFIT_CACHE", "MEMFIT_CACHE_MAX_BYTES", "HF_HUB_OFFLINE")
+           if name in os.environ}
+    if os.environ.get("PYTHONPATH"):
+        # Absolute: Ray starts its workers in a directory of its own.
+        env["PYTHONPATH"] = os.pathsep.join(os.path.abspath(p) for p in os.environ["PYTHONPATH"].split(os.pathsep) if p)
+    return env
