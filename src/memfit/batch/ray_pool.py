@@ -115,8 +115,9 @@ def run_on_ray(todo: list[Job], options: BatchOptions, output: BatchOutput, summ
                 if lost[job.id] < LOST_LIMIT:
                     queue.appendleft((job, attempt))
                     continue
+                last = (str(exc).strip().splitlines() or [type(exc).__name__])[-1][:300]
                 result = JobOutput(job.id, job.key, f"ray-{index}", 0.0,
-                                   error=f"its worker was lost {LOST_LIMIT} times ({type(exc).__name__})")
+                                   error=f"its worker was lost {LOST_LIMIT} times running it; last: {last}")
             if not result.ok and attempt < ATTEMPTS:
                 queue.append((job, attempt + 1))  # once more, on a fresh load, wherever a worker is free
                 continue
