@@ -204,3 +204,15 @@ def test_resume_after_killing_the_driver_mid_batch(tiny_models, tmp_path):
     run_batch(path, _options(model, reference))
     for job in jobs:
         assert (out / f"{job['id']}.png").read_bytes() == (reference / f"{job['id']}.png").read_bytes(), job["id"]
+
+
+def test_cli_refuses_workers_without_ray_and_names_the_extra_when_ray_is_missing(tiny_models, tmp_path, monkeypatch,
+                                                                                  capsys):
+    from memfit.cli.app import main
+
+    jobs = _write_jobs(tmp_path / "jobs.jsonl", [{"id": "a", "prompt": "a red circle"}])
+    assert main(["batch", str(jobs), "--out", str(tmp_path / "o"), "--workers", "2"]) == 2
+    assert "--workers needs --ray" in capsys.readouterr().err
+    monkeypatch.setitem(sys.modules, "ray", None)  # as if memfit[ray] were not installed
+    assert main(["batch", str(jobs), "--model", tiny_models("sd"), "--out", str(tmp_path / "o"), "--ray"]) == 2
+    assert "pip install 'memfit[ray]'" in capsys.readouterr().err
