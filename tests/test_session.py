@@ -50,3 +50,28 @@ def test_a_size_change_under_a_budget_refits_and_holds_one_fit(tiny_models):
     assert [first[slot] != now[slot] for slot in now] == [False, True, True]
     fresh = memfit.generate("a red circle", model=folder, steps=1, width=48, height=48, budget="4GiB", progress=False)
     assert np.array_equal(_pixels(result), _pixels(fresh))
+
+
+def test_a_stage_that_does_not_fit_beside_the_warm_ones_is_planned_again_after_releasing_them(tiny_models, monkeypatch):
+    from memfit.errors import MemfitError
+    from memfit.run.runner import StageContext
+
+    folder = tiny_models("sd")
+    real_fit = StageContext._fit
+    refused = []
+
+    def fit(self, pipe, model, plan_as, already_used):
+        if self.stage == "denoise" and self.runner.session is not None and len(self.runner.session) and not refused:
+            refused.append(len(self.runner.session))
+            raise MemfitError("does not fit beside the warm stages")
+        return real_fit(self, pipe, model, plan_as, already_used)
+
+    monkeypatch.setattr(StageContext, "_fit", fit)
+    session = WarmSession()
+    result = generate("a red circle", model=folder, steps=1, width=32, height=32, budget="4GiB", progress=False,
+                      session=session)
+    assert refused == [1]  # the warm encode stage was held when denoise was refused
+    assert "denoise: planned again after releasing the warm stages" in result.report.notes
+    assert sorted(slot[2] for slot in session._stages) == ["decode", "denoise"]  # encode was released
+    fresh = memfit.generate("a red circle", model=folder, steps=1, width=32, height=32, budget="4GiB", progress=False)
+    assert np.array_equal(_pixels(result), _pixels(fresh))

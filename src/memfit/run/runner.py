@@ -125,6 +125,7 @@ class StageContext:
         slot, key = session.key(folder, names, plan_as or self.stage, label, runner)
         entry = session.get(slot, key)
         if entry is None:
+            release_freed_memory()  # an entry this replaces is gone before the plan measures memory in use
             try:
                 pipe = self._load_fresh(folder, names, plan_as, {}, label)
             except MemfitError:
