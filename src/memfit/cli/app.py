@@ -1,4 +1,4 @@
-"""The `memfit` command: one module per subcommand (generate and encode, plan, cache, serve) registers its parser.
+"""The `memfit` command: one module per subcommand (generate and encode, plan, cache, serve, batch) registers its parser.
 
 Errors for bad input are MemfitErrors: printed as one sentence, exit status 2, no traceback
 unless --debug. Output files are written atomically, so a failed run leaves none behind.
@@ -11,7 +11,7 @@ import os
 import sys
 import warnings
 
-from memfit.cli import cache, generate, plan, serve
+from memfit.cli import batch, cache, generate, plan, serve
 from memfit.errors import MemfitError
 from memfit.run.libraries import quiet_libraries
 
@@ -25,7 +25,7 @@ def build_parser() -> argparse.ArgumentParser:
     commands = parser.add_subparsers(dest="command", metavar="COMMAND")
     commands.required = True
 
-    for module in (generate, plan, cache, serve):
+    for module in (generate, plan, cache, serve, batch):
         module.register(commands)
     return parser
 

@@ -32,8 +32,8 @@ from memfit.run.memory import PeakMemory, current_rss, release_freed_memory
 from memfit.run.report import RunReport, StageReport
 from memfit.sizes import format_bytes
 
-__all__ = ["Stage", "StageContext", "StageRunner", "check_budget_floor", "default_device", "memory_in_use",
-           "resident_bytes", "resolve_device"]
+__all__ = ["Stage", "StageContext", "StageDoesNotFit", "StageRunner", "check_budget_floor", "default_device",
+           "memory_in_use", "resident_bytes", "resolve_device"]
 
 
 @dataclass(frozen=True)
@@ -46,6 +46,10 @@ class Stage:
 
     name: str
     work: Callable[["StageContext", dict[str, Any]], Any]
+
+
+class StageDoesNotFit(MemfitError):
+    """No plan fits a stage's components and activations into the budget left (StageContext._fit)."""
 
 
 def default_device() -> torch.device:
@@ -146,7 +150,7 @@ class StageContext:
         self.components: list[str] = []
         self.compiled: list = []
         self.streamed_bytes = 0  # weights the stage's plan left off the device (streamed)
-        self._loaded: list[tuple[Any, list[str], tuple]] = []
+        self._loaded: list[tuple[Any, list[str], tuple, tuple]] = []
 
     def load(self, folder: ModelFolder, names, *, plan_as: str | None = None, shared: Mapping[str, Any] | None = None,
              label: str = "", pipeline_class: str | None = None, external: Mapping[str, Any] | None = None,
@@ -161,6 +165,10 @@ class StageContext:
         inpaint, ControlNet); ``external`` maps a component name to its own model folder (a ControlNet),
         planned with the rest of the stage. ``loras`` ((file, scale) pairs) are loaded into the loaded
         components before fitting (memfit.models.lora).
+        With the runner's pool (memfit.run.session.WarmPool) a pipeline kept from an earlier run for
+        the same slot and made for the same task and sizes is taken back instead of loaded; if kept
+        stages leave this one too little room (it would stream weights, or not fit at all), the pool
+        lets them all go and the stage is planned again as in a one-shot run.
         """
         runner = self.runner
         shared = dict(shared or {})
@@ -168,21 +176,31 @@ class StageContext:
         present = [name for name in names if name in folder.components or name in external]
         to_load = [name for name in present if name not in shared]
         key = (str(folder.path), tuple(to_load), tuple(sorted(shared)), plan_as or self.stage, label)
+        made_for = self._made_for(pipeline_class, external, loras)
         pool = runner.pool
-        pipe = pool.take(key) if pool is not None else None
+        pipe = pool.take(key, made_for) if pool is not None else None
         if pipe is not None:
             self.note = "warm" if not self.note else f"{self.note}, warm"
         else:
-            pipe = self._load_fitted(folder, to_load, shared, plan_as)
-            if pool is not None and self.streamed_bytes and pool.holds_any():
+            task = (pipeline_class, external, loras)
+            try:
+                pipe = self._load_fitted(folder, to_load, shared, plan_as, *task)
+                crowded = "" if not self.streamed_bytes else \
+                    f"streams {format_bytes(self.streamed_bytes)} of weights with the other stages kept loaded"
+            except StageDoesNotFit:
+                if pool is None or not pool.holds_any():
+                    raise
+                crowded = "does not fit the budget with the other stages kept loaded"
+            if pool is not None and crowded and pool.holds_any():
                 # Warm stages took the room this one needed: give it back and plan this stage as a
                 # one-shot run would; from now on the pool keeps nothing (WarmPool.give_up).
-                pool.give_up(f"{self.stage} streams {format_bytes(self.streamed_bytes)} of weights with the other "
-                             "stages kept loaded")
-                del pipe
+                pool.give_up(f"{self.stage} {crowded}")
+                runner.report.notes.append(f"{self.stage}: planned again after releasing the warm stages "
+                                           f"(it {crowded})")
+                pipe = None  # this stage's first fit goes too
                 release_freed_memory()
                 self.streamed_bytes = 0
-                pipe = self._load_fitted(folder, to_load, shared, plan_as)
+                pipe = self._load_fitted(folder, to_load, shared, plan_as, *task)
             elif pool is not None and self.streamed_bytes:
                 pool.give_up(f"{self.stage} streams {format_bytes(self.streamed_bytes)} of weights even alone")
         if shared:
@@ -193,10 +211,20 @@ class StageContext:
             vars(pipe).pop("progress_bar", None)  # a warm pipe's watch from an earlier run
         pipe.set_progress_bar_config(disable=not runner.progress, desc=self.stage, leave=False)
         self.components += [label + name for name in to_load]
-        self._loaded.append((pipe, to_load, key))
+        self._loaded.append((pipe, to_load, key, made_for))
         return pipe
 
-    def _load_fitted(self, folder: ModelFolder, to_load: list[str], shared: dict, plan_as: str | None):
+    def _made_for(self, pipeline_class: str | None, external: Mapping[str, Any], loras) -> tuple:
+        """What a loaded pipeline was made for beyond its components: a warm one is reused only for the
+        same (its task's class, external folders, LoRAs and, under a budget, the sizes it was planned for)."""
+        settings, sizes = self.runner.settings, ()
+        if self.runner.budget is not None:
+            sizes = (settings.width, settings.height, settings.num_frames, bool(self.runner.guided))
+        return (pipeline_class, tuple(sorted((name, str(path)) for name, path in external.items())),
+                tuple((str(path), float(scale)) for path, scale in loras), sizes)
+
+    def _load_fitted(self, folder: ModelFolder, to_load: list[str], shared: dict, plan_as: str | None,
+                     pipeline_class: str | None, external: dict, loras):
         runner = self.runner
         already_used = memory_in_use(runner.device)
         task_options = {key: value for key, value in (("pipeline_class", pipeline_class), ("external", external))
@@ -230,7 +258,7 @@ class StageContext:
         try:
             strategy, plan = choose(options, lambda activations: plan_stage(pipe, room, self.stage, activations, parts))
         except MemfitError as exc:
-            raise MemfitError(
+            raise StageDoesNotFit(
                 f"{exc} These figures leave out the {format_bytes(already_used)} this process already holds "
                 "(Python, torch and the libraries loaded): add that to any budget named above."
             ) from exc
@@ -273,10 +301,10 @@ class StageContext:
     def _release(self) -> int:
         """Drop every pipeline this stage loaded (or hand it to the runner's pool, which may keep it
         loaded for the next run); returns the weight bytes they held."""
-        weights = sum(resident_bytes(pipe, names) for pipe, names, _ in self._loaded)
+        weights = sum(resident_bytes(pipe, names) for pipe, names, _, _ in self._loaded)
         if self.runner.pool is not None:
-            for pipe, _, key in self._loaded:
-                self.runner.pool.keep(key, pipe)
+            for pipe, _, key, made_for in self._loaded:
+                self.runner.pool.keep(key, made_for, pipe)
         self._loaded.clear()
         return weights
 
@@ -382,7 +410,7 @@ def _room_left(budget: Budget, already_used: int) -> Budget:
     if budget.device is None:
         return budget
     if budget.device <= already_used:
-        raise MemfitError(
+        raise StageDoesNotFit(
             f"The budget of {format_bytes(budget.device)} is already used up by this process before any weight is "
             f"loaded ({format_bytes(already_used)}: Python, torch and the libraries memfit loaded). Give a budget "
             "above that, or none to let memfit detect one."

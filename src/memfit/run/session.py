@@ -12,7 +12,13 @@ holds at the time, warm stages included, so nothing is ever planned past the bud
 kept warm only while every stage fits fully resident that way; the first stage that would have to
 stream weights because others are kept makes the pool release them and plan that stage as a one-shot
 run would, and from then on the session runs like memfit.generate (releasing every stage), which
-the pool's ``gave_up`` says and the session's ``warm_state`` reports.
+the pool's ``gave_up`` says and the session's ``warm_state`` reports. A stage that cannot be planned
+at all beside the kept ones (memfit.run.runner.StageDoesNotFit) is handled the same way.
+
+A kept pipeline is reused only for what it was made for: the same task (pipeline class, ControlNet,
+LoRAs) and, under a budget, the same sizes its plan assumed; anything else releases it and fits the
+stage again, so no stage is ever held twice. memfit serve and memfit batch (its local driver and
+every Ray worker) run their images through a Session.
 """
 
 from __future__ import annotations
@@ -37,19 +43,26 @@ class Interrupted(Exception):
 
 
 class WarmPool:
-    """Stage pipelines kept loaded between runs, by what the stage loads (folder, components, plan)."""
+    """Stage pipelines kept loaded between runs: one per slot (folder, components, plan, label), with
+    what it was made for (task, LoRAs and, under a budget, the sizes planned for: StageContext.load)."""
 
     def __init__(self) -> None:
-        self._pipes: dict[tuple, Any] = {}
+        self._pipes: dict[tuple, tuple[tuple, Any]] = {}  # slot -> (made_for, pipe)
         self.gave_up = ""  # why the pool stopped keeping stages (empty while it keeps them)
 
-    def take(self, key: tuple):
-        """The kept pipeline for ``key`` (removed from the pool until the stage hands it back), or None."""
-        return self._pipes.pop(key, None)
+    def take(self, slot: tuple, made_for: tuple):
+        """The kept pipeline for ``slot`` (removed from the pool until the stage hands it back) if it was
+        made for ``made_for``, else None; one made for something else is released first, so a slot
+        never holds two fits of its components."""
+        kept_for, pipe = self._pipes.pop(slot, (None, None))
+        if pipe is not None and kept_for != made_for:
+            pipe = None
+            release_freed_memory()  # gone before the new fit measures the memory in use
+        return pipe
 
-    def keep(self, key: tuple, pipe) -> None:
+    def keep(self, slot: tuple, made_for: tuple, pipe) -> None:
         if not self.gave_up:
-            self._pipes[key] = pipe
+            self._pipes[slot] = (made_for, pipe)
 
     def holds_any(self) -> bool:
         return bool(self._pipes)
@@ -65,10 +78,10 @@ class WarmPool:
 
     def components(self) -> list[str]:
         """The components kept loaded, as stage:component."""
-        return [f"{key[3]}:{key[4]}{name}" for key in self._pipes for name in key[1]]
+        return [f"{slot[3]}:{slot[4]}{name}" for slot in self._pipes for name in slot[1]]
 
     def weights_bytes(self) -> int:
-        return sum(resident_bytes(pipe, key[1]) for key, pipe in self._pipes.items())
+        return sum(resident_bytes(pipe, slot[1]) for slot, (_, pipe) in self._pipes.items())
 
 
 class Session:

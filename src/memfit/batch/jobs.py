@@ -1,0 +1,145 @@
+"""A batch's jobs: one JSON object per line of a JSONL file, checked up front, each line's faults named.
+
+A job is ``{"id": ..., "prompt": ..., "negative_prompt": ..., "seed": ..., "steps": ..., "guidance": ...,
+"width": ..., "height": ...}``; every field but ``id`` and ``prompt`` defaults to the command's flag.
+A line that is not such an object is a BadLine with its line number, never half-run. A job's
+``key`` is a hash of everything that decides its image (its fields after defaults, the model
+folder and the dtype): resuming a batch skips a job only when both its id and its key match.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import re
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+from memfit.errors import MemfitError
+
+__all__ = ["BadLine", "Job", "JobDefaults", "read_jobs"]
+
+FIELDS = ("id", "prompt", "negative_prompt", "seed", "steps", "guidance", "width", "height")
+# An id names its output file: <out>/<id>.png, so it must be a plain, portable file name.
+ID_PATTERN = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
+
+
+@dataclass(frozen=True)
+class JobDefaults:
+    """The command's flags: what a job's missing fields take (None: the model's or pipeline's default)."""
+
+    negative_prompt: str | None = None
+    seed: int = 0
+    steps: int | None = None
+    guidance: float | None = None
+    width: int | None = None
+    height: int | None = None
+
+
+@dataclass(frozen=True)
+class Job:
+    id: str
+    prompt: str
+    line: int
+    negative_prompt: str | None = None
+    seed: int = 0
+    steps: int | None = None
+    guidance: float | None = None
+    width: int | None = None
+    height: int | None = None
+    key: str = field(default="", compare=False)
+
+    def arguments(self) -> dict:
+        """Keyword arguments of memfit.generate that make this job's image."""
+        return {"negative_prompt": self.negative_prompt, "seed": self.seed, "steps": self.steps,
+                "guidance": self.guidance, "width": self.width, "height": self.height}
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict) -> "Job":
+        return cls(**data)
+
+
+@dataclass(frozen=True)
+class BadLine:
+    line: int
+    message: str
+
+    def __str__(self) -> str:
+        return f"line {self.line}: {self.message}"
+
+
+def job_key(fields: dict, model: str, dtype: str) -> str:
+    content = {name: fields[name] for name in FIELDS if name != "id"}
+    content.update(model=model, dtype=dtype)
+    return hashlib.sha256(json.dumps(content, sort_keys=True).encode()).hexdigest()[:32]
+
+
+def read_jobs(path: str | Path, defaults: JobDefaults, *, model: str, dtype: str) -> tuple[list[Job], list[BadLine]]:
+    """The jobs of a JSONL file and its bad lines (blank lines are allowed and skipped)."""
+    path = Path(path)
+    if not path.is_file():
+        raise MemfitError(f"Jobs file {path} does not exist; pass a JSONL file with one job object per line.")
+    try:
+        text = path.read_text(encoding="utf-8")
+    except UnicodeDecodeError as exc:
+        raise MemfitError(f"{path} is not UTF-8 text ({exc.reason} at byte {exc.start}); save it as UTF-8.") from None
+    jobs: list[Job] = []
+    bad: list[BadLine] = []
+    seen: dict[str, int] = {}
+    for number, raw in enumerate(text.splitlines(), start=1):
+        if not raw.strip():
+            continue
+        try:
+            job = _parse(raw, number, defaults, model, dtype)
+        except ValueError as exc:
+            bad.append(BadLine(number, str(exc)))
+            continue
+        if job.id in seen:
+            bad.append(BadLine(number, f"id {job.id!r} was already used on line {seen[job.id]}; give every job its own id"))
+            continue
+        seen[job.id] = number
+        jobs.append(job)
+    return jobs, bad
+
+
+def _parse(raw: str, number: int, defaults: JobDefaults, model: str, dtype: str) -> Job:
+    try:
+        data = json.loads(raw)
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"not valid JSON ({exc.msg} at column {exc.colno})") from None
+    if not isinstance(data, dict):
+        raise ValueError(f"a job is a JSON object like {{\"id\": \"cat-1\", \"prompt\": \"a cat\"}}, not {type(data).__name__}")
+    unknown = sorted(set(data) - set(FIELDS))
+    if unknown:
+        raise ValueError(f"unknown field(s) {', '.join(map(repr, unknown))}; a job may have {', '.join(FIELDS)}")
+    if "id" not in data:
+        raise ValueError('no "id"; every job needs an id, which names its output <id>.png')
+    job_id = data["id"]
+    if isinstance(job_id, int) and not isinstance(job_id, bool):
+        job_id = str(job_id)
+    if not isinstance(job_id, str) or not ID_PATTERN.fullmatch(job_id):
+        raise ValueError(f"id {data['id']!r} cannot name a file; use letters, digits, '.', '_' and '-' "
+                         "(up to 128, not starting with '.' or '-')")
+    prompt = data.get("prompt")
+    if not isinstance(prompt, str) or not prompt.strip():
+        raise ValueError(f'job {job_id!r} has no prompt; "prompt" must be a non-empty string')
+    fields = {"id": job_id, "prompt": prompt}
+    negative = data.get("negative_prompt", defaults.negative_prompt)
+    if negative is not None and not isinstance(negative, str):
+        raise ValueError(f'job {job_id!r}: "negative_prompt" must be a string or null')
+    fields["negative_prompt"] = negative
+    for name, low in (("seed", 0), ("steps", 1), ("width", 1), ("height", 1)):
+        value = data.get(name, getattr(defaults, name))
+        if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < low):
+            raise ValueError(f'job {job_id!r}: "{name}" must be an integer of at least {low}, not {value!r}')
+        fields[name] = value
+    guidance = data.get("guidance", defaults.guidance)
+    if guidance is not None and (not isinstance(guidance, (int, float)) or isinstance(guidance, bool)
+                                 or not math.isfinite(guidance) or guidance < 0):
+        raise ValueError(f'job {job_id!r}: "guidance" must be a number of at least 0, not {guidance!r}')
+    fields["guidance"] = None if guidance is None else float(guidance)
+    return Job(**fields, line=number, key=job_key(fields, model, dtype))
