@@ -183,6 +183,7 @@ class StageContext:
             self.note = "warm" if not self.note else f"{self.note}, warm"
         else:
             task = (pipeline_class, external, loras)
+            note, compiled = self.note, len(self.compiled)
             try:
                 pipe = self._load_fitted(folder, to_load, shared, plan_as, *task)
                 crowded = "" if not self.streamed_bytes else \
@@ -197,9 +198,10 @@ class StageContext:
                 pool.give_up(f"{self.stage} {crowded}")
                 runner.report.notes.append(f"{self.stage}: planned again after releasing the warm stages "
                                            f"(it {crowded})")
-                pipe = None  # this stage's first fit goes too
+                pipe = None  # this stage's first fit goes too, and what it added to the report
                 release_freed_memory()
-                self.streamed_bytes = 0
+                self.streamed_bytes, self.note = 0, note
+                del self.compiled[compiled:]
                 pipe = self._load_fitted(folder, to_load, shared, plan_as, *task)
             elif pool is not None and self.streamed_bytes:
                 pool.give_up(f"{self.stage} streams {format_bytes(self.streamed_bytes)} of weights even alone")
