@@ -14,7 +14,7 @@ import torch
 
 from memfit.errors import MemfitError
 from memfit.run.embeddings import Embeddings
-from memfit.run.memory import collects_only_its_own_garbage, return_large_frees_to_os
+from memfit.run.memory import collects_only_its_own_garbage
 from memfit.run.report import RunReport
 from memfit.run.runner import StageRunner, default_device
 from memfit.run.stages import (
@@ -38,7 +38,7 @@ def encode(
     negative_prompt: str | None = None,
     dtype: str = "fp32",
     device: str | torch.device | None = None,
-    budget=None,
+    budget="auto",
     backend=None,
     fallback: str | None = None,
 ) -> tuple[Embeddings, RunReport]:
@@ -68,7 +68,7 @@ def generate(
     height: int | None = None,
     dtype: str = "fp32",
     device: str | torch.device | None = None,
-    budget=None,
+    budget="auto",
     backend=None,
     fallback: str | None = None,
     progress: bool = True,
@@ -81,7 +81,8 @@ def generate(
 
     `model` defaults to memfit's built-in demo model. With `embeddings` (a file from
     `memfit encode` or an Embeddings object) the encode stage is skipped entirely. `budget`
-    (bytes, "2GiB", or a Budget) bounds each stage's peak: the process's own memory, resident
+    ("auto", the default: what this machine, container or GPU can spare now; "none": no planning;
+    bytes, "2GiB", or a Budget) bounds each stage's peak: the process's own memory, resident
     weights, streamed blocks in flight and activations. Blocks that do not fit are streamed
     (memfit.optimize); activations are bounded by an exact strategy where needed (banded VAE
     decode, split guidance passes: memfit.plan.activations). The report shows each stage's planned
@@ -119,8 +120,6 @@ def generate(
                                true_cfg_scale=true_cfg_scale, num_frames=num_frames)
     guided = adapter.guided(settings)
     report = RunReport(device=str(device), dtype=dtype, model=str(folder.path), settings=settings.__dict__.copy())
-    if budget is not None:
-        return_large_frees_to_os()  # freed activations leave RSS at once, so stages stay within plan
     runner = StageRunner(report=report, settings=settings, guided=guided, dtype=dtype, device=device, budget=budget,
                          backend=backend, fallback=fallback, progress=progress)
 
@@ -146,4 +145,4 @@ def generate(
     generator = torch.Generator(device="cpu").manual_seed(settings.seed)
     stages += [denoise_stage(folder, settings, prompt_embeddings, generator), decode_stage(folder, settings, generator)]
     images = runner.run(stages)["decode"]
-    return Generation(images, settings, report, png_metadata(settings, folder, dtype))
+    return Generation(images, settings, report, png_metadata(settings, folder, dtype), timeline=runner.timeline)

@@ -98,7 +98,7 @@ def denoise_stage(folder: ModelFolder, settings: Settings, embeddings: Callable[
                 latents = run(adapter, pipe, embeddings(results), results, split)
         return latents.clone()
 
-    return Stage(name, work)
+    return Stage(name, work, generators=(generator,))
 
 
 def decode_stage(folder: ModelFolder, settings: Settings, generator, latents_from: str = "denoise") -> Stage:
@@ -109,7 +109,7 @@ def decode_stage(folder: ModelFolder, settings: Settings, generator, latents_fro
         with torch.inference_mode():
             return folder.adapter.decode(pipe, results.pop(latents_from), settings, generator)
 
-    return Stage("decode", work)
+    return Stage("decode", work, generators=(generator,))
 
 
 @dataclass
@@ -120,6 +120,7 @@ class Generation:
     settings: Settings
     report: Any
     metadata: dict[str, str] = field(default_factory=dict)
+    timeline: Any = None  # memfit.run.timeline.Timeline: weight movements and memory over the run
 
     def save(self, path: str | Path, index: int = 0) -> Path:
         return save_png(self.images[index], path, self.metadata)
