@@ -40,9 +40,37 @@ PROMPT = "a lighthouse at dusk"
 GUIDANCE = 3.5
 
 
+def heartbeat(interval: float = 10.0) -> None:
+    """Every ``interval`` s, one stderr line: seconds, RSS, and the cgroup's rss / cache split, so a
+    killed run still shows what grew (anonymous memory or page cache) and when."""
+    import threading
+
+    from memfit.testing.cgroup import own_memory_cgroup
+
+    group = own_memory_cgroup()
+    started = time.perf_counter()
+
+    def beat():
+        while True:
+            time.sleep(interval)
+            rss = next((int(l.split()[1]) * 1024 for l in open("/proc/self/status") if l.startswith("VmRSS:")), 0)
+            stat = {}
+            if group is not None:
+                for line in (group / "memory.stat").read_text().splitlines():
+                    key, _, value = line.partition(" ")
+                    stat[key] = int(value)
+            print(f"HEARTBEAT t={time.perf_counter() - started:.0f}s rss={rss / GiB:.2f}GiB "
+                  f"cg_rss={stat.get('rss', 0) / GiB:.2f}GiB cg_cache={stat.get('cache', 0) / GiB:.2f}GiB "
+                  f"cg_mapped={stat.get('mapped_file', 0) / GiB:.2f}GiB", file=sys.stderr, flush=True)
+
+    threading.Thread(target=beat, daemon=True).start()
+
+
 def child(system: str, model: str, size: int, steps: int, timeline_path: str | None) -> dict:
     """Inside the capped process: one generation, with its timings and peaks."""
     import torch
+
+    heartbeat()
 
     from memfit.run.memory import read_peak_rss
 
@@ -126,6 +154,9 @@ def measure(system: str, cap: float | None, args) -> dict:
                returncode=run.returncode, cgroup_peak=run.max_usage_bytes, process_s=run.seconds, **(result or {}))
     if not row["completed"] and not run.killed:
         row["error"] = run.stderr.strip().splitlines()[-3:]
+    lines = run.stderr.strip().splitlines()
+    row["heartbeat"] = [line for line in lines if line.startswith("HEARTBEAT")][-60:]
+    row["warnings"] = [line for line in lines if line.startswith("memfit: during")]
     return row
 
 
@@ -204,7 +235,8 @@ def main() -> None:
         cap = None if cap_text == "none" else float(cap_text)
         row = measure(system, cap, args)
         data["rows"].append(row)
-        print(json.dumps({k: v for k, v in row.items() if k not in ("notes", "stages")}), flush=True)
+        print(json.dumps({k: v for k, v in row.items() if k not in ("notes", "stages", "heartbeat")}), flush=True)
+        print("\n".join(row.get("heartbeat", [])[-8:]), flush=True)
         write_outputs(args.name, data, render(data))
 
 

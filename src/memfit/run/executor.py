@@ -168,7 +168,11 @@ def optimize(
         in_use = sum(block.bytes for component_blocks in blocks.values() for block in component_blocks)
         resolved = resolve_budget(budget, str(device) if device.type == "cuda" else "cpu",
                                   in_use=in_use if _is_auto(budget) else 0)
-        plan = make_plan(stages, resolved.budget)
+        planned = resolved.budget
+        if device.type == "cpu" and _is_auto(budget):
+            # The pipeline is loaded already: on the CPU a block "parked on the host" stays where it is.
+            planned = Budget(device=planned.device, host=None, disk=planned.disk)
+        plan = make_plan(stages, planned)
     tiers = _tiers_from_plan(plan, blocks)
     tiers.update((block.key, DISK) for block in unrun)
 
