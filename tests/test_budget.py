@@ -166,3 +166,95 @@ def test_cuda_without_cuda_says_so(tmp_path):
     roots = _fake_machine(tmp_path, 2**20, "0::/", {})
     with pytest.raises(MemfitError, match="no CUDA"):
         detect_budget("cuda", **roots)
+
+
+# --- the automatic budget, "none", refusals ---------------------------------------------------
+
+from memfit.plan.budget import HostMemory, host_reserve, read_host_memory, resolve_budget  # noqa: E402
+
+
+def _container(tmp_path, *, limit, usage, inactive=0, mem_available=32 * GiB, mem_total=64 * GiB, v2=False):
+    if v2:
+        files = {"job/memory.max": str(limit), "job/memory.current": str(usage),
+                 "job/memory.stat": f"anon {usage - inactive}\ninactive_file {inactive}\nactive_file 0"}
+        line = "0::/job"
+    else:
+        files = {"memory/job/memory.limit_in_bytes": str(limit), "memory/job/memory.usage_in_bytes": str(usage),
+                 "memory/job/memory.stat": f"cache {inactive}\nrss {usage - inactive}\ntotal_inactive_file {inactive}"}
+        line = "4:memory:/job"
+    roots = _fake_machine(tmp_path, mem_available // 1024, line, files)
+    (roots["proc_root"] / "meminfo").write_text(
+        f"MemTotal: {mem_total // 1024} kB\nMemFree: 1 kB\nMemAvailable: {mem_available // 1024} kB\n")
+    return roots
+
+
+def test_reserve_scales_with_the_memory_there_is():
+    assert host_reserve(600 * MiB) == 75 * MiB  # 1/8: a 600 MiB container keeps most of it
+    assert host_reserve(128 * MiB) == 64 * MiB  # floor
+    assert host_reserve(24 * GiB) == 2 * GiB  # ceiling
+    assert host_reserve(600 * MiB) < host_reserve(4 * GiB) < host_reserve(64 * GiB)
+
+
+@pytest.mark.parametrize("v2", [False, True])
+def test_auto_budget_in_a_600_MiB_container(tmp_path, v2):
+    """limit - working set (usage less inactive page cache) + what this process holds - reserve."""
+    roots = _container(tmp_path, limit=600 * MiB, usage=300 * MiB, inactive=100 * MiB, v2=v2)
+    host = read_host_memory(**roots)
+    assert (host.cgroup_limit, host.cgroup_usage, host.cgroup_room) == (600 * MiB, 200 * MiB, 400 * MiB)
+    resolved = resolve_budget("auto", "cpu", in_use=150 * MiB, **roots)
+    assert resolved.mode == "auto"
+    assert resolved.budget == Budget(device=150 * MiB + 400 * MiB - 75 * MiB, host=0)
+    for words in ("cgroup limit 600.00 MiB", "200.00 MiB in use", "150.00 MiB this process holds",
+                  "reserve 75.00 MiB", "= 475.00 MiB"):
+        assert words in resolved.source, resolved.source
+
+
+def test_auto_budget_without_a_container_uses_memavailable(tmp_path):
+    roots = _container(tmp_path, limit=2**63 - 4096, usage=GiB, mem_available=10 * GiB, mem_total=16 * GiB)
+    resolved = resolve_budget(None, "cpu", **roots)  # None is auto
+    assert resolved.budget.device == 10 * GiB - 2 * GiB
+    assert resolved.source.startswith("auto: MemAvailable 10.00 GiB of 16.00 GiB")
+
+
+def test_memavailable_below_the_cgroup_room_wins(tmp_path):
+    roots = _container(tmp_path, limit=8 * GiB, usage=GiB, mem_available=3 * GiB, mem_total=4 * GiB)
+    resolved = resolve_budget("AUTO", "cpu", **roots)
+    assert resolved.budget.device == 3 * GiB - host_reserve(4 * GiB)
+    assert "MemAvailable" in resolved.source and "cgroup" not in resolved.source
+
+
+@pytest.mark.parametrize("value", ["none", "None", " NONE "])
+def test_none_turns_planning_off(tmp_path, value):
+    resolved = resolve_budget(value, "cpu", **_container(tmp_path, limit=600 * MiB, usage=0))
+    assert resolved.budget is None and resolved.mode == "none" and resolved.source.startswith("none:")
+
+
+def test_explicit_budget_above_the_container_limit_is_refused_naming_both(tmp_path):
+    roots = _container(tmp_path, limit=600 * MiB, usage=100 * MiB)
+    with pytest.raises(MemfitError) as info:
+        resolve_budget("1GiB", "cpu", **roots)
+    message = str(info.value)
+    assert "1.00 GiB" in message and "600.00 MiB" in message and "container" in message
+    assert "auto" in message  # says what to do instead
+    ok = resolve_budget("590MiB", "cpu", **roots)
+    assert ok.budget == Budget(device=590 * MiB) and ok.mode == "explicit" and "590.00 MiB" in ok.source
+
+
+def test_explicit_budget_above_the_machines_ram_is_refused(tmp_path):
+    roots = _container(tmp_path, limit=2**63 - 4096, usage=0, mem_total=16 * GiB)
+    with pytest.raises(MemfitError, match=r"32\.00 GiB.*MemTotal.*16\.00 GiB"):
+        resolve_budget({"device": "32GiB"}, "cpu", **roots)
+
+
+def test_host_memory_total_is_the_smaller_of_limit_and_ram():
+    assert HostMemory(mem_available=GiB, mem_total=16 * GiB, cgroup_limit=600 * MiB).total == 600 * MiB
+    assert HostMemory(mem_available=GiB, mem_total=16 * GiB).total == 16 * GiB
+
+
+def test_report_table_says_where_the_budget_came_from():
+    from memfit.run.report import RunReport
+
+    report = RunReport(device="cpu", dtype="fp32", model="m",
+                       budget={"mode": "auto", "source": "auto: cgroup limit 600.00 MiB - ...", "budget": None})
+    assert "budget: auto: cgroup limit 600.00 MiB" in report.table()
+    assert report.to_dict()["budget"]["mode"] == "auto"

@@ -148,7 +148,7 @@ def test_parts_a_stage_does_not_run_stay_on_disk(tiny_models, dtype):
     before = encoder_weight.detach().clone()
 
     parts = {"vae": VAE_DECODE_PARTS}
-    optimize(pipe, budget="64GiB", stage="generate", parts=parts)
+    optimize(pipe, stage="generate", parts=parts)  # budget auto: the tiny model fits whole
     placed = {f"{p.component}/{p.block}" for stage in pipe._memfit_plan.stages for p in stage.placements}
     assert any(key.startswith("vae/decoder.") for key in placed) and "vae/rest" in placed
     assert not any(key.startswith("vae/encoder") for key in placed), sorted(placed)
@@ -252,7 +252,7 @@ def test_restore_leaves_no_trace(tiny_models, dtype):
 
 def test_plans_from_budget_and_bad_input(tiny_models):
     pipe = load(tiny_models("sd"))
-    optimize(pipe, memfit.Budget(device="100GiB"))
+    optimize(pipe, memfit.Budget(device="1GiB"))  # the tiny model fits whole
     assert pipe._memfit_plan.stages and not any(
         p.where != "device" for s in pipe._memfit_plan.stages for p in s.placements
     )

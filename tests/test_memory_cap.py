@@ -10,10 +10,15 @@ here, so the test does not depend on this machine), plus halfway between what me
 evicted before each run and counts against the cap; being reclaimable, it cannot kill a run.
 """
 
+import json
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
+from PIL import Image
+
+from memfit.sizes import format_bytes
 
 from memfit.testing.cgroup import cgroup_unavailable_reason, evict_page_cache, run_capped
 
@@ -43,17 +48,25 @@ def _run(command, model, cap):
 
 
 def test_memfit_completes_where_plain_diffusers_is_killed(model, tmp_path):
+    """With no --budget flag: the automatic budget reads the cap from the run's own cgroup, and the
+    image is the one an uncapped run draws."""
     plain = [sys.executable, "-c", PLAIN, model]
-    ours = [sys.executable, "-m", "memfit", "generate", "--model", model, "--prompt", "a red circle", "--steps", "1",
-            "--guidance", "2", "--width", "32", "--height", "32", "--dtype", "bf16", "--quiet",
-            "--out", str(tmp_path / "o.png")]
+
+    def ours(name):
+        return [sys.executable, "-m", "memfit", "generate", "--model", model, "--prompt", "a red circle", "--steps", "1",
+                "--guidance", "2", "--width", "32", "--height", "32", "--dtype", "bf16", "--quiet",
+                "--out", str(tmp_path / f"{name}.png"), "--report", str(tmp_path / f"{name}.json")]
     baseline = _run([sys.executable, "-c", "import torch, diffusers, transformers, memfit.cli.app"], model, None)
     bf16 = {part.name: sum(f.stat().st_size for f in part.glob("*.safetensors")) // 2 for part in Path(model).iterdir()}
     total, largest = sum(bf16.values()), max(bf16.values())
     assert total - largest > 300 * MiB, bf16
     cap = baseline.max_usage_bytes + (largest + total) // 2
 
-    plain_capped, ours_capped = _run(plain, model, cap), _run(ours, model, cap)
+    plain_capped, ours_capped = _run(plain, model, cap), _run(ours("capped"), model, cap)
     assert plain_capped.killed, f"plain diffusers fit in {cap / MiB:.0f} MiB"
     assert ours_capped.completed, f"memfit did not fit in {cap / MiB:.0f} MiB: {ours_capped.stderr[-500:]}"
-    assert (tmp_path / "o.png").is_file()
+    budget = json.loads((tmp_path / "capped.json").read_text())["budget"]
+    assert budget["mode"] == "auto" and f"cgroup limit {format_bytes(cap // 4096 * 4096)}" in budget["source"], budget
+    assert _run(ours("uncapped"), model, None).completed
+    capped, uncapped = Image.open(tmp_path / "capped.png"), Image.open(tmp_path / "uncapped.png")
+    assert np.array_equal(np.asarray(capped), np.asarray(uncapped))

@@ -17,24 +17,13 @@ from memfit.batch.jobs import Job
 from memfit.batch.output import JobOutput
 from memfit.errors import MemfitError
 
-__all__ = ["BatchWorker", "resolve_budget"]
-
-
-def resolve_budget(budget, device):
-    """``"auto"``: what this node can give right now (memfit.plan.budget.detect_budget); ``"none"``/None: no budget."""
-    if budget is None or (isinstance(budget, str) and budget.lower() == "none"):
-        return None
-    if isinstance(budget, str) and budget.lower() == "auto":
-        from memfit.plan.budget import detect_budget
-
-        return detect_budget(str(device))
-    return budget
+__all__ = ["BatchWorker"]
 
 
 class BatchWorker:
     """Runs jobs for one model under one set of run options; keeps the pipeline warm between them."""
 
-    def __init__(self, model, *, dtype: str = "fp32", device=None, budget=None, backend=None,
+    def __init__(self, model, *, dtype: str = "fp32", device=None, budget="auto", backend=None,
                  fallback: str | None = None, name: str | None = None):
         import torch
 
@@ -42,15 +31,13 @@ class BatchWorker:
         from memfit.run.session import Session
 
         device = torch.device(device) if device is not None else default_device()
-        self.session = Session(model, dtype=dtype, device=device, budget=resolve_budget(budget, device),
-                               backend=backend, fallback=fallback)
+        # "auto" is resolved by each run on this worker's own machine (memfit.plan.budget).
+        self.session = Session(model, dtype=dtype, device=device, budget=budget, backend=backend, fallback=fallback)
         self.name = f"{name + '@' if name else ''}{socket.gethostname()}:{os.getpid()}"
 
     def describe(self) -> dict:
         """Where this worker runs and what it planned with (for the driver's log)."""
-        budget = self.session.budget
-        budget = budget.device if hasattr(budget, "device") else budget
-        return {"worker": self.name, "device": str(self.session.device), "budget": budget}
+        return {"worker": self.name, "device": str(self.session.device), "budget": self.session.budget}
 
     def run(self, job: Job | dict, *, fresh: bool = False) -> JobOutput:
         """Run one job; a failure of the job itself comes back as a JobOutput with its message.

@@ -37,7 +37,11 @@ def register(commands: argparse._SubParsersAction) -> None:
     gen.add_argument("--seed", type=int, default=0)
     gen.add_argument("--width", type=int)
     gen.add_argument("--height", type=int)
-    gen.add_argument("--budget", help="memory budget for each stage (the process, weights and activations), e.g. 2GiB or 6GB (=6*10^9 bytes)")
+    gen.add_argument("--budget", default="auto", help="memory budget for each stage (the process, weights and activations): "
+                     "auto (default: what this machine, container or GPU can spare now), none (no planning), or a size "
+                     "such as 2GiB or 6GB (=6*10^9 bytes)")
+    gen.add_argument("--timeline", help="write the run's memory timeline (weight movements, memory sampled over time): "
+                     "PATH.json for the events, PATH.png for a plot")
     gen.add_argument("--backend", help="compile with a backend: NAME (eager, inductor, openvino, onnxruntime) or per "
                      "component, e.g. unet=openvino,vae=eager")
     gen.add_argument("--fallback", choices=("eager",), help="if a backend fails on a component, run it eagerly (reported)")
@@ -67,7 +71,7 @@ def register(commands: argparse._SubParsersAction) -> None:
     enc.add_argument("--negative-prompt")
     enc.add_argument("--out", required=True, help="embeddings file to write (.safetensors)")
     enc.add_argument("--report", help="also write the stage report as JSON here")
-    enc.add_argument("--budget", help="memory budget for the stage, as for generate")
+    enc.add_argument("--budget", default="auto", help="memory budget for the stage, as for generate (default auto)")
     enc.add_argument("--quiet", action="store_true")
     enc.set_defaults(func=_encode)
 
@@ -113,6 +117,8 @@ def _generate(args) -> int:
     from memfit.compile.entry_points import parse_backend_arg
     from memfit.run.generate import generate
 
+    if args.timeline and Path(args.timeline).suffix.lower() not in (".json", ".png"):
+        raise MemfitError(f"--timeline {args.timeline} should end in .json (the events) or .png (a plot).")
     if args.prompt is None and args.embeddings is None:
         raise MemfitError("Nothing to draw: pass --prompt TEXT, or --embeddings FILE from memfit encode.")
     if args.fps is not None and args.fps < 1:
@@ -152,6 +158,8 @@ def _generate(args) -> int:
     result.save(out, frames_per_second=args.fps)
     if args.report:
         result.report.write_json(args.report)
+    if args.timeline:
+        result.timeline.write(args.timeline)
     if not args.quiet:
         print(result.report.table())
     print(f"wrote {out}")

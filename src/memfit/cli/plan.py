@@ -2,6 +2,11 @@
 
     memfit plan --arch sdxl --budget 4GiB
     memfit plan --model ./sdxl-base --budget 6GiB --host 16GiB --json
+    memfit plan --model ./flux-dev          # budget auto: what this machine can spare now
+
+With no --budget (or --budget auto) the budget is what this machine (its container, its GPU) can
+spare now, as a run would detect it; the output's first line says where it came from. An explicit
+budget is not checked against this machine: plan for any machine.
 
 The architecture comes from a built-in config (archs.py) or from a diffusers folder's
 model_index.json plus each component's config.json; meta.py sizes it, planner.py places it. Each
@@ -39,7 +44,8 @@ def register(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
     source = parser.add_mutually_exclusive_group(required=True)
     source.add_argument("--arch", choices=sorted(ARCHS), type=str.lower, help="a built-in architecture")
     source.add_argument("--model", metavar="DIR", help="a diffusers pipeline folder (reads only JSON configs)")
-    parser.add_argument("--budget", required=True, help='device memory budget, e.g. 4GiB, 6GB (=6*10^9), 512MiB')
+    parser.add_argument("--budget", default="auto", help="device memory budget, e.g. 4GiB, 6GB (=6*10^9), 512MiB; "
+                        "auto (default): what this machine can spare now")
     parser.add_argument("--host", help="host RAM for weights parked off the device (default: unlimited)")
     parser.add_argument("--disk", metavar="DIR", help="directory for memory-mapped weights (enables the disk tier)")
     parser.add_argument("--dtype", choices=("fp32", "bf16", "fp16"), default="fp32",
@@ -60,14 +66,16 @@ def run_plan(args: argparse.Namespace) -> int:
     height = args.height or adapter.default_size()
     if width <= 0 or height <= 0 or args.steps <= 0:
         raise MemfitError(f"--width, --height and --steps must be positive, got {width}, {height}, {args.steps}.")
-    budget = Budget(device=args.budget, host=args.host, disk=args.disk)
+    budget, source = _budget(args)
     options = stage_options(adapter, dtype=args.dtype, width=width, height=height, steps=args.steps)
     stages, strategies = choose_strategies(options, budget, prefetch=args.prefetch)
     plan = make_plan(stages, budget, prefetch=args.prefetch)
     if args.json:
-        print(json.dumps(_report(name, args.dtype, width, height, plan, strategies), indent=2))
+        print(json.dumps({**_report(name, args.dtype, width, height, plan, strategies), "budget_source": source},
+                         indent=2))
     else:
         print(f"{name}: {description}; {width}x{height}, {args.dtype}, {args.steps} steps")
+        print(f"budget: {source}")
         print(plan.table())
         for stage_options_, (stage, chosen) in zip(options, strategies.items()):
             if len(stage_options_) > 1:
@@ -77,6 +85,27 @@ def run_plan(args: argparse.Namespace) -> int:
                                                 f"{format_bytes(own.activation_bytes)} of activations")
                 print(line)
     return 0
+
+
+def _budget(args: argparse.Namespace) -> tuple[Budget, str]:
+    """The budget to plan with and where it came from. auto: as a run on this machine detects it (on a
+    CPU-only machine host RAM is the device, so what does not fit streams from the model's files)."""
+    from memfit.plan.budget import AUTO, resolve_budget
+
+    if str(args.budget).strip().lower() != AUTO:
+        budget = Budget(device=args.budget, host=args.host, disk=args.disk)
+        return budget, f"explicit: device {format_bytes(budget.device)}"
+    import torch
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    resolved = resolve_budget(AUTO, device)
+    detected = resolved.budget
+    if device == "cpu":
+        disk = args.disk or args.model or "(the model's safetensors files)"
+        budget = Budget(device=detected.device, host=0, disk=disk)
+    else:
+        budget = Budget(device=detected.device, host=detected.host if args.host is None else args.host, disk=args.disk)
+    return budget, resolved.source
 
 
 def _source(args: argparse.Namespace):

@@ -21,8 +21,8 @@ def register(commands: argparse._SubParsersAction) -> None:
     srv.add_argument("--model", help="diffusers model folder (default: memfit's built-in demo model)")
     srv.add_argument("--dtype", choices=("fp32", "bf16", "fp16"), default="fp32", help="run dtype (default fp32)")
     srv.add_argument("--device", help="torch device, e.g. cpu or cuda:0 (default: cuda if available)")
-    srv.add_argument("--budget", help="memory budget for each stage, as for generate; stages stay loaded between "
-                     "requests only while all of them fit it together")
+    srv.add_argument("--budget", default="auto", help="memory budget for each stage, as for generate (default auto); "
+                     "stages stay loaded between requests only while all of them fit it together")
     srv.add_argument("--backend", help="compile with a backend, as for generate")
     srv.add_argument("--fallback", choices=("eager",), help="if a backend fails on a component, run it eagerly")
     srv.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1; any other needs --api-auth)")

@@ -13,23 +13,40 @@ from pathlib import Path
 from typing import Mapping, Union
 
 from memfit.errors import MemfitError
-from memfit.sizes import parse_size
+from memfit.sizes import format_bytes, parse_size
 
 __all__ = [
+    "AUTO",
+    "NONE",
     "Budget",
     "BudgetLike",
     "DEFAULT_DEVICE_RESERVE",
     "DEFAULT_HOST_RESERVE",
+    "HostMemory",
+    "ResolvedBudget",
     "available_host_memory",
     "cgroup_free_memory",
+    "detect",
     "detect_budget",
+    "device_reserve",
+    "host_reserve",
+    "own_cgroup_usage",
+    "read_host_memory",
+    "resolve_budget",
 ]
 
-# What detect_budget leaves unused. On a GPU the CUDA context, the caching allocator's
-# fragmentation and cuBLAS/cuDNN workspaces live outside what the planner counts; on the host the
-# Python process itself, the OS page cache for memory-mapped weights and other programs need room.
-DEFAULT_DEVICE_RESERVE = 512 * 2**20
+# What detection leaves unused. On a GPU the CUDA context, the caching allocator's fragmentation and
+# cuBLAS/cuDNN workspaces live outside what the planner counts; on the host the page cache of
+# memory-mapped weights read ahead, allocator slack and other programs need room. Both reserves scale
+# with the memory there is (a fixed 2 GiB would leave nothing of a 2 GiB container): an eighth of it
+# on the host and a sixteenth on a GPU, between a floor and these ceilings.
+DEFAULT_DEVICE_RESERVE = 2**30
 DEFAULT_HOST_RESERVE = 2 * 2**30
+_MIN_HOST_RESERVE = 64 * 2**20
+_MIN_DEVICE_RESERVE = 256 * 2**20
+
+AUTO = "auto"  # detect what this machine (container, GPU) can spare at the start of the run
+NONE = "none"  # no budget: planning off, every component loads whole
 
 # cgroup v1 reports "no limit" as a page-rounded LONG_MAX (9223372036854771712); anything this
 # large (1 PiB) cannot be a real limit on one machine.
@@ -101,42 +118,194 @@ def _parse_field(field: str, raw: object) -> int:
 # --- detection --------------------------------------------------------------------------------
 
 
+def host_reserve(total: int) -> int:
+    """Host RAM detection leaves unused: 1/8 of ``total`` (the container limit or the machine's
+    RAM), at least 64 MiB and at most 2 GiB (600 MiB container: 75 MiB; 24 GiB machine: 2 GiB)."""
+    return int(min(DEFAULT_HOST_RESERVE, max(_MIN_HOST_RESERVE, total // 8)))
+
+
+def device_reserve(total: int) -> int:
+    """GPU memory detection leaves unused: 1/16 of the device's total, between 256 MiB and 1 GiB."""
+    return int(min(DEFAULT_DEVICE_RESERVE, max(_MIN_DEVICE_RESERVE, total // 16)))
+
+
+@dataclasses.dataclass(frozen=True)
+class HostMemory:
+    """What /proc/meminfo and this process's memory cgroup say, in bytes.
+
+    cgroup_usage is the cgroup's working set: its usage less the inactive file cache the kernel
+    reclaims before it would kill anything (what ``docker stats`` and the kubelet count).
+    """
+
+    mem_available: int
+    mem_total: int | None = None
+    cgroup_limit: int | None = None
+    cgroup_usage: int | None = None
+    cgroup_dir: str | None = None
+
+    @property
+    def cgroup_room(self) -> int | None:
+        if self.cgroup_limit is None:
+            return None
+        return max(0, self.cgroup_limit - (self.cgroup_usage or 0))
+
+    @property
+    def available(self) -> int:
+        """Bytes of RAM this process could still allocate: min(MemAvailable, cgroup limit - usage)."""
+        room = self.cgroup_room
+        return self.mem_available if room is None else min(self.mem_available, room)
+
+    @property
+    def limited_by_cgroup(self) -> bool:
+        room = self.cgroup_room
+        return room is not None and room <= self.mem_available
+
+    @property
+    def total(self) -> int | None:
+        """The most this process could ever use: the cgroup limit, or the machine's RAM."""
+        totals = [t for t in (self.cgroup_limit, self.mem_total) if t is not None]
+        return min(totals) if totals else None
+
+
+@dataclasses.dataclass(frozen=True)
+class ResolvedBudget:
+    """A budget as a run uses it: ``budget`` is None for "none"; ``source`` says where it came from
+    in one line for the report and ``memfit plan``; ``mode`` is "auto", "explicit" or "none"."""
+
+    budget: Budget | None
+    source: str
+    mode: str
+
+    def to_dict(self) -> dict:
+        return {"mode": self.mode, "source": self.source,
+                "budget": None if self.budget is None else self.budget.to_dict()}
+
+
+def resolve_budget(
+    value: "BudgetLike | None",
+    device: str | None = None,
+    *,
+    in_use: int = 0,
+    proc_root: str | os.PathLike = "/proc",
+    sys_root: str | os.PathLike = "/sys",
+) -> ResolvedBudget:
+    """Turn what the user passed (``"auto"`` or None, ``"none"``, a size, a mapping, a Budget) into
+    the budget a run plans with, and say where it came from.
+
+    ``in_use`` is what this process already holds on ``device`` (RSS on the CPU, allocated memory on
+    a GPU): a budget bounds the whole process, so detection adds it to the free room it measures.
+    An explicit device budget above the container's memory limit, the machine's RAM (CPU) or the
+    GPU's total is refused, naming both numbers: the kernel (or CUDA) would stop the run long before
+    the plan's peak, so such a plan would only pretend to fit.
+    """
+    if value is None or (isinstance(value, str) and value.strip().lower() == AUTO):
+        return detect(device, in_use=in_use, proc_root=proc_root, sys_root=sys_root)
+    if isinstance(value, str) and value.strip().lower() == NONE:
+        return ResolvedBudget(None, "none: no budget (planning off; every component loads whole)", NONE)
+    budget = Budget.of(value)
+    cuda = _is_cuda(device)
+    if budget.device is not None:
+        if cuda:
+            _refuse_above(budget.device, _cuda_memory(device)[1], f"the total memory of {device}", "device budget")
+        else:
+            host = read_host_memory(proc_root=proc_root, sys_root=sys_root)
+            _refuse_above(budget.device, *_host_total(host))
+    if cuda and budget.host is not None:
+        host = read_host_memory(proc_root=proc_root, sys_root=sys_root)
+        _refuse_above(budget.host, *_host_total(host), what="host budget")
+    parts = [f"device {format_bytes(budget.device)}" if budget.device is not None else "device unlimited"]
+    if budget.host is not None:
+        parts.append(f"host {format_bytes(budget.host)}")
+    if budget.disk is not None:
+        parts.append(f"disk {budget.disk}")
+    return ResolvedBudget(budget, "explicit: " + ", ".join(parts), "explicit")
+
+
+def _host_total(host: HostMemory) -> tuple[int | None, str]:
+    if host.cgroup_limit is not None and (host.mem_total is None or host.cgroup_limit <= host.mem_total):
+        return host.cgroup_limit, f"this container's memory limit (cgroup {host.cgroup_dir})"
+    return host.mem_total, "this machine's RAM (MemTotal)"
+
+
+def _refuse_above(requested: int, limit: int | None, limit_name: str, what: str = "budget") -> None:
+    if limit is None or requested <= limit:
+        return
+    raise MemfitError(
+        f"The {what} of {format_bytes(requested)} ({requested} bytes) is above {limit_name}, "
+        f"{format_bytes(limit)} ({limit} bytes): the run would be killed before memfit's plan is reached. "
+        f"Give at most {format_bytes(limit)}, or leave the budget out (auto) to fit what is free now."
+    )
+
+
+def detect(
+    device: str | None = None,
+    *,
+    reserve: int | str | None = None,
+    in_use: int = 0,
+    proc_root: str | os.PathLike = "/proc",
+    sys_root: str | os.PathLike = "/sys",
+) -> ResolvedBudget:
+    """The automatic budget, with the arithmetic that produced it (see ``detect_budget``)."""
+    host = read_host_memory(proc_root=proc_root, sys_root=sys_root)
+    if _is_cuda(device):
+        free, total = _cuda_memory(device)
+        d_reserve = device_reserve(total) if reserve is None else parse_size(reserve)
+        h_reserve = host_reserve(host.total or host.available)
+        budget = Budget(device=max(0, in_use + free - d_reserve), host=max(0, host.available - h_reserve))
+        source = (f"auto: {device} free {format_bytes(free)} of {format_bytes(total)}"
+                  + (f" + {format_bytes(in_use)} this process holds" if in_use else "")
+                  + f" - reserve {format_bytes(d_reserve)} = {format_bytes(budget.device)}; host tier: "
+                  + _host_words(host) + f" - reserve {format_bytes(h_reserve)} = {format_bytes(budget.host)}")
+        return ResolvedBudget(budget, source, AUTO)
+    if device is not None and str(device) != "cpu":
+        raise MemfitError(
+            f"memfit cannot detect a budget for device {device!r}; use 'cpu', 'cuda' or 'cuda:N', "
+            "or pass an explicit budget such as budget=\"6GiB\"."
+        )
+    h_reserve = host_reserve(host.total or host.available) if reserve is None else parse_size(reserve)
+    budget = Budget(device=max(0, in_use + host.available - h_reserve), host=0)
+    source = ("auto: " + _host_words(host) + (f" + {format_bytes(in_use)} this process holds" if in_use else "")
+              + f" - reserve {format_bytes(h_reserve)} = {format_bytes(budget.device)}")
+    return ResolvedBudget(budget, source, AUTO)
+
+
+def _host_words(host: HostMemory) -> str:
+    if host.limited_by_cgroup:
+        return (f"cgroup limit {format_bytes(host.cgroup_limit)} - {format_bytes(host.cgroup_usage or 0)} in use "
+                f"= {format_bytes(host.cgroup_room)} free")
+    total = f" of {format_bytes(host.mem_total)}" if host.mem_total is not None else ""
+    return f"MemAvailable {format_bytes(host.mem_available)}{total}"
+
+
 def detect_budget(
     device: str | None = None,
     reserve: int | str | None = None,
     *,
+    in_use: int = 0,
     proc_root: str | os.PathLike = "/proc",
     sys_root: str | os.PathLike = "/sys",
 ) -> Budget:
     """Measure what memfit may use right now and return it as a Budget.
 
     With a CUDA ``device`` ("cuda", "cuda:1"): device = free device memory
-    (``torch.cuda.mem_get_info``) minus ``reserve`` (default 512 MiB); host = available RAM minus
-    2 GiB. Without one (None or "cpu"): device = available RAM minus ``reserve`` (default 2 GiB)
-    and host = 0, because on the CPU the device *is* host memory, so nothing can be parked
-    separately. Available RAM is the smaller of MemAvailable (/proc/meminfo, psutil as a fallback)
-    and the free room under this process's cgroup memory limit (v2 and v1 both read).
+    (``torch.cuda.mem_get_info``) + ``in_use`` minus ``reserve`` (default ``device_reserve``:
+    1/16 of the GPU, 256 MiB to 1 GiB); host = available RAM minus ``host_reserve``. Without one
+    (None or "cpu"): device = available RAM + ``in_use`` minus ``reserve`` (default
+    ``host_reserve``: 1/8 of the container limit or RAM, 64 MiB to 2 GiB) and host = 0, because on
+    the CPU the device *is* host memory, so nothing can be parked separately. Available RAM is the
+    smaller of MemAvailable (/proc/meminfo, psutil as a fallback) and the free room under this
+    process's cgroup memory limit (v2 and v1 both read).
 
     ``proc_root`` and ``sys_root`` exist so tests can point at fake /proc and /sys trees.
     """
-    host_available = available_host_memory(proc_root=proc_root, sys_root=sys_root)
-    if device is not None and str(device).startswith("cuda"):
-        device_reserve = DEFAULT_DEVICE_RESERVE if reserve is None else parse_size(reserve)
-        free = _cuda_free_bytes(device)
-        return Budget(
-            device=max(0, free - device_reserve),
-            host=max(0, host_available - DEFAULT_HOST_RESERVE),
-        )
-    if device is not None and str(device) != "cpu":
-        raise MemfitError(
-            f"detect_budget does not know device {device!r}; use 'cpu', 'cuda' or 'cuda:N', "
-            "or pass an explicit budget such as budget=\"6GiB\"."
-        )
-    host_reserve = DEFAULT_HOST_RESERVE if reserve is None else parse_size(reserve)
-    return Budget(device=max(0, host_available - host_reserve), host=0)
+    return detect(device, reserve=reserve, in_use=in_use, proc_root=proc_root, sys_root=sys_root).budget
 
 
-def _cuda_free_bytes(device: str) -> int:
+def _is_cuda(device) -> bool:
+    return device is not None and str(device).startswith("cuda")
+
+
+def _cuda_memory(device: str) -> tuple[int, int]:
     import torch  # local: budget parsing must not pay for importing torch
 
     if not torch.cuda.is_available():
@@ -144,31 +313,42 @@ def _cuda_free_bytes(device: str) -> int:
             f"Device {device!r} was requested but torch reports no CUDA device "
             f"(torch {torch.__version__}). Use device='cpu' or install a CUDA build of torch."
         )
-    free, _total = torch.cuda.mem_get_info(torch.device(device))
-    return int(free)
+    free, total = torch.cuda.mem_get_info(torch.device(device))
+    return int(free), int(total)
 
 
 def available_host_memory(
     *, proc_root: str | os.PathLike = "/proc", sys_root: str | os.PathLike = "/sys"
 ) -> int:
     """Bytes of RAM this process could still allocate: min(MemAvailable, cgroup limit - usage)."""
-    candidates = [_mem_available(Path(proc_root))]
-    cgroup_room = cgroup_free_memory(proc_root=proc_root, sys_root=sys_root)
-    if cgroup_room is not None:
-        candidates.append(cgroup_room)
-    return min(candidates)
+    return read_host_memory(proc_root=proc_root, sys_root=sys_root).available
 
 
-def _mem_available(proc: Path) -> int:
+def read_host_memory(
+    *, proc_root: str | os.PathLike = "/proc", sys_root: str | os.PathLike = "/sys"
+) -> HostMemory:
+    """MemAvailable, MemTotal and this process's cgroup limit and working set, read now."""
+    available, total = _meminfo(Path(proc_root))
+    limit = _own_cgroup_limit(proc_root=proc_root, sys_root=sys_root)
+    if limit is None:
+        return HostMemory(available, total)
+    directory, limit_bytes, usage = limit
+    return HostMemory(available, total, limit_bytes, usage, str(directory))
+
+
+def _meminfo(proc: Path) -> tuple[int, int | None]:
     try:
         text = (proc / "meminfo").read_text()
     except OSError:
         text = ""
+    fields = {}
     for line in text.splitlines():
-        if line.startswith("MemAvailable:"):
-            parts = line.split()
-            # The kernel always writes "kB" here and means KiB.
-            return int(parts[1]) * 1024
+        name, _, rest = line.partition(":")
+        parts = rest.split()
+        if parts and parts[0].isdigit():
+            fields[name] = int(parts[0]) * 1024  # the kernel always writes "kB" here and means KiB
+    if "MemAvailable" in fields:
+        return fields["MemAvailable"], fields.get("MemTotal")
     try:
         import psutil
     except ImportError:  # pragma: no cover - psutil is a dependency
@@ -176,7 +356,8 @@ def _mem_available(proc: Path) -> int:
             f"Cannot find MemAvailable in {proc / 'meminfo'} and psutil is not installed; "
             "pass an explicit budget such as budget=\"6GiB\"."
         ) from None
-    return int(psutil.virtual_memory().available)
+    memory = psutil.virtual_memory()
+    return int(memory.available), int(memory.total)
 
 
 def cgroup_free_memory(
@@ -186,8 +367,20 @@ def cgroup_free_memory(
 
     Reads /proc/self/cgroup to find our own cgroup (containers often nest it), then cgroup v2
     ``memory.max`` / ``memory.current`` or cgroup v1 ``memory.limit_in_bytes`` /
-    ``memory.usage_in_bytes`` under /sys/fs/cgroup.
+    ``memory.usage_in_bytes`` under /sys/fs/cgroup, less the inactive file cache of ``memory.stat``.
     """
+    return read_host_memory(proc_root=proc_root, sys_root=sys_root).cgroup_room
+
+
+def own_cgroup_usage(
+    *, proc_root: str | os.PathLike = "/proc", sys_root: str | os.PathLike = "/sys"
+) -> tuple[int, int] | None:
+    """(working-set usage, limit) of this process's memory cgroup now, or None without a limit."""
+    found = _own_cgroup_limit(proc_root=proc_root, sys_root=sys_root)
+    return None if found is None else (found[2], found[1])
+
+
+def _own_cgroup_limit(*, proc_root, sys_root) -> tuple[Path, int, int] | None:
     proc, cgroup_fs = Path(proc_root), Path(sys_root) / "fs" / "cgroup"
     try:
         lines = (proc / "self" / "cgroup").read_text().splitlines()
@@ -198,17 +391,18 @@ def cgroup_free_memory(
         hierarchy, controllers, path = (line.split(":", 2) + ["", ""])[:3]
         relative = path.lstrip("/")
         if hierarchy == "0" and controllers == "":
-            room = _cgroup_room(cgroup_fs / relative, "memory.max", "memory.current")
+            found = _cgroup_limit(cgroup_fs / relative, "memory.max", "memory.current", "inactive_file")
         elif "memory" in controllers.split(","):
-            room = _cgroup_room(cgroup_fs / "memory" / relative, "memory.limit_in_bytes", "memory.usage_in_bytes")
+            found = _cgroup_limit(cgroup_fs / "memory" / relative, "memory.limit_in_bytes", "memory.usage_in_bytes",
+                                  "total_inactive_file")
         else:
             continue
-        if room is not None:
-            return room
+        if found is not None:
+            return found
     return None
 
 
-def _cgroup_room(directory: Path, limit_file: str, usage_file: str) -> int | None:
+def _cgroup_limit(directory: Path, limit_file: str, usage_file: str, inactive_key: str) -> tuple[Path, int, int] | None:
     try:
         raw_limit = (directory / limit_file).read_text().strip()
     except OSError:
@@ -222,4 +416,12 @@ def _cgroup_room(directory: Path, limit_file: str, usage_file: str) -> int | Non
         usage = int((directory / usage_file).read_text().strip())
     except (OSError, ValueError):
         usage = 0  # without a usage figure the limit itself is the best upper bound we have
-    return max(0, limit - usage)
+    inactive = 0
+    try:
+        for line in (directory / "memory.stat").read_text().splitlines():
+            key, _, value = line.partition(" ")
+            if key == inactive_key:
+                inactive = int(value)
+    except (OSError, ValueError):
+        pass
+    return directory, limit, max(0, usage - inactive)

@@ -50,7 +50,7 @@ from typing import Mapping
 import torch
 
 from memfit.models.checkpoint_keys import loaded_names
-from memfit.plan.budget import Budget, BudgetLike, detect_budget
+from memfit.plan.budget import AUTO, NONE, Budget, BudgetLike, resolve_budget
 from memfit.errors import MemfitError
 from memfit.run.offload import HookRegistry, MappedSafetensors, Runtime, Shared, Slot, SwapHook
 from memfit.plan.planner import DEVICE, DISK, HOST, BlockSpec, Plan, StageInput, make_plan
@@ -105,7 +105,7 @@ def reads_in_place(pipe) -> bool:
 
 def optimize(
     pipe,
-    budget: BudgetLike | None = None,
+    budget: BudgetLike | None = AUTO,
     *,
     plan: Plan | None = None,
     force_tiers: Mapping[str, str] | None = None,
@@ -120,7 +120,9 @@ def optimize(
 ):
     """Apply a plan to the live pipeline ``pipe`` and return the same object.
 
-    budget:      bytes, "6GiB", or Budget(device=, host=, disk=); None detects what is free now.
+    budget:      "auto" (default; None alike) detects what is free now (memfit.plan.budget.resolve_budget);
+                 bytes, "6GiB", or Budget(device=, host=, disk=), refused above the container's or
+                 device's total; "none" places nothing (only ``backend`` then has work to do).
     plan:        an explicit Plan (e.g. from ``memfit plan``) instead of planning here.
     force_tiers: {pattern: "device"|"host"|"disk"}, patterns matched (fnmatch) against block keys
                  ("unet/down_blocks.0", "text_encoder/*", or a bare component name); later patterns
@@ -140,12 +142,20 @@ def optimize(
                  compiles and places nothing. ``fallback="eager"`` runs a failing component eagerly;
                  the records are in ``pipe._memfit_compile_records``.
     """
-    if backend is not None and budget is None and plan is None and force_tiers is None:
+    no_budget = isinstance(budget, str) and budget.strip().lower() == NONE
+    if plan is not None or force_tiers is not None:
+        if not _is_auto(budget) and not no_budget:
+            raise MemfitError("Pass at most one of budget=, plan= and force_tiers=.")
+        if plan is not None and force_tiers is not None:
+            raise MemfitError("Pass at most one of budget=, plan= and force_tiers=.")
+        budget = None
+    elif no_budget:
+        if backend is None:
+            raise MemfitError('budget="none" leaves memfit.optimize nothing to do; give a budget ("auto", "6GiB") '
+                              "or a backend to compile with.")
         return _compile(pipe, backend, fallback)
     if is_optimized(pipe):
         raise MemfitError("This pipeline is already optimized; call memfit.restore(pipe) before optimizing it again.")
-    if sum(x is not None for x in (budget, plan, force_tiers)) > 1:
-        raise MemfitError("Pass at most one of budget=, plan= and force_tiers=.")
     components = _components(pipe)
     if not components:
         raise MemfitError(f"{type(pipe).__name__} has no torch module components to optimize.")
@@ -159,8 +169,15 @@ def optimize(
     if plan is None and force_tiers is not None:
         plan = _forced_plan(stages, force_tiers)
     elif plan is None:
-        resolved = Budget.of(budget) if budget is not None else detect_budget(str(device))
-        plan = make_plan(stages, resolved)
+        # optimize fits a pipeline already loaded: what it holds now is part of what the budget bounds.
+        in_use = sum(block.bytes for component_blocks in blocks.values() for block in component_blocks)
+        resolved = resolve_budget(budget, str(device) if device.type == "cuda" else "cpu",
+                                  in_use=in_use if _is_auto(budget) else 0)
+        planned = resolved.budget
+        if device.type == "cpu" and _is_auto(budget):
+            # The pipeline is loaded already: on the CPU a block "parked on the host" stays where it is.
+            planned = Budget(device=planned.device, host=None, disk=planned.disk)
+        plan = make_plan(stages, planned)
     tiers = _tiers_from_plan(plan, blocks)
     tiers.update((block.key, DISK) for block in unrun)
 
@@ -181,6 +198,10 @@ def optimize(
             restore(pipe)
             raise
     return pipe
+
+
+def _is_auto(budget) -> bool:
+    return budget is None or (isinstance(budget, str) and budget.strip().lower() == AUTO)
 
 
 def plan_stage(pipe, budget: BudgetLike, stage: str, activation_bytes: int = 0,

@@ -17,7 +17,7 @@ from memfit.models.families import ADAPTERS, TEXT2IMG, Conditioning, supporting
 from memfit.models.lora import check_loras
 from memfit.run.embeddings import Embeddings
 from memfit.run.libraries import quiet_libraries
-from memfit.run.memory import collects_only_its_own_garbage, return_large_frees_to_os
+from memfit.run.memory import collects_only_its_own_garbage
 from memfit.run.report import RunReport
 from memfit.run.runner import StageRunner, check_budget_floor, resolve_device
 from memfit.run.stages import (
@@ -42,7 +42,7 @@ def encode(
     negative_prompt: str | None = None,
     dtype: str = "fp32",
     device: str | torch.device | None = None,
-    budget=None,
+    budget="auto",
     backend=None,
     fallback: str | None = None,
     allow_pickle: bool = False,
@@ -76,7 +76,7 @@ def generate(
     height: int | None = None,
     dtype: str = "fp32",
     device: str | torch.device | None = None,
-    budget=None,
+    budget="auto",
     backend=None,
     fallback: str | None = None,
     progress: bool = True,
@@ -98,7 +98,8 @@ def generate(
 
     `model` defaults to memfit's built-in demo model. With `embeddings` (a file from
     `memfit encode` or an Embeddings object) the encode stage is skipped entirely. `budget`
-    (bytes, "2GiB", or a Budget) bounds each stage's peak: the process's own memory, resident
+    ("auto", the default: what this machine, container or GPU can spare now; "none": no planning;
+    bytes, "2GiB", or a Budget) bounds each stage's peak: the process's own memory, resident
     weights, streamed blocks in flight and activations. Blocks that do not fit are streamed
     (memfit.optimize); activations are bounded by an exact strategy where needed (banded VAE
     decode, split guidance passes: memfit.plan.activations). The report shows each stage's planned
@@ -160,12 +161,11 @@ def generate(
                                strength=strength)
     guided = adapter.guided(settings)
     report = RunReport(device=str(device), dtype=dtype, model=str(folder.path), settings=settings.__dict__.copy())
-    if budget is not None:
-        check_budget_floor(folder, settings, dtype, budget, device)
-        return_large_frees_to_os()  # freed activations leave RSS at once, so stages stay within plan
     runner = StageRunner(report=report, settings=settings, guided=guided, dtype=dtype, device=device, budget=budget,
                          backend=backend, fallback=fallback, progress=progress,
                          pool=getattr(session, "pool", None), on_step=getattr(session, "on_step", None))
+    if runner.resolved.mode == "explicit":  # an automatic budget is what there is: nothing to name instead
+        check_budget_floor(folder, settings, dtype, runner.budget, device)
     if sampler is not None:  # refused before anything loads when it does not fit the model
         from memfit.run.samplers import resolve_sampler
 
@@ -176,7 +176,7 @@ def generate(
         if sampler is not None:
             raise MemfitError(_not_staged(folder, "replace the scheduler (--sampler)", "Leave --sampler out."))
         return run_result(runner.run([pipeline_stage(folder, settings, generator)])["pipeline"], settings, report,
-                          folder, dtype)
+                          folder, dtype, timeline=runner.timeline)
     stages = []
     if loaded is None:
         stages.append(encode_stage([("base", folder)], settings, with_negative=guided, loras=conditioning.loras))
@@ -199,7 +199,7 @@ def generate(
 
     stages += [denoise_stage(folder, settings, prompt_embeddings, generator, conditioning=conditioning, sampler=sampler),
                decode_stage(folder, settings, generator)]
-    result = run_result(runner.run(stages)["decode"], settings, report, folder, dtype)
+    result = run_result(runner.run(stages)["decode"], settings, report, folder, dtype, timeline=runner.timeline)
     if sampler is not None:
         result.metadata["sampler"] = sampler
     return result

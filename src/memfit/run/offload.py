@@ -27,6 +27,7 @@ import contextlib
 import mmap
 import os
 import threading
+import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Iterator
@@ -34,11 +35,13 @@ from typing import Iterator
 import torch
 
 from memfit.errors import MemfitError
+from memfit.run.timeline import record_move
 from memfit.safetensors_header import read_header
 
 __all__ = ["HookRegistry", "MappedSafetensors", "ModuleHook", "MappedPages", "Runtime", "Shared", "Slot", "SwapHook", "weights_ready"]
 
 REGISTRY_ATTR = "_memfit_hooks"
+_TIER_OF_KIND = {"mmap": "disk", "host": "host", "device": "device"}
 
 
 class ModuleHook:
@@ -339,6 +342,7 @@ class SwapHook(ModuleHook):
         self._depth = 0  # a module re-entered (rare; e.g. a shared submodule) swaps once
 
     def _materialize(self, cuda_stream=None) -> list[torch.Tensor]:
+        started = time.perf_counter()
         out = []
         for slot in self.slots:
             home = slot.home_tensor()
@@ -353,6 +357,10 @@ class SwapHook(ModuleHook):
                 out.append(home.to(slot.dtype, copy=home.dtype != slot.dtype))
                 if pages is not None and home.dtype != slot.dtype:
                     pages.release()  # converted: the mapped pages are not needed any more
+        # On CUDA the end is when the copies were queued (they run on the side stream); on the CPU
+        # a block used in place is only read ahead here, so the end is when the kernel was asked.
+        record_move(self.block, _TIER_OF_KIND.get(self.slots[0].kind, "host") if self.slots else "host",
+                    "device", sum(t.numel() * t.element_size() for t in out), started, time.perf_counter())
         return out
 
     def start_prefetch(self) -> None:

@@ -94,7 +94,7 @@ def generate_with_refiner(
     height: int | None = None,
     dtype: str = "fp32",
     device: str | torch.device | None = None,
-    budget=None,
+    budget="auto",
     backend=None,
     fallback: str | None = None,
     progress: bool = True,
@@ -133,4 +133,4 @@ def generate_with_refiner(
     ])["decode"]
     metadata = png_metadata(settings, base, dtype)
     metadata.update(refiner=str(ref.path), refiner_start=str(refiner_start))
-    return Generation(images, settings, report, metadata)
+    return Generation(images, settings, report, metadata, timeline=runner.timeline)

@@ -37,6 +37,8 @@ class RunReport:
     stages: list[StageReport] = field(default_factory=list)
     settings: dict = field(default_factory=dict)
     notes: list[str] = field(default_factory=list)
+    # Where the run's budget came from (memfit.plan.budget.ResolvedBudget.to_dict): mode, source, budget.
+    budget: dict = field(default_factory=dict)
 
     @property
     def peak_bytes(self) -> int:
@@ -56,6 +58,8 @@ class RunReport:
         widths = [max(len(str(r[i])) for r in [header, *rows]) for i in range(len(header))]
         lines = ["  ".join(str(cell).ljust(w) for cell, w in zip(row, widths)).rstrip() for row in [header, *rows]]
         lines.insert(1, "  ".join("-" * w for w in widths))
+        if self.budget:
+            lines.append(f"budget: {self.budget['source']}")
         lines += [f"note: {note}" for note in self.notes]
         return "\n".join(lines)
 

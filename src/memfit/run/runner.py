@@ -7,6 +7,16 @@ encode -> denoise -> decode; encode-only is [encode]; base + refiner is
 encode -> denoise -> refine -> decode. A stage's work gets the components only through
 ``StageContext.load``, so no stage can skip fitting.
 
+The budget is resolved once, at the start of the run (memfit.plan.budget.resolve_budget): "auto"
+(the default) measures what this machine, container or GPU can spare, "none" turns planning off, a
+size is taken as given (refused above the container's or device's total); the report says which.
+
+Out of memory: a torch.OutOfMemoryError in a stage (a GPU's allocator raises it) re-plans that stage
+under a smaller budget (OOM_SHRINK of it) and runs it again once, from the same inputs and random
+state; the report says so. A second one is an error naming the stage and both budgets. On the CPU
+the kernel kills instead of raising: the run's timeline (memfit.run.timeline) watches the cgroup's
+usage against its limit and warns on stderr before a kill is likely.
+
 Fitting a stage: the budget left once the process's own memory is counted is planned for the
 stage's components together with the activations of each strategy the family allows
 (memfit.plan.activations), and the first strategy that keeps every weight resident wins (else the
@@ -27,13 +37,17 @@ from memfit.compile.entry_points import compile_stage, report_records
 from memfit.errors import MemfitError
 from memfit.models.families import Settings
 from memfit.models.folder import ModelFolder, parse_dtype
-from memfit.plan.budget import Budget
-from memfit.run.memory import PeakMemory, current_rss, release_freed_memory
+from memfit.plan.budget import AUTO, Budget, resolve_budget
+from memfit.run.memory import PeakMemory, current_rss, release_freed_memory, return_large_frees_to_os
 from memfit.run.report import RunReport, StageReport
+from memfit.run.timeline import Timeline
 from memfit.sizes import format_bytes
 
-__all__ = ["Stage", "StageContext", "StageDoesNotFit", "StageRunner", "check_budget_floor", "default_device",
-           "memory_in_use", "resident_bytes", "resolve_device"]
+__all__ = ["OOM_SHRINK", "Stage", "StageContext", "StageDoesNotFit", "StageRunner", "check_budget_floor",
+           "default_device", "memory_in_use", "resident_bytes", "resolve_device"]
+
+# After an out-of-memory error a stage is re-planned under this fraction of the budget it failed in.
+OOM_SHRINK = 0.7
 
 
 @dataclass(frozen=True)
@@ -46,6 +60,9 @@ class Stage:
 
     name: str
     work: Callable[["StageContext", dict[str, Any]], Any]
+    # The random generators the work draws from: restored to their state at the stage's start when
+    # the stage is run again after running out of memory, so the retry computes the same result.
+    generators: tuple = ()
 
 
 class StageDoesNotFit(MemfitError):
@@ -141,9 +158,10 @@ class StageContext:
     """What a stage's work sees: ``load`` (fitted, compiled components), the strategy chosen for
     its activations, and a ``note`` for the report."""
 
-    def __init__(self, runner: "StageRunner", stage: str):
+    def __init__(self, runner: "StageRunner", stage: str, budget: Budget | None = None):
         self.runner = runner
         self.stage = stage
+        self.budget = budget  # this stage's budget: the run's, or a smaller one after running out of memory
         self.strategy = ""
         self.planned_peak: int | None = None
         self.note = ""
@@ -237,7 +255,7 @@ class StageContext:
 
             if load_loras(pipe, loras, folder.configs):
                 self.note = (self.note + "; " if self.note else "") + f"{len(loras)} LoRA(s), unfused"
-        if runner.budget is not None and _has_weights(pipe, to_load):
+        if self.budget is not None and _has_weights(pipe, to_load):
             self._fit(pipe, folder, plan_as or self.stage, already_used)
         if shared:
             pipe.register_modules(**shared)
@@ -250,7 +268,7 @@ class StageContext:
 
         runner = self.runner
         report = runner.report
-        budget = Budget.of(runner.budget)
+        budget = self.budget
         if runner.device.type == "cpu":
             budget = Budget(device=budget.device, host=0, disk=str(folder.path))
         adapter = folder.adapter
@@ -279,6 +297,11 @@ class StageContext:
             )
         stage_plan = plan.stages[0]
         self.streamed_bytes += stage_plan.streamed_from_host_bytes + stage_plan.streamed_from_disk_bytes
+        binds = strategy is not options[0] or stage_plan.streamed_from_host_bytes or stage_plan.streamed_from_disk_bytes
+        if runner.resolved.mode != AUTO or binds:
+            # Freed activations then leave RSS at once, so the stage stays within its plan. Not set
+            # while an automatic budget holds everything: that run then costs nothing a plain one does not.
+            return_large_frees_to_os()
         # The plan fits the read-ahead into the budget (a cgroup cap charges the page cache), but read in
         # place it is mapped into this process only once its block runs: the predicted peak RSS leaves it out.
         read_ahead = stage_plan.stream_window_bytes - stage_plan.largest_streamed_bytes if reads_in_place(pipe) else 0
@@ -315,7 +338,7 @@ class StageRunner:
     """Carries out a list of stages with one set of run options; every stage lands in ``report``."""
 
     def __init__(self, *, report: RunReport, settings: Settings, guided: bool, dtype: str, device: torch.device,
-                 budget=None, backend=None, fallback: str | None = None, progress: bool = True,
+                 budget="auto", backend=None, fallback: str | None = None, progress: bool = True,
                  pool=None, on_step: Callable[[str, int, int], None] | None = None):
         self.report = report
         self.settings = settings
@@ -323,7 +346,11 @@ class StageRunner:
         self.dtype = dtype
         self.torch_dtype = parse_dtype(dtype)
         self.device = device
-        self.budget = budget
+        # Resolved now, before any weight loads: the process's own memory is part of the budget.
+        self.resolved = resolve_budget(budget, str(device) if device.type == "cuda" else "cpu",
+                                       in_use=memory_in_use(device))
+        self.budget = self.resolved.budget
+        report.budget = self.resolved.to_dict()
         self.backend = backend
         self.fallback = fallback
         self.progress = progress
@@ -332,17 +359,65 @@ class StageRunner:
         # pipeline's own progress bar advances (it may raise to stop the run).
         self.pool = pool
         self.on_step = on_step
+        self.timeline = Timeline(device=str(device))
 
     def run(self, stages: list[Stage]) -> dict[str, Any]:
         """Run ``stages`` in order; returns each stage's result by name."""
         results: dict[str, Any] = {}
-        for stage in stages:
-            results[stage.name] = self._run_stage(stage, results)
+        with self.timeline:
+            for stage in stages:
+                results[stage.name] = self._run_stage(stage, results)
+        self.report.notes += self.timeline.warnings
         return results
 
     def _run_stage(self, stage: Stage, results: dict[str, Any]):
-        context = StageContext(self, stage.name)
+        inputs = _snapshot(results)
+        states = [generator.get_state() for generator in stage.generators]
+        failed = None
+        try:
+            return self._attempt(stage, results, self.budget)
+        except torch.OutOfMemoryError as exc:
+            failed = str(exc).splitlines()[0] if str(exc) else "out of memory"
+        # Out of the except block: the traceback (and the stage's pipelines its frames hold) is gone.
+        if self.pool is not None:
+            self.pool.give_up(f"{stage.name} ran out of memory")  # kept stages hold memory the retry needs
+        self._release_device()
+        budget = self.budget
+        if budget is None or budget.device is None:
+            raise MemfitError(
+                f"The {stage.name} stage ran out of memory with no budget ({failed}). Leave --budget out (auto) "
+                "or give a size, so memfit plans the stage to fit the memory there is."
+            )
+        smaller = Budget(device=int(budget.device * OOM_SHRINK), host=budget.host, disk=budget.disk)
+        self.report.notes.append(
+            f"{stage.name}: out of memory under a budget of {format_bytes(budget.device)} ({failed}); re-planned under "
+            f"{format_bytes(smaller.device)} and run again"
+        )
+        results.clear()
+        results.update(_snapshot(inputs))
+        for generator, state in zip(stage.generators, states):
+            generator.set_state(state)
+        try:
+            return self._attempt(stage, results, smaller)
+        except torch.OutOfMemoryError as exc:
+            failed = str(exc).splitlines()[0] if str(exc) else "out of memory"
+        self._release_device()
+        raise MemfitError(
+            f"The {stage.name} stage ran out of memory twice: under a budget of {format_bytes(budget.device)} and again "
+            f"re-planned under {format_bytes(smaller.device)} ({failed}). Something outside memfit's plan holds memory "
+            "(another process on the device, activations above the estimate): give a smaller --budget, a smaller "
+            "size or a narrower --dtype, or free the device."
+        )
+
+    def _release_device(self) -> None:
         release_freed_memory()
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
+
+    def _attempt(self, stage: Stage, results: dict[str, Any], budget: Budget | None):
+        context = StageContext(self, stage.name, budget)
+        release_freed_memory()
+        self.timeline.stage_started(stage.name, None if budget is None else budget.device)
         with PeakMemory(self.device) as peak:
             started = time.perf_counter()
             try:
@@ -350,9 +425,8 @@ class StageRunner:
                 weights = context._release()
             finally:
                 context._release()  # after a failure too: a pool keeps pipes that a stopped run left intact
-                release_freed_memory()  # the stage's pipelines are gone once its work returns
-                if self.device.type == "cuda":
-                    torch.cuda.empty_cache()  # the next stage's weights need the blocks this one cached
+                self._release_device()  # the stage's pipelines are gone once its work returns
+                self.timeline.stage_ended(context.planned_peak)
             seconds = time.perf_counter() - started
         self.report.stages.append(StageReport(
             stage.name, context.components, seconds, peak.peak_bytes, peak.start_bytes, weights, peak.method,
@@ -403,6 +477,11 @@ class StepWatch:
         return getattr(self.bar, name)
 
 
+def _snapshot(results: dict[str, Any]) -> dict[str, Any]:
+    """A copy of a stage's inputs two levels deep: stages pop what they consume (results["encode"]["base"])."""
+    return {name: dict(value) if isinstance(value, dict) else value for name, value in results.items()}
+
+
 def _has_weights(pipe, names) -> bool:
     return any(isinstance(getattr(pipe, name, None), torch.nn.Module) for name in names)
 
@@ -415,6 +494,6 @@ def _room_left(budget: Budget, already_used: int) -> Budget:
         raise StageDoesNotFit(
             f"The budget of {format_bytes(budget.device)} is already used up by this process before any weight is "
             f"loaded ({format_bytes(already_used)}: Python, torch and the libraries memfit loaded). Give a budget "
-            "above that, or none to let memfit detect one."
+            "above that, or leave it out (auto) to let memfit detect one."
         )
     return Budget(device=budget.device - already_used, host=budget.host, disk=budget.disk)

@@ -92,7 +92,7 @@ class Session:
     """
 
     def __init__(self, model: str | Path | None = None, *, dtype: str = "fp32", device: str | torch.device | None = None,
-                 budget=None, backend=None, fallback: str | None = None, warm: bool = True):
+                 budget="auto", backend=None, fallback: str | None = None, warm: bool = True):
         self.folder = open_model(model)
         self.dtype = dtype
         self.device = torch.device(device) if device is not None else default_device()

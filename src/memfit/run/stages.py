@@ -189,7 +189,7 @@ def denoise_stage(folder: ModelFolder, settings: Settings, embeddings: Callable[
         check_finite(latents, name, folder, [c for c in adapter.denoise_components if c in folder.components])
         return latents.clone()
 
-    return Stage(name, work)
+    return Stage(name, work, generators=(generator,))
 
 
 def decode_stage(folder: ModelFolder, settings: Settings, generator, latents_from: str = "denoise") -> Stage:
@@ -220,7 +220,7 @@ def decode_stage(folder: ModelFolder, settings: Settings, generator, latents_fro
             )
         return images
 
-    return Stage("decode", work)
+    return Stage("decode", work, generators=(generator,))
 
 
 def pipeline_stage(folder: ModelFolder, settings: Settings, generator) -> Stage:
@@ -241,7 +241,7 @@ def pipeline_stage(folder: ModelFolder, settings: Settings, generator) -> Stage:
         images = getattr(output, "images", None)
         return list(images) if images is not None else list(output.frames[0])
 
-    return Stage("pipeline", work)
+    return Stage("pipeline", work, generators=(generator,))
 
 
 @dataclass
@@ -258,6 +258,7 @@ class Generation:
     metadata: dict[str, str] = field(default_factory=dict)
     frames: list | None = None
     frames_per_second: int | None = None
+    timeline: Any = None  # memfit.run.timeline.Timeline: weight movements and memory over the run
 
     def save(self, path: str | Path, index: int = 0, frames_per_second: int | None = None) -> Path:
         """Write the image (.png) or the video (.mp4, .webp, .gif; .png writes its first frame)."""
@@ -272,14 +273,14 @@ class Generation:
         return save_png(self.frames[0] if self.frames is not None else self.images[index], path, self.metadata)
 
 
-def run_result(output: list, settings: Settings, report, folder: ModelFolder, dtype: str) -> Generation:
+def run_result(output: list, settings: Settings, report, folder: ModelFolder, dtype: str, timeline=None) -> Generation:
     """The Generation for what the decode stage of `folder` returned."""
     adapter = folder.adapter
     metadata = png_metadata(settings, folder, dtype)
     if adapter.makes_video:
         return Generation([], settings, report, metadata, frames=list(output),
-                          frames_per_second=adapter.frames_per_second)
-    return Generation(list(output), settings, report, metadata)
+                          frames_per_second=adapter.frames_per_second, timeline=timeline)
+    return Generation(list(output), settings, report, metadata, timeline=timeline)
 
 
 def png_metadata(settings: Settings, folder: ModelFolder, dtype: str) -> dict[str, str]:

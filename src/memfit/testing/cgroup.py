@@ -18,6 +18,11 @@ from pathlib import Path
 _ROOT = Path("/sys/fs/cgroup/memory")
 
 
+def own_memory_cgroup() -> Path | None:
+    """This process's cgroup v1 memory directory, or None."""
+    return _own_memory_cgroup()
+
+
 def _own_memory_cgroup() -> Path | None:
     try:
         for line in Path("/proc/self/cgroup").read_text().splitlines():

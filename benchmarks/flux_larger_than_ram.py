@@ -1,0 +1,244 @@
+"""Larger than memory with no flag: FLUX.1-dev (12B transformer, T5-XXL, CLIP-L, VAE; about 33.7 GB
+of bf16 safetensors) on a machine with less RAM than that, memfit against plain diffusers (issue 13).
+
+    # once, outside the repository (about 34 GB of disk; the builder checks free space first):
+    python benchmarks/build_flux_random.py /work/bench-models/flux-dev-random
+    # then (each run a fresh process in a child memory cgroup; results are written after every run):
+    nice -n 19 python benchmarks/flux_larger_than_ram.py --model /work/bench-models/flux-dev-random \\
+        --size 256 --steps 1 --runs memfit:none,memfit:12,diffusers:12,memfit:6,diffusers:6
+
+A run is SYSTEM:CAP with CAP in GiB or "none" (no cap). memfit runs with **no budget flag**: the
+automatic budget reads the cap from the run's own cgroup. Plain diffusers loads FluxPipeline in bf16
+and calls it, as its documentation does. The page cache of the model is evicted before each run and
+counts against the cap, so a run that merely re-reads its weights from disk is measured honestly.
+
+Also measured in the same session: the disk's sequential read bandwidth, cold (page cache of one
+transformer shard dropped first, read in 16 MiB chunks), so memfit's time per step can be set
+against the bound the disk sets: bytes read from disk per step / bandwidth. Bytes per step come
+from memfit's timeline (every block read from the disk tier in the denoise stage); the step's time
+is the denoise stage's span from its first block read to its end.
+
+Writes docs/flux_larger_than_ram.{json,md} after every run, so an interrupted session keeps what
+finished. Runs that take longer than --timeout seconds are stopped and reported as such.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "src"))
+
+GiB = 2**30
+PROMPT = "a lighthouse at dusk"
+GUIDANCE = 3.5
+
+
+def heartbeat(interval: float = 10.0) -> None:
+    """Every ``interval`` s, one stderr line: seconds, RSS, and the cgroup's rss / cache split, so a
+    killed run still shows what grew (anonymous memory or page cache) and when."""
+    import threading
+
+    from memfit.testing.cgroup import own_memory_cgroup
+
+    group = own_memory_cgroup()
+    started = time.perf_counter()
+
+    def beat():
+        while True:
+            time.sleep(interval)
+            rss = next((int(l.split()[1]) * 1024 for l in open("/proc/self/status") if l.startswith("VmRSS:")), 0)
+            stat = {}
+            if group is not None:
+                for line in (group / "memory.stat").read_text().splitlines():
+                    key, _, value = line.partition(" ")
+                    stat[key] = int(value)
+            print(f"HEARTBEAT t={time.perf_counter() - started:.0f}s rss={rss / GiB:.2f}GiB "
+                  f"cg_rss={stat.get('rss', 0) / GiB:.2f}GiB cg_cache={stat.get('cache', 0) / GiB:.2f}GiB "
+                  f"cg_mapped={stat.get('mapped_file', 0) / GiB:.2f}GiB", file=sys.stderr, flush=True)
+
+    threading.Thread(target=beat, daemon=True).start()
+
+
+def child(system: str, model: str, size: int, steps: int, timeline_path: str | None) -> dict:
+    """Inside the capped process: one generation, with its timings and peaks."""
+    import torch
+
+    heartbeat()
+
+    from memfit.run.memory import read_peak_rss
+
+    started = time.perf_counter()
+    if system == "memfit":
+        import memfit
+
+        result = memfit.generate(PROMPT, model=model, steps=steps, guidance=GUIDANCE, width=size, height=size,
+                                 dtype="bf16", progress=False)
+        timeline = result.timeline
+        if timeline_path:  # a plot for docs/, the events (large) next to the model, outside the repository
+            timeline.write(timeline_path)
+            events = Path(model).parent / "timelines" / Path(timeline_path).with_suffix(".json").name
+            events.parent.mkdir(exist_ok=True)
+            timeline.write(events)
+        denoise = next(s for s in timeline.stages if s.stage == "denoise")
+        moves = [m for m in timeline.moves if m.stage == "denoise"]
+        disk = [m for m in moves if m.from_tier == "disk"]
+        first_read = min((m.start for m in moves), default=denoise.start)
+        return {
+            "wall_s": time.perf_counter() - started,
+            "peak_rss": max(s.peak_bytes for s in result.report.stages),
+            "stages": [{"stage": s.stage, "seconds": s.seconds, "peak_rss": s.peak_bytes,
+                        "planned_peak": s.planned_peak_bytes, "strategy": s.strategy} for s in result.report.stages],
+            "budget": result.report.budget,
+            "notes": result.report.notes,
+            "denoise_stage_s": denoise.end - denoise.start,
+            "step_s": (denoise.end - first_read) / steps,
+            "disk_bytes_per_step": sum(m.bytes for m in disk) / steps,
+            "cgroup_peak_sampled": max((s.cgroup or 0 for s in timeline.samples), default=0),
+        }
+    import diffusers
+
+    diffusers.utils.logging.disable_progress_bar()
+    pipe = diffusers.FluxPipeline.from_pretrained(model, torch_dtype=torch.bfloat16)
+    pipe.set_progress_bar_config(disable=True)
+    load_s = time.perf_counter() - started
+    load_peak = read_peak_rss()
+    call_started = time.perf_counter()
+    pipe(PROMPT, num_inference_steps=steps, guidance_scale=GUIDANCE, width=size, height=size,
+         generator=torch.Generator().manual_seed(0))
+    return {"wall_s": time.perf_counter() - started, "load_s": load_s, "call_s": time.perf_counter() - call_started,
+            "peak_rss": read_peak_rss(), "load_peak_rss": load_peak}
+
+
+def disk_bandwidth(model: str, nbytes: int = 4 * GiB) -> dict:
+    """Cold sequential read of the largest transformer shard (its page cache dropped first)."""
+    from memfit.testing.cgroup import evict_page_cache
+
+    shard = max((Path(model) / "transformer").glob("*.safetensors"), key=lambda p: p.stat().st_size)
+    evict_page_cache(shard.parent)
+    read, chunk = 0, 16 * 2**20
+    started = time.perf_counter()
+    with open(shard, "rb", buffering=0) as handle:
+        while read < nbytes:
+            data = handle.read(chunk)
+            if not data:
+                break
+            read += len(data)
+    seconds = time.perf_counter() - started
+    evict_page_cache(shard.parent)
+    return {"file": str(shard), "bytes": read, "seconds": seconds, "bytes_per_s": read / seconds}
+
+
+def measure(system: str, cap: float | None, args) -> dict:
+    from memfit.testing.cgroup import evict_page_cache, run_capped
+
+    docs = Path(__file__).resolve().parent.parent / "docs"
+    timeline = docs / f"flux_timeline_{system}_{'none' if cap is None else f'{cap:g}'}gib.png"
+    command = [sys.executable, __file__, "--child", system, "--model", args.model, "--size", str(args.size),
+               "--steps", str(args.steps)] + (["--timeline", str(timeline)] if system == "memfit" else [])
+    evict_page_cache(args.model)
+    env = {**os.environ, "MEMFIT_CACHE": "0"}  # every memfit run encodes its prompt like plain diffusers does
+    row = {"system": system, "cap_gib": cap}
+    try:
+        run = run_capped(command, int(cap * GiB) if cap else None, timeout=args.timeout, env=env)
+    except subprocess.TimeoutExpired:
+        return {**row, "completed": False, "killed": False, "timed_out": True, "timeout_s": args.timeout}
+    result = next((json.loads(line[7:]) for line in run.stdout.splitlines() if line.startswith("RESULT ")), None)
+    row.update(completed=run.completed and result is not None, killed=run.killed, timed_out=False,
+               returncode=run.returncode, cgroup_peak=run.max_usage_bytes, process_s=run.seconds, **(result or {}))
+    if not row["completed"] and not run.killed:
+        row["error"] = run.stderr.strip().splitlines()[-3:]
+    lines = run.stderr.strip().splitlines()
+    row["heartbeat"] = [line for line in lines if line.startswith("HEARTBEAT")][-60:]
+    row["warnings"] = [line for line in lines if line.startswith("memfit: during")]
+    return row
+
+
+def render(data: dict) -> str:
+    bw = data.get("disk")
+    lines = [
+        "# FLUX.1-dev larger than RAM: memfit (no flag) and plain diffusers under cgroup caps",
+        "",
+        f"Random bf16 weights, real architecture (33.7 GB of safetensors), {data['args']['size']}x{data['args']['size']}, "
+        f"{data['args']['steps']} step(s), guidance {GUIDANCE}, bf16, {data['machine'].get('cpu_count')} CPU cores, "
+        f"{data['machine'].get('memory_gib')} GiB RAM, no swap. Page cache evicted before each run and charged to "
+        "the cap. memfit runs with no `--budget`: its budget is detected from the run's own cgroup. "
+        "Built by `benchmarks/build_flux_random.py`, run by `benchmarks/flux_larger_than_ram.py`.",
+        "",
+    ]
+    if bw:
+        lines += [f"Disk, cold sequential read: {bw['bytes_per_s'] / 1e6:.0f} MB/s ({bw['bytes'] / GiB:.1f} GiB in "
+                  f"{bw['seconds']:.1f} s).", ""]
+    lines += ["| system | cap | outcome | wall s | denoise step s | disk bytes / step | disk bound s | step / bound | "
+              "peak RSS | cgroup peak | budget |",
+              "|---|---|---|---|---|---|---|---|---|---|---|"]
+    for r in data["rows"]:
+        cap = "none" if r["cap_gib"] is None else f"{r['cap_gib']:g} GiB"
+        outcome = ("completed" if r.get("completed") else "killed (OOM)" if r.get("killed")
+                   else f"stopped after {r.get('timeout_s')} s" if r.get("timed_out") else f"failed: {r.get('error')}")
+        step = r.get("step_s")
+        per_step = r.get("disk_bytes_per_step")
+        bound = per_step / bw["bytes_per_s"] if per_step and bw else None
+        lines.append("| {} | {} | {} | {} | {} | {} | {} | {} | {} | {} | {} |".format(
+            r["system"], cap, outcome, f"{r['wall_s']:.0f}" if r.get("wall_s") else "-",
+            f"{step:.0f}" if step else "-", f"{per_step / GiB:.1f} GiB" if per_step else "-",
+            f"{bound:.0f}" if bound else "-", f"{step / bound:.2f}x" if step and bound else "-",
+            f"{r['peak_rss'] / GiB:.2f} GiB" if r.get("peak_rss") else "-",
+            f"{r['cgroup_peak'] / GiB:.2f} GiB" if r.get("cgroup_peak") else "-",
+            (r.get("budget") or {}).get("source", "-").replace("|", "/")))
+    memfit_rows = [r for r in data["rows"] if r["system"] == "memfit" and r.get("stages")]
+    if memfit_rows:
+        lines += ["", "memfit's stages (seconds / peak RSS / planned peak):", ""]
+        for r in memfit_rows:
+            cap = "none" if r["cap_gib"] is None else f"{r['cap_gib']:g} GiB"
+            parts = [f"{s['stage']} {s['seconds']:.0f} s / {s['peak_rss'] / GiB:.2f} GiB / "
+                     + ("-" if s["planned_peak"] is None else f"{s['planned_peak'] / GiB:.2f} GiB") for s in r["stages"]]
+            lines.append(f"- cap {cap}: " + "; ".join(parts))
+    return "\n".join(lines) + "\n"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default="/work/bench-models/flux-dev-random")
+    parser.add_argument("--size", type=int, default=256)
+    parser.add_argument("--steps", type=int, default=1)
+    parser.add_argument("--runs", default="memfit:none,memfit:12,diffusers:12,memfit:6,diffusers:6",
+                        help="SYSTEM:CAP pairs (memfit or diffusers; CAP in GiB or none), in order")
+    parser.add_argument("--timeout", type=float, default=1800, help="seconds per run before it is stopped")
+    parser.add_argument("--name", default="flux_larger_than_ram")
+    parser.add_argument("--child", help=argparse.SUPPRESS)
+    parser.add_argument("--timeline", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.child:
+        print("RESULT " + json.dumps(child(args.child, args.model, args.size, args.steps, args.timeline)), flush=True)
+        return
+
+    from common import machine, write_outputs
+
+    from memfit.testing.cgroup import cgroup_unavailable_reason
+
+    if not (Path(args.model) / "model_index.json").is_file():
+        sys.exit(f"{args.model} is not built; run benchmarks/build_flux_random.py {args.model} first")
+    reason = cgroup_unavailable_reason()
+    if reason:
+        sys.exit(f"cannot cap memory here ({reason})")
+    data = {"machine": machine(), "args": vars(args), "disk": disk_bandwidth(args.model), "rows": []}
+    print(f"disk: {data['disk']['bytes_per_s'] / 1e6:.0f} MB/s cold sequential read", flush=True)
+    for spec in args.runs.split(","):
+        system, cap_text = spec.split(":")
+        cap = None if cap_text == "none" else float(cap_text)
+        row = measure(system, cap, args)
+        data["rows"].append(row)
+        print(json.dumps({k: v for k, v in row.items() if k not in ("notes", "stages", "heartbeat")}), flush=True)
+        print("\n".join(row.get("heartbeat", [])[-8:]), flush=True)
+        write_outputs(args.name, data, render(data))
+
+
+if __name__ == "__main__":
+    main()
