@@ -52,6 +52,16 @@ def post(url, body, timeout=300):
     return httpx.post(url + "/sdapi/v1/txt2img", json=body, timeout=timeout)
 
 
+def wait_queued(url, task, timeout=120):
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        progress = httpx.get(url + "/sdapi/v1/progress", params={"id_task": task}, timeout=10).json()
+        if progress["memfit"]["queue_position"] == 1:
+            return progress
+        time.sleep(0.05)
+    pytest.fail(f"task {task} never waited in the queue")
+
+
 def wait_running(url, task, timeout=120):
     deadline = time.time() + timeout
     while time.time() < deadline:
@@ -111,13 +121,13 @@ def test_a_client_killed_mid_request_does_not_stall_the_queue(server):
 def test_sigterm_drains_the_running_request_and_exits_cleanly(server):
     process, url = server
     result = {}
-    runner = threading.Thread(target=lambda: result.update(r=post(url, {**BASE, "steps": 30, "force_task_id": "last"})))
+    runner = threading.Thread(target=lambda: result.update(r=post(url, {**BASE, "steps": 150, "force_task_id": "last"})))
     runner.start()
     wait_running(url, "last")
     waiting = {}
-    queued = threading.Thread(target=lambda: waiting.update(r=post(url, {**BASE, "seed": 9})))
+    queued = threading.Thread(target=lambda: waiting.update(r=post(url, {**BASE, "seed": 9, "force_task_id": "next"})))
     queued.start()
-    time.sleep(0.5)
+    wait_queued(url, "next")  # signalled while the first still runs and the second waits behind it
     process.send_signal(signal.SIGTERM)
     runner.join(120)
     queued.join(120)

@@ -116,18 +116,20 @@ def check_budget_floor(folder: ModelFolder, settings: Settings, dtype: str, budg
     floors = {opts[0][1].name: min(minimum_device_bytes(stage) for _, stage in opts) for opts in options}
     worst = max(floors, key=floors.get)
     already = memory_in_use(device)
+    if limit >= already + floors[worst]:
+        return  # it may still fall short at a later stage, which then says so itself
     if device.type == "cpu":
         # What the process gains before the last stage starts (the pipeline's modules imported,
         # tokenizers, allocator pools): ~11% (40 MiB) on the tiny SD model. A GPU starts empty.
+        # Counted in the budget this names, not in the refusal: only a budget that cannot work is refused.
         already += already // PROCESS_GROWTH_DIVISOR
     needed = already + floors[worst]
-    if limit < needed:
-        raise MemfitError(
-            f"The budget of {format_bytes(limit)} is below the smallest that can work for this run, about "
-            f"{format_bytes(needed)} ({format_bytes(already)} for this process, Python, torch and the "
-            f"libraries, plus {format_bytes(floors[worst])} for the {worst} stage with every weight streamed): "
-            f"the smallest device budget that works is {needed} bytes; give --budget {_round_up_mib(needed)}MiB or more."
-        )
+    raise MemfitError(
+        f"The budget of {format_bytes(limit)} is below the smallest that can work for this run, about "
+        f"{format_bytes(needed)} ({format_bytes(already)} for this process, Python, torch and the "
+        f"libraries, plus {format_bytes(floors[worst])} for the {worst} stage with every weight streamed): "
+        f"the smallest device budget that works is {needed} bytes; give --budget {_round_up_mib(needed)}MiB or more."
+    )
 
 
 PROCESS_GROWTH_DIVISOR = 8
