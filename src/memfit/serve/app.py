@@ -93,11 +93,13 @@ HARMLESS_DEFAULTS = {"styles": [], "subseed": -1, "subseed_strength": 0, "seed_r
                      "hr_prompt": "", "hr_negative_prompt": "", "clip_skip": None, "clip_skip_1": None}
 
 # img2img fields memfit does not act on, with the values that change nothing in A1111 either; any other
-# value is reported as ignored. Those in MASK_ONLY act only on inpainting, so without a mask any value
-# is harmless. inpainting_fill has no harmless value: diffusers' inpaint pipeline fills the way it does.
+# value is reported as ignored (None, A1111's "not set", never is). Those in MASK_ONLY act only on
+# inpainting, so without a mask any value is harmless. inpainting_fill has no harmless value: diffusers'
+# inpaint pipeline fills the masked area its own way.
 IMG2IMG_HARMLESS = {"resize_mode": 0, "include_init_images": False, "mask_blur": 0, "mask_blur_x": 0,
-                    "mask_blur_y": 0, "inpainting_fill": object(), "inpaint_full_res": False, "inpaint_full_res_padding": 0, "inpainting_mask_invert": 0,
-                    "initial_noise_multiplier": None, "image_cfg_scale": None, "latent_mask": None, "mask_round": True}
+                    "mask_blur_y": 0, "inpainting_fill": object(), "inpaint_full_res": False,
+                    "inpaint_full_res_padding": 0, "inpainting_mask_invert": 0, "initial_noise_multiplier": None,
+                    "image_cfg_scale": None, "latent_mask": None, "mask_round": True}
 MASK_ONLY = {"mask_blur", "mask_blur_x", "mask_blur_y", "inpainting_fill", "inpaint_full_res",
              "inpaint_full_res_padding", "inpainting_mask_invert", "latent_mask", "mask_round"}
 
