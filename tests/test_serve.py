@@ -270,3 +270,98 @@ def test_a_request_the_budget_cannot_fit_gets_422_with_what_works(served):
         assert response.status_code == 422, response.text
         assert "smallest device budget that works" in response.json()["detail"]
         assert client.get("/sdapi/v1/progress").json()["state"]["job_count"] == 0  # the queue is free
+
+
+# ---- img2img and inpainting ---------------------------------------------------------------------
+
+def b64_png(image, prefix=""):
+    buffer = io.BytesIO()
+    image.save(buffer, format="PNG")
+    return prefix + base64.b64encode(buffer.getvalue()).decode()
+
+
+def test_img2img_bytes_equal_memfit_generate_with_image_and_strength(served, tmp_path):
+    from memfit.testing.conditioning import test_image
+
+    client, _, model = served
+    init = tmp_path / "init.png"
+    test_image(32, seed=1).save(init)
+    response = client.post("/sdapi/v1/img2img", json={**BASE, "seed": 5, "init_images": [b64_png(Image.open(init))],
+                                                      "denoising_strength": 0.6})
+    assert response.status_code == 200, response.text
+    body = response.json()
+    png = base64.b64decode(body["images"][0])
+    assert png == generated_png(model, tmp_path, *cli_args(5), "--image", str(init), "--strength", "0.6")
+    assert Image.open(io.BytesIO(png)).text["strength"] == "0.6"
+    info = json.loads(body["info"])
+    assert info["denoising_strength"] == 0.6 and "Denoising strength: 0.6" in info["infotexts"][0]
+    assert body["parameters"]["denoising_strength"] == 0.6 and body["parameters"]["init_images"] is None
+    # A1111's default strength (0.75) when the field is left out; width and height may be left out too
+    default = client.post("/sdapi/v1/img2img", json={"prompt": BASE["prompt"], "steps": 2, "seed": 5,
+                                                     "init_images": [b64_png(Image.open(init))]})
+    assert default.status_code == 200, default.text
+    assert Image.open(io.BytesIO(base64.b64decode(default.json()["images"][0]))).text["strength"] == "0.75"
+
+
+def test_inpaint_with_a_mask_equals_memfit_generate_with_it(served, tmp_path):
+    import memfit
+    from memfit.run.media import png_bytes
+    from memfit.testing.conditioning import test_image, test_mask
+
+    client, _, model = served
+    image, mask = test_image(32, seed=2), test_mask(32)
+    response = client.post("/sdapi/v1/img2img", json={
+        **BASE, "seed": 11, "denoising_strength": 0.9, "init_images": [b64_png(image, "data:image/png;base64,")],
+        "mask": b64_png(mask, "data:image/png;base64,"),
+        # A1111's img2img defaults: those that would change A1111's image are reported, not dropped
+        "mask_blur": 4, "inpainting_fill": 1, "inpaint_full_res": True, "resize_mode": 0,
+        "include_init_images": False, "image_cfg_scale": None, "styles": []})
+    assert response.status_code == 200, response.text
+    expected = memfit.generate(BASE["prompt"], model=model, negative_prompt=BASE["negative_prompt"], steps=2,
+                               guidance=3.5, width=32, height=32, seed=11, image=image, strength=0.9, mask=mask,
+                               progress=False)
+    png = base64.b64decode(response.json()["images"][0])
+    assert png == png_bytes(expected.images[0], expected.metadata)
+    assert Image.open(io.BytesIO(png)).text["task"] == "inpaint"
+    ignored = json.loads(response.json()["info"])["memfit"]["ignored_fields"]
+    assert ignored == ["inpaint_full_res", "inpainting_fill", "mask_blur"]
+    # without a mask the mask's fields change nothing, in A1111 too; a non-default resize_mode is reported
+    plain = client.post("/sdapi/v1/img2img", json={**BASE, "init_images": [b64_png(image)],
+                                                   "mask_blur": 4, "inpaint_full_res": True, "resize_mode": 1,
+                                                   "include_init_images": True})
+    assert plain.status_code == 200, plain.text
+    assert json.loads(plain.json()["info"])["memfit"]["ignored_fields"] == ["include_init_images", "resize_mode"]
+
+
+def test_img2img_on_a_family_without_it_gets_422_with_memfits_own_message(tiny_models):
+    import memfit
+    from memfit.testing.conditioning import test_image
+
+    model = tiny_models("flux")
+    image = test_image(32)
+    with pytest.raises(MemfitError) as refused:
+        memfit.generate("a red circle", model=model, steps=2, image=image, strength=0.75, progress=False)
+    with TestClient(create_app(Session(model))) as client:
+        response = client.post("/sdapi/v1/img2img", json={"prompt": "a red circle", "steps": 2,
+                                                          "init_images": [b64_png(image)]})
+        assert response.status_code == 422, response.text
+        assert response.json()["detail"] == str(refused.value) and "--image" in str(refused.value)
+        assert client.get("/sdapi/v1/progress").json()["state"]["job_count"] == 0
+
+
+@pytest.mark.parametrize("fields, says", [
+    ({"init_images": ["not base64 at all!"]}, "init_images[0] is not valid base64"),
+    ({"init_images": [base64.b64encode(b"plain text, not a picture").decode()]}, "init_images[0] is not an image"),
+    ({"mask": "@@@"}, "mask is not valid base64"),
+    ({"init_images": []}, "init_images needs one base64 image"),
+    ({"init_images": None}, "init_images needs one base64 image"),
+    ({"width": 48}, "draws at the size of --image"),
+    ({"denoising_strength": 0}, "--strength must be in (0, 1]"),
+])
+def test_img2img_requests_that_cannot_run_get_422_saying_why(served, fields, says):
+    from memfit.testing.conditioning import test_image
+
+    client, _, _ = served
+    response = client.post("/sdapi/v1/img2img", json={**BASE, "init_images": [b64_png(test_image(32))], **fields})
+    assert response.status_code == 422, response.text
+    assert says in response.json()["detail"]

@@ -7,6 +7,8 @@ rather than A1111's fixed 50 steps at 512x512; a sampler with no diffusers equiv
 fields memfit does not act on are listed in info's "memfit.ignored_fields" instead of silently
 changing nothing. Each image is one memfit.generate run with seed, seed+1, ... (A1111's seeds for a
 batch), so every image equals what `memfit generate` writes for its seed, PNG metadata included.
+/sdapi/v1/img2img is the same request with an init image (and a mask to inpaint): the same job path,
+each image equal to what `memfit generate --image --strength [--mask]` writes.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import base64
 import binascii
+import io
 import json
 import secrets
 import time
@@ -26,11 +29,13 @@ from fastapi.responses import HTMLResponse, JSONResponse
 from pydantic import BaseModel, ConfigDict
 
 from memfit.errors import MemfitError
+from memfit.models.families import Conditioning
+from memfit.run.generate import check_conditioning
 from memfit.run.samplers import SAMPLERS, resolve_sampler, sampler_names
 from memfit.run.session import Session
 from memfit.serve.jobs import Job, JobQueue
 
-__all__ = ["Limits", "Txt2ImgRequest", "create_app"]
+__all__ = ["Img2ImgRequest", "Limits", "Txt2ImgRequest", "create_app"]
 
 MAX_SEED = 2**32 - 1  # A1111 draws random seeds below 2**32
 
@@ -66,6 +71,15 @@ class Txt2ImgRequest(BaseModel):
     save_images: bool = False
 
 
+class Img2ImgRequest(Txt2ImgRequest):
+    """POST /sdapi/v1/img2img, as AUTOMATIC1111's StableDiffusionImg2ImgProcessingAPI names it: the
+    txt2img fields plus the init image, how far it is noised, and an optional inpainting mask."""
+
+    init_images: list[str] | None = None  # base64 images, with or without a "data:image/...;base64," prefix
+    denoising_strength: float = 0.75  # memfit generate's --strength; 0.75 is A1111's default (the pipeline's is 0.8)
+    mask: str | None = None  # base64; white is repainted, black kept
+
+
 # Fields A1111 clients send with their defaults; only a value other than these is reported as ignored.
 HARMLESS_DEFAULTS = {"styles": [], "subseed": -1, "subseed_strength": 0, "seed_resize_from_h": -1,
                      "seed_resize_from_w": -1, "restore_faces": False, "tiling": False, "do_not_save_samples": False,
@@ -77,6 +91,17 @@ HARMLESS_DEFAULTS = {"styles": [], "subseed": -1, "subseed_strength": 0, "seed_r
                      "hr_scale": 2, "hr_upscaler": None, "hr_second_pass_steps": 0, "hr_resize_x": 0,
                      "hr_resize_y": 0, "hr_checkpoint_name": None, "hr_sampler_name": None, "hr_scheduler": None,
                      "hr_prompt": "", "hr_negative_prompt": "", "clip_skip": None, "clip_skip_1": None}
+
+# img2img fields memfit does not act on, with the values that change nothing in A1111 either; any other
+# value is reported as ignored (None, A1111's "not set", never is). Those in MASK_ONLY act only on
+# inpainting, so without a mask any value is harmless. inpainting_fill has no harmless value: diffusers'
+# inpaint pipeline fills the masked area its own way.
+IMG2IMG_HARMLESS = {"resize_mode": 0, "include_init_images": False, "mask_blur": 0, "mask_blur_x": 0,
+                    "mask_blur_y": 0, "inpainting_fill": object(), "inpaint_full_res": False,
+                    "inpaint_full_res_padding": 0, "inpainting_mask_invert": 0, "initial_noise_multiplier": None,
+                    "image_cfg_scale": None, "latent_mask": None, "mask_round": True}
+MASK_ONLY = {"mask_blur", "mask_blur_x", "mask_blur_y", "inpainting_fill", "inpaint_full_res",
+             "inpaint_full_res_padding", "inpainting_mask_invert", "latent_mask", "mask_round"}
 
 
 def create_app(session: Session, *, limits: Limits = Limits(), auth: str | None = None) -> FastAPI:
@@ -109,7 +134,24 @@ def create_app(session: Session, *, limits: Limits = Limits(), auth: str | None 
     # ---- A1111 API ---------------------------------------------------------------------------
     @app.post("/sdapi/v1/txt2img")
     async def txt2img(body: Txt2ImgRequest, request: Request):
-        runs, seeds, sampler = _runs(body)
+        return await _serve(body, request)
+
+    @app.post("/sdapi/v1/img2img")
+    async def img2img(body: Img2ImgRequest, request: Request):
+        if not body.init_images:
+            raise HTTPException(422, "init_images needs one base64 image (the image to start from); for text to "
+                                     "image use /sdapi/v1/txt2img.")
+        if len(body.init_images) > 1:
+            raise HTTPException(422, f"init_images has {len(body.init_images)} images; memfit takes one per request "
+                                     "(batch_size and n_iter make several images from it).")
+        conditioning = Conditioning(image=_decode_image(body.init_images[0], "init_images[0]", "RGB"),
+                                    mask_image=None if body.mask is None else _decode_image(body.mask, "mask", None))
+        return await _serve(body, request, conditioning, body.denoising_strength)
+
+    async def _serve(body: Txt2ImgRequest, request: Request, conditioning: Conditioning | None = None,
+                     strength: float | None = None):
+        """One request's job, queued, waited for and answered (txt2img and img2img alike)."""
+        runs, seeds, sampler = _runs(body, conditioning, strength)
         job = Job(runs, **({"id": body.force_task_id} if body.force_task_id else {}))
         if body.force_task_id and queue.get(body.force_task_id) is not None:
             raise HTTPException(422, f"force_task_id {body.force_task_id!r} is already in use; send a new id or none.")
@@ -130,21 +172,19 @@ def create_app(session: Session, *, limits: Limits = Limits(), auth: str | None 
             "subseed_strength": 0, "width": first["width"], "height": first["height"],
             "sampler_name": sampler or "Default", "cfg_scale": first["guidance"], "steps": first["steps"],
             "batch_size": body.batch_size, "n_iter": body.n_iter, "sd_model_name": title, "sd_model_hash": None,
-            "seed_resize_from_w": -1, "seed_resize_from_h": -1, "denoising_strength": None,
+            "seed_resize_from_w": -1, "seed_resize_from_h": -1, "denoising_strength": first.get("strength"),
             "restore_faces": False, "clip_skip": None, "job_timestamp": time.strftime("%Y%m%d%H%M%S"),
             "infotexts": [_infotext(body.prompt, body.negative_prompt, run, sampler, title) for run in runs[:len(job.images)]],
             "version": f"memfit {_version()}",
             "memfit": {"job": job.id, "state": job.state, "report": f"/memfit/v1/report/{job.id}",
-                       "interrupted": job.state == "interrupted", "ignored_fields": _ignored(body),
+                       "interrupted": job.state == "interrupted", "ignored_fields": _ignored(body, conditioning),
                        "seconds": round((job.finished or time.time()) - job.started, 3) if job.started else None},
         }
         images = [base64.b64encode(png).decode() for png in job.images] if body.send_images else []
-        return {"images": images, "parameters": body.model_dump(), "info": json.dumps(info)}
-
-    @app.post("/sdapi/v1/img2img")
-    async def img2img(request: Request):
-        raise HTTPException(422, f"img2img is not available for {folder.class_name} in this memfit yet; "
-                                 "use /sdapi/v1/txt2img.")
+        parameters = body.model_dump()
+        if isinstance(body, Img2ImgRequest):
+            parameters.update(init_images=None, mask=None)  # as A1111 without include_init_images
+        return {"images": images, "parameters": parameters, "info": json.dumps(info)}
 
     @app.get("/sdapi/v1/progress")
     async def progress(skip_current_image: bool = False, id_task: str | None = None):
@@ -217,9 +257,11 @@ def create_app(session: Session, *, limits: Limits = Limits(), auth: str | None 
         return resources.files("memfit.serve").joinpath("page.html").read_text()
 
     # ---- request checks ----------------------------------------------------------------------
-    def _runs(body: Txt2ImgRequest) -> tuple[list[dict[str, Any]], list[int], str | None]:
+    def _runs(body: Txt2ImgRequest, conditioning: Conditioning | None = None,
+              strength: float | None = None) -> tuple[list[dict[str, Any]], list[int], str | None]:
         """Session.generate arguments per image, the seeds, and the sampler; HTTP 422 for a request
-        that cannot run, checked before it waits in the queue."""
+        that cannot run, checked before it waits in the queue. ``conditioning`` (an init image and
+        mask) and ``strength`` make it img2img or inpainting."""
         images = body.batch_size * body.n_iter
         if body.batch_size < 1 or body.n_iter < 1 or images > limits.max_images:
             raise HTTPException(422, f"batch_size x n_iter must be 1 to {limits.max_images} images, got "
@@ -228,8 +270,11 @@ def create_app(session: Session, *, limits: Limits = Limits(), auth: str | None 
             raise HTTPException(422, f"seed must be -1 (random) or 0 to {MAX_SEED}, got {body.seed}.")
         sampler = _sampler(body)
         try:
+            if conditioning is not None:  # memfit's own refusal for a family without img2img/inpainting
+                check_conditioning(folder.adapter, conditioning, False)
             settings = folder.adapter.resolve(body.prompt, body.negative_prompt, body.steps, body.cfg_scale, 0,
-                                              body.width, body.height, folder.defaults)
+                                              body.width, body.height, folder.defaults, conditioning=conditioning,
+                                              strength=strength)
         except MemfitError as exc:
             raise HTTPException(422, str(exc)) from exc
         if settings.steps > limits.max_steps:
@@ -243,6 +288,10 @@ def create_app(session: Session, *, limits: Limits = Limits(), auth: str | None 
         runs = [dict(prompt=settings.prompt, negative_prompt=settings.negative_prompt, steps=settings.steps,
                      guidance=settings.guidance, width=settings.width, height=settings.height, seed=s, sampler=sampler)
                 for s in seeds]
+        if conditioning is not None:
+            # The size resolved from the image is what memfit generate --image resolves too.
+            for run in runs:
+                run.update(image=conditioning.image, mask=conditioning.mask_image, strength=settings.strength)
         return runs, seeds, sampler
 
     def _sampler(body: Txt2ImgRequest) -> str | None:
@@ -286,9 +335,38 @@ async def _json_object(request: Request) -> dict:
     return value
 
 
-def _ignored(body: Txt2ImgRequest) -> list[str]:
-    extra = body.model_extra or {}
-    ignored = [name for name, value in extra.items() if HARMLESS_DEFAULTS.get(name, object()) != value]
+def _decode_image(data: str, field: str, mode: str | None):
+    """A PIL image from a base64 string (A1111's optional "data:image/png;base64," prefix allowed),
+    opened as memfit generate opens an image file (``mode`` "RGB" for the init image, as is for a mask);
+    HTTP 422 saying what is wrong otherwise."""
+    from PIL import Image
+
+    if data.startswith("data:"):
+        data = data.partition(",")[2]
+    try:
+        raw = base64.b64decode("".join(data.split()), validate=True)
+    except (binascii.Error, ValueError) as exc:
+        raise HTTPException(422, f"{field} is not valid base64 ({exc}); send the image file's bytes base64-encoded, "
+                                 "e.g. a PNG.") from None
+    try:
+        with Image.open(io.BytesIO(raw)) as opened:
+            return opened.convert(mode) if mode else opened.copy()
+    except (OSError, ValueError, Image.DecompressionBombError) as exc:
+        raise HTTPException(422, f"{field} is not an image Pillow can read ({exc}); send a PNG or JPEG, "
+                                 "base64-encoded.") from None
+
+
+def _ignored(body: Txt2ImgRequest, conditioning: Conditioning | None = None) -> list[str]:
+    extra = dict(body.model_extra or {})
+    if isinstance(body, Img2ImgRequest):
+        masked = conditioning is not None and conditioning.mask_image is not None
+        for name in list(extra):
+            harmless = name in IMG2IMG_HARMLESS and (not masked and name in MASK_ONLY
+                                                     or IMG2IMG_HARMLESS[name] == extra[name])
+            if harmless or (name in IMG2IMG_HARMLESS and extra[name] is None):
+                del extra[name]
+    ignored = [name for name, value in extra.items()
+               if name in IMG2IMG_HARMLESS or HARMLESS_DEFAULTS.get(name, object()) != value]
     if body.save_images:
         ignored.append("save_images")  # the server writes no files; the client gets the images
     return sorted(ignored)
@@ -300,7 +378,8 @@ def _infotext(prompt: str, negative: str | None, run: dict, sampler: str | None,
     if negative:
         lines.append(f"Negative prompt: {negative}")
     lines.append(f"Steps: {run['steps']}, Sampler: {sampler or 'Default'}, CFG scale: {run['guidance']}, "
-                 f"Seed: {run['seed']}, Size: {run['width']}x{run['height']}, Model: {title}")
+                 f"Seed: {run['seed']}, Size: {run['width']}x{run['height']}, Model: {title}"
+                 + (f", Denoising strength: {run['strength']}" if run.get("strength") is not None else ""))
     return "\n".join(lines)
 
 
