@@ -40,3 +40,49 @@ def pytest_sessionfinish(session, exitstatus):
     import shutil
 
     shutil.rmtree(os.environ["MEMFIT_CACHE_DIR"], ignore_errors=True)
+
+
+@pytest.fixture
+def streamed_plans(monkeypatch):
+    """Budgets about a tiny model's size, and every plan memfit carries out, recorded.
+
+    Calibrated activation offsets are real-size kernel workspace, and the process's own memory
+    (Python, torch) would swamp a tiny model: only what memfit places is counted, activations are
+    left out, and the prompt cache is off so the encode stage always loads (and streams) its encoders.
+    """
+    import memfit.run.executor as executor
+    from memfit.plan import meta
+
+    monkeypatch.setattr(meta, "ACTIVATION_OFFSETS", dict.fromkeys(meta.ACTIVATION_OFFSETS, 0))
+    monkeypatch.setattr(meta, "ACTIVATION_FACTORS", dict.fromkeys(meta.ACTIVATION_FACTORS, 0))
+    monkeypatch.setattr("memfit.run.runner.memory_in_use", lambda device: 0)
+    monkeypatch.setenv("MEMFIT_CACHE", "0")
+    plans = []
+    original = executor.optimize
+
+    def recording(pipe, *args, plan=None, **kwargs):
+        plans.append(plan)
+        return original(pipe, *args, plan=plan, **kwargs)
+
+    monkeypatch.setattr(executor, "optimize", recording)
+    return plans
+
+
+def smallest_budget(**generate_kwargs) -> int:
+    """The smallest budget memfit.generate(**generate_kwargs) plans every stage in, from its refusals."""
+    import re
+
+    import memfit
+    from memfit.errors import MemfitError
+
+    budget = 1
+    for _ in range(4):
+        try:
+            memfit.generate(progress=False, budget=budget, **generate_kwargs)
+            return budget
+        except MemfitError as exc:
+            found = re.search(r"smallest device budget that works is (\d+) bytes", str(exc))
+            if not found:
+                raise
+            budget = int(found.group(1))
+    raise AssertionError("no budget found")

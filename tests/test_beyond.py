@@ -7,13 +7,12 @@ call arguments and a seeded CPU generator; with and without a budget that stream
 """
 
 import importlib.util
-import re
 
 import pytest
 
 import memfit
 from memfit.errors import MemfitError
-from memfit.plan import meta
+from conftest import smallest_budget
 from memfit.testing import max_pixel_difference
 from memfit.testing.conditioning import (
     diffusers_task_image,
@@ -94,39 +93,8 @@ def test_task_equals_diffusers(tiny_models, inputs, controlnets, kind, task):
 # ---- a budget that streams ----------------------------------------------------------------------
 
 
-@pytest.fixture
-def streamed_plans(monkeypatch, tmp_path):
-    """Budgets about a tiny model's size (as in test_families): only what memfit places is counted,
-    activations left out; every plan carried out is recorded."""
-    import memfit.run.executor as executor
-
-    monkeypatch.setattr(meta, "ACTIVATION_OFFSETS", dict.fromkeys(meta.ACTIVATION_OFFSETS, 0))
-    monkeypatch.setattr(meta, "ACTIVATION_FACTORS", dict.fromkeys(meta.ACTIVATION_FACTORS, 0))
-    monkeypatch.setattr("memfit.run.runner.memory_in_use", lambda device: 0)
-    monkeypatch.setenv("MEMFIT_CACHE", "0")  # the encode stage always loads (and streams) its encoders
-    plans = []
-    original = executor.optimize
-
-    def recording(pipe, *args, plan=None, **kwargs):
-        plans.append(plan)
-        return original(pipe, *args, plan=plan, **kwargs)
-
-    monkeypatch.setattr(executor, "optimize", recording)
-    return plans
-
-
 def _smallest_budget(model, **kwargs):
-    budget = 1
-    for _ in range(4):
-        try:
-            memfit.generate(PROMPT, model=model, progress=False, budget=budget, **OURS, **kwargs)
-            return budget
-        except MemfitError as exc:
-            found = re.search(r"smallest device budget that works is (\d+) bytes", str(exc))
-            if not found:
-                raise
-            budget = int(found.group(1))
-    raise AssertionError("no budget found")
+    return smallest_budget(prompt=PROMPT, model=model, **OURS, **kwargs)
 
 
 def _streamed(plans):
@@ -157,10 +125,8 @@ def test_task_under_a_streaming_budget(tiny_models, inputs, controlnets, streame
 @pytest.mark.slow
 def test_controlnet_pipeline_folder(tiny_models, inputs, tmp_path):
     """A folder saved from StableDiffusionControlNetPipeline runs with --control-image alone, and
-    memfit plan --model plans its ControlNet in the denoise stage."""
+    memfit encode needs no control image (planning it: the test below)."""
     import diffusers
-
-    from memfit.cli import main
 
     model = tiny_models("sd")
     folder = save_controlnet_pipeline(model, tmp_path / "sd-controlnet", seed=3)

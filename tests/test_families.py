@@ -17,9 +17,9 @@ import pytest
 import torch
 
 import memfit
-from memfit.plan import meta
 from memfit.run.embeddings import Embeddings
 from memfit.models.folder import ModelFolder
+from conftest import smallest_budget
 from memfit.testing import PIPELINE_KINDS, assert_matches_diffusers, diffusers_output, max_pixel_difference
 
 PROMPT = "a red house near the sea"
@@ -68,43 +68,9 @@ def _output(result):
     return result.frames if result.frames is not None else result.images
 
 
-@pytest.fixture
-def streamed_plans(monkeypatch):
-    """Budgets about a tiny model's size: count only what memfit places, and record every plan."""
-    import memfit.run.executor as executor
-
-    # Calibrated offsets are real-size kernel workspace, and the process's own memory (Python,
-    # torch) would swamp a tiny model: as in test_activations, count only what memfit places.
-    # Here activations are left out altogether: what is tested is that streamed weights give the same image.
-    monkeypatch.setattr(meta, "ACTIVATION_OFFSETS", dict.fromkeys(meta.ACTIVATION_OFFSETS, 0))
-    monkeypatch.setattr(meta, "ACTIVATION_FACTORS", dict.fromkeys(meta.ACTIVATION_FACTORS, 0))
-    monkeypatch.setattr("memfit.run.runner.memory_in_use", lambda device: 0)
-    plans = []
-    original = executor.optimize
-
-    def recording(pipe, *args, plan=None, **kwargs):
-        plans.append(plan)
-        return original(pipe, *args, plan=plan, **kwargs)
-
-    monkeypatch.setattr(executor, "optimize", recording)
-    return plans
-
-
 def _smallest_budget(model, settings):
     """The smallest budget every stage can be planned in (each stage's largest blocks in flight)."""
-    from memfit.errors import MemfitError
-
-    budget = 1
-    for _ in range(4):
-        try:
-            memfit.generate(model=model, progress=False, budget=budget, **dict(settings, steps=1))
-            return budget
-        except MemfitError as exc:
-            found = re.search(r"smallest device budget that works is (\d+) bytes", str(exc))
-            if not found:
-                raise
-            budget = int(found.group(1))
-    raise AssertionError("no budget found")
+    return smallest_budget(model=model, **dict(settings, steps=1))
 
 
 def _weight_bytes(model, names):

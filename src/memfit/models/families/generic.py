@@ -19,7 +19,6 @@ from __future__ import annotations
 
 from typing import Any
 
-from memfit.errors import MemfitError
 from memfit.models.families.base import DENOISE_COMPANIONS, DENOISER_NAMES, PipelineAdapter, Settings
 
 # Prompts longer than this are rare; a long-context encoder (Gemma: 8192 positions) is planned at 512.
