@@ -208,6 +208,7 @@ def test_inductor_matches_eager_with_plain_tensors(model_and_inputs, inductor_ru
     assert torch.equal(first, second)
 
 
+@pytest.mark.slow
 def test_inductor_leaves_global_settings_unchanged(model_and_inputs, inductor_run):
     _, inputs, _ = model_and_inputs
     run, before = inductor_run
@@ -436,6 +437,7 @@ def test_onnxruntime_matches_eager_and_is_served_from_the_cache(model_and_inputs
     assert store.verify() == []
 
 
+@pytest.mark.slow
 def test_onnxruntime_says_shapes_are_static(model_and_inputs):
     skip_unless_available("onnxruntime")
     model, inputs, _ = model_and_inputs

@@ -45,6 +45,7 @@ def _settings(kind, guided):
     return dict(BASE, **CASES[kind][guided])
 
 
+@pytest.mark.slow  # every family end to end: `make test` runs it
 @pytest.mark.parametrize("guided", [False, True], ids=["no-cfg", "cfg"])
 @pytest.mark.parametrize("kind", list(CASES))
 def test_equals_diffusers(tiny_models, kind, guided):
@@ -52,6 +53,7 @@ def test_equals_diffusers(tiny_models, kind, guided):
     assert [stage.stage for stage in ours.report.stages] == ["encode", "denoise", "decode"]
 
 
+@pytest.mark.slow  # every family end to end: `make test` runs it
 @pytest.mark.parametrize("kind", list(CASES))
 def test_the_oracle_can_fail(tiny_models, kind):
     """A different seed, and guidance on instead of off, each give a different image."""
@@ -77,6 +79,7 @@ def _weight_bytes(model, names):
     return sum(path.stat().st_size for name in names for path in (ModelFolder.open(model).path / name).glob("*.safetensors"))
 
 
+@pytest.mark.slow  # every family end to end: `make test` runs it
 @pytest.mark.parametrize("kind", list(CASES))
 def test_streaming_budget_keeps_the_image(tiny_models, kind, streamed_plans, tmp_path, monkeypatch):
     monkeypatch.setenv("MEMFIT_CACHE_DIR", str(tmp_path / "cache"))  # no prompt-cache hit: the encoders load
@@ -319,6 +322,7 @@ def test_masked_padding_equals_full_length(tiny_models, kind):
     assert max_pixel_difference(ours.images, run(8)) > 0
 
 
+@pytest.mark.slow  # HiDream end to end, several seconds
 def test_hidream_unequal_lengths_split_passes(tiny_models, monkeypatch):
     """HiDream batches its guidance passes over two text sequences (T5 [B, L, D], Llama [layers, B, L, D]);
     unequal lengths run as two transformer calls. The padding never reaches the transformer, and with

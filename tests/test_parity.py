@@ -4,6 +4,8 @@ import pytest
 
 from memfit.testing import PIPELINE_KINDS, assert_matches_diffusers
 
+pytestmark = pytest.mark.slow  # whole pipelines, every family, CFG on and off
+
 
 @pytest.mark.parametrize("kind", PIPELINE_KINDS)
 @pytest.mark.parametrize("guidance", [1.0, 4.5])
