@@ -206,7 +206,7 @@ def resolve_budget(
     cuda = _is_cuda(device)
     if budget.device is not None:
         if cuda:
-            _refuse_above(budget.device, _cuda_memory(device)[1], f"the total memory of {device}", "device budget")
+            _refuse_above(budget.device, _cuda_memory(device)[1], f"the total memory of {_name(device)}", "device budget")
         else:
             host = read_host_memory(proc_root=proc_root, sys_root=sys_root)
             _refuse_above(budget.device, *_host_total(host))
@@ -252,14 +252,14 @@ def detect(
         d_reserve = device_reserve(total) if reserve is None else parse_size(reserve)
         h_reserve = host_reserve(host.total or host.available)
         budget = Budget(device=max(0, in_use + free - d_reserve), host=max(0, host.available - h_reserve))
-        source = (f"auto: {device} free {format_bytes(free)} of {format_bytes(total)}"
+        source = (f"auto: {_name(device)} free {format_bytes(free)} of {format_bytes(total)}"
                   + (f" + {format_bytes(in_use)} this process holds" if in_use else "")
                   + f" - reserve {format_bytes(d_reserve)} = {format_bytes(budget.device)}; host tier: "
                   + _host_words(host) + f" - reserve {format_bytes(h_reserve)} = {format_bytes(budget.host)}")
         return ResolvedBudget(budget, source, AUTO)
-    if device is not None and str(device) != "cpu":
+    if device is not None and _name(device) != "cpu":
         raise MemfitError(
-            f"memfit cannot detect a budget for device {device!r}; use 'cpu', 'cuda' or 'cuda:N', "
+            f"memfit cannot detect a budget for device {_name(device)!r}; use 'cpu', 'cuda' or 'cuda:N', "
             "or pass an explicit budget such as budget=\"6GiB\"."
         )
     h_reserve = host_reserve(host.total or host.available) if reserve is None else parse_size(reserve)
@@ -302,19 +302,22 @@ def detect_budget(
 
 
 def _is_cuda(device) -> bool:
-    return device is not None and str(device).startswith("cuda")
+    """Whether ``device`` (a name or a memfit.devices.DeviceRuntime) has memory of its own to measure."""
+    if device is None:
+        return False
+    if isinstance(device, str):
+        return device.startswith("cuda")
+    return bool(getattr(device, "separate_memory", False))
 
 
-def _cuda_memory(device: str) -> tuple[int, int]:
-    import torch  # local: budget parsing must not pay for importing torch
+def _name(device) -> str:
+    return str(getattr(device, "name", device))
 
-    if not torch.cuda.is_available():
-        raise MemfitError(
-            f"Device {device!r} was requested but torch reports no CUDA device "
-            f"(torch {torch.__version__}). Use device='cpu' or install a CUDA build of torch."
-        )
-    free, total = torch.cuda.mem_get_info(torch.device(device))
-    return int(free), int(total)
+
+def _cuda_memory(device) -> tuple[int, int]:
+    from memfit.devices import runtime_for  # local: budget parsing must not pay for importing torch
+
+    return runtime_for(device).mem_get_info()
 
 
 def available_host_memory(

@@ -49,6 +49,7 @@ from typing import Mapping
 
 import torch
 
+from memfit.devices import runtime_for
 from memfit.models.checkpoint_keys import loaded_names
 from memfit.plan.budget import AUTO, NONE, Budget, BudgetLike, resolve_budget
 from memfit.errors import MemfitError
@@ -84,6 +85,7 @@ class _State:
     slots: list  # every Slot memfit changed, hooked or not
     hooked: list  # modules that carry a SwapHook
     unrun: list = dataclasses.field(default_factory=list)  # LiveBlocks outside the stage's parts, parked on disk
+    arenas: list = dataclasses.field(default_factory=list)  # pinned host memory the host tier lives in
 
 
 # --- public -------------------------------------------------------------------------------------
@@ -98,7 +100,7 @@ def reads_in_place(pipe) -> bool:
     dtype = run dtype): a block read ahead then sits in the page cache and is mapped into this
     process only while it runs, instead of being a copy in the process's memory."""
     state = vars(pipe).get(STATE_ATTR)
-    return state is not None and not state.runtime.is_cuda and all(
+    return state is not None and not state.runtime.separate_memory and all(
         slot.home_tensor().dtype == slot.dtype for slot in state.slots if slot.kind == "mmap"
     )
 
@@ -159,9 +161,10 @@ def optimize(
     components = _components(pipe)
     if not components:
         raise MemfitError(f"{type(pipe).__name__} has no torch module components to optimize.")
-    device = torch.device(device) if device is not None else _first_param(next(iter(components.values()))).device
-    if device.type not in ("cpu", "cuda"):
-        raise MemfitError(f"memfit's executor runs on 'cpu' or 'cuda' devices, not {device}.")
+    device = runtime_for(device if device is not None else _first_param(next(iter(components.values()))).device)
+    if not device.can_stream:
+        raise MemfitError(f"memfit streams weights on 'cpu' and 'cuda' devices, not {device.name}: load the "
+                          "pipeline whole (budget=\"none\") or give a budget that keeps every weight resident.")
 
     blocks = {name: live_blocks(name, module) for name, module in components.items()}
     unrun = unrun_blocks(blocks, parts)
@@ -171,17 +174,16 @@ def optimize(
     elif plan is None:
         # optimize fits a pipeline already loaded: what it holds now is part of what the budget bounds.
         in_use = sum(block.bytes for component_blocks in blocks.values() for block in component_blocks)
-        resolved = resolve_budget(budget, str(device) if device.type == "cuda" else "cpu",
-                                  in_use=in_use if _is_auto(budget) else 0)
+        resolved = resolve_budget(budget, device, in_use=in_use if _is_auto(budget) else 0)
         planned = resolved.budget
-        if device.type == "cpu" and _is_auto(budget):
+        if not device.separate_memory and _is_auto(budget):
             # The pipeline is loaded already: on the CPU a block "parked on the host" stays where it is.
             planned = Budget(device=planned.device, host=None, disk=planned.disk)
         plan = make_plan(stages, planned)
     tiers = _tiers_from_plan(plan, blocks)
     tiers.update((block.key, DISK) for block in unrun)
 
-    runtime = Runtime(device, prefetch=prefetch)
+    runtime = Runtime(device, prefetch=prefetch)  # the hooks' shared state, around the device runtime
     state = _State(runtime=runtime, slots=[], hooked=[], unrun=unrun)
     try:
         for name, module in components.items():
@@ -403,16 +405,17 @@ def _apply_component(name, module, component_blocks, tiers, state: _State, model
             for owner, attr, tensor, is_param, full_name in tensors:
                 if tensor is anchor:
                     continue  # module.dtype / module.device read it: see the module docstring
-                if runtime.is_cuda and tensor.device != runtime.device and tier == DEVICE:
+                separate = runtime.separate_memory
+                if separate and tier == DEVICE and not runtime.device_runtime.owns(tensor):
                     slot = Slot(owner, attr, tensor, home=None, kind="device")
-                    tensor.data = tensor.data.to(runtime.device)
+                    tensor.data = runtime.device_runtime.to_device(tensor.data)
                     state.slots.append(slot)
                     continue
                 if tier == DISK and is_param and is_adapter_weight(full_name):
                     tier_of_tensor = HOST  # a LoRA's own tensor is in no model file: it stays in memory
                 else:
                     tier_of_tensor = tier
-                if tier_of_tensor == DEVICE or (not runtime.is_cuda and (tier_of_tensor == HOST or not is_param)):
+                if tier_of_tensor == DEVICE or (not separate and (tier_of_tensor == HOST or not is_param)):
                     continue  # on the CPU host RAM is the device; buffers stay where they are
                 if tier_of_tensor == DISK and is_param:
                     if files is None:
@@ -428,9 +431,12 @@ def _apply_component(name, module, component_blocks, tiers, state: _State, model
                     if mapped.pages is not None:
                         mapped.pages.release()  # the check above read every page
                     continue
-                # host tier on CUDA (or a buffer of a disk block): a pinned host copy is the home.
-                home = tensor.data.to("cpu")
-                home = home.pin_memory() if runtime.is_cuda else home
+                # host tier on a GPU (or a buffer of a disk block): a pinned host copy is the home.
+                nbytes = tensor.numel() * tensor.element_size()
+                arena = runtime.device_runtime.pinned_arena(nbytes)
+                state.arenas.append(arena)
+                home = arena[:nbytes].view(tensor.dtype).view(tensor.shape)
+                home.copy_(tensor.data)
                 slot = Slot(owner, attr, tensor, home=home, kind="host")
                 tensor.data = home
                 state.slots.append(slot)
@@ -511,10 +517,13 @@ def _undo(state: _State) -> None:
         if registry is not None:
             registry.remove(SwapHook.name)
     state.runtime.close()
+    state.runtime.device_runtime.synchronize()  # no copy may still read an arena given back below
     for slot in reversed(state.slots):
         kind = slot.kind
         if kind == "device":
-            data = slot.tensor.data.to(slot.device)
+            data = slot.tensor.data.to(slot.device, copy=True)
+        elif kind == "host":
+            data = slot.home_tensor().to(device=slot.device, dtype=slot.dtype, copy=True)  # out of the arena
         else:
             data = slot.home_tensor().to(device=slot.device, dtype=slot.dtype)
             if kind == "mmap" and data.data_ptr() == slot.home_tensor().data_ptr():
@@ -522,3 +531,6 @@ def _undo(state: _State) -> None:
         slot.tensor.data = data
     state.slots.clear()
     state.hooked.clear()
+    for arena in state.arenas:
+        state.runtime.device_runtime.release_arena(arena)
+    state.arenas.clear()

@@ -187,7 +187,7 @@ def generate(
 
     def prompt_embeddings(results):
         tensors = results.pop("encode")["base"] if loaded is None else {
-            name: t.to(device) for name, t in loaded.tensors.items()}
+            name: t.to(runner.device) for name, t in loaded.tensors.items()}
         for name, dim in adapter.text_sequences if guided else ():
             positive, negative = tensors.get(name), tensors.get(f"negative_{name}")
             if positive is not None and negative is not None and negative.shape[dim] != positive.shape[dim]:

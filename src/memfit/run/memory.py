@@ -17,7 +17,6 @@ import time
 from dataclasses import dataclass
 
 import psutil
-import torch
 
 _CLEAR_REFS = "/proc/self/clear_refs"
 _STATUS = "/proc/self/status"
@@ -137,22 +136,28 @@ def _set_mmap_threshold(nbytes: int) -> bool:
 
 @dataclass
 class PeakMemory:
-    """Context manager: `with PeakMemory(device) as peak: ...` then read `peak.peak_bytes`."""
+    """Context manager: `with PeakMemory(device) as peak: ...` then read `peak.peak_bytes`.
 
-    device: torch.device | str = "cpu"
+    ``device``: "cpu", a torch device or a memfit.devices.DeviceRuntime. On a device with memory of
+    its own (a GPU) the peak is its allocator's peak allocated memory; on the CPU, peak RSS.
+    """
+
+    device: object = "cpu"
     start_bytes: int = 0
     peak_bytes: int = 0
     method: str = ""
 
     def __enter__(self) -> "PeakMemory":
-        self.device = torch.device(self.device)
+        from memfit.devices import runtime_for
+
+        self.runtime = runtime_for(self.device)
         self._stop = threading.Event()
         self._sampler: threading.Thread | None = None
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
-            torch.cuda.reset_peak_memory_stats(self.device)
-            self.start_bytes = torch.cuda.memory_allocated(self.device)
-            self.method = "torch.cuda.max_memory_allocated"
+        if self.runtime.separate_memory:
+            self.runtime.synchronize()
+            self.runtime.reset_peak_memory_stats()
+            self.start_bytes = self.runtime.memory_allocated()
+            self.method = "device max_memory_allocated"
             return self
         self.start_bytes = current_rss()
         if reset_peak_rss():
@@ -170,9 +175,9 @@ class PeakMemory:
             time.sleep(0.002)
 
     def __exit__(self, *exc_info) -> None:
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
-            self.peak_bytes = torch.cuda.max_memory_allocated(self.device)
+        if self.runtime.separate_memory:
+            self.runtime.synchronize()
+            self.peak_bytes = self.runtime.max_memory_allocated()
             return
         if self._sampler is not None:
             self._stop.set()

@@ -34,6 +34,7 @@ from typing import Iterator
 
 import torch
 
+from memfit.devices import DeviceRuntime
 from memfit.errors import MemfitError
 from memfit.run.timeline import record_move
 from memfit.safetensors_header import read_header
@@ -273,17 +274,18 @@ class Slot:
 
 
 class Runtime:
-    """What the hooks of one optimized pipeline share: the execution device, the order blocks ran in
-    (learned on the first pass, updated on every pass) and the prefetcher.
+    """What the hooks of one optimized pipeline share: the device runtime (memfit.devices), the order
+    blocks ran in (learned on the first pass, updated on every pass) and the prefetcher.
 
-    Prefetch: on a CUDA device a side stream copies the next block's pinned host tensors while the
-    current block computes; on the CPU a background thread converts the next block's memory-mapped
-    weights to the run dtype. The "next block" is the block that followed this one the last time it
-    ran, which learns loops (denoising steps) as well as straight sequences.
+    Prefetch: on a device with its own memory (a GPU) a side stream copies the next block's host
+    tensors while the current block computes; on the CPU a background thread converts the next
+    block's memory-mapped weights to the run dtype. The "next block" is the block that followed this
+    one the last time it ran, which learns loops (denoising steps) as well as straight sequences.
     """
 
-    def __init__(self, device: torch.device, prefetch: bool = True):
-        self.device = torch.device(device)
+    def __init__(self, device: DeviceRuntime, prefetch: bool = True):
+        self.device_runtime = device
+        self.device = device.device
         self.prefetch = prefetch
         self.next_of: dict[int, "SwapHook"] = {}
         self.last: "SwapHook | None" = None
@@ -293,17 +295,17 @@ class Runtime:
 
     def __deepcopy__(self, memo):
         # A copy gets its own prefetcher and learns its own order; threads and streams cannot be copied.
-        copy = Runtime(self.device, self.prefetch)
+        copy = Runtime(self.device_runtime, self.prefetch)
         memo[id(self)] = copy
         return copy
 
     @property
-    def is_cuda(self) -> bool:
-        return self.device.type == "cuda"
+    def separate_memory(self) -> bool:
+        return self.device_runtime.separate_memory
 
     def stream(self):
         if self._stream is None:
-            self._stream = torch.cuda.Stream(self.device)
+            self._stream = self.device_runtime.new_stream()
         return self._stream
 
     def pool(self) -> ThreadPoolExecutor:
@@ -328,7 +330,7 @@ class Runtime:
 class SwapHook(ModuleHook):
     """Swap a block's tensors to their run form for the forward and back to their home after.
 
-    Run form: on CUDA, a device copy of the home (pinned host tensor or mmap view); on the CPU, the
+    Run form: on a GPU, a device copy of the home (pinned host tensor or mmap view); on the CPU, the
     mmap view converted to the run dtype. Outside a forward every tensor is its home: real data.
     """
 
@@ -341,15 +343,14 @@ class SwapHook(ModuleHook):
         self._pending: Future | tuple | None = None
         self._depth = 0  # a module re-entered (rare; e.g. a shared submodule) swaps once
 
-    def _materialize(self, cuda_stream=None) -> list[torch.Tensor]:
+    def _materialize(self) -> list[torch.Tensor]:
         started = time.perf_counter()
         out = []
+        device = self.runtime.device_runtime
         for slot in self.slots:
             home = slot.home_tensor()
-            if self.runtime.is_cuda:
-                if home.device.type == "cpu" and home.dtype != slot.dtype:
-                    home = home.to(slot.dtype)  # mmap view in the file dtype: convert on the host first
-                out.append(home.to(self.runtime.device, dtype=slot.dtype, non_blocking=True))
+            if device.separate_memory:
+                out.append(device.to_device(home, slot.dtype))
             else:
                 pages = slot.pages
                 if pages is not None and home.dtype == slot.dtype:
@@ -357,7 +358,7 @@ class SwapHook(ModuleHook):
                 out.append(home.to(slot.dtype, copy=home.dtype != slot.dtype))
                 if pages is not None and home.dtype != slot.dtype:
                     pages.release()  # converted: the mapped pages are not needed any more
-        # On CUDA the end is when the copies were queued (they run on the side stream); on the CPU
+        # On a GPU the end is when the copies were queued (they run on the side stream); on the CPU
         # a block used in place is only read ahead here, so the end is when the kernel was asked.
         record_move(self.block, _TIER_OF_KIND.get(self.slots[0].kind, "host") if self.slots else "host",
                     "device", sum(t.numel() * t.element_size() for t in out), started, time.perf_counter())
@@ -366,12 +367,13 @@ class SwapHook(ModuleHook):
     def start_prefetch(self) -> None:
         if self._pending is not None or self._depth:
             return
-        if self.runtime.is_cuda:
+        device = self.runtime.device_runtime
+        if device.separate_memory:
             stream = self.runtime.stream()
-            stream.wait_stream(torch.cuda.current_stream(self.runtime.device))
-            with torch.cuda.stream(stream):
+            stream.wait_stream(device.current_stream())
+            with device.use_stream(stream):
                 tensors = self._materialize()
-                event = torch.cuda.Event()
+                event = device.new_event()
                 event.record(stream)
             self._pending = (tensors, event)
         else:
@@ -384,9 +386,11 @@ class SwapHook(ModuleHook):
         if isinstance(pending, Future):
             return pending.result()
         tensors, event = pending
-        torch.cuda.current_stream(self.runtime.device).wait_event(event)
+        device = self.runtime.device_runtime
+        current = device.current_stream()
+        current.wait_event(event)
         for t in tensors:  # the side stream's allocations are now used on the compute stream
-            t.record_stream(torch.cuda.current_stream(self.runtime.device))
+            device.record_stream(t, current)
         return tensors
 
     def pre_forward(self, module) -> None:

@@ -34,6 +34,7 @@ from typing import Any
 import torch
 
 from memfit.compile.entry_points import compile_stage, report_records
+from memfit.devices import DeviceRuntime, cuda_device_count, runtime_for
 from memfit.errors import MemfitError
 from memfit.models.families import Settings
 from memfit.models.folder import ModelFolder, parse_dtype
@@ -71,7 +72,7 @@ class StageDoesNotFit(MemfitError):
 
 def default_device() -> torch.device:
     """Where a run executes when the caller names no device: the GPU if there is one."""
-    return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device("cuda" if cuda_device_count() else "cpu")
 
 
 def resolve_device(device: str | torch.device | None) -> torch.device:
@@ -86,7 +87,7 @@ def resolve_device(device: str | torch.device | None) -> torch.device:
         return resolved
     if resolved.type != "cuda":
         raise MemfitError(f"--device {device} is not supported by memfit; use cpu, cuda or cuda:N.")
-    count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    count = cuda_device_count()
     if count == 0:
         raise MemfitError(f"--device {device} names a CUDA GPU but torch sees none here; use --device cpu.")
     if resolved.index is not None and resolved.index >= count:
@@ -115,10 +116,11 @@ def check_budget_floor(folder: ModelFolder, settings: Settings, dtype: str, budg
         return  # a class the planner cannot size: each stage's own check still applies
     floors = {opts[0][1].name: min(minimum_device_bytes(stage) for _, stage in opts) for opts in options}
     worst = max(floors, key=floors.get)
-    already = memory_in_use(device)
+    runtime = runtime_for(device)
+    already = memory_in_use(runtime)
     if limit >= already + floors[worst]:
         return  # it may still fall short at a later stage, which then says so itself
-    if device.type == "cpu":
+    if not runtime.separate_memory:
         # What the process gains before the last stage starts (the pipeline's modules imported,
         # tokenizers, allocator pools): ~11% (40 MiB) on the tiny SD model. A GPU starts empty.
         # Counted in the budget this names, not in the refusal: only a budget that cannot work is refused.
@@ -139,10 +141,10 @@ def _round_up_mib(size: int) -> int:
     return -(-size // (1 << 20))
 
 
-def memory_in_use(device: torch.device) -> int:
+def memory_in_use(device: DeviceRuntime) -> int:
     """What the process holds on the execution device right now: the baseline a stage's plan adds to."""
-    if device.type == "cuda":
-        return torch.cuda.memory_allocated(device)
+    if device.separate_memory:
+        return device.memory_allocated()
     return current_rss()
 
 
@@ -248,7 +250,7 @@ class StageContext:
     def _load_fitted(self, folder: ModelFolder, to_load: list[str], shared: dict, plan_as: str | None,
                      pipeline_class: str | None, external: dict, loras):
         runner = self.runner
-        already_used = memory_in_use(runner.device)
+        already_used = memory_in_use(runner.runtime)
         task_options = {key: value for key, value in (("pipeline_class", pipeline_class), ("external", external))
                         if value}  # only where a task needs them: text to image loads as before
         pipe = folder.load_stage(to_load, runner.torch_dtype, runner.device, **task_options)
@@ -271,7 +273,7 @@ class StageContext:
         runner = self.runner
         report = runner.report
         budget = self.budget
-        if runner.device.type == "cpu":
+        if not runner.runtime.separate_memory:
             budget = Budget(device=budget.device, host=0, disk=str(folder.path))
         adapter = folder.adapter
         room = _room_left(budget, already_used)
@@ -284,7 +286,7 @@ class StageContext:
                 f"{exc} These figures leave out the {format_bytes(already_used)} this process already holds "
                 "(Python, torch and the libraries loaded): add that to any budget named above."
             ) from exc
-        optimize(pipe, plan=plan, model_dir=folder.path, device=runner.device, parts=parts)
+        optimize(pipe, plan=plan, model_dir=folder.path, device=runner.runtime, parts=parts)
         self.strategy = strategy.name
         if strategy.name == "banded":
             from memfit.run.banded_decode import enable_banded_decode
@@ -347,10 +349,10 @@ class StageRunner:
         self.guided = guided
         self.dtype = dtype
         self.torch_dtype = parse_dtype(dtype)
-        self.device = device
+        self.runtime = runtime_for(device)
+        self.device = self.runtime.device  # where torch places the run's tensors
         # Resolved now, before any weight loads: the process's own memory is part of the budget.
-        self.resolved = resolve_budget(budget, str(device) if device.type == "cuda" else "cpu",
-                                       in_use=memory_in_use(device))
+        self.resolved = resolve_budget(budget, self.runtime, in_use=memory_in_use(self.runtime))
         self.budget = self.resolved.budget
         report.budget = self.resolved.to_dict()
         self.backend = backend
@@ -361,7 +363,7 @@ class StageRunner:
         # pipeline's own progress bar advances (it may raise to stop the run).
         self.pool = pool
         self.on_step = on_step
-        self.timeline = Timeline(device=str(device))
+        self.timeline = Timeline(device=self.runtime)
 
     def run(self, stages: list[Stage]) -> dict[str, Any]:
         """Run ``stages`` in order; returns each stage's result by name."""
@@ -413,14 +415,13 @@ class StageRunner:
 
     def _release_device(self) -> None:
         release_freed_memory()
-        if self.device.type == "cuda":
-            torch.cuda.empty_cache()
+        self.runtime.empty_cache()
 
     def _attempt(self, stage: Stage, results: dict[str, Any], budget: Budget | None):
         context = StageContext(self, stage.name, budget)
         release_freed_memory()
         self.timeline.stage_started(stage.name, None if budget is None else budget.device)
-        with PeakMemory(self.device) as peak:
+        with PeakMemory(self.runtime) as peak:
             started = time.perf_counter()
             try:
                 result = stage.work(context, results)

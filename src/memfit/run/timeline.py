@@ -26,8 +26,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Callable
 
-import torch
 
+from memfit.devices import runtime_for
 from memfit.errors import MemfitError
 from memfit.plan.budget import own_cgroup_usage
 from memfit.run.memory import current_rss
@@ -74,7 +74,7 @@ class StageSpan:
 class Timeline:
     """Events of one run; times are seconds since the timeline started."""
 
-    device: str = "cpu"
+    device: object = "cpu"  # a device name or a memfit.devices.DeviceRuntime
     interval: float = 0.05
     moves: list[Move] = field(default_factory=list)
     samples: list[Sample] = field(default_factory=list)
@@ -121,10 +121,10 @@ class Timeline:
 
     def sample(self) -> Sample:
         point = Sample(self.now())
-        device = torch.device(self.device)
-        if device.type == "cuda":
-            point.allocated = torch.cuda.memory_allocated(device)
-            point.reserved = torch.cuda.memory_reserved(device)
+        runtime = runtime_for(self.device)
+        if runtime.separate_memory:
+            point.allocated = runtime.memory_allocated()
+            point.reserved = runtime.memory_reserved()
         else:
             point.rss = current_rss()
             usage = self.read_cgroup()
@@ -166,7 +166,7 @@ class Timeline:
     def to_dict(self) -> dict:
         with self._lock:
             return {
-                "device": self.device,
+                "device": str(getattr(self.device, "name", self.device)),
                 "interval_s": self.interval,
                 "cgroup_limit": self.cgroup_limit,
                 "stages": [asdict(s) for s in self.stages],

@@ -1,0 +1,275 @@
+"""What memfit asks of an execution device, behind one interface: streams, events, asynchronous
+copies, pinned host memory and memory queries.
+
+    runtime = runtime_for("cuda:0")     # CudaRuntime; "cpu" gives CpuRuntime, "mps"/"xpu" PlainRuntime
+    runtime.device                      # where torch places the tensors it computes with
+
+Everything memfit does on a GPU goes through a DeviceRuntime instead of calling ``torch.cuda``
+directly, so the same code runs against the fake CUDA runtime of the tests
+(memfit.testing.fake_cuda), which models a GPU on the CPU: copies that complete only when waited
+for, device memory that is counted, pinned bytes that are counted. A missing wait then gives wrong
+numbers in a CPU test instead of passing until it meets a real GPU.
+
+Kinds of runtime:
+  CpuRuntime    host RAM is the device: nothing is copied, streams do not exist.
+  CudaRuntime   torch.cuda: side streams, events, copies from pinned (page-locked) memory.
+  PlainRuntime  any other torch device (mps, xpu): staged generation with every weight resident;
+                streaming needs streams and events memfit only drives on CUDA, so it is refused.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Iterator
+
+import torch
+
+from memfit.errors import MemfitError
+
+__all__ = ["CpuRuntime", "CudaRuntime", "DeviceRuntime", "PlainRuntime", "cuda_device_count", "runtime_for",
+           "use_cuda_runtime"]
+
+
+class DeviceRuntime:
+    """The interface; CpuRuntime is the trivial implementation of every method."""
+
+    #: The device as the user named it ("cuda:0"), for reports and messages.
+    name: str = "cpu"
+    #: Where torch places this runtime's tensors (a fake GPU's tensors live on the CPU).
+    device: torch.device = torch.device("cpu")
+    #: Weights must be copied into the device's own memory to run there (a GPU).
+    separate_memory: bool = False
+    #: memfit can stream weights to it (block by block, from host or disk).
+    can_stream: bool = True
+
+    # --- streams and events ----------------------------------------------------------------------
+
+    def new_stream(self):
+        return None
+
+    def current_stream(self):
+        return None
+
+    @contextlib.contextmanager
+    def use_stream(self, stream) -> Iterator[None]:
+        """Work queued inside runs on ``stream``."""
+        yield
+
+    def new_event(self):
+        return None
+
+    def owns(self, tensor: torch.Tensor) -> bool:
+        """Whether ``tensor`` is in this device's memory already."""
+        return tensor.device == self.device
+
+    def record_stream(self, tensor: torch.Tensor, stream) -> None:
+        """``tensor``, allocated on another stream, is used on ``stream``: its memory must not be reused
+        before the work queued there so far has run."""
+
+    # --- copies and host memory ------------------------------------------------------------------
+
+    def to_device(self, host: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
+        """A device copy of ``host`` (converted to ``dtype`` on the device), queued on the current stream.
+
+        The copy is asynchronous where ``host`` is pinned: it is complete for work queued later on the
+        same stream, and for other streams only once they wait for an event recorded after it.
+        """
+        return host if dtype is None else host.to(dtype)
+
+    def pinned_arena(self, nbytes: int) -> torch.Tensor:
+        """A host buffer of exactly ``nbytes`` (uint8) that the device copies from asynchronously."""
+        return torch.empty(nbytes, dtype=torch.uint8)
+
+    def release_arena(self, arena: torch.Tensor) -> None:
+        """Give back what ``pinned_arena`` page-locked (the tensor itself is freed by its last reference)."""
+
+    # --- memory ----------------------------------------------------------------------------------
+
+    def mem_get_info(self) -> tuple[int, int]:
+        """(free, total) bytes of device memory."""
+        raise MemfitError(f"memfit cannot measure the memory of {self.name}; pass an explicit budget.")
+
+    def memory_allocated(self) -> int:
+        return 0
+
+    def memory_reserved(self) -> int:
+        return 0
+
+    def max_memory_allocated(self) -> int:
+        return 0
+
+    def max_memory_reserved(self) -> int:
+        return 0
+
+    def reset_peak_memory_stats(self) -> None:
+        pass
+
+    def alloc_retries(self) -> int:
+        """How often the device's allocator had to free its cache and retry (a sign of running close to full)."""
+        return 0
+
+    def pinned_bytes(self) -> int:
+        """Host bytes page-locked through this runtime right now."""
+        return 0
+
+    def synchronize(self) -> None:
+        pass
+
+    def empty_cache(self) -> None:
+        pass
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({self.name})"
+
+
+class CpuRuntime(DeviceRuntime):
+    name = "cpu"
+    device = torch.device("cpu")
+
+
+class PlainRuntime(DeviceRuntime):
+    """A torch device memfit places whole components on and cannot stream to (mps, xpu)."""
+
+    separate_memory = True
+    can_stream = False
+
+    def __init__(self, device: torch.device):
+        self.device = device
+        self.name = str(device)
+
+    def to_device(self, host: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
+        return host.to(self.device, dtype=dtype)
+
+    def memory_allocated(self) -> int:
+        module = getattr(torch, self.device.type, None)
+        query = getattr(module, "current_allocated_memory", None) or getattr(module, "memory_allocated", None)
+        return int(query()) if query is not None else 0
+
+    def synchronize(self) -> None:
+        module = getattr(torch, self.device.type, None)
+        if module is not None and hasattr(module, "synchronize"):
+            module.synchronize()
+
+    def empty_cache(self) -> None:
+        module = getattr(torch, self.device.type, None)
+        if module is not None and hasattr(module, "empty_cache"):
+            module.empty_cache()
+
+
+class CudaRuntime(DeviceRuntime):
+    separate_memory = True
+
+    def __init__(self, device: torch.device):
+        self.device = device if device.index is not None else torch.device("cuda", torch.cuda.current_device())
+        self.name = str(self.device)
+        self._pinned = 0  # bytes this runtime page-locked (one runtime per device: see runtime_for)
+
+    def new_stream(self):
+        return torch.cuda.Stream(self.device)
+
+    def current_stream(self):
+        return torch.cuda.current_stream(self.device)
+
+    @contextlib.contextmanager
+    def use_stream(self, stream) -> Iterator[None]:
+        with torch.cuda.stream(stream):
+            yield
+
+    def new_event(self):
+        return torch.cuda.Event()
+
+    def record_stream(self, tensor: torch.Tensor, stream) -> None:
+        tensor.record_stream(stream)
+
+    def to_device(self, host: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
+        # Copied in the file's dtype and converted on the GPU: the host never makes a converted copy.
+        moved = host.to(self.device, non_blocking=True)
+        return moved if dtype is None or dtype == moved.dtype else moved.to(dtype)
+
+    def pinned_arena(self, nbytes: int) -> torch.Tensor:
+        # Registered rather than allocated pinned: torch's pinned allocator rounds every request up to
+        # a power of two (a 9 GiB arena would take 16), page-locking an ordinary buffer takes exactly it.
+        arena = torch.empty(max(nbytes, 1), dtype=torch.uint8)
+        code = torch.cuda.cudart().cudaHostRegister(arena.data_ptr(), arena.numel(), 0)
+        if int(code) != 0:
+            raise MemfitError(
+                f"Could not page-lock {nbytes} bytes of host memory for streaming to {self.name} (CUDA error "
+                f"{int(code)}); give a smaller host budget (--budget with host=) or free host memory.")
+        self._pinned += arena.numel()
+        return arena
+
+    def release_arena(self, arena: torch.Tensor) -> None:
+        torch.cuda.cudart().cudaHostUnregister(arena.data_ptr())
+        self._pinned -= arena.numel()
+
+    def mem_get_info(self) -> tuple[int, int]:
+        free, total = torch.cuda.mem_get_info(self.device)
+        return int(free), int(total)
+
+    def memory_allocated(self) -> int:
+        return torch.cuda.memory_allocated(self.device)
+
+    def memory_reserved(self) -> int:
+        return torch.cuda.memory_reserved(self.device)
+
+    def max_memory_allocated(self) -> int:
+        return torch.cuda.max_memory_allocated(self.device)
+
+    def max_memory_reserved(self) -> int:
+        return torch.cuda.max_memory_reserved(self.device)
+
+    def reset_peak_memory_stats(self) -> None:
+        torch.cuda.reset_peak_memory_stats(self.device)
+
+    def alloc_retries(self) -> int:
+        return int(torch.cuda.memory_stats(self.device).get("num_alloc_retries", 0))
+
+    def pinned_bytes(self) -> int:
+        return self._pinned
+
+    def synchronize(self) -> None:
+        torch.cuda.synchronize(self.device)
+
+    def empty_cache(self) -> None:
+        torch.cuda.empty_cache()
+
+
+# The runtime "cuda" devices get instead of CudaRuntime (the tests' fake GPU), or None.
+_cuda_override = None
+_cuda_runtimes: dict[torch.device, CudaRuntime] = {}
+
+
+@contextlib.contextmanager
+def use_cuda_runtime(make_runtime) -> Iterator[None]:
+    """Inside, "cuda" devices run on ``make_runtime(torch.device)`` (memfit.testing.fake_cuda uses it)."""
+    global _cuda_override
+    previous, _cuda_override = _cuda_override, make_runtime
+    try:
+        yield
+    finally:
+        _cuda_override = previous
+
+
+def cuda_device_count() -> int:
+    """How many CUDA devices runs may name here (the fake runtime's, while one is in use)."""
+    if _cuda_override is not None:
+        return getattr(_cuda_override, "device_count", 1)
+    return torch.cuda.device_count() if torch.cuda.is_available() else 0
+
+
+def runtime_for(device: str | torch.device | DeviceRuntime | None) -> DeviceRuntime:
+    """The runtime of ``device`` (None: the CPU)."""
+    if isinstance(device, DeviceRuntime):
+        return device
+    device = torch.device(device if device is not None else "cpu")
+    if device.type == "cpu":
+        return CpuRuntime()
+    if device.type == "cuda":
+        if _cuda_override is not None:
+            return _cuda_override(device)
+        if not torch.cuda.is_available():
+            raise MemfitError(f"Device {device} was requested but torch reports no CUDA device "
+                              f"(torch {torch.__version__}); use device='cpu' or install a CUDA build of torch.")
+        runtime = CudaRuntime(device)
+        return _cuda_runtimes.setdefault(runtime.device, runtime)  # one per GPU: its pinned bytes add up
+    return PlainRuntime(device)

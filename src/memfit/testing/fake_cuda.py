@@ -1,0 +1,329 @@
+"""A fake CUDA runtime on the CPU, so memfit's GPU code runs in CPU tests and a missing wait fails them.
+
+    with fake_cuda(lazy=True) as gpu:              # "cuda" devices now run on ``gpu``
+        memfit.generate(..., device="cuda")
+        gpu.max_memory_reserved(), gpu.pinned_bytes(), gpu.pageable_copy_bytes
+
+What it models, after how a GPU behaves (memfit.devices.DeviceRuntime is the interface):
+  * Tensors "on the device" are CPU tensors (torch computes with them); the model is in the
+    bookkeeping around them.
+  * ``to_device`` on a side stream returns a tensor filled with NaN (ints: -1) at once and copies
+    into it later: on a worker thread (default), or only when something waits for it (``lazy``:
+    a stream synchronized, an event synchronized, another stream waiting for an event or a stream).
+    The copy reads its source when it runs, as a DMA engine does, so a pinned buffer reused too
+    early gives wrong numbers too. Copies on the current (compute) stream run at once: work queued
+    after them on that stream sees them.
+  * Device memory: every tensor made by ``to_device`` is allocated until its storage is freed.
+    A freed tensor that ``record_stream`` marked as used on a stream stays reserved (not reusable)
+    until that stream's work up to the mark is known complete: in lazy mode, the compute stream is
+    known complete only up to events the host synchronized, so a host that runs ahead of the
+    "GPU" without bound sees reserved memory grow, as on a real one.
+  * Pinned memory: ``pinned_arena`` counts its bytes; copies from memory outside every arena are
+    counted in ``pageable_copy_bytes`` (on a real GPU they are synchronous, slow, and staged).
+  * Activations computed by torch are not counted: only what memfit moves is.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+from collections import deque
+from typing import Iterator
+
+import torch
+from torch.multiprocessing.reductions import StorageWeakRef
+
+from memfit.devices import DeviceRuntime, use_cuda_runtime
+
+__all__ = ["FakeCudaRuntime", "FakeEvent", "FakeStream", "fake_cuda"]
+
+DEFAULT_TOTAL = 80 << 30
+
+
+class FakeStream:
+    """A queue of deferred copies with a position: ``enqueued`` marks queued, ``completed`` marks run."""
+
+    def __init__(self, runtime: "FakeCudaRuntime", compute: bool = False):
+        self.runtime = runtime
+        self.compute = compute
+        self.enqueued = 0
+        self.completed = 0
+        self._ops: deque = deque()
+        self._cond = threading.Condition()
+        self._worker: threading.Thread | None = None
+
+    def mark(self) -> int:
+        """A new position on this stream (a kernel boundary); returns it."""
+        with self._cond:
+            self.enqueued += 1
+            if self.compute and not self.runtime.lazy:
+                self.completed = self.enqueued  # an eager "GPU" keeps up with the host
+            return self.enqueued
+
+    def enqueue(self, op) -> None:
+        if self.compute:
+            op()  # torch runs the compute stream's work on the CPU right away, so its copies must too
+            self.mark()
+            return
+        with self._cond:
+            self._ops.append(op)
+            self.enqueued += 1
+            if not self.runtime.lazy:
+                if self._worker is None:
+                    self._worker = threading.Thread(target=self._work, daemon=True, name="fake-cuda-stream")
+                    self._worker.start()
+                self._cond.notify_all()
+
+    def _work(self) -> None:
+        while True:
+            with self._cond:
+                while not self._ops:
+                    self._cond.wait()
+                op = self._ops[0]
+            op()
+            with self._cond:
+                self._ops.popleft()
+                self.completed += 1
+                self._cond.notify_all()
+
+    def complete_to(self, position: int) -> None:
+        """Block until the work queued up to ``position`` has run (lazy: run it here)."""
+        if self.compute:
+            with self._cond:
+                self.completed = max(self.completed, position)
+            return
+        if self.runtime.lazy:
+            while True:
+                with self._cond:
+                    if self.completed >= position or not self._ops:
+                        return
+                    op = self._ops.popleft()
+                op()
+                with self._cond:
+                    self.completed += 1
+        with self._cond:
+            while self.completed < position:
+                self._cond.wait()
+
+    def synchronize(self) -> None:
+        self.complete_to(self.enqueued)
+
+    def wait_event(self, event: "FakeEvent") -> None:
+        # Work queued on this stream later must see the event's work: for the compute stream it runs
+        # on the CPU the moment it is queued, so the event's work must be complete now.
+        if event.stream is None:
+            return
+        if self.compute:
+            event.synchronize()
+        else:
+            self.enqueue(lambda: event.synchronize())
+
+    def wait_stream(self, other: "FakeStream") -> None:
+        position = other.enqueued
+        if self.compute:
+            other.complete_to(position)
+        else:
+            self.enqueue(lambda: other.complete_to(position))
+
+    def query(self) -> bool:
+        return self.completed >= self.enqueued
+
+
+class FakeEvent:
+    def __init__(self):
+        self.stream: FakeStream | None = None
+        self.position = 0
+
+    def record(self, stream: FakeStream | None = None) -> None:
+        self.stream = stream if stream is not None else _active_runtime().current_stream()
+        self.position = self.stream.mark() if self.stream.compute else self.stream.enqueued
+
+    def query(self) -> bool:
+        return self.stream is None or self.stream.completed >= self.position
+
+    def synchronize(self) -> None:
+        if self.stream is not None:
+            self.stream.complete_to(self.position)
+
+    def wait(self, stream: FakeStream | None = None) -> None:
+        (stream if stream is not None else _active_runtime().current_stream()).wait_event(self)
+
+
+class _Allocation:
+    __slots__ = ("storage", "nbytes", "uses")
+
+    def __init__(self, tensor: torch.Tensor):
+        self.storage = StorageWeakRef(tensor.untyped_storage())
+        self.nbytes = tensor.untyped_storage().nbytes()
+        self.uses: list[tuple[FakeStream, int]] = []
+
+    def pending(self) -> bool:
+        return any(stream.completed < position for stream, position in self.uses)
+
+
+_current_runtime: list["FakeCudaRuntime"] = []
+
+
+def _active_runtime() -> "FakeCudaRuntime":
+    return _current_runtime[-1]
+
+
+class FakeCudaRuntime(DeviceRuntime):
+    """A CUDA device modelled on the CPU; see the module docstring."""
+
+    separate_memory = True
+    can_stream = True
+    device_count = 1
+
+    def __init__(self, *, lazy: bool = False, total_memory: int = DEFAULT_TOTAL):
+        self.name = "cuda:0 (fake)"
+        self.device = torch.device("cpu")
+        self.lazy = lazy
+        self.total_memory = total_memory
+        self._compute = FakeStream(self, compute=True)
+        self._current = self._compute
+        self._streams: list[FakeStream] = []
+        self._lock = threading.Lock()
+        self._allocations: list[_Allocation] = []
+        self._arenas: dict[int, int] = {}  # data_ptr -> bytes
+        self._peak_allocated = 0
+        self._peak_reserved = 0
+        self.bytes_in_flight = 0
+        self.max_bytes_in_flight = 0
+        self.pageable_copy_bytes = 0
+        self.copies = 0
+
+    # --- streams and events ----------------------------------------------------------------------
+
+    def new_stream(self) -> FakeStream:
+        stream = FakeStream(self)
+        self._streams.append(stream)
+        return stream
+
+    def current_stream(self) -> FakeStream:
+        return self._current
+
+    @contextlib.contextmanager
+    def use_stream(self, stream: FakeStream) -> Iterator[None]:
+        previous, self._current = self._current, stream
+        try:
+            yield
+        finally:
+            self._current = previous
+
+    def new_event(self) -> FakeEvent:
+        return FakeEvent()
+
+    def record_stream(self, tensor: torch.Tensor, stream: FakeStream) -> None:
+        found = self._allocation_of(tensor)
+        if found is not None:
+            found.uses.append((stream, stream.mark() if stream.compute else stream.enqueued))
+
+    # --- copies and host memory ------------------------------------------------------------------
+
+    def to_device(self, host: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
+        dtype = dtype or host.dtype
+        target = torch.empty(host.shape, dtype=dtype)
+        target.fill_(float("nan") if dtype.is_floating_point else -1)
+        nbytes = host.numel() * host.element_size()
+        with self._lock:
+            self.copies += 1
+            if not self._is_pinned(host):
+                self.pageable_copy_bytes += nbytes
+            self.bytes_in_flight += nbytes
+            self.max_bytes_in_flight = max(self.max_bytes_in_flight, self.bytes_in_flight)
+            self._allocations.append(_Allocation(target))
+        self._update_peaks()
+
+        def copy() -> None:
+            target.copy_(host)
+            with self._lock:
+                self.bytes_in_flight -= nbytes
+
+        self._current.enqueue(copy)
+        return target
+
+    def pinned_arena(self, nbytes: int) -> torch.Tensor:
+        arena = torch.empty(max(nbytes, 1), dtype=torch.uint8)
+        with self._lock:
+            self._arenas[arena.data_ptr()] = arena.numel()
+        return arena
+
+    def release_arena(self, arena: torch.Tensor) -> None:
+        with self._lock:
+            self._arenas.pop(arena.data_ptr(), None)
+
+    def _is_pinned(self, tensor: torch.Tensor) -> bool:
+        begin = tensor.data_ptr()
+        end = begin + tensor.numel() * tensor.element_size()
+        return any(start <= begin and end <= start + size for start, size in self._arenas.items())
+
+    # --- memory ----------------------------------------------------------------------------------
+
+    def _allocation_of(self, tensor: torch.Tensor) -> _Allocation | None:
+        ref = StorageWeakRef(tensor.untyped_storage())
+        with self._lock:
+            return next((a for a in self._allocations if a.storage.cdata == ref.cdata and not a.storage.expired()),
+                        None)
+
+    def _sizes(self) -> tuple[int, int]:
+        with self._lock:
+            live = [a for a in self._allocations if not a.storage.expired() or a.pending()]
+            self._allocations = live
+            allocated = sum(a.nbytes for a in live if not a.storage.expired())
+            return allocated, sum(a.nbytes for a in live)
+
+    def _update_peaks(self) -> None:
+        allocated, reserved = self._sizes()
+        self._peak_allocated = max(self._peak_allocated, allocated)
+        self._peak_reserved = max(self._peak_reserved, reserved)
+
+    def mem_get_info(self) -> tuple[int, int]:
+        return max(0, self.total_memory - self.memory_reserved()), self.total_memory
+
+    def memory_allocated(self) -> int:
+        self._update_peaks()
+        return self._sizes()[0]
+
+    def memory_reserved(self) -> int:
+        self._update_peaks()
+        return self._sizes()[1]
+
+    def max_memory_allocated(self) -> int:
+        self._update_peaks()
+        return self._peak_allocated
+
+    def max_memory_reserved(self) -> int:
+        self._update_peaks()
+        return self._peak_reserved
+
+    def reset_peak_memory_stats(self) -> None:
+        self._peak_allocated, self._peak_reserved = self._sizes()
+        self.max_bytes_in_flight = self.bytes_in_flight
+
+    def pinned_bytes(self) -> int:
+        with self._lock:
+            return sum(self._arenas.values())
+
+    def owns(self, tensor: torch.Tensor) -> bool:
+        return self._allocation_of(tensor) is not None
+
+    def synchronize(self) -> None:
+        for stream in self._streams:
+            stream.synchronize()
+        self._compute.synchronize()
+
+    def empty_cache(self) -> None:
+        self._update_peaks()
+
+
+@contextlib.contextmanager
+def fake_cuda(*, lazy: bool = False, total_memory: int = DEFAULT_TOTAL) -> Iterator[FakeCudaRuntime]:
+    """Inside, every "cuda" device memfit is given runs on one FakeCudaRuntime, which this yields."""
+    runtime = FakeCudaRuntime(lazy=lazy, total_memory=total_memory)
+    _current_runtime.append(runtime)
+    try:
+        with use_cuda_runtime(lambda device: runtime):
+            yield runtime
+    finally:
+        _current_runtime.remove(runtime)
