@@ -13,7 +13,7 @@ import hashlib
 import json
 import math
 import re
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 
 from memfit.errors import MemfitError
@@ -27,7 +27,8 @@ ID_PATTERN = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
 
 @dataclass(frozen=True)
 class JobDefaults:
-    """The command's flags: what a job's missing fields take (None: the model's or pipeline's default)."""
+    """The settings a job may give; as the command's flags, what a job's missing fields take
+    (None: the model's or pipeline's default)."""
 
     negative_prompt: str | None = None
     seed: int = 0
@@ -36,24 +37,17 @@ class JobDefaults:
     width: int | None = None
     height: int | None = None
 
+    def arguments(self) -> dict:
+        """Keyword arguments of memfit.generate that make these settings' image."""
+        return {f.name: getattr(self, f.name) for f in fields(JobDefaults)}
 
-@dataclass(frozen=True)
-class Job:
+
+@dataclass(frozen=True, kw_only=True)
+class Job(JobDefaults):
     id: str
     prompt: str
     line: int
-    negative_prompt: str | None = None
-    seed: int = 0
-    steps: int | None = None
-    guidance: float | None = None
-    width: int | None = None
-    height: int | None = None
     key: str = field(default="", compare=False)
-
-    def arguments(self) -> dict:
-        """Keyword arguments of memfit.generate that make this job's image."""
-        return {"negative_prompt": self.negative_prompt, "seed": self.seed, "steps": self.steps,
-                "guidance": self.guidance, "width": self.width, "height": self.height}
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -72,8 +66,8 @@ class BadLine:
         return f"line {self.line}: {self.message}"
 
 
-def job_key(fields: dict, model: str, dtype: str) -> str:
-    content = {name: fields[name] for name in FIELDS if name != "id"}
+def job_key(settings: dict, model: str, dtype: str) -> str:
+    content = {name: settings[name] for name in FIELDS if name != "id"}
     content.update(model=model, dtype=dtype)
     return hashlib.sha256(json.dumps(content, sort_keys=True).encode()).hexdigest()[:32]
 
@@ -127,19 +121,19 @@ def _parse(raw: str, number: int, defaults: JobDefaults, model: str, dtype: str)
     prompt = data.get("prompt")
     if not isinstance(prompt, str) or not prompt.strip():
         raise ValueError(f'job {job_id!r} has no prompt; "prompt" must be a non-empty string')
-    fields = {"id": job_id, "prompt": prompt}
+    found = {"id": job_id, "prompt": prompt}
     negative = data.get("negative_prompt", defaults.negative_prompt)
     if negative is not None and not isinstance(negative, str):
         raise ValueError(f'job {job_id!r}: "negative_prompt" must be a string or null')
-    fields["negative_prompt"] = negative
+    found["negative_prompt"] = negative
     for name, low in (("seed", 0), ("steps", 1), ("width", 1), ("height", 1)):
         value = data.get(name, getattr(defaults, name))
         if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < low):
             raise ValueError(f'job {job_id!r}: "{name}" must be an integer of at least {low}, not {value!r}')
-        fields[name] = value
+        found[name] = value
     guidance = data.get("guidance", defaults.guidance)
     if guidance is not None and (not isinstance(guidance, (int, float)) or isinstance(guidance, bool)
                                  or not math.isfinite(guidance) or guidance < 0):
         raise ValueError(f'job {job_id!r}: "guidance" must be a number of at least 0, not {guidance!r}')
-    fields["guidance"] = None if guidance is None else float(guidance)
-    return Job(**fields, line=number, key=job_key(fields, model, dtype))
+    found["guidance"] = None if guidance is None else float(guidance)
+    return Job(**found, line=number, key=job_key(found, model, dtype))

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import torch
 
-from memfit.models.families.base import PipelineAdapter, pad_to_length, split_transformer_passes
+from memfit.models.families.base import PipelineAdapter, masked_embeddings, pad_to_length, split_transformer_passes
 
 
 class AuraFlowAdapter(PipelineAdapter):
@@ -38,11 +38,7 @@ class AuraFlowAdapter(PipelineAdapter):
             device=pipe._execution_device,
             max_sequence_length=self.call_defaults()["max_sequence_length"],
         )
-        embeddings = {"prompt_embeds": positive, "prompt_attention_mask": positive_mask}
-        if with_negative:
-            embeddings["negative_prompt_embeds"] = negative
-            embeddings["negative_prompt_attention_mask"] = negative_mask
-        return embeddings
+        return masked_embeddings(positive, positive_mask, negative, negative_mask, with_negative)
 
     def split_passes(self, pipe, negative_length, positive_length):
         return split_transformer_passes(pipe.transformer, negative_length, positive_length)

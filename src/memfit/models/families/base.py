@@ -384,6 +384,15 @@ def embeddings_needed(embeddings: dict[str, torch.Tensor], negative: bool) -> li
     return [f"negative_{name}" for name in positives] if negative else positives
 
 
+def masked_embeddings(positive, positive_mask, negative, negative_mask, with_negative: bool) -> dict[str, torch.Tensor]:
+    """The embeddings dict of a pipeline whose encode_prompt returns embeddings with attention masks."""
+    embeddings = {"prompt_embeds": positive, "prompt_attention_mask": positive_mask}
+    if with_negative:
+        embeddings["negative_prompt_embeds"] = negative
+        embeddings["negative_prompt_attention_mask"] = negative_mask
+    return embeddings
+
+
 def pad_masked(embeddings: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """Positive and negative embeddings of unequal lengths, the shorter one right-padded with zeros
     and its attention mask with zeros, so the padded tokens are masked out of attention (what a

@@ -14,7 +14,7 @@ pipeline's post-loop code.
 from __future__ import annotations
 
 from memfit.errors import MemfitError
-from memfit.models.families.base import PipelineAdapter
+from memfit.models.families.base import PipelineAdapter, masked_embeddings
 
 
 class ChromaAdapter(PipelineAdapter):
@@ -40,11 +40,7 @@ class ChromaAdapter(PipelineAdapter):
             num_images_per_prompt=1,
             do_classifier_free_guidance=with_negative,
         )
-        embeddings = {"prompt_embeds": positive, "prompt_attention_mask": positive_mask}
-        if with_negative:
-            embeddings["negative_prompt_embeds"] = negative
-            embeddings["negative_prompt_attention_mask"] = negative_mask
-        return embeddings
+        return masked_embeddings(positive, positive_mask, negative, negative_mask, with_negative)
 
     def denoise(self, pipe, embeddings, settings, generator, split=False):
         if split:

@@ -8,7 +8,7 @@ out of attention: the same thing Lumina2's own tokenizer padding (to 256 tokens)
 
 from __future__ import annotations
 
-from memfit.models.families.base import PipelineAdapter, pad_masked
+from memfit.models.families.base import PipelineAdapter, masked_embeddings, pad_masked
 
 class Lumina2Adapter(PipelineAdapter):
     class_name = "Lumina2Pipeline"
@@ -32,11 +32,7 @@ class Lumina2Adapter(PipelineAdapter):
             num_images_per_prompt=1,
             device=pipe._execution_device,
         )
-        embeddings = {"prompt_embeds": positive, "prompt_attention_mask": positive_mask}
-        if with_negative:
-            embeddings["negative_prompt_embeds"] = negative
-            embeddings["negative_prompt_attention_mask"] = negative_mask
-        return embeddings
+        return masked_embeddings(positive, positive_mask, negative, negative_mask, with_negative)
 
     def denoise(self, pipe, embeddings, settings, generator, split=False):
         if self.guided(settings):

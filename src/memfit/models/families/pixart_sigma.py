@@ -14,7 +14,7 @@ SanaPipeline works the same way (memfit.models.families.sana).
 
 from __future__ import annotations
 
-from memfit.models.families.base import PipelineAdapter, pad_masked
+from memfit.models.families.base import PipelineAdapter, masked_embeddings, pad_masked
 
 
 class PixArtSigmaAdapter(PipelineAdapter):
@@ -40,11 +40,7 @@ class PixArtSigmaAdapter(PipelineAdapter):
             device=pipe._execution_device,
             **{name: call_defaults[name] for name in self.encode_options},
         )
-        embeddings = {"prompt_embeds": positive, "prompt_attention_mask": positive_mask}
-        if with_negative:
-            embeddings["negative_prompt_embeds"] = negative
-            embeddings["negative_prompt_attention_mask"] = negative_mask
-        return embeddings
+        return masked_embeddings(positive, positive_mask, negative, negative_mask, with_negative)
 
     def denoise(self, pipe, embeddings, settings, generator, split=False):
         if self.guided(settings):
