@@ -1,7 +1,8 @@
 """The `memfit` command: one module per subcommand (generate and encode, plan, cache, serve, batch) registers its parser.
 
 Errors for bad input are MemfitErrors: printed as one sentence, exit status 2, no traceback
-unless --debug. Output files are written atomically, so a failed run leaves none behind.
+unless --debug. A device running out of memory anywhere a run's stages do not handle it (torch's
+OutOfMemoryError) is printed the same way. Output files are written atomically, so a failed run leaves none behind.
 """
 
 from __future__ import annotations
@@ -39,6 +40,11 @@ def _show_warning(message, category, filename, lineno, file=None, line=None, *, 
         _default(message, category, filename, lineno, file, line)
 
 
+def _out_of_memory(exc: BaseException) -> bool:
+    torch = sys.modules.get("torch")  # not imported: then nothing raised torch's error
+    return torch is not None and isinstance(exc, torch.OutOfMemoryError)
+
+
 def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("HF_HUB_OFFLINE", "1")  # memfit never downloads; fail fast instead
     parser = build_parser()
@@ -52,6 +58,13 @@ def main(argv: list[str] | None = None) -> int:
         if args.debug:
             raise
         print(f"memfit: error: {exc}", file=sys.stderr)
+        return 2
+    except Exception as exc:
+        if args.debug or not _out_of_memory(exc):
+            raise
+        from memfit.run.runner import out_of_memory_message
+
+        print(f"memfit: error: {out_of_memory_message(exc, 'outside the stages memfit plans')}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         print("memfit: interrupted", file=sys.stderr)

@@ -336,9 +336,13 @@ class ModelFolder:
             files = sorted(p for p in folder.iterdir() if p.suffix in PICKLE_SUFFIXES)
         return files
 
-    def load_stage(self, names, dtype: torch.dtype, device: torch.device, *, pipeline_class: str | None = None,
-                   external: dict[str, Path] | None = None):
+    def load_stage(self, names, dtype: torch.dtype, device: torch.device | None = None, *,
+                   pipeline_class: str | None = None, external: dict[str, Path] | None = None):
         """The pipeline with only `names` loaded; every other component is None (not resident).
+
+        The weights stay in host memory unless ``device`` names where to move the whole pipeline:
+        a staged run (memfit.run.runner) loads on the host, plans, and moves only what the plan keeps
+        on the device, so a stage larger than a GPU never has to fit on it whole.
 
         ``pipeline_class`` loads the folder's components as another diffusers pipeline class (the
         img2img, inpaint or ControlNet pipeline of the family). ``external`` maps a component name in
@@ -385,7 +389,7 @@ class ModelFolder:
         # Attributes the pipeline derives from components that are not loaded in this stage.
         if "vae" in self.configs and "vae" not in names:
             pipe.vae_scale_factor = self.adapter.vae_scale_factor()
-        return pipe.to(device)
+        return pipe if device is None else pipe.to(device)
 
 
 def load_component(path: str | Path, dtype: torch.dtype):

@@ -196,7 +196,10 @@ def resolve_budget(
     a GPU): a budget bounds the whole process, so detection adds it to the free room it measures.
     An explicit device budget above the container's memory limit, the machine's RAM (CPU) or the
     GPU's total is refused, naming both numbers: the kernel (or CUDA) would stop the run long before
-    the plan's peak, so such a plan would only pretend to fit.
+    the plan's peak, so such a plan would only pretend to fit. On a GPU it is also refused above
+    what the GPU can give this process now (``mem_get_info``'s free memory + what this process's
+    allocator holds already), which names what other processes hold. Apple's GPU (mps) shares host
+    RAM: its budgets are checked and detected as the host's.
     """
     if value is None or (isinstance(value, str) and value.strip().lower() == AUTO):
         return detect(device, in_use=in_use, proc_root=proc_root, sys_root=sys_root)
@@ -206,7 +209,9 @@ def resolve_budget(
     cuda = _is_cuda(device)
     if budget.device is not None:
         if cuda:
-            _refuse_above(budget.device, _cuda_memory(device)[1], f"the total memory of {_name(device)}", "device budget")
+            free, total = _cuda_memory(device)
+            _refuse_above(budget.device, total, f"the total memory of {_name(device)}", "device budget")
+            _refuse_above_free(budget.device, free, _cuda_held(device), total, _name(device))
         else:
             host = read_host_memory(proc_root=proc_root, sys_root=sys_root)
             _refuse_above(budget.device, *_host_total(host))
@@ -237,6 +242,19 @@ def _refuse_above(requested: int, limit: int | None, limit_name: str, what: str 
     )
 
 
+def _refuse_above_free(requested: int, free: int, held: int, total: int, name: str) -> None:
+    room = free + held
+    if requested <= room:
+        return
+    others = max(0, total - room)
+    raise MemfitError(
+        f"The device budget of {format_bytes(requested)} ({requested} bytes) is above what {name} can give this run "
+        f"now, {format_bytes(room)} ({format_bytes(free)} free + {format_bytes(held)} this process holds; about "
+        f"{format_bytes(others)} is held by other processes or the driver): give at most {room} bytes "
+        f"(--budget {room // (1 << 20)}MiB), free the device, or leave the budget out (auto) to fit what is free now."
+    )
+
+
 def detect(
     device: str | None = None,
     *,
@@ -247,6 +265,7 @@ def detect(
 ) -> ResolvedBudget:
     """The automatic budget, with the arithmetic that produced it (see ``detect_budget``)."""
     host = read_host_memory(proc_root=proc_root, sys_root=sys_root)
+    unified = _is_unified(device)
     if _is_cuda(device):
         free, total = _cuda_memory(device)
         d_reserve = device_reserve(total) if reserve is None else parse_size(reserve)
@@ -257,14 +276,15 @@ def detect(
                   + f" - reserve {format_bytes(d_reserve)} = {format_bytes(budget.device)}; host tier: "
                   + _host_words(host) + f" - reserve {format_bytes(h_reserve)} = {format_bytes(budget.host)}")
         return ResolvedBudget(budget, source, AUTO)
-    if device is not None and _name(device) != "cpu":
+    if device is not None and _name(device) != "cpu" and not unified:
         raise MemfitError(
-            f"memfit cannot detect a budget for device {_name(device)!r}; use 'cpu', 'cuda' or 'cuda:N', "
+            f"memfit cannot detect a budget for device {_name(device)!r}; use 'cpu', 'cuda', 'cuda:N' or 'mps', "
             "or pass an explicit budget such as budget=\"6GiB\"."
         )
     h_reserve = host_reserve(host.total or host.available) if reserve is None else parse_size(reserve)
     budget = Budget(device=max(0, in_use + host.available - h_reserve), host=0)
-    source = ("auto: " + _host_words(host) + (f" + {format_bytes(in_use)} this process holds" if in_use else "")
+    source = ("auto: " + ("mps shares host RAM (unified memory): " if unified else "") + _host_words(host)
+              + (f" + {format_bytes(in_use)} this process holds" if in_use else "")
               + f" - reserve {format_bytes(h_reserve)} = {format_bytes(budget.device)}")
     return ResolvedBudget(budget, source, AUTO)
 
@@ -303,11 +323,16 @@ def detect_budget(
 
 def _is_cuda(device) -> bool:
     """Whether ``device`` (a name or a memfit.devices.DeviceRuntime) has memory of its own to measure."""
-    if device is None:
+    if device is None or _is_unified(device):
         return False
     if isinstance(device, str):
         return device.startswith("cuda")
     return bool(getattr(device, "separate_memory", False))
+
+
+def _is_unified(device) -> bool:
+    """Whether ``device`` is Apple's GPU (mps), whose memory is the host's RAM."""
+    return device is not None and _name(device).startswith("mps")
 
 
 def _name(device) -> str:
@@ -318,6 +343,14 @@ def _cuda_memory(device) -> tuple[int, int]:
     from memfit.devices import runtime_for  # local: budget parsing must not pay for importing torch
 
     return runtime_for(device).mem_get_info()
+
+
+def _cuda_held(device) -> int:
+    """Device memory this process's allocator holds (reserved: live tensors and its cache, which a run
+    reuses); ``mem_get_info`` counts it as used."""
+    from memfit.devices import runtime_for
+
+    return runtime_for(device).memory_reserved()
 
 
 def available_host_memory(

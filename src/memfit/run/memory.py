@@ -1,4 +1,5 @@
-"""Measuring peak memory of a stretch of work: peak RSS on the CPU, peak allocated memory on a GPU.
+"""Measuring peak memory of a stretch of work: peak RSS on the CPU; on a GPU peak allocated and reserved
+device memory (loading and running apart), pinned host bytes and peak RSS.
 
 Peak RSS comes from the kernel's high-water mark (VmHWM), reset at the start of each stretch by
 writing "5" to /proc/self/clear_refs. Where that file is not writable (non-Linux, some sandboxes)
@@ -10,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import dataclasses
 import functools
 import gc
 import threading
@@ -135,17 +137,40 @@ def _set_mmap_threshold(nbytes: int) -> bool:
 
 
 @dataclass
+class DevicePeaks:
+    """What a stretch of work peaked at on a device with memory of its own (a GPU), in bytes.
+
+    Loading and running are measured apart (``PeakMemory.loaded`` resets the device's peaks between
+    them): a load's transient copies would otherwise hide what the run itself needs.
+    """
+
+    peak_allocated: int = 0  # the allocator's peak of live tensors while running
+    peak_reserved: int = 0  # ... and of what it held from the driver (live tensors, cached blocks)
+    load_peak_allocated: int = 0  # the same two while loading and fitting (0 when nothing loaded)
+    load_peak_reserved: int = 0
+    pinned_bytes: int = 0  # the most host memory page-locked for streaming at once (seen at loads and the end)
+    peak_rss: int = 0  # host memory of the process, loading included
+    alloc_retries: int = 0  # times the allocator had to free its cache and retry: running close to full
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+@dataclass
 class PeakMemory:
     """Context manager: `with PeakMemory(device) as peak: ...` then read `peak.peak_bytes`.
 
     ``device``: "cpu", a torch device or a memfit.devices.DeviceRuntime. On a device with memory of
-    its own (a GPU) the peak is its allocator's peak allocated memory; on the CPU, peak RSS.
+    its own (a GPU) the peak is its allocator's peak allocated memory, and ``device_peaks`` holds
+    allocated and reserved peaks for loading and running apart, pinned host bytes and peak RSS;
+    on the CPU, peak RSS (``device_peaks`` stays None).
     """
 
     device: object = "cpu"
     start_bytes: int = 0
     peak_bytes: int = 0
     method: str = ""
+    device_peaks: DevicePeaks | None = None
 
     def __enter__(self) -> "PeakMemory":
         from memfit.devices import runtime_for
@@ -156,32 +181,56 @@ class PeakMemory:
         if self.runtime.separate_memory:
             self.runtime.synchronize()
             self.runtime.reset_peak_memory_stats()
+            self.device_peaks = DevicePeaks()
+            self._retries = self.runtime.alloc_retries()
             self.start_bytes = self.runtime.memory_allocated()
             self.method = "device max_memory_allocated"
-            return self
-        self.start_bytes = current_rss()
-        if reset_peak_rss():
-            self.method = "VmHWM"
-        else:
-            self.method = "sampled RSS"
-            self._sampled_peak = self.start_bytes
-            self._sampler = threading.Thread(target=self._sample, daemon=True)
-            self._sampler.start()
+        self._rss_method = self._start_rss()
+        if not self.runtime.separate_memory:
+            self.start_bytes = current_rss()
+            self.method = self._rss_method
         return self
+
+    def loaded(self) -> None:
+        """Loading is done: keep the device's peaks so far as the load's, and measure the run from here."""
+        peaks = self.device_peaks
+        if peaks is None:
+            return
+        self.runtime.synchronize()
+        peaks.load_peak_allocated = max(peaks.load_peak_allocated, self.runtime.max_memory_allocated())
+        peaks.load_peak_reserved = max(peaks.load_peak_reserved, self.runtime.max_memory_reserved())
+        peaks.pinned_bytes = max(peaks.pinned_bytes, self.runtime.pinned_bytes())
+        self.runtime.reset_peak_memory_stats()
+
+    def _start_rss(self) -> str:
+        if reset_peak_rss():
+            return "VmHWM"
+        self._sampled_peak = current_rss()
+        self._sampler = threading.Thread(target=self._sample, daemon=True)
+        self._sampler.start()
+        return "sampled RSS"
 
     def _sample(self) -> None:
         while not self._stop.is_set():
             self._sampled_peak = max(self._sampled_peak, current_rss())
             time.sleep(0.002)
 
-    def __exit__(self, *exc_info) -> None:
-        if self.runtime.separate_memory:
-            self.runtime.synchronize()
-            self.peak_bytes = self.runtime.max_memory_allocated()
-            return
+    def _peak_rss(self) -> int:
         if self._sampler is not None:
             self._stop.set()
             self._sampler.join()
-            self.peak_bytes = max(self._sampled_peak, current_rss())
-        else:
-            self.peak_bytes = read_peak_rss() or current_rss()
+            return max(self._sampled_peak, current_rss())
+        return read_peak_rss() or current_rss()
+
+    def __exit__(self, *exc_info) -> None:
+        peaks = self.device_peaks
+        if peaks is not None:
+            self.runtime.synchronize()
+            peaks.peak_allocated = self.runtime.max_memory_allocated()
+            peaks.peak_reserved = self.runtime.max_memory_reserved()
+            peaks.pinned_bytes = max(peaks.pinned_bytes, self.runtime.pinned_bytes())
+            peaks.alloc_retries = self.runtime.alloc_retries() - self._retries
+            peaks.peak_rss = self._peak_rss()
+            self.peak_bytes = max(peaks.peak_allocated, peaks.load_peak_allocated)
+            return
+        self.peak_bytes = self._peak_rss()

@@ -27,6 +27,16 @@ class StageReport:
     # counts only its running block, the rest is page cache) and the activation strategy it chose.
     planned_peak_bytes: int | None = None
     strategy: str = ""
+    # On a device with memory of its own (a GPU): memfit.run.memory.DevicePeaks.to_dict() (peak allocated
+    # and reserved memory while running and while loading, pinned host bytes, peak RSS, allocator
+    # retries); None on the CPU, where peak_bytes is the peak RSS and says it all.
+    device_memory: dict | None = None
+
+    def to_dict(self) -> dict:
+        data = asdict(self)
+        if data["device_memory"] is None:
+            del data["device_memory"]  # a CPU report keeps the fields it always had
+        return data
 
 
 @dataclass
@@ -45,13 +55,14 @@ class RunReport:
         return max((s.peak_bytes for s in self.stages), default=0)
 
     def table(self) -> str:
-        memory = "peak device memory" if self.device.startswith("cuda") else "peak RSS"
+        on_device = any(s.device_memory is not None for s in self.stages)
+        memory = ("peak allocated", "peak reserved", "load peak", "pinned", "peak RSS") if on_device else ("peak RSS",)
         planned = any(s.planned_peak_bytes is not None for s in self.stages)
-        header = ("stage", "components resident", "wall s", memory, "weights") + (("planned peak", "strategy") if planned else ())
+        header = ("stage", "components resident", "wall s", *memory, "weights") + (("planned peak", "strategy") if planned else ())
         rows = []
         for s in self.stages:
             row = (s.stage, ", ".join(s.components) or ("-" if not s.note else f"- ({s.note})"), f"{s.seconds:.2f}",
-                   format_bytes(s.peak_bytes), format_bytes(s.weights_bytes))
+                   *_memory_cells(s, on_device), format_bytes(s.weights_bytes))
             if planned:
                 row += ("-" if s.planned_peak_bytes is None else format_bytes(s.planned_peak_bytes), s.strategy or "-")
             rows.append(row)
@@ -65,6 +76,7 @@ class RunReport:
 
     def to_dict(self) -> dict:
         data = asdict(self)
+        data["stages"] = [stage.to_dict() for stage in self.stages]
         data["peak_bytes"] = self.peak_bytes
         return data
 
@@ -73,3 +85,15 @@ class RunReport:
 
         text = json.dumps(self.to_dict(), indent=2) + "\n"
         write_atomically(path, lambda tmp: Path(tmp).write_text(text))
+
+
+def _memory_cells(stage: StageReport, on_device: bool) -> tuple[str, ...]:
+    if not on_device:
+        return (format_bytes(stage.peak_bytes),)
+    figures = stage.device_memory
+    if figures is None:
+        return ("-",) * 5
+    load = figures["load_peak_allocated"]
+    return (format_bytes(figures["peak_allocated"]), format_bytes(figures["peak_reserved"]),
+            format_bytes(load) + " / " + format_bytes(figures["load_peak_reserved"]) if load else "-",
+            format_bytes(figures["pinned_bytes"]), format_bytes(figures["peak_rss"]))

@@ -44,11 +44,25 @@ from memfit.run.report import RunReport, StageReport
 from memfit.run.timeline import Timeline
 from memfit.sizes import format_bytes
 
-__all__ = ["OOM_SHRINK", "Stage", "StageContext", "StageDoesNotFit", "StageRunner", "check_budget_floor",
-           "default_device", "memory_in_use", "resident_bytes", "resolve_device"]
+__all__ = ["DEVICE_ACTIVATION_MARGIN", "OOM_SHRINK", "Stage", "StageContext", "StageDoesNotFit", "StageRunner",
+           "check_budget_floor", "default_device", "memory_in_use", "out_of_memory_message", "place_whole",
+           "resident_bytes", "resolve_device"]
 
 # After an out-of-memory error a stage is re-planned under this fraction of the budget it failed in.
 OOM_SHRINK = 0.7
+
+# The activation estimates (memfit.plan.activations) are calibrated on CPU RSS. On a GPU the caching
+# allocator rounds each block up (512 B, and 2 MiB segments for large ones) and keeps freed blocks
+# that do not fit the next request, so the same tensors take more; this margin on the activations
+# covers that. It is not measured on a GPU yet: the CUDA context and library workspaces are the
+# detection reserve's (memfit.plan.budget.device_reserve), not this margin's.
+DEVICE_ACTIVATION_MARGIN = 1.25
+
+# Devices memfit places whole components on without streaming, and how to ask torch whether one is here.
+_PLAIN_DEVICES = {
+    "mps": lambda: torch.backends.mps.is_available(),
+    "xpu": lambda: hasattr(torch, "xpu") and torch.xpu.is_available(),
+}
 
 
 @dataclass(frozen=True)
@@ -85,8 +99,13 @@ def resolve_device(device: str | torch.device | None) -> torch.device:
         raise MemfitError(f"--device {device} is not a device torch knows; use cpu, cuda or cuda:N.") from None
     if resolved.type == "cpu":
         return resolved
+    if resolved.type in _PLAIN_DEVICES:
+        if not _PLAIN_DEVICES[resolved.type]():
+            raise MemfitError(f"--device {device} names a {resolved.type} device but torch {torch.__version__} sees "
+                              "none here; use --device cpu.")
+        return resolved
     if resolved.type != "cuda":
-        raise MemfitError(f"--device {device} is not supported by memfit; use cpu, cuda or cuda:N.")
+        raise MemfitError(f"--device {device} is not supported by memfit; use cpu, cuda, cuda:N, mps or xpu.")
     count = cuda_device_count()
     if count == 0:
         raise MemfitError(f"--device {device} names a CUDA GPU but torch sees none here; use --device cpu.")
@@ -144,8 +163,31 @@ def _round_up_mib(size: int) -> int:
 def memory_in_use(device: DeviceRuntime) -> int:
     """What the process holds on the execution device right now: the baseline a stage's plan adds to."""
     if device.separate_memory:
+        # Allocated, not reserved: reserved also counts blocks the caching allocator keeps free, which
+        # the stage's own tensors reuse; counted here they would be counted twice (once as the
+        # baseline, once in the plan). Between stages the runner empties that cache anyway.
         return device.memory_allocated()
     return current_rss()
+
+
+def place_whole(pipe, runtime: DeviceRuntime) -> None:
+    """Move every torch module of ``pipe`` whole onto ``runtime``'s device: a stage with no plan (no budget,
+    nothing to fit, or a device memfit cannot stream to) after loading on the host."""
+    if not runtime.separate_memory:
+        return  # on the CPU the host is the device
+    for module in pipe.components.values():
+        if isinstance(module, torch.nn.Module):
+            for tensor in [*module.parameters(), *module.buffers()]:
+                if not runtime.owns(tensor):
+                    tensor.data = runtime.to_device(tensor.data)
+    runtime.synchronize()
+
+
+def out_of_memory_message(exc: BaseException, where: str) -> str:
+    """One sentence for a device out-of-memory error raised ``where`` (outside a stage's re-planning)."""
+    first = str(exc).strip().splitlines()[0] if str(exc).strip() else "out of memory"
+    return (f"The device ran out of memory {where} ({first}); give a smaller --budget (or leave it out for auto), "
+            "a smaller size or a narrower --dtype, or free the device (another process may be using it).")
 
 
 def resident_bytes(pipe, names) -> int:
@@ -236,6 +278,8 @@ class StageContext:
         pipe.set_progress_bar_config(disable=not runner.progress, desc=self.stage, leave=False)
         self.components += [label + name for name in to_load]
         self._loaded.append((pipe, to_load, key, made_for))
+        if runner._peak is not None:
+            runner._peak.loaded()  # the stage's device peaks from here on are its run's, not its load's
         return pipe
 
     def _made_for(self, pipeline_class: str | None, external: Mapping[str, Any], loras) -> tuple:
@@ -253,7 +297,9 @@ class StageContext:
         already_used = memory_in_use(runner.runtime)
         task_options = {key: value for key, value in (("pipeline_class", pipeline_class), ("external", external))
                         if value}  # only where a task needs them: text to image loads as before
-        pipe = folder.load_stage(to_load, runner.torch_dtype, runner.device, **task_options)
+        # Loaded on the host (device None) and planned there: only what the plan keeps on the device
+        # moves to it (memfit.run.executor.optimize), so a stage larger than a GPU can still run.
+        pipe = folder.load_stage(to_load, runner.torch_dtype, None, **task_options)
         if loras:
             from memfit.models.lora import load_loras
 
@@ -261,6 +307,8 @@ class StageContext:
                 self.note = (self.note + "; " if self.note else "") + f"{len(loras)} LoRA(s), unfused"
         if self.budget is not None and _has_weights(pipe, to_load):
             self._fit(pipe, folder, plan_as or self.stage, already_used)
+        else:
+            place_whole(pipe, runner.runtime)  # nothing to plan: the whole stage goes where it runs
         if shared:
             pipe.register_modules(**shared)
         compile_stage(pipe, folder.path, runner.backend, runner.fallback, self.compiled, folder.component_fingerprint)
@@ -279,14 +327,20 @@ class StageContext:
         room = _room_left(budget, already_used)
         options = stage_strategies(adapter, plan_as, runner.settings, runner.guided, runner.dtype)
         parts = adapter.stage_parts.get(plan_as)
+        margin = DEVICE_ACTIVATION_MARGIN if runner.runtime.separate_memory else 1.0
         try:
-            strategy, plan = choose(options, lambda activations: plan_stage(pipe, room, self.stage, activations, parts))
+            strategy, plan = choose(options, lambda activations: plan_stage(
+                pipe, room, self.stage, int(activations * margin), parts))
         except MemfitError as exc:
             raise StageDoesNotFit(
                 f"{exc} These figures leave out the {format_bytes(already_used)} this process already holds "
                 "(Python, torch and the libraries loaded): add that to any budget named above."
             ) from exc
-        optimize(pipe, plan=plan, model_dir=folder.path, device=runner.runtime, parts=parts)
+        if runner.runtime.can_stream:
+            optimize(pipe, plan=plan, model_dir=folder.path, device=runner.runtime, parts=parts)
+        else:
+            _refuse_streaming(plan.stages[0], self.stage, runner.runtime)
+            place_whole(pipe, runner.runtime)
         self.strategy = strategy.name
         if strategy.name == "banded":
             from memfit.run.banded_decode import enable_banded_decode
@@ -364,13 +418,21 @@ class StageRunner:
         self.pool = pool
         self.on_step = on_step
         self.timeline = Timeline(device=self.runtime)
+        self._peak: PeakMemory | None = None  # the running stage's, while one runs
 
     def run(self, stages: list[Stage]) -> dict[str, Any]:
         """Run ``stages`` in order; returns each stage's result by name."""
         results: dict[str, Any] = {}
         with self.timeline:
             for stage in stages:
-                results[stage.name] = self._run_stage(stage, results)
+                try:
+                    results[stage.name] = self._run_stage(stage, results)
+                except torch.OutOfMemoryError as exc:  # outside the stage's own retry (releasing, measuring)
+                    message = out_of_memory_message(exc, f"in the {stage.name} stage")
+                else:
+                    continue
+                self._release_device()  # out of the except block: its traceback holds the stage's tensors
+                raise MemfitError(message)
         self.report.notes += self.timeline.warnings
         return results
 
@@ -422,11 +484,13 @@ class StageRunner:
         release_freed_memory()
         self.timeline.stage_started(stage.name, None if budget is None else budget.device)
         with PeakMemory(self.runtime) as peak:
+            self._peak = peak
             started = time.perf_counter()
             try:
                 result = stage.work(context, results)
                 weights = context._release()
             finally:
+                self._peak = None
                 context._release()  # after a failure too: a pool keeps pipes that a stopped run left intact
                 self._release_device()  # the stage's pipelines are gone once its work returns
                 self.timeline.stage_ended(context.planned_peak)
@@ -434,6 +498,7 @@ class StageRunner:
         self.report.stages.append(StageReport(
             stage.name, context.components, seconds, peak.peak_bytes, peak.start_bytes, weights, peak.method,
             note=context.note, planned_peak_bytes=context.planned_peak, strategy=context.strategy,
+            device_memory=None if peak.device_peaks is None else peak.device_peaks.to_dict(),
         ))
         report_records(self.report, context.compiled)
         return result
@@ -483,6 +548,17 @@ class StepWatch:
 def _snapshot(results: dict[str, Any]) -> dict[str, Any]:
     """A copy of a stage's inputs two levels deep: stages pop what they consume (results["encode"]["base"])."""
     return {name: dict(value) if isinstance(value, dict) else value for name, value in results.items()}
+
+
+def _refuse_streaming(stage_plan, stage: str, runtime: DeviceRuntime) -> None:
+    """A device memfit cannot stream to (mps, xpu) runs a stage only when its plan keeps every weight resident."""
+    streamed = stage_plan.streamed_from_host_bytes + stage_plan.streamed_from_disk_bytes
+    if streamed:
+        raise StageDoesNotFit(
+            f"The {stage} stage would stream {format_bytes(streamed)} of weights to fit the budget, and memfit "
+            f"streams weights only on cuda and cpu devices, not {runtime.name}: give a larger --budget (or --budget "
+            "none to load every weight whole), or run with --device cpu."
+        )
 
 
 def _has_weights(pipe, names) -> bool:
