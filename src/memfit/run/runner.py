@@ -33,7 +33,7 @@ from typing import Any
 
 import torch
 
-from memfit.compile.entry_points import compile_stage, report_records
+from memfit.compile.entry_points import compile_stage, compiled_weight_bytes, report_records
 from memfit.errors import MemfitError
 from memfit.models.families import Settings
 from memfit.models.folder import ModelFolder, parse_dtype
@@ -257,14 +257,22 @@ class StageContext:
 
             if load_loras(pipe, loras, folder.configs):
                 self.note = (self.note + "; " if self.note else "") + f"{len(loras)} LoRA(s), unfused"
-        if self.budget is not None and _has_weights(pipe, to_load):
-            self._fit(pipe, folder, plan_as or self.stage, already_used)
+        # A component compiled by a backend with its own copy of the weights costs that copy, not its torch
+        # weights (memory-mapped once compiled: memfit.compile.weights), and is planned as such.
+        compiled = compiled_weight_bytes(pipe, to_load, runner.backend, runner.torch_dtype) if self.budget else {}
+        if compiled:
+            _check_compiled_fits(self.budget, already_used, compiled, self.stage)
+        for name, size in compiled.items():
+            runner.report.notes.append(f"{self.stage}: planned {name} as its compiled model, {format_bytes(size)} "
+                                       "resident (its torch weights memory-mapped, not counted)")
+        if self.budget is not None and _has_weights(pipe, [name for name in to_load if name not in compiled]):
+            self._fit(pipe, folder, plan_as or self.stage, already_used, compiled)
         if shared:
             pipe.register_modules(**shared)
         compile_stage(pipe, folder.path, runner.backend, runner.fallback, self.compiled, folder.component_fingerprint)
         return pipe
 
-    def _fit(self, pipe, folder: ModelFolder, plan_as: str, already_used: int) -> None:
+    def _fit(self, pipe, folder: ModelFolder, plan_as: str, already_used: int, compiled=None) -> None:
         from memfit.plan.activations import choose, stage_strategies
         from memfit.run.executor import blocks_not_run, optimize, plan_stage, reads_in_place
 
@@ -274,11 +282,14 @@ class StageContext:
         if runner.device.type == "cpu":
             budget = Budget(device=budget.device, host=0, disk=str(folder.path))
         adapter = folder.adapter
+        compiled = compiled or {}
+        already_used += sum(compiled.values())
         room = _room_left(budget, already_used)
         options = stage_strategies(adapter, plan_as, runner.settings, runner.guided, runner.dtype)
         parts = adapter.stage_parts.get(plan_as)
         try:
-            strategy, plan = choose(options, lambda activations: plan_stage(pipe, room, self.stage, activations, parts))
+            strategy, plan = choose(options, lambda activations: plan_stage(pipe, room, self.stage, activations, parts,
+                                                                            skip=compiled))
         except MemfitError as exc:
             raise StageDoesNotFit(
                 f"{exc} These figures leave out the {format_bytes(already_used)} this process already holds "
@@ -486,6 +497,20 @@ def _snapshot(results: dict[str, Any]) -> dict[str, Any]:
 
 def _has_weights(pipe, names) -> bool:
     return any(isinstance(getattr(pipe, name, None), torch.nn.Module) for name in names)
+
+
+def _check_compiled_fits(budget: Budget, already_used: int, compiled: Mapping[str, int], stage: str) -> None:
+    """Refuse a stage whose compiled models (which cannot be streamed) do not fit the budget at all."""
+    needed = already_used + sum(compiled.values())
+    if budget.device is None or needed <= budget.device:
+        return
+    parts = ", ".join(f"{name} {format_bytes(size)}" for name, size in compiled.items())
+    raise StageDoesNotFit(
+        f"The {stage} stage's compiled models ({parts}) hold their own weights, which cannot be streamed: with the "
+        f"{format_bytes(already_used)} this process holds they need {format_bytes(needed)}, over the budget of "
+        f"{format_bytes(budget.device)}. Give --budget {_round_up_mib(needed)}MiB or more, a narrower --precision, or "
+        "compile fewer components (e.g. --backend unet=eager,*=openvino)."
+    )
 
 
 def _room_left(budget: Budget, already_used: int) -> Budget:
