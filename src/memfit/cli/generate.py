@@ -44,7 +44,7 @@ def register(commands: argparse._SubParsersAction) -> None:
                      "PATH.json for the events, PATH.png for a plot")
     gen.add_argument("--backend", help="compile with a backend: NAME (eager, inductor, openvino, onnxruntime) or per "
                      "component, e.g. unet=openvino,vae=eager")
-    gen.add_argument("--precision", choices=("fp32", "bf16", "fp16"),
+    gen.add_argument("--precision", metavar="{fp32,bf16,fp16}",
                      help="compute precision of the backend (default: --dtype): OpenVINO computes in it whatever the "
                      "weights' --dtype (e.g. fp32 weights, bf16 kernels); eager PyTorch and the other backends compute "
                      "in --dtype, so for them it must equal --dtype")

@@ -505,10 +505,12 @@ def compiled_weight_bytes(pipe, names, backend: BackendSpec | None, dtype: torch
     this, not the torch weights, for such a component: it cannot be streamed block by block."""
     if backend is None:
         return {}
-    components = {name: getattr(pipe, name, None) for name in names}
+    components = dict(getattr(pipe, "components", {}))
     costs = {}
     for name, spec in _choose_backends(components, backend).items():
         module = components.get(name)
+        if name not in names:
+            continue
         if not entry_points(name, module):
             continue
         be = get_backend(spec)

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from typing import Any, Mapping
 
-from memfit.compile.backends import Backend, get_backend
+from memfit.compile.backends import get_backend
 from memfit.errors import MemfitError
 
 __all__ = ["PRECISIONS", "check_precision", "with_precision"]
