@@ -154,3 +154,29 @@ def test_warm_openvino_run_fits_where_torch_weights_beside_the_compiled_model_do
     assert any("memory-mapped" in note and "loaded from memfit's store" in note for note in notes), notes
     capped_image, uncapped_image = Image.open(tmp_path / "capped.png"), Image.open(tmp_path / "uncapped.png")
     assert np.array_equal(np.asarray(capped_image), np.asarray(uncapped_image))
+
+
+def test_compiled_models_that_do_not_fit_are_refused_or_run_eagerly():
+    from types import SimpleNamespace
+
+    from memfit.plan.budget import Budget
+    from memfit.run.runner import StageDoesNotFit, _fit_compiled
+
+    compiled = {"unet": 600 * MiB, "text_encoder": 100 * MiB}
+    runner = SimpleNamespace(fallback=None, report=SimpleNamespace(notes=[]))
+    kept, backend = _fit_compiled(Budget(device=1000 * MiB), 300 * MiB, compiled, "denoise", "openvino", runner)
+    assert kept == compiled and backend == "openvino"  # they fit: nothing changes
+    with pytest.raises(StageDoesNotFit, match="need 1000.00 MiB.*--budget 1000MiB"):
+        _fit_compiled(Budget(device=900 * MiB), 300 * MiB, compiled, "denoise", "openvino", runner)
+    runner.fallback = "eager"
+    kept, backend = _fit_compiled(Budget(device=900 * MiB), 300 * MiB, compiled, "denoise", "openvino", runner)
+    assert kept == {"text_encoder": 100 * MiB} and backend == {"*": "openvino", "unet": None}
+    assert "unet run eagerly" in runner.report.notes[-1]
+
+
+def test_plan_says_what_a_precision_changes(capsys):
+    from memfit.cli.app import main
+
+    assert main(["plan", "--arch", "sd15", "--budget", "4GiB", "--precision", "bf16"]) == 0
+    line = capsys.readouterr().out.strip().splitlines()[-1]
+    assert line.startswith("precision bf16 with fp32 weights") and "8 mantissa bits instead of 24" in line

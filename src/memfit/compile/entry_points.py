@@ -524,6 +524,15 @@ def compiled_weight_bytes(pipe, names, backend: BackendSpec | None, dtype: torch
 _PRECISION_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
 
 
+def without_components(backend: BackendSpec | None, names) -> BackendSpec | None:
+    """``backend`` with the components ``names`` left uncompiled (they run as plain PyTorch)."""
+    if backend is None or not names:
+        return backend
+    spec = dict(backend) if isinstance(backend, Mapping) else {"*": backend}
+    spec.update({name: None for name in names})
+    return spec
+
+
 def report_records(report, records: list) -> None:
     """Attach a finished stage's records to its StageReport; a fallback also becomes a run note."""
     if not records or not report.stages:

@@ -260,8 +260,9 @@ class StageContext:
         # A component compiled by a backend with its own copy of the weights costs that copy, not its torch
         # weights (memory-mapped once compiled: memfit.compile.weights), and is planned as such.
         compiled = compiled_weight_bytes(pipe, to_load, runner.backend, runner.torch_dtype) if self.budget else {}
+        backend = runner.backend
         if compiled:
-            _check_compiled_fits(self.budget, already_used, compiled, self.stage)
+            compiled, backend = _fit_compiled(self.budget, already_used, compiled, self.stage, backend, runner)
         for name, size in compiled.items():
             runner.report.notes.append(f"{self.stage}: planned {name} as its compiled model, {format_bytes(size)} "
                                        "resident (its torch weights memory-mapped, not counted)")
@@ -269,7 +270,7 @@ class StageContext:
             self._fit(pipe, folder, plan_as or self.stage, already_used, compiled)
         if shared:
             pipe.register_modules(**shared)
-        compile_stage(pipe, folder.path, runner.backend, runner.fallback, self.compiled, folder.component_fingerprint)
+        compile_stage(pipe, folder.path, backend, runner.fallback, self.compiled, folder.component_fingerprint)
         return pipe
 
     def _fit(self, pipe, folder: ModelFolder, plan_as: str, already_used: int, compiled=None) -> None:
@@ -499,18 +500,35 @@ def _has_weights(pipe, names) -> bool:
     return any(isinstance(getattr(pipe, name, None), torch.nn.Module) for name in names)
 
 
-def _check_compiled_fits(budget: Budget, already_used: int, compiled: Mapping[str, int], stage: str) -> None:
-    """Refuse a stage whose compiled models (which cannot be streamed) do not fit the budget at all."""
+def _fit_compiled(budget: Budget, already_used: int, compiled: dict[str, int], stage: str, backend, runner):
+    """The compiled models a stage keeps, and the backend spec it compiles with: all of them where they fit the
+    budget; else, with --fallback eager, the largest run eagerly (planned and streamed like any eager
+    component) until the rest fit; else a refusal naming the budget they need (they cannot be streamed)."""
+    from memfit.compile.entry_points import without_components
+
     needed = already_used + sum(compiled.values())
     if budget.device is None or needed <= budget.device:
-        return
+        return compiled, backend
     parts = ", ".join(f"{name} {format_bytes(size)}" for name, size in compiled.items())
-    raise StageDoesNotFit(
-        f"The {stage} stage's compiled models ({parts}) hold their own weights, which cannot be streamed: with the "
-        f"{format_bytes(already_used)} this process holds they need {format_bytes(needed)}, over the budget of "
-        f"{format_bytes(budget.device)}. Give --budget {_round_up_mib(needed)}MiB or more, a narrower --precision, or "
-        "compile fewer components (e.g. --backend unet=eager,*=openvino)."
+    if runner.fallback != "eager":
+        raise StageDoesNotFit(
+            f"The {stage} stage's compiled models ({parts}) hold their own weights, which cannot be streamed: with the "
+            f"{format_bytes(already_used)} this process holds they need {format_bytes(needed)}, over the budget of "
+            f"{format_bytes(budget.device)}. Give --budget {_round_up_mib(needed)}MiB or more, a narrower --precision, "
+            "--fallback eager to run what does not fit eagerly, or compile fewer components (e.g. --backend "
+            "unet=eager,*=openvino)."
+        )
+    kept = dict(compiled)
+    for name in sorted(compiled, key=compiled.get, reverse=True):
+        if already_used + sum(kept.values()) <= budget.device:
+            break
+        kept.pop(name)
+    dropped = [name for name in compiled if name not in kept]
+    runner.report.notes.append(
+        f"{stage}: {', '.join(dropped)} run eagerly, not compiled: the compiled models ({parts}) do not fit the budget "
+        f"of {format_bytes(budget.device)} with the {format_bytes(already_used)} this process holds (--fallback eager)"
     )
+    return kept, without_components(backend, dropped)
 
 
 def _room_left(budget: Budget, already_used: int) -> Budget:
