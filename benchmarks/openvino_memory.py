@@ -133,6 +133,17 @@ def main() -> None:
     else:
         model = build_real_size("sd15", Path(args.models) / "sd15-fp32")
     runs = []
+
+    def save():  # after every row: a long run stopped early still leaves what it measured
+        summary = {}
+        for row in ROWS:
+            ok = [r for r in runs if r["row"] == row and r["ok"]]
+            if ok:
+                summary[row] = {key: statistics.median(r[key] for r in ok)
+                                for key in ("peak_rss_bytes", "first_image_s", "second_image_s")}
+        data = {"args": vars(args), "machine": machine(), "runs": runs, "summary": summary}
+        write_outputs(args.out, data, render(data))
+
     for round_index in range(args.rounds):
         store = tempfile.mkdtemp(prefix="memfit-ov-store-")
         env = {**os.environ, "MEMFIT_CACHE_DIR": store}
@@ -144,16 +155,9 @@ def main() -> None:
                 result = run_child(spec, env)  # cold fills the store; warm (next) finds it
                 runs.append({"row": row, "round": round_index, **result})
                 print(row, round_index, result, flush=True)
+                save()
         finally:
             shutil.rmtree(store, ignore_errors=True)
-    summary = {}
-    for row in ROWS:
-        ok = [r for r in runs if r["row"] == row and r["ok"]]
-        if ok:
-            summary[row] = {key: statistics.median(r[key] for r in ok)
-                            for key in ("peak_rss_bytes", "first_image_s", "second_image_s")}
-    data = {"args": vars(args), "machine": machine(), "runs": runs, "summary": summary}
-    write_outputs(args.out, data, render(data))
 
 
 if __name__ == "__main__":

@@ -21,6 +21,12 @@ Failure: a backend that cannot compile raises MemfitError naming the component, 
 and the backend; with ``fallback="eager"`` the entry runs eagerly instead and its CompileRecord
 says so, with the reason. Records are live objects: a lazy compile updates them on first call.
 
+Weights: a backend whose compiled model holds its own copy of the weights (``holds_own_weights``:
+openvino, onnxruntime) leaves the torch parameters unused, so they are memory-mapped from the
+component's safetensors as soon as its entries are installed (memfit.compile.weights) and read only
+under ``FileWeights.held()``: by a compile (which hands them back before the compiled model loads)
+or an eager fallback (which brings them back into memory for good). The records say where they are.
+
 Cache keys (for backends that use memfit's store, e.g. onnxruntime) come from content only: the
 component's weights fingerprint (its folder's, from the staged runner, or a hash of the module's
 tensors), the module class and entry point, the baked-in arguments, the input signature, the
