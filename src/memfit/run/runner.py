@@ -170,6 +170,7 @@ class StageContext:
         self.components: list[str] = []
         self.compiled: list = []
         self.streamed_bytes = 0  # weights the stage's plan left off the device (streamed)
+        self.compiled_costs: dict[str, int] = {}  # compiled models of the load being fitted (memfit.compile)
         self._loaded: list[tuple[Any, list[str], tuple, tuple]] = []
 
     def load(self, folder: ModelFolder, names, *, plan_as: str | None = None, shared: Mapping[str, Any] | None = None,
@@ -266,14 +267,15 @@ class StageContext:
         for name, size in compiled.items():
             runner.report.notes.append(f"{self.stage}: planned {name} as its compiled model, {format_bytes(size)} "
                                        "resident (its torch weights memory-mapped, not counted)")
+        self.compiled_costs = compiled  # read by _fit
         if self.budget is not None and _has_weights(pipe, [name for name in to_load if name not in compiled]):
-            self._fit(pipe, folder, plan_as or self.stage, already_used, compiled)
+            self._fit(pipe, folder, plan_as or self.stage, already_used)
         if shared:
             pipe.register_modules(**shared)
         compile_stage(pipe, folder.path, backend, runner.fallback, self.compiled, folder.component_fingerprint)
         return pipe
 
-    def _fit(self, pipe, folder: ModelFolder, plan_as: str, already_used: int, compiled=None) -> None:
+    def _fit(self, pipe, folder: ModelFolder, plan_as: str, already_used: int) -> None:
         from memfit.plan.activations import choose, stage_strategies
         from memfit.run.executor import blocks_not_run, optimize, plan_stage, reads_in_place
 
@@ -283,7 +285,7 @@ class StageContext:
         if runner.device.type == "cpu":
             budget = Budget(device=budget.device, host=0, disk=str(folder.path))
         adapter = folder.adapter
-        compiled = compiled or {}
+        compiled = self.compiled_costs  # {component: bytes} of compiled models, planned as fixed costs
         already_used += sum(compiled.values())
         room = _room_left(budget, already_used)
         options = stage_strategies(adapter, plan_as, runner.settings, runner.guided, runner.dtype)
