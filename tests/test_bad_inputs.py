@@ -172,6 +172,8 @@ CASES = [
     ("guidance-inf", args("--guidance", "inf"), "not a finite number"),
     ("guidance-nan", args("--guidance", "nan"), "not a finite number"),
     ("budget-garbage", args("--budget", "lots"), "lots"),
+    ("precision-garbage", args("--precision", "fp64"), "--precision"),
+    ("precision-for-eager", args("--precision", "bf16"), "--precision bf16 differs from --dtype fp32"),
     ("cache-mode-garbage", args(env={"MEMFIT_CACHE": "sometimes"}), "MEMFIT_CACHE"),
     ("out-missing-folder", out_in_missing_folder, "does not exist"),
     ("out-under-a-file", out_under_a_file, "which is a file"),

@@ -44,6 +44,10 @@ def register(commands: argparse._SubParsersAction) -> None:
                      "PATH.json for the events, PATH.png for a plot")
     gen.add_argument("--backend", help="compile with a backend: NAME (eager, inductor, openvino, onnxruntime) or per "
                      "component, e.g. unet=openvino,vae=eager")
+    gen.add_argument("--precision", metavar="{fp32,bf16,fp16}",
+                     help="compute precision of the backend (default: --dtype): OpenVINO computes in it whatever the "
+                     "weights' --dtype (e.g. fp32 weights, bf16 kernels); eager PyTorch and the other backends compute "
+                     "in --dtype, so for them it must equal --dtype")
     gen.add_argument("--fallback", choices=("eager",), help="if a backend fails on a component, run it eagerly (reported)")
     gen.add_argument("--refiner", help="SDXL refiner folder: the base (--model) denoises up to --refiner-start, "
                      "the refiner finishes (diffusers' base + refiner workflow)")
@@ -154,6 +158,7 @@ def _generate(args) -> int:
         controlnet=args.controlnet,
         loras=args.lora,
         sampler=args.sampler,
+        precision=args.precision,
     )
     result.save(out, frames_per_second=args.fps)
     if args.report:

@@ -54,6 +54,8 @@ def register(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
     parser.add_argument("--height", type=int, help="image height in pixels (default: the model's native size)")
     parser.add_argument("--steps", type=int, default=DEFAULT_STEPS, help="denoising steps (decides host vs disk)")
     parser.add_argument("--prefetch", type=int, default=1, help="blocks copied ahead while one runs (default 1)")
+    parser.add_argument("--precision", metavar="{fp32,bf16,fp16}",
+                        help="say what a backend's compute precision (memfit generate --precision) changes")
     parser.add_argument("--json", action="store_true", help="print the plan as JSON instead of a table")
     parser.set_defaults(func=run_plan)
     return parser
@@ -66,13 +68,19 @@ def run_plan(args: argparse.Namespace) -> int:
     height = args.height or adapter.default_size()
     if width <= 0 or height <= 0 or args.steps <= 0:
         raise MemfitError(f"--width, --height and --steps must be positive, got {width}, {height}, {args.steps}.")
+    precision_line = None
+    if args.precision is not None:
+        from memfit.compile.precision import describe_precision
+
+        precision_line = describe_precision(args.precision, args.dtype)
     budget, source = _budget(args)
     options = stage_options(adapter, dtype=args.dtype, width=width, height=height, steps=args.steps)
     stages, strategies = choose_strategies(options, budget, prefetch=args.prefetch)
     plan = make_plan(stages, budget, prefetch=args.prefetch)
     if args.json:
-        print(json.dumps({**_report(name, args.dtype, width, height, plan, strategies), "budget_source": source},
-                         indent=2))
+        extra = {"precision": precision_line} if precision_line else {}
+        print(json.dumps({**_report(name, args.dtype, width, height, plan, strategies), "budget_source": source,
+                          **extra}, indent=2))
     else:
         print(f"{name}: {description}; {width}x{height}, {args.dtype}, {args.steps} steps")
         print(f"budget: {source}")
@@ -84,6 +92,8 @@ def run_plan(args: argparse.Namespace) -> int:
                                                 f" instead of {own.name}, which would need "
                                                 f"{format_bytes(own.activation_bytes)} of activations")
                 print(line)
+        if precision_line:
+            print(precision_line)
     return 0
 
 

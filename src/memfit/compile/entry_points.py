@@ -21,6 +21,12 @@ Failure: a backend that cannot compile raises MemfitError naming the component, 
 and the backend; with ``fallback="eager"`` the entry runs eagerly instead and its CompileRecord
 says so, with the reason. Records are live objects: a lazy compile updates them on first call.
 
+Weights: a backend whose compiled model holds its own copy of the weights (``holds_own_weights``:
+openvino, onnxruntime) leaves the torch parameters unused, so they are memory-mapped from the
+component's safetensors as soon as its entries are installed (memfit.compile.weights) and read only
+under ``FileWeights.held()``: by a compile (which hands them back before the compiled model loads)
+or an eager fallback (which brings them back into memory for good). The records say where they are.
+
 Cache keys (for backends that use memfit's store, e.g. onnxruntime) come from content only: the
 component's weights fingerprint (its folder's, from the staged runner, or a hash of the module's
 tensors), the module class and entry point, the baked-in arguments, the input signature, the
@@ -40,14 +46,19 @@ from typing import Any, Callable, Mapping, Union
 import torch
 
 from memfit.compile.backends import Backend, get_backend
+from memfit.compile.precision import with_precision
+from memfit.compile.weights import FileWeights
 from memfit.errors import MemfitError
+from memfit.sizes import format_bytes as _size
 
-__all__ = ["CompileRecord", "compile_components", "entry_points", "is_compiled", "uncompile", "module_fingerprint"]
+__all__ = ["CompileRecord", "compile_components", "compiled_weight_bytes", "entry_points", "is_compiled", "uncompile",
+           "module_fingerprint"]
 
 BackendSpec = Union[str, Backend, Mapping[str, Union[str, Backend]]]
 
-# Attribute on a compiled module: {method name: _Entry}.
+# Attributes on a compiled module: {method name: _Entry}, and its FileWeights where released.
 ENTRIES_ATTR = "_memfit_compiled"
+WEIGHTS_ATTR = "_memfit_file_weights"
 MAX_SIGNATURES = 8
 _MISSING = object()
 
@@ -79,6 +90,8 @@ class CompileRecord:
     reason: str = ""
     compile_seconds: float = 0.0
     signatures: int = 0
+    cold: bool = False  # built the artifact here (no stored one): the expensive path
+    weights: str = ""  # where the torch weights are while the compiled model serves the component
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -102,6 +115,8 @@ def compile_components(
     cache: Any = None,
     fingerprints: Mapping[str, str] | None = None,
     options: Mapping[str, Mapping[str, Any]] | None = None,
+    sources: Mapping[str, Any] | None = None,
+    precision: str | None = None,
 ) -> list[CompileRecord]:
     """Install compiled entry points on every torch component of ``pipe``; see the module doc.
 
@@ -112,8 +127,16 @@ def compile_components(
     fingerprints: {component: weights fingerprint} when the caller knows the content (e.g. the
                   component's folder fingerprint); otherwise hashed from the module's tensors.
     options:      {backend name: options} passed to that backend's compile.
+    sources:      {component: folder of its safetensors files}; a component compiled with a backend
+                  that holds its own copy of the weights (``Backend.holds_own_weights``) gets its torch
+                  weights memory-mapped from there (memfit.compile.weights); otherwise from the folder
+                  its config names, and where neither holds them, they stay in memory (the record says so).
+    precision:    the compute precision ("fp32", "bf16", "fp16") for backends that have one of their
+                  own (OpenVINO); None: the dtype the component runs in. See ``with_precision``.
     """
     components = {name: value for name, value in getattr(pipe, "components", {}).items()}
+    if precision is not None:
+        backend = with_precision(backend, precision, _weights_dtype(components))
     chosen = _choose_backends(components, backend)
     fallback_backend = get_backend(fallback) if fallback is not None else None
     if fallback_backend is not None and fallback_backend.name != "eager":
@@ -133,6 +156,10 @@ def compile_components(
         be = get_backend(spec)
         ok, why = be.available()
         installed = vars(module).setdefault(ENTRIES_ATTR, {})
+        weights = vars(module).get(WEIGHTS_ATTR)
+        if weights is None and ok and be.holds_own_weights:
+            weights = FileWeights(module, (sources or {}).get(name))
+            vars(module)[WEIGHTS_ATTR] = weights
         for method in methods:
             existing = installed.get(method)
             if existing is not None:
@@ -156,12 +183,24 @@ def compile_components(
             entry = _Entry(
                 module, method, name, record, be_used, fallback_backend, cache,
                 (fingerprints or {}).get(name), (options or {}).get(be_used.name),
+                weights if be_used is be else None,
             )
             entry.install()
             installed[method] = entry
             records.append(record)
         if not installed:
             vars(module).pop(ENTRIES_ATTR, None)
+        if weights is not None and any(e.weights is weights for e in installed.values()):
+            # From now on only a compile or an eager fallback reads them (under weights.held()).
+            if not weights.release():
+                for record in records:
+                    if record.component == name and record.status != "shared":
+                        record.weights = f"torch weights kept in memory: {weights.kept_because}"
+            else:
+                for record in records:
+                    if record.component == name and record.status != "shared":
+                        record.weights = (f"torch weights ({_size(weights.released_bytes)}) memory-mapped from "
+                                          f"{weights.folder}, not in memory")
     return records
 
 
@@ -175,6 +214,9 @@ def uncompile(pipe_or_module) -> None:
         entries = vars(module).pop(ENTRIES_ATTR, None) or {}
         for entry in entries.values():
             entry.uninstall()
+        weights = vars(module).pop(WEIGHTS_ATTR, None)
+        if weights is not None:
+            weights.restore()
 
 
 def is_compiled(pipe_or_module) -> bool:
@@ -249,6 +291,16 @@ def _choose_backends(components: Mapping[str, Any], backend: BackendSpec) -> dic
     return {name: backend for name in components}
 
 
+def _weights_dtype(components: Mapping[str, Any]) -> Any:
+    """The dtype the pipeline's weights run in: its first floating parameter's."""
+    for module in components.values():
+        if isinstance(module, torch.nn.Module):
+            for param in module.parameters():
+                if param.is_floating_point():
+                    return param.dtype
+    return torch.get_default_dtype()
+
+
 def _leaf_signature(value: Any) -> Any:
     if value is None or isinstance(value, (bool, int, float, str)):
         return value
@@ -277,7 +329,8 @@ def _fresh_function(fn: Callable[..., Any]) -> Callable[..., Any]:
 class _Entry:
     """The compiled stand-in for one bound method; compiles per input signature on first use."""
 
-    def __init__(self, module, method, component, record, backend, fallback, cache, fingerprint, options):
+    def __init__(self, module, method, component, record, backend, fallback, cache, fingerprint, options,
+                 weights=None):
         self.module = module
         self.method = method
         self.component = component
@@ -291,6 +344,7 @@ class _Entry:
         self.original = getattr(module, method)  # bound method (or an earlier instance override)
         self.compiled: dict[Any, tuple[Callable, Any, list]] = {}
         self.failed = record.status == "fallback"
+        self.weights = weights  # FileWeights: the torch weights mapped from disk while compiled code runs
 
     # install / uninstall -----------------------------------------------------------------------
 
@@ -335,7 +389,10 @@ class _Entry:
             return self._failed_call(exc, args, kwargs)
 
     def _eager(self, args, kwargs):
-        return self.original(*args, **kwargs)
+        if self.weights is None:
+            return self.original(*args, **kwargs)
+        with self.weights.held():
+            return self.original(*args, **kwargs)
 
     def _tensor_function(self, spec, leaves, tensor_positions):
         """The entry as a function of its tensor inputs only; the other arguments are baked in."""
@@ -372,9 +429,17 @@ class _Entry:
     def _compile(self, spec, leaves, tensor_positions, tensors, args, kwargs):
         fn = self._tensor_function(spec, leaves, tensor_positions)
         started = time.perf_counter()
+        built: list[bool] = []
         try:
-            fingerprint = self._entry_fingerprint(leaves, tensor_positions, spec) if self.cache is not None else None
-            run = self.backend.compile(fn, tensors, self.options, cache=self.cache, weights_fingerprint=fingerprint)
+            if self.weights is None:
+                fingerprint = self._entry_fingerprint(leaves, tensor_positions, spec) if self.cache is not None else None
+                run = self.backend.compile(fn, tensors, self.options, cache=self.cache, weights_fingerprint=fingerprint)
+            else:
+                with self.weights.held():  # a cold build reads them; a stored artifact does not
+                    fingerprint = self._entry_fingerprint(leaves, tensor_positions, spec) if self.cache is not None else None
+                    run = self.backend.compile(fn, tensors, self.options, cache=self.cache,
+                                               weights_fingerprint=fingerprint, before_load=self.weights.drop,
+                                               on_build=lambda: built.append(True))
         except Exception as exc:
             if isinstance(exc, MemfitError) and "MEMFIT_CACHE=require" in str(exc):
                 raise
@@ -382,6 +447,7 @@ class _Entry:
             return None
         self.record.compile_seconds += time.perf_counter() - started
         self.record.signatures += 1
+        self.record.cold = self.record.cold or bool(built)
         if self.record.status == "pending":
             self.record.status = "compiled"
         # Keep baked-in objects alive so their ids (in the signature) are never reused.
@@ -399,6 +465,9 @@ class _Entry:
             ) from exc
         self.failed = True
         self.compiled.clear()
+        if self.weights is not None:
+            self.weights.restore()  # every call now runs eagerly: the weights belong in memory
+            self.record.weights = "torch weights in memory (eager fallback)"
         self.record.status = "fallback"
         self.record.backend_used = "eager"
         self.record.reason = reason
@@ -427,11 +496,47 @@ def compile_stage(pipe, model_dir, backend: BackendSpec | None, fallback, record
         return
     from pathlib import Path
 
-    fingerprints = {}
+    fingerprints, sources = {}, {}
     for name, module in getattr(pipe, "components", {}).items():
         if entry_points(name, module) and (Path(model_dir) / name).is_dir():
             fingerprints[name] = fingerprint(name)
-    records.extend(compile_components(pipe, backend, fallback=fallback, fingerprints=fingerprints))
+            sources[name] = Path(model_dir) / name
+    records.extend(compile_components(pipe, backend, fallback=fallback, fingerprints=fingerprints, sources=sources))
+
+
+def compiled_weight_bytes(pipe, names, backend: BackendSpec | None, dtype: torch.dtype) -> dict[str, int]:
+    """{component: bytes its compiled model holds} for the components of ``names`` whose backend keeps
+    its own copy of the weights (their torch weights are then memory-mapped, not in memory): every
+    parameter at the backend's compute precision, or ``dtype`` where it has none set. A budget counts
+    this, not the torch weights, for such a component: it cannot be streamed block by block."""
+    if backend is None:
+        return {}
+    components = dict(getattr(pipe, "components", {}))
+    costs = {}
+    for name, spec in _choose_backends(components, backend).items():
+        module = components.get(name)
+        if name not in names:
+            continue
+        if not entry_points(name, module):
+            continue
+        be = get_backend(spec)
+        if not be.holds_own_weights or not be.available().ok:
+            continue
+        size = _PRECISION_BYTES.get(be.precision) or torch.empty((), dtype=dtype).element_size()
+        costs[name] = sum(p.numel() for p in module.parameters()) * size
+    return costs
+
+
+_PRECISION_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
+
+
+def without_components(backend: BackendSpec | None, names) -> BackendSpec | None:
+    """``backend`` with the components ``names`` left uncompiled (they run as plain PyTorch)."""
+    if backend is None or not names:
+        return backend
+    spec = dict(backend) if isinstance(backend, Mapping) else {"*": backend}
+    spec.update({name: None for name in names})
+    return spec
 
 
 def report_records(report, records: list) -> None:
@@ -447,7 +552,13 @@ def report_records(report, records: list) -> None:
                 f"{record.backend_used}: {record.reason}"
             )
         elif record.status == "compiled" and record.backend != "eager":
+            how = "loaded from memfit's store"
+            if record.cold:
+                # Measured with openvino on the SD UNet: torch.export, the converted model and the compiled one
+                # are alive together during a build.
+                how = ("built (no stored artifact; a build peaks at about 3-4x the component's weights, above a "
+                       "budget planned for the stored one: build it once with a larger budget)")
             report.notes.append(
                 f"{stage.stage}: {record.component}.{record.entry} compiled with {record.backend} in "
-                f"{record.compile_seconds:.2f} s"
+                f"{record.compile_seconds:.2f} s, {how}" + (f"; {record.weights}" if record.weights else "")
             )

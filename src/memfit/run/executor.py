@@ -116,6 +116,7 @@ def optimize(
     prefetch: bool = True,
     backend=None,
     fallback: str | None = None,
+    precision: str | None = None,
     stage: str | None = None,
     activation_bytes: int = 0,
     parts: Mapping[str, tuple[str, ...]] | None = None,
@@ -142,7 +143,8 @@ def optimize(
     backend:     compile each component's entry points (memfit.compile.entry_points.compile_components): a name,
                  a Backend, or {component: backend}. Alone (no budget/plan/force_tiers) it only
                  compiles and places nothing. ``fallback="eager"`` runs a failing component eagerly;
-                 the records are in ``pipe._memfit_compile_records``.
+                 the records are in ``pipe._memfit_compile_records``. ``precision`` ("fp32", "bf16",
+                 "fp16") is the compute precision of a backend that has its own (memfit.compile.precision).
     """
     no_budget = isinstance(budget, str) and budget.strip().lower() == NONE
     if plan is not None or force_tiers is not None:
@@ -155,7 +157,7 @@ def optimize(
         if backend is None:
             raise MemfitError('budget="none" leaves memfit.optimize nothing to do; give a budget ("auto", "6GiB") '
                               "or a backend to compile with.")
-        return _compile(pipe, backend, fallback)
+        return _compile(pipe, backend, fallback, precision)
     if is_optimized(pipe):
         raise MemfitError("This pipeline is already optimized; call memfit.restore(pipe) before optimizing it again.")
     components = _components(pipe)
@@ -195,7 +197,7 @@ def optimize(
     object.__setattr__(pipe, PLAN_ATTR, plan)
     if backend is not None:
         try:
-            _compile(pipe, backend, fallback)
+            _compile(pipe, backend, fallback, precision)
         except BaseException:
             restore(pipe)
             raise
@@ -207,9 +209,10 @@ def _is_auto(budget) -> bool:
 
 
 def plan_stage(pipe, budget: BudgetLike, stage: str, activation_bytes: int = 0,
-               parts: Mapping[str, tuple[str, ...]] | None = None) -> Plan:
-    """The plan ``optimize(pipe, budget, stage=stage, activation_bytes=..., parts=...)`` would carry out."""
-    blocks = {name: live_blocks(name, module) for name, module in _components(pipe).items()}
+               parts: Mapping[str, tuple[str, ...]] | None = None, skip=()) -> Plan:
+    """The plan ``optimize(pipe, budget, stage=stage, activation_bytes=..., parts=...)`` would carry out;
+    components named in ``skip`` are left out (optimize then leaves them as they are)."""
+    blocks = {name: live_blocks(name, module) for name, module in _components(pipe).items() if name not in skip}
     return make_plan(_stage_inputs(_without(blocks, unrun_blocks(blocks, parts)), stage, activation_bytes, type(pipe).__name__),
                      Budget.of(budget))
 
@@ -258,10 +261,10 @@ def _stage_inputs(blocks: dict[str, list[LiveBlock]], stage: str | None, activat
             for name, members in run_together(pipeline_class, specs)]
 
 
-def _compile(pipe, backend, fallback):
+def _compile(pipe, backend, fallback, precision=None):
     from memfit.compile.entry_points import compile_components
 
-    records = compile_components(pipe, backend, fallback=fallback)
+    records = compile_components(pipe, backend, fallback=fallback, precision=precision)
     object.__setattr__(pipe, COMPILE_RECORDS_ATTR, records)
     return pipe
 

@@ -93,6 +93,7 @@ def generate(
     loras=(),
     sampler: str | None = None,
     session=None,
+    precision: str | None = None,
 ) -> Generation:
     """Generate an image with a diffusers model folder, one stage resident at a time.
 
@@ -118,8 +119,15 @@ def generate(
 
     `sampler` (an AUTOMATIC1111 sampler name, memfit.run.samplers) replaces the model's scheduler and
     is recorded in the PNG. `session` (memfit.run.session.Session) keeps stages loaded between calls.
+    `precision` ("fp32", "bf16", "fp16"; default: `dtype`) is the compute precision of a backend that has
+    its own (OpenVINO), apart from the weights' `dtype`; any other backend, or none, must compute in
+    `dtype` (memfit.compile.precision). It is recorded in the PNG.
     """
     quiet_libraries()
+    if precision is not None:
+        from memfit.compile.precision import with_precision
+
+        backend = with_precision(backend, precision, dtype)  # refused before anything loads
     conditioning = Conditioning(
         image=_open_image(image, "--image", "RGB"), mask_image=_open_image(mask, "--mask", None),
         control_image=_open_image(control_image, "--control-image", "RGB"),
@@ -202,6 +210,8 @@ def generate(
     result = run_result(runner.run(stages)["decode"], settings, report, folder, dtype, timeline=runner.timeline)
     if sampler is not None:
         result.metadata["sampler"] = sampler
+    if backend is not None:
+        result.metadata["precision"] = precision or dtype
     return result
 
 

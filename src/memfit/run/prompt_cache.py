@@ -28,7 +28,7 @@ def text_backend_label(backend: Any, text_encoders) -> dict[str, str]:
     from memfit.compile.backends import Backend
 
     def name_of(spec: Any) -> str:
-        return spec.name if isinstance(spec, Backend) else str(spec)
+        return spec.label if isinstance(spec, Backend) else str(spec)
 
     labels = {}
     for encoder in text_encoders:

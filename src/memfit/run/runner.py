@@ -33,7 +33,7 @@ from typing import Any
 
 import torch
 
-from memfit.compile.entry_points import compile_stage, report_records
+from memfit.compile.entry_points import compile_stage, compiled_weight_bytes, report_records
 from memfit.devices import DeviceRuntime, cuda_device_count, runtime_for
 from memfit.errors import MemfitError
 from memfit.models.families import Settings
@@ -214,6 +214,7 @@ class StageContext:
         self.components: list[str] = []
         self.compiled: list = []
         self.streamed_bytes = 0  # weights the stage's plan left off the device (streamed)
+        self.compiled_costs: dict[str, int] = {}  # compiled models of the load being fitted (memfit.compile)
         self._loaded: list[tuple[Any, list[str], tuple, tuple]] = []
 
     def load(self, folder: ModelFolder, names, *, plan_as: str | None = None, shared: Mapping[str, Any] | None = None,
@@ -305,13 +306,23 @@ class StageContext:
 
             if load_loras(pipe, loras, folder.configs):
                 self.note = (self.note + "; " if self.note else "") + f"{len(loras)} LoRA(s), unfused"
-        if self.budget is not None and _has_weights(pipe, to_load):
+        # A component compiled by a backend with its own copy of the weights costs that copy, not its torch
+        # weights (memory-mapped once compiled: memfit.compile.weights), and is planned as such.
+        compiled = compiled_weight_bytes(pipe, to_load, runner.backend, runner.torch_dtype) if self.budget else {}
+        backend = runner.backend
+        if compiled:
+            compiled, backend = _fit_compiled(self.budget, already_used, compiled, self.stage, backend, runner)
+        for name, size in compiled.items():
+            runner.report.notes.append(f"{self.stage}: planned {name} as its compiled model, {format_bytes(size)} "
+                                       "resident (its torch weights memory-mapped, not counted)")
+        self.compiled_costs = compiled  # read by _fit
+        if self.budget is not None and _has_weights(pipe, [name for name in to_load if name not in compiled]):
             self._fit(pipe, folder, plan_as or self.stage, already_used)
         else:
             place_whole(pipe, runner.runtime)  # nothing to plan: the whole stage goes where it runs
         if shared:
             pipe.register_modules(**shared)
-        compile_stage(pipe, folder.path, runner.backend, runner.fallback, self.compiled, folder.component_fingerprint)
+        compile_stage(pipe, folder.path, backend, runner.fallback, self.compiled, folder.component_fingerprint)
         return pipe
 
     def _fit(self, pipe, folder: ModelFolder, plan_as: str, already_used: int) -> None:
@@ -324,13 +335,15 @@ class StageContext:
         if not runner.runtime.separate_memory:
             budget = Budget(device=budget.device, host=0, disk=str(folder.path))
         adapter = folder.adapter
+        compiled = self.compiled_costs  # {component: bytes} of compiled models, planned as fixed costs
+        already_used += sum(compiled.values())
         room = _room_left(budget, already_used)
         options = stage_strategies(adapter, plan_as, runner.settings, runner.guided, runner.dtype)
         parts = adapter.stage_parts.get(plan_as)
         margin = DEVICE_ACTIVATION_MARGIN if runner.runtime.separate_memory else 1.0
         try:
             strategy, plan = choose(options, lambda activations: plan_stage(
-                pipe, room, self.stage, int(activations * margin), parts))
+                pipe, room, self.stage, int(activations * margin), parts, skip=compiled))
         except MemfitError as exc:
             raise StageDoesNotFit(
                 f"{exc} These figures leave out the {format_bytes(already_used)} this process already holds "
@@ -563,6 +576,37 @@ def _refuse_streaming(stage_plan, stage: str, runtime: DeviceRuntime) -> None:
 
 def _has_weights(pipe, names) -> bool:
     return any(isinstance(getattr(pipe, name, None), torch.nn.Module) for name in names)
+
+
+def _fit_compiled(budget: Budget, already_used: int, compiled: dict[str, int], stage: str, backend, runner):
+    """The compiled models a stage keeps, and the backend spec it compiles with: all of them where they fit the
+    budget; else, with --fallback eager, the largest run eagerly (planned and streamed like any eager
+    component) until the rest fit; else a refusal naming the budget they need (they cannot be streamed)."""
+    from memfit.compile.entry_points import without_components
+
+    needed = already_used + sum(compiled.values())
+    if budget.device is None or needed <= budget.device:
+        return compiled, backend
+    parts = ", ".join(f"{name} {format_bytes(size)}" for name, size in compiled.items())
+    if runner.fallback != "eager":
+        raise StageDoesNotFit(
+            f"The {stage} stage's compiled models ({parts}) hold their own weights, which cannot be streamed: with the "
+            f"{format_bytes(already_used)} this process holds they need {format_bytes(needed)}, over the budget of "
+            f"{format_bytes(budget.device)}. Give --budget {_round_up_mib(needed)}MiB or more, a narrower --precision, "
+            "--fallback eager to run what does not fit eagerly, or compile fewer components (e.g. --backend "
+            "unet=eager,*=openvino)."
+        )
+    kept = dict(compiled)
+    for name in sorted(compiled, key=compiled.get, reverse=True):
+        if already_used + sum(kept.values()) <= budget.device:
+            break
+        kept.pop(name)
+    dropped = [name for name in compiled if name not in kept]
+    runner.report.notes.append(
+        f"{stage}: {', '.join(dropped)} run eagerly, not compiled: the compiled models ({parts}) do not fit the budget "
+        f"of {format_bytes(budget.device)} with the {format_bytes(already_used)} this process holds (--fallback eager)"
+    )
+    return kept, without_components(backend, dropped)
 
 
 def _room_left(budget: Budget, already_used: int) -> Budget:

@@ -35,6 +35,15 @@ class Backend:
     float32_tolerance: float = 1e-5
     # Every option a backend understands, with its default; unknown options are an error.
     default_options: Mapping[str, Any] = {}
+    # True when the compiled artifact carries its own copy of the weights (the torch module's are then
+    # unused): compile() takes ``before_load`` (called once the artifact is built, before it is loaded,
+    # so the caller can let the torch weights go) and ``on_build`` (called when no stored artifact was
+    # found and one is built: the expensive path). memfit.compile.weights keeps them out of memory.
+    holds_own_weights: bool = False
+    # True when the backend computes in a precision of its own, set by ``configured(precision)``
+    # (memfit.compile.precision); otherwise it computes in the weights' dtype.
+    has_own_precision: bool = False
+    precision: str | None = None  # None: the dtype the component runs in
 
     def available(self) -> Availability:
         return Availability(True, f"{self.name} is available")
@@ -67,10 +76,25 @@ class Backend:
             )
         return {**self.default_options, **options}
 
+    def configured(self, precision: str | None) -> "Backend":
+        """A copy of this backend computing in ``precision`` ("fp32", "bf16", "fp16")."""
+        import copy
+
+        if not self.has_own_precision:
+            raise MemfitError(f"Backend {self.name!r} computes in the weights' dtype; it has no precision to set.")
+        configured = copy.copy(self)
+        configured.precision = precision
+        return configured
+
+    @property
+    def label(self) -> str:
+        """The name, with the precision where one is set: what a cached result computed with it depends on."""
+        return self.name if self.precision is None else f"{self.name}@{self.precision}"
+
     def require_available(self) -> None:
         ok, reason = self.available()
         if not ok:
             raise MemfitError(f"Backend {self.name!r} cannot run here: {reason}")
 
     def __repr__(self) -> str:
-        return f"<memfit backend {self.name!r}>"
+        return f"<memfit backend {self.label!r}>"

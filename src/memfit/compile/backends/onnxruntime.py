@@ -35,6 +35,7 @@ _ENTRY_FORMAT = "onnxruntime-export/2"
 
 class ONNXRuntimeBackend(Backend):
     name = "onnxruntime"
+    holds_own_weights = True  # the session reads the ONNX file's weights into memory of its own
     float32_tolerance = 1e-4
     default_options: Mapping[str, Any] = {
         "providers": ("CPUExecutionProvider",),  # ORT execution providers, in preference order
@@ -67,13 +68,22 @@ class ONNXRuntimeBackend(Backend):
         options: Mapping[str, Any] | None = None,
         cache: Any = None,
         weights_fingerprint: str | None = None,
+        before_load: Callable[[], None] | None = None,
+        on_build: Callable[[], None] | None = None,
     ) -> Callable[..., Any]:
         opts = self.resolve_options(options)
         self.require_available()
         signature = _input_signature(example_inputs)
 
         def build(out_dir: Path) -> dict[str, Any]:
+            if on_build is not None:
+                on_build()
             return _export(fn, example_inputs, out_dir, opts["opset"])
+
+        def load(model_dir: Path) -> Callable[..., Any]:
+            if before_load is not None:
+                before_load()  # the torch weights go before the session reads its own copy
+            return _load(model_dir, signature, opts)
 
         if cache is not None and weights_fingerprint:
             from memfit.cache import compile_key
@@ -87,12 +97,12 @@ class ONNXRuntimeBackend(Backend):
                 backend_options={"opset": opts["opset"], "entry_format": _ENTRY_FORMAT},
                 backend_distributions=_REQUIRED_MODULES,
             )
-            return _load(cache.get_or_build(key, build), signature, opts)
+            return load(cache.get_or_build(key, build))
         with tempfile.TemporaryDirectory(prefix="memfit-onnx-") as tmp:
             build(Path(tmp))
             # The session reads the whole model (external weights included) at creation, so the
             # files are not needed afterwards.
-            return _load(Path(tmp), signature, opts)
+            return load(Path(tmp))
 
 
 def _input_signature(example_inputs: Sequence[Any]) -> list[list[Any]]:

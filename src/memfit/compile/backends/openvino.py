@@ -60,7 +60,8 @@ MODEL_FILE = "model.blob"
 # Part of the key; bump it when what an entry holds changes, so older entries miss, not misread.
 _ENTRY_FORMAT = "openvino-export/1"
 
-_PRECISION_HINTS = {"torch.float32": "f32", "torch.float16": "f16", "torch.bfloat16": "bf16"}
+_PRECISION_HINTS = {"torch.float32": "f32", "torch.float16": "f16", "torch.bfloat16": "bf16",
+                    "fp32": "f32", "fp16": "f16", "bf16": "bf16"}
 # Properties that would make OpenVINO (or its torch.compile backend) cache on its own; see above.
 _REFUSED_CONFIG = {
     "model_caching": "it replaces weights with fake tensors and breaks the second run",
@@ -71,6 +72,8 @@ _REFUSED_CONFIG = {
 class OpenVINOBackend(Backend):
     name = "openvino"
     float32_tolerance = 1e-4
+    holds_own_weights = True  # the CPU plugin repacks every weight into memory of its own
+    has_own_precision = True  # INFERENCE_PRECISION_HINT
     default_options: Mapping[str, Any] = {
         "device": "CPU",  # OpenVINO device: "CPU", "GPU" (Intel iGPU/dGPU), "NPU"
         "config": {},  # OpenVINO properties; INFERENCE_PRECISION_HINT defaults to the run dtype
@@ -96,24 +99,37 @@ class OpenVINOBackend(Backend):
         options: Mapping[str, Any] | None = None,
         cache: Any = None,
         weights_fingerprint: str | None = None,
+        before_load: Callable[[], None] | None = None,
+        on_build: Callable[[], None] | None = None,
     ) -> Callable[..., Any]:
         opts = self.resolve_options(options)
         self.require_available()
         _refuse_own_caching(opts["config"])
         signature = tensor_signature(self.name, example_inputs)
         device = opts["device"]
-        ov_config = {"INFERENCE_PRECISION_HINT": _precision_hint(example_inputs), **opts["config"]}
+        hint = _PRECISION_HINTS[self.precision] if self.precision else _precision_hint(example_inputs)
+        ov_config = {"INFERENCE_PRECISION_HINT": hint, **opts["config"]}
 
         if not uses_store(cache, weights_fingerprint):
+            if on_build is not None:
+                on_build()
             model, layout = _convert(fn, example_inputs)
-            return _runner(_compile_model(model, device, ov_config), layout, signature)
+            compiled = _compile_model(model, device, ov_config)
+            del model
+            if before_load is not None:
+                before_load()
+            return _runner(compiled, layout, signature)
 
         key = _cache_key(weights_fingerprint, graph_id(fn), signature, device, ov_config)
 
         def build(out_dir: Path) -> dict[str, Any]:
+            if on_build is not None:
+                on_build()
             return _build_entry(fn, example_inputs, device, ov_config, out_dir)
 
         entry = cache.get_or_build(key, build)  # raises on a miss under MEMFIT_CACHE=require
+        if before_load is not None:
+            before_load()  # the torch weights go before the compiled model's own copy comes in
         compiled, layout, blob = _load_entry(entry, device, ov_config)
         return _runner(compiled, layout, signature, keep_alive=blob)
 
@@ -275,7 +291,24 @@ def _load_entry(entry: Path, device: str, ov_config: Mapping[str, Any]) -> tuple
             f"OpenVINO could not import the stored model {entry / MODEL_FILE} ({exc}). Remove it "
             "with `memfit cache clear --kind compiled` so that it is compiled again."
         ) from exc
+    _drop_pages(blob)
     return compiled, layout, blob
+
+
+def _drop_pages(blob: Any) -> None:
+    """Let the blob's pages go from this process once imported: the CPU plugin has repacked every
+    weight into its own memory, so the map is read again only for the little it uses in place
+    (measured on a 545 MB UNet: resident set 1.48 GB after import, 0.93 GB after this, 1.03 GB
+    after inference, outputs unchanged). The pages stay in the page cache, reclaimable; the
+    mapping is private and never written, so dropping them loses nothing."""
+    import mmap
+
+    mapping = getattr(blob, "_mmap", None)
+    if mapping is not None and hasattr(mapping, "madvise"):
+        try:
+            mapping.madvise(mmap.MADV_DONTNEED)
+        except (OSError, ValueError):
+            pass
 
 
 # -- running ---------------------------------------------------------------------------------------

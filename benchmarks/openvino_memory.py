@@ -1,0 +1,164 @@
+"""Peak memory of compiled backends on the CPU (issue 18): SD 1.5 architecture, random weights.
+
+    python benchmarks/openvino_memory.py                    # 512x512, 4 steps, 2 rounds -> docs/openvino_memory.{json,md}
+    python benchmarks/openvino_memory.py --dtype bf16 --rounds 3
+    python benchmarks/openvino_memory.py --tiny             # tiny pipeline, seconds: smoke-test the script
+
+Rows, each a fresh process, interleaved over --rounds rounds:
+
+  diffusers eager      from_pretrained + __call__ (the baseline every other row is compared with)
+  memfit openvino cold memfit.generate(backend="openvino") on an empty memfit store (compiles every component)
+  memfit openvino warm the same on the store the cold run filled (imports the compiled models)
+
+Per row: peak RSS of the process (ru_maxrss, which counts pages of mapped files the process touched),
+seconds from launch to the first image, and to a second image made in the same process (diffusers:
+a second __call__; memfit: a second memfit.generate, which loads its stages again). Budgets are left
+at "none" so the rows measure what each system holds, not what a budget forces.
+
+Slow on a small machine: keep --steps and --rounds small (4 and 2 by default), and say so in the doc.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+PROMPT = "a lighthouse at dusk"
+GUIDANCE = 7.5
+ROWS = ("diffusers eager", "memfit openvino cold", "memfit openvino warm")
+
+
+def child(spec: dict) -> dict:
+    import torch
+
+    launched = spec["launched"]
+    size, steps = spec["size"], spec["steps"]
+    times = []
+    if spec["system"] == "diffusers":
+        import diffusers
+
+        from memfit.models.folder import parse_dtype
+
+        diffusers.utils.logging.disable_progress_bar()
+        pipe = diffusers.DiffusionPipeline.from_pretrained(spec["model"], torch_dtype=parse_dtype(spec["dtype"]))
+        pipe.set_progress_bar_config(disable=True)
+        for _ in range(2):
+            pipe(PROMPT, num_inference_steps=steps, guidance_scale=GUIDANCE, width=size, height=size,
+                 generator=torch.Generator().manual_seed(0))
+            times.append(time.time())
+    else:
+        import memfit
+
+        for _ in range(2):
+            memfit.generate(PROMPT, model=spec["model"], steps=steps, guidance=GUIDANCE, width=size, height=size,
+                            dtype=spec["dtype"], backend="openvino", budget="none", progress=False,
+                            precision=spec.get("precision"))
+            times.append(time.time())
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    return {"first_image_s": times[0] - launched, "second_image_s": times[1] - times[0], "peak_rss_bytes": peak}
+
+
+def run_child(spec: dict, env: dict) -> dict:
+    spec = {**spec, "launched": time.time()}
+    run = subprocess.run([sys.executable, __file__, "--child", json.dumps(spec)], capture_output=True, text=True,
+                         env=env, timeout=3600)
+    line = next((l for l in reversed(run.stdout.splitlines()) if l.startswith("RESULT ")), None)
+    if run.returncode != 0 or line is None:
+        return {"ok": False, "error": (run.stderr.strip().splitlines() or ["(no output)"])[-1][-300:]}
+    return {"ok": True, **json.loads(line[7:])}
+
+
+def render(data: dict) -> str:
+    a = data["args"]
+    lines = [
+        f"# Peak memory with compiled backends: SD 1.5 ({'tiny' if a['tiny'] else 'real size'}, random weights), "
+        f"{a['size']}x{a['size']}, {a['steps']} steps, {a['dtype']}\n",
+        f"Machine: {data['machine']['cpu_count']} CPUs, {data['machine']['memory_gib']} GiB, torch "
+        f"{data['machine']['torch']}. Each row is a fresh process; medians of {a['rounds']} interleaved rounds "
+        "(few steps and rounds: the machine is small and shared). Peak RSS is ru_maxrss (touched pages of mapped "
+        "files included). Budgets: none.\n",
+        "| row | peak RSS (GiB) | vs diffusers | first image (s) | second image (s) |",
+        "|---|---|---|---|---|",
+    ]
+    base = data["summary"].get("diffusers eager", {}).get("peak_rss_bytes")
+    for row in ROWS:
+        s = data["summary"].get(row)
+        if not s:
+            lines.append(f"| {row} | failed | | | |")
+            continue
+        ratio = f"{s['peak_rss_bytes'] / base:.2f}x" if base else "-"
+        lines.append(f"| {row} | {s['peak_rss_bytes'] / 2**30:.2f} | {ratio} | {s['first_image_s']:.1f} | "
+                     f"{s['second_image_s']:.1f} |")
+    errors = [f"- {r['row']} round {r['round']}: {r['error']}" for r in data["runs"] if not r["ok"]]
+    if errors:
+        lines += ["", "Failed runs:", *errors]
+    return "\n".join(lines) + "\n"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--child")
+    parser.add_argument("--dtype", default="fp32", choices=("fp32", "bf16"))
+    parser.add_argument("--steps", type=int, default=4)
+    parser.add_argument("--size", type=int, default=512)
+    parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--tiny", action="store_true")
+    parser.add_argument("--models", default=str(Path(tempfile.gettempdir()) / "memfit-bench-models"))
+    parser.add_argument("--out", default="openvino_memory")
+    args = parser.parse_args()
+    if args.child:
+        print("RESULT " + json.dumps(child(json.loads(args.child))), flush=True)
+        return
+
+    from common import build_real_size, machine, write_outputs
+
+    if args.tiny:
+        from memfit.testing import save_pipeline
+
+        model = Path(args.models) / "sd-tiny"
+        if not (model / "model_index.json").is_file():
+            save_pipeline("sd", model, seed=0)
+        args.size = min(args.size, 64)
+    else:
+        model = build_real_size("sd15", Path(args.models) / "sd15-fp32")
+    runs = []
+
+    def save():  # after every row: a long run stopped early still leaves what it measured
+        summary = {}
+        for row in ROWS:
+            ok = [r for r in runs if r["row"] == row and r["ok"]]
+            if ok:
+                summary[row] = {key: statistics.median(r[key] for r in ok)
+                                for key in ("peak_rss_bytes", "first_image_s", "second_image_s")}
+        data = {"args": vars(args), "machine": machine(), "runs": runs, "summary": summary}
+        write_outputs(args.out, data, render(data))
+
+    for round_index in range(args.rounds):
+        store = tempfile.mkdtemp(prefix="memfit-ov-store-")
+        env = {**os.environ, "MEMFIT_CACHE_DIR": store}
+        try:
+            for row in ROWS:
+                system = "diffusers" if row.startswith("diffusers") else "memfit"
+                spec = {"system": system, "model": str(model), "dtype": args.dtype, "size": args.size,
+                        "steps": args.steps}
+                result = run_child(spec, env)  # cold fills the store; warm (next) finds it
+                runs.append({"row": row, "round": round_index, **result})
+                print(row, round_index, result, flush=True)
+                save()
+        finally:
+            shutil.rmtree(store, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main()

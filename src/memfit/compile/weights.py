@@ -1,0 +1,201 @@
+"""A compiled component's torch weights, kept out of memory while its compiled model serves it.
+
+A backend whose compiled model holds its own copy of the weights (OpenVINO, ONNX Runtime:
+``Backend.holds_own_weights``) leaves the torch module's parameters unused: every call goes to the
+compiled model. Kept as loaded they would double the component's memory. So each parameter is
+re-pointed to a private memory map of the component's own safetensors file (``FileWeights``):
+
+* where the file holds it in the parameter's dtype, the map *is* the weight: nothing is read into
+  the process until something reads it, and what is read stays reclaimable page cache;
+* where it does not (a bf16 run of fp32 files), the parameter becomes the map in the file's dtype,
+  and ``held()`` converts it back for as long as an eager call or a compile needs it. Anything
+  else that reads it meanwhile gets the file's dtype: a dtype error, never wrong numbers.
+
+The first parameter keeps its loaded form (converted, if it was): ``module.dtype`` and
+``module.device``, which pipelines read to place their inputs, come from it.
+
+What is never released: a module with a weight that no file of its folder holds with the same
+values (a LoRA's own tensors, a fused or changed weight, a module built in memory): ``release``
+then keeps every weight and ``kept_because`` says why.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import gc
+import mmap
+from pathlib import Path
+from typing import Iterator
+
+import torch
+
+from memfit.safetensors_header import read_header
+
+__all__ = ["FileWeights", "source_folder"]
+
+_DTYPES = {
+    "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
+    "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
+    "BOOL": torch.bool,
+}
+_SAMPLE = 4096
+
+
+def source_folder(module: torch.nn.Module, given: str | Path | None = None) -> Path | None:
+    """The folder of ``module``'s safetensors files: ``given``, else the one its config names."""
+    candidates = [Path(given)] if given is not None else []
+    named = getattr(getattr(module, "config", None), "_name_or_path", None) or getattr(module, "name_or_path", None)
+    if named:
+        candidates.append(Path(named))
+    for folder in candidates:
+        if folder.is_dir() and any(folder.glob("*.safetensors")):
+            return folder
+    return None
+
+
+class FileWeights:
+    """The parameters of one module, released to (and brought back from) its safetensors files."""
+
+    def __init__(self, module: torch.nn.Module, folder: str | Path | None):
+        self.module = module
+        self.folder = source_folder(module, folder)
+        self.kept_because = "" if self.folder is not None else "no safetensors file of its own to map them from"
+        self.released = False
+        self._loaded: dict[int, tuple[torch.nn.Parameter, torch.Tensor, torch.dtype]] = {}  # id -> (param, map view, dtype)
+        self._maps: list[mmap.mmap] = []
+        self._depth = 0
+
+    @property
+    def released_bytes(self) -> int:
+        """Bytes of the weights, in the dtype the module runs in, that are no longer in memory."""
+        return sum(view.numel() * torch.empty((), dtype=dtype).element_size() for _, view, dtype in self._loaded.values())
+
+    def release(self) -> bool:
+        """Point every parameter (but the first) at the file; False (and ``kept_because``) if not possible."""
+        if self.released:
+            return True
+        if self.kept_because:
+            return False
+        if not self._loaded:
+            self._map_parameters()
+            if self.kept_because:
+                return False
+        if self._depth == 0:
+            self._point_at_files()
+        self.released = True
+        return True
+
+    def drop(self) -> None:
+        """Inside ``held()``: the caller no longer needs the weights (a compile has built its model)."""
+        if self.released:
+            self._point_at_files()
+
+    @contextlib.contextmanager
+    def held(self) -> Iterator[None]:
+        """The parameters as the module runs them, for the duration (eager calls, compiles)."""
+        self._depth += 1
+        try:
+            if self._depth == 1 and self.released:
+                for param, view, dtype in self._loaded.values():
+                    if view.dtype != dtype:
+                        param.data = view.to(dtype)
+                self._drop_pages()  # converted: the file's pages are not needed in this process
+            yield
+        finally:
+            self._depth -= 1
+            if self._depth == 0 and self.released:
+                self._point_at_files()
+
+    def restore(self) -> None:
+        """The weights back in memory in the module's dtype (for good: uncompile, an eager fallback)."""
+        if not self.released:
+            return
+        for param, view, dtype in self._loaded.values():
+            param.data = view.to(dtype, copy=True)
+        self.released = False
+        self._loaded.clear()
+        self._maps.clear()  # the views that kept them open are gone
+
+    # --- internals -------------------------------------------------------------------------------
+
+    def _map_parameters(self) -> None:
+        """Find every parameter in the files, checked against the loaded values (samples)."""
+        files = self._open_files()
+        prefix = getattr(self.module, "base_model_prefix", "") or ""
+        named = list(self.module.named_parameters())
+        first = named[0][1] if named else None
+        found: dict[int, tuple[torch.nn.Parameter, torch.Tensor, torch.dtype]] = {}
+        for name, param in named:
+            if param is first:
+                continue
+            if param.device.type != "cpu":
+                self.kept_because = f"{name} is on {param.device}, not in host memory"
+                return
+            view = next((files[key] for key in (name, f"{prefix}.{name}", name.removeprefix(prefix + "."))
+                         if key in files), None)
+            if view is None:
+                self.kept_because = f"{name} is in no safetensors file of {self.folder} (a LoRA or a changed module)"
+                return
+            if tuple(view.shape) != tuple(param.shape) or not _same_samples(view, param.data):
+                self.kept_because = f"{name} differs from the file in {self.folder} (changed after loading)"
+                return
+            found[id(param)] = (param, view, param.dtype)
+        self._loaded = found
+        for buffer in self.module.buffers():
+            # A buffer can be a view of the loader's whole-file map, which would keep every page the
+            # module ever read in this process; an own copy is small.
+            buffer.data = buffer.data.clone()
+        self._drop_pages()
+
+    def _open_files(self) -> dict[str, torch.Tensor]:
+        views: dict[str, torch.Tensor] = {}
+        for path in sorted(self.folder.glob("*.safetensors")):
+            header = read_header(path)
+            with path.open("rb") as handle:
+                # Private: torch wants a writable buffer; nothing writes to it, and the file never changes.
+                mapping = mmap.mmap(handle.fileno(), 0, access=mmap.ACCESS_COPY)
+            self._maps.append(mapping)
+            for key, entry in header.entries.items():
+                dtype = _DTYPES.get(entry["dtype"])
+                begin, end = entry["data_offsets"]
+                if dtype is None or end == begin:
+                    continue
+                count = (end - begin) // torch.empty((), dtype=dtype).element_size()
+                flat = torch.frombuffer(mapping, dtype=dtype, count=count, offset=header.data_start + begin)
+                views[key] = flat.view(entry["shape"])
+        return views
+
+    def _point_at_files(self) -> None:
+        for param, view, _ in self._loaded.values():
+            param.data = view
+        gc.collect()  # a compile's graphs hold the converted weights in reference cycles
+        _trim_heap()
+        self._drop_pages()
+
+    def _drop_pages(self) -> None:
+        """Let the pages read from the maps go from this process (they stay in the page cache)."""
+        for mapping in self._maps:
+            with contextlib.suppress(AttributeError, OSError, ValueError):
+                mapping.madvise(mmap.MADV_DONTNEED)
+
+
+def _same_samples(view: torch.Tensor, loaded: torch.Tensor) -> bool:
+    """Whether the file's tensor and the loaded one agree at the start, middle and end (a changed
+    weight changes values everywhere; reading every element would read the whole model again)."""
+    flat_view, flat_loaded = view.reshape(-1), loaded.reshape(-1)
+    size = flat_view.numel()
+    for start in {0, max(0, size // 2 - _SAMPLE // 2), max(0, size - _SAMPLE)}:
+        part = slice(start, start + _SAMPLE)
+        if not torch.equal(flat_view[part].to(loaded.dtype), flat_loaded[part]):
+            return False
+    return True
+
+
+def _trim_heap() -> None:
+    """Hand freed heap memory back to the OS: weights converted at load time are many mid-sized
+    allocations, which glibc otherwise keeps in its arenas after they are freed."""
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):
+        pass
