@@ -9,6 +9,12 @@ Rows, each a fresh process, interleaved over --rounds rounds:
   diffusers eager      from_pretrained + __call__ (the baseline every other row is compared with)
   memfit openvino cold memfit.generate(backend="openvino") on an empty memfit store (compiles every component)
   memfit openvino warm the same on the store the cold run filled (imports the compiled models)
+  memfit openvino session  a memfit.Session on the warm store: the second image reuses the loaded stages
+                       (memfit's best choice for a stream of images)
+  optimum-intel static / dynamic   with --optimum-python: optimum-intel's OVStableDiffusionPipeline on an IR
+                       exported once by `optimum-cli export openvino` (--optimum-ir), with its shapes fixed by
+                       reshape() before compile() (static, its fastest mode) or left dynamic; run in
+                       optimum-intel's own environment (benchmarks/optimum_intel_child.py), never memfit's
 
 Per row: peak RSS of the process (ru_maxrss, which counts pages of mapped files the process touched),
 seconds from launch to the first image, and to a second image made in the same process (diffusers:
@@ -37,6 +43,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 PROMPT = "a lighthouse at dusk"
 GUIDANCE = 7.5
 ROWS = ("diffusers eager", "memfit openvino cold", "memfit openvino warm")
+SESSION_ROW = "memfit openvino session"
+OPTIMUM_ROWS = ("optimum-intel static", "optimum-intel dynamic")
 
 
 def child(spec: dict) -> dict:
@@ -56,6 +64,14 @@ def child(spec: dict) -> dict:
         for _ in range(2):
             pipe(PROMPT, num_inference_steps=steps, guidance_scale=GUIDANCE, width=size, height=size,
                  generator=torch.Generator().manual_seed(0))
+            times.append(time.time())
+    elif spec.get("session"):
+        from memfit.run.session import Session
+
+        session = Session(spec["model"], dtype=spec["dtype"], budget="none", backend="openvino")
+        for _ in range(2):
+            session.generate(PROMPT, steps=steps, guidance=GUIDANCE, width=size, height=size,
+                             precision=spec.get("precision"))
             times.append(time.time())
     else:
         import memfit
@@ -79,6 +95,19 @@ def run_child(spec: dict, env: dict) -> dict:
     return {"ok": True, **json.loads(line[7:])}
 
 
+def run_optimum(python: str, ir: str, static: bool, args) -> dict:
+    """One optimum-intel row in its own environment's Python (it times itself from process start)."""
+    spec = {"ir": ir, "static": static, "width": args.size, "height": args.size, "steps": args.steps,
+            "guidance": GUIDANCE, "seed": 0, "precision": args.dtype, "prompt": PROMPT,
+            "out": str(Path(tempfile.gettempdir()) / f"optimum-{'static' if static else 'dynamic'}.npy")}
+    child_script = Path(__file__).resolve().parent / "optimum_intel_child.py"
+    run = subprocess.run([python, str(child_script), json.dumps(spec)], capture_output=True, text=True, timeout=3600)
+    line = next((l for l in reversed(run.stdout.splitlines()) if l.startswith("{")), None)
+    if run.returncode != 0 or line is None:
+        return {"ok": False, "error": (run.stderr.strip().splitlines() or ["(no output)"])[-1][-300:]}
+    return {"ok": True, **json.loads(line)}
+
+
 def render(data: dict) -> str:
     a = data["args"]
     lines = [
@@ -92,7 +121,7 @@ def render(data: dict) -> str:
         "|---|---|---|---|---|",
     ]
     base = data["summary"].get("diffusers eager", {}).get("peak_rss_bytes")
-    for row in ROWS:
+    for row in data["rows"]:
         s = data["summary"].get(row)
         if not s:
             lines.append(f"| {row} | failed | | | |")
@@ -100,6 +129,12 @@ def render(data: dict) -> str:
         ratio = f"{s['peak_rss_bytes'] / base:.2f}x" if base else "-"
         lines.append(f"| {row} | {s['peak_rss_bytes'] / 2**30:.2f} | {ratio} | {s['first_image_s']:.1f} | "
                      f"{s['second_image_s']:.1f} |")
+    anchor, ours = data["summary"].get("optimum-intel static"), data["summary"].get(SESSION_ROW)
+    if anchor and ours:
+        lines += ["", f"{SESSION_ROW} against optimum-intel static (targets: first image <= 0.9x, second image <= "
+                  f"1.0x, peak RSS <= 0.5x): first image {ours['first_image_s'] / anchor['first_image_s']:.2f}x, "
+                  f"second image {ours['second_image_s'] / anchor['second_image_s']:.2f}x, peak RSS "
+                  f"{ours['peak_rss_bytes'] / anchor['peak_rss_bytes']:.2f}x."]
     errors = [f"- {r['row']} round {r['round']}: {r['error']}" for r in data["runs"] if not r["ok"]]
     if errors:
         lines += ["", "Failed runs:", *errors]
@@ -116,6 +151,11 @@ def main() -> None:
     parser.add_argument("--tiny", action="store_true")
     parser.add_argument("--models", default=str(Path(tempfile.gettempdir()) / "memfit-bench-models"))
     parser.add_argument("--out", default="openvino_memory")
+    parser.add_argument("--optimum-python", help="Python of an environment with optimum-intel[openvino] installed: "
+                        "adds its static- and dynamic-shape rows")
+    parser.add_argument("--optimum-ir", help="the IR `optimum-cli export openvino --model MODEL --task text-to-image "
+                        "DIR` wrote for the same model (needed with --optimum-python)")
+    parser.add_argument("--precision", choices=("fp32", "bf16"), help="memfit's compute precision (default: --dtype)")
     args = parser.parse_args()
     if args.child:
         print("RESULT " + json.dumps(child(json.loads(args.child))), flush=True)
@@ -133,31 +173,43 @@ def main() -> None:
     else:
         model = build_real_size("sd15", Path(args.models) / "sd15-fp32")
     runs = []
+    rows = list(ROWS) + [SESSION_ROW]
+    if args.optimum_python:
+        if not args.optimum_ir:
+            parser.error("--optimum-python needs --optimum-ir, the IR optimum-cli exported for the same model")
+        rows += OPTIMUM_ROWS
 
     def save():  # after every row: a long run stopped early still leaves what it measured
         summary = {}
-        for row in ROWS:
+        for row in rows:
             ok = [r for r in runs if r["row"] == row and r["ok"]]
             if ok:
                 summary[row] = {key: statistics.median(r[key] for r in ok)
                                 for key in ("peak_rss_bytes", "first_image_s", "second_image_s")}
-        data = {"args": vars(args), "machine": machine(), "runs": runs, "summary": summary}
+        data = {"args": vars(args), "machine": machine(), "runs": runs, "summary": summary, "rows": rows}
         write_outputs(args.out, data, render(data))
 
-    for round_index in range(args.rounds):
-        store = tempfile.mkdtemp(prefix="memfit-ov-store-")
-        env = {**os.environ, "MEMFIT_CACHE_DIR": store}
-        try:
-            for row in ROWS:
-                system = "diffusers" if row.startswith("diffusers") else "memfit"
-                spec = {"system": system, "model": str(model), "dtype": args.dtype, "size": args.size,
-                        "steps": args.steps}
-                result = run_child(spec, env)  # cold fills the store; warm (next) finds it
+    # One store for every round: the cold row fills it in the first round only, and every later memfit row
+    # starts warm, as a user's second start does.
+    store = tempfile.mkdtemp(prefix="memfit-ov-store-")
+    env = {**os.environ, "MEMFIT_CACHE_DIR": store}
+    try:
+        for round_index in range(args.rounds):
+            for row in rows:
+                if row == "memfit openvino cold" and round_index:
+                    continue
+                if row in OPTIMUM_ROWS:
+                    result = run_optimum(args.optimum_python, args.optimum_ir, row.endswith("static"), args)
+                else:
+                    system = "diffusers" if row.startswith("diffusers") else "memfit"
+                    spec = {"system": system, "model": str(model), "dtype": args.dtype, "size": args.size,
+                            "steps": args.steps, "precision": args.precision, "session": row == SESSION_ROW}
+                    result = run_child(spec, env)
                 runs.append({"row": row, "round": round_index, **result})
                 print(row, round_index, result, flush=True)
                 save()
-        finally:
-            shutil.rmtree(store, ignore_errors=True)
+    finally:
+        shutil.rmtree(store, ignore_errors=True)
 
 
 if __name__ == "__main__":

@@ -5,7 +5,7 @@ imports nothing from memfit. Prints one JSON line: seconds from process start to
 seconds for the second image, peak RSS, and where the first image was saved (.npy).
 
     python optimum_intel_child.py '{"ir": DIR, "static": true, "width": 512, "height": 512, "steps": 4,
-                                    "guidance": 7.5, "seed": 0, "precision": "bf16", "out": FILE}'
+                                    "guidance": 7.5, "seed": 0, "precision": "bf16", "prompt": "...", "out": FILE}'
 """
 
 from __future__ import annotations
@@ -34,8 +34,7 @@ def main() -> None:
     pipe.set_progress_bar_config(disable=True)
 
     def image():
-        return pipe(prompt="a lighthouse on a cliff at dusk, oil painting", negative_prompt="blurry",
-                    num_inference_steps=spec["steps"], guidance_scale=spec["guidance"], width=spec["width"],
+        return pipe(prompt=spec["prompt"], num_inference_steps=spec["steps"], guidance_scale=spec["guidance"], width=spec["width"],
                     height=spec["height"], generator=torch.Generator("cpu").manual_seed(spec["seed"]),
                     output_type="np").images[0]
 
