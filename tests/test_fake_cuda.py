@@ -43,6 +43,7 @@ def sd(tiny_models):
     return pipe, generate(pipe)
 
 
+@pytest.mark.slow  # a generation on the fake GPU; the quick tier keeps two cheaper cases
 def test_anchor_is_on_the_device_and_the_run_never_mixes_devices(sd):
     """Defect 2: each component's first parameter (module.device reads it) is moved to the GPU and
     stays there, and every weight a module computes with is in device memory during its forward."""
@@ -89,6 +90,7 @@ def test_one_exact_pinned_arena_per_stage_released_on_restore(sd):
         assert np.array_equal(generate(pipe), plain)
 
 
+@pytest.mark.slow  # a generation on the fake GPU; the quick tier keeps two cheaper cases
 def test_host_arena_is_read_from_the_files_not_the_loaded_copy(sd, monkeypatch):
     """Defect 3: a host-tier weight that is in the model's files is copied into the arena from the
     memory map; the loaded tensor is only the source of what no file holds."""
@@ -116,6 +118,7 @@ def test_host_arena_is_read_from_the_files_not_the_loaded_copy(sd, monkeypatch):
             restore(pipe)
 
 
+@pytest.mark.slow  # a generation on the fake GPU; the quick tier keeps two cheaper cases
 def test_host_budget_is_bounded_and_honored(sd, tmp_path):
     """Defect 3: on a GPU the host tier is page-locked RAM: an explicit device-only budget gets a
     host budget (available RAM minus a reserve), never "unlimited", and a given one is honored."""
@@ -144,6 +147,7 @@ def test_host_budget_is_bounded_and_honored(sd, tmp_path):
         assert gpu.pinned_bytes() == 0
 
 
+@pytest.mark.slow  # a generation on the fake GPU; the quick tier keeps two cheaper cases
 def test_blocks_in_flight_are_bounded(sd, monkeypatch):
     """Defect 4: with a "GPU" that never runs ahead (lazy), freed blocks stay reserved until the host
     has synchronized an event after their forward; memfit does that before each onload, so reserved
@@ -172,6 +176,7 @@ def test_blocks_in_flight_are_bounded(sd, monkeypatch):
     assert unbounded > 2 * bound, (unbounded, bound)
 
 
+@pytest.mark.slow  # two generations on the fake GPU, twice
 @pytest.mark.parametrize("lazy", [True, False], ids=["lazy", "eager"])
 def test_disk_tier_streams_through_the_pinned_ring(sd, lazy):
     """Defect 6: on a GPU a disk-tier block is read from its file into a pinned staging ring (the
@@ -194,6 +199,7 @@ def test_disk_tier_streams_through_the_pinned_ring(sd, lazy):
             restore(pipe)
 
 
+@pytest.mark.slow  # a generation on the fake GPU; the quick tier keeps two cheaper cases
 def test_the_fake_catches_a_missing_wait(sd, monkeypatch):
     """With the compute stream no longer waiting for the prefetch copies, a lazy fake GPU hands the
     forward tensors that were never filled: the image changes (it would pass on a CPU-only run)."""

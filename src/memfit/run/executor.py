@@ -46,6 +46,7 @@ from __future__ import annotations
 
 import dataclasses
 import fnmatch
+import weakref
 from pathlib import Path
 from typing import Mapping
 
@@ -198,6 +199,9 @@ def optimize(
     # blocks on the device at once (the one running and those copied in ahead of it).
     runtime = Runtime(device, prefetch=prefetch, window=1 + plan.prefetch if prefetch else 1)
     state = _State(runtime=runtime, slots=[], hooked=[], unrun=unrun)
+    # A pipeline dropped without restore (a staged run's finished stage) gives its pinned memory
+    # back when it is collected; restore gives it back at once (and empties the list).
+    weakref.finalize(state, _release_arenas, device, state.arenas)
     try:
         for name, module in components.items():
             _apply_component(name, module, blocks[name], tiers, state, model_dir)
@@ -260,11 +264,18 @@ def _is_auto(budget) -> bool:
 
 
 def plan_stage(pipe, budget: BudgetLike, stage: str, activation_bytes: int = 0,
-               parts: Mapping[str, tuple[str, ...]] | None = None) -> Plan:
-    """The plan ``optimize(pipe, budget, stage=stage, activation_bytes=..., parts=...)`` would carry out."""
+               parts: Mapping[str, tuple[str, ...]] | None = None, device=None) -> Plan:
+    """The plan ``optimize(pipe, budget, stage=stage, activation_bytes=..., parts=...)`` would carry out.
+
+    ``device`` (a name or memfit.devices runtime): on one with its own memory a budget without a
+    host part gets one (available RAM minus a reserve), as optimize gives it, since the host tier
+    is page-locked memory there."""
     blocks = {name: live_blocks(name, module) for name, module in _components(pipe).items()}
+    budget = Budget.of(budget)
+    if device is not None and runtime_for(device).separate_memory and budget.host is None:
+        budget = _with_host_budget(budget, runtime_for(device), 0)
     return make_plan(_stage_inputs(_without(blocks, unrun_blocks(blocks, parts)), stage, activation_bytes, type(pipe).__name__),
-                     Budget.of(budget))
+                     budget)
 
 
 def blocks_not_run(pipe) -> list[LiveBlock]:
@@ -643,6 +654,9 @@ def _undo(state: _State) -> None:
         slot.tensor.data = data
     state.slots.clear()
     state.hooked.clear()
-    for arena in state.arenas:
-        state.runtime.device_runtime.release_arena(arena)
-    state.arenas.clear()
+    _release_arenas(state.runtime.device_runtime, state.arenas)
+
+
+def _release_arenas(device, arenas: list) -> None:
+    while arenas:
+        device.release_arena(arenas.pop())

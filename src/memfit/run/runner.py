@@ -280,7 +280,7 @@ class StageContext:
         options = stage_strategies(adapter, plan_as, runner.settings, runner.guided, runner.dtype)
         parts = adapter.stage_parts.get(plan_as)
         try:
-            strategy, plan = choose(options, lambda activations: plan_stage(pipe, room, self.stage, activations, parts))
+            strategy, plan = choose(options, lambda activations: plan_stage(pipe, room, self.stage, activations, parts, device=runner.runtime))
         except MemfitError as exc:
             raise StageDoesNotFit(
                 f"{exc} These figures leave out the {format_bytes(already_used)} this process already holds "

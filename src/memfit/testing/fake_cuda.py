@@ -247,7 +247,9 @@ class FakeCudaRuntime(DeviceRuntime):
         self._update_peaks()
 
         def copy() -> None:
-            target.copy_(host)
+            # It may run after the inference_mode block that queued it has ended, as a GPU's would.
+            with torch.inference_mode(target.is_inference()):
+                target.copy_(host)
             with self._lock:
                 self.bytes_in_flight -= nbytes
 
