@@ -103,7 +103,7 @@ def test_host_arena_is_read_from_the_files_not_the_loaded_copy(sd, monkeypatch):
         return original(self, source, *args, **kwargs)
 
     loaded = {t.untyped_storage().data_ptr() for t in pipe.unet.parameters()}
-    with fake_cuda() as gpu:
+    with fake_cuda():
         monkeypatch.setattr(torch.Tensor, "copy_", spying)
         optimize(pipe, force_tiers={"unet/*": "host"}, device="cuda")
         monkeypatch.undo()

@@ -59,7 +59,8 @@ from memfit.errors import MemfitError
 from memfit.run.offload import HookRegistry, MappedSafetensors, Runtime, Shared, Slot, StagingRing, SwapHook, aligned
 from memfit.plan.planner import DEVICE, DISK, HOST, BlockSpec, Plan, StageInput, make_plan
 
-__all__ = ["optimize", "restore", "is_optimized", "live_blocks", "plan_stage", "unrun_blocks", "blocks_not_run"]
+__all__ = ["optimize", "restore", "is_optimized", "live_blocks", "plan_stage", "unrun_blocks", "blocks_not_run",
+           "refuse_cuda_graphs_while_streaming"]
 
 STATE_ATTR = "_memfit_state"
 PLAN_ATTR = "_memfit_plan"
