@@ -147,6 +147,19 @@ def test_host_budget_is_bounded_and_honored(sd, tmp_path):
         assert gpu.pinned_bytes() == 0
 
 
+def test_a_staged_run_plans_a_gpu_stage_with_a_host_budget(sd):
+    """Defect 3, the staged runner's way in: plan_stage(device=a GPU) bounds the host tier as
+    optimize does; without a device (the CPU) a budget is taken as given."""
+    from memfit.plan.budget import read_host_memory
+    from memfit.run.executor import plan_stage
+
+    pipe, _ = sd
+    with fake_cuda():
+        host = plan_stage(pipe, memfit.Budget(device="1GiB"), "generate", device="cuda").budget.host
+    assert host is not None and 0 < host <= read_host_memory().available
+    assert plan_stage(pipe, memfit.Budget(device="1GiB"), "generate").budget.host is None
+
+
 @pytest.mark.slow  # a generation on the fake GPU; the quick tier keeps two cheaper cases
 def test_blocks_in_flight_are_bounded(sd, monkeypatch):
     """Defect 4: with a "GPU" that never runs ahead (lazy), freed blocks stay reserved until the host

@@ -250,8 +250,8 @@ def refuse_cuda_graphs_while_streaming(pipe) -> None:
     from memfit.compile.entry_points import ENTRIES_ATTR
 
     state = vars(pipe).get(STATE_ATTR)
-    if state is None or not state.hooked:
-        return
+    if state is None or not state.hooked or not state.runtime.separate_memory:
+        return  # nothing streams, or on the CPU, where inductor captures no CUDA graph
     hooked = {id(module) for module in state.hooked}
     for name, module in _components(pipe).items():
         if not any(id(sub) in hooked for sub in module.modules()):
