@@ -116,6 +116,37 @@ def test_every_tier_matches_plain_diffusers_bitwise(tiny_models, kind):
     assert_same_bits(generate(pipe), plain)
 
 
+def _fake_gpu_cases():
+    for kind in TIERS:
+        for lazy in (True, False):
+            for prefetch in (True, False):
+                quick = kind == "sd" and lazy and prefetch  # the quick tier keeps one; `make test` runs all
+                yield pytest.param(kind, lazy, prefetch, marks=() if quick else pytest.mark.slow,
+                                   id=f"{kind}-{'lazy' if lazy else 'eager'}-{'prefetch' if prefetch else 'no-prefetch'}")
+
+
+@pytest.mark.parametrize("kind, lazy, prefetch", _fake_gpu_cases())
+def test_every_tier_on_a_fake_gpu_matches_plain_diffusers_bitwise(tiny_models, kind, lazy, prefetch):
+    """The same every-tier plans on "cuda" through the fake CUDA runtime (memfit.testing.fake_cuda):
+    device copies, pinned host arena, disk through the staging ring, prefetch on a side stream.
+    Lazy: no copy completes before something waits for it, so a missing wait changes the image."""
+    from memfit.testing.fake_cuda import fake_cuda
+
+    pipe = load(tiny_models(kind))
+    plain = generate(pipe)
+    with fake_cuda(lazy=lazy) as gpu:
+        optimize(pipe, force_tiers=TIERS[kind], device="cuda", prefetch=prefetch)
+        try:
+            gpu.pageable_copy_bytes = 0
+            assert_same_bits(generate(pipe), plain)
+            assert_same_bits(generate(pipe), plain)  # a second run (learned order, prefetch by it) too
+            assert gpu.pageable_copy_bytes == 0  # every streamed copy is from pinned memory
+        finally:
+            restore(pipe)
+        assert gpu.pinned_bytes() == 0
+    assert_same_bits(generate(pipe), plain)
+
+
 def test_bf16_run_from_fp32_files_converts_block_by_block(tiny_models):
     """Run dtype differs from the file's: each disk block is converted just before its forward
     (prefetched on a thread), the mapped fp32 view is its home outside, and bits still match."""

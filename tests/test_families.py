@@ -8,8 +8,9 @@ For each family (a tiny pipeline from memfit.testing.pipelines), at fp32 on CPU,
   give the image the adapter's rule promises (each adapter's `unequal_lengths`).
 """
 
-import json
 import dataclasses
+import gc
+import json
 
 import re
 
@@ -82,15 +83,33 @@ def _weight_bytes(model, names):
 @pytest.mark.slow  # every family end to end: `make test` runs it
 @pytest.mark.parametrize("kind", list(CASES))
 def test_streaming_budget_keeps_the_image(tiny_models, kind, streamed_plans, tmp_path, monkeypatch):
+    _streams_and_matches_diffusers(tiny_models(kind), kind, streamed_plans, tmp_path, monkeypatch)
+
+
+@pytest.mark.slow  # every family end to end on the fake GPU: `make test` runs it
+@pytest.mark.parametrize("kind", list(CASES))
+def test_streaming_budget_keeps_the_image_on_a_fake_gpu(tiny_models, kind, streamed_plans, tmp_path, monkeypatch):
+    """The same run on "cuda" through the lazy fake CUDA runtime (memfit.testing.fake_cuda): copies
+    complete only when waited for, so a missing wait anywhere in the GPU path changes the image."""
+    from memfit.testing.fake_cuda import fake_cuda
+
+    with fake_cuda(lazy=True) as gpu:
+        _streams_and_matches_diffusers(tiny_models(kind), kind, streamed_plans, tmp_path, monkeypatch, device="cuda")
+        gc.collect()  # each stage's pipeline is dropped when the stage ends, and with it its pinned memory
+        assert gpu.copies > 0 and gpu.pinned_bytes() == 0  # it ran on the fake GPU, and gave its pinned memory back
+
+
+def _streams_and_matches_diffusers(model, kind, streamed_plans, tmp_path, monkeypatch, device=None):
     monkeypatch.setenv("MEMFIT_CACHE_DIR", str(tmp_path / "cache"))  # no prompt-cache hit: the encoders load
-    model = tiny_models(kind)
     adapter = ModelFolder.open(model).adapter
     settings = _settings(kind, True)
     budget = _smallest_budget(model, settings)
     assert budget < _weight_bytes(model, adapter.denoise_components)
     streamed_plans.clear()
     monkeypatch.setenv("MEMFIT_CACHE_DIR", str(tmp_path / "fresh-cache"))  # the runs above cached the prompt
-    ours, _ = assert_matches_diffusers(model, atol=0, budget=budget, **settings)
+    if device is not None:  # on a GPU the weights would park in pinned host RAM: host=0 sends them to disk
+        budget = memfit.Budget(device=budget, host=0, disk=str(model))
+    ours, _ = assert_matches_diffusers(model, atol=0, budget=budget, device=device, **settings)
     assert ours.settings.negative_prompt == NEGATIVE
     streamed = {plan.stages[0].name: plan.stages[0].streamed_from_disk_bytes for plan in streamed_plans}
     assert set(streamed) == {"encode", "denoise", "decode"} and streamed["denoise"] > 0, streamed

@@ -162,7 +162,7 @@ class CudaRuntime(DeviceRuntime):
     def __init__(self, device: torch.device):
         self.device = device if device.index is not None else torch.device("cuda", torch.cuda.current_device())
         self.name = str(self.device)
-        self._pinned = 0  # bytes this runtime page-locked (one runtime per device: see runtime_for)
+        self._registered: dict[int, int] = {}  # address -> bytes this runtime page-locked (one runtime per GPU)
 
     def new_stream(self):
         return torch.cuda.Stream(self.device)
@@ -195,12 +195,13 @@ class CudaRuntime(DeviceRuntime):
             raise MemfitError(
                 f"Could not page-lock {nbytes} bytes of host memory for streaming to {self.name} (CUDA error "
                 f"{int(code)}); give a smaller host budget (--budget with host=) or free host memory.")
-        self._pinned += arena.numel()
+        self._registered[arena.data_ptr()] = arena.numel()
         return arena
 
     def release_arena(self, arena: torch.Tensor) -> None:
-        torch.cuda.cudart().cudaHostUnregister(arena.data_ptr())
-        self._pinned -= arena.numel()
+        # Only what this runtime registered (a deep copy of an optimized pipeline holds plain copies).
+        if self._registered.pop(arena.data_ptr(), None) is not None:
+            torch.cuda.cudart().cudaHostUnregister(arena.data_ptr())
 
     def mem_get_info(self) -> tuple[int, int]:
         free, total = torch.cuda.mem_get_info(self.device)
@@ -225,7 +226,7 @@ class CudaRuntime(DeviceRuntime):
         return int(torch.cuda.memory_stats(self.device).get("num_alloc_retries", 0))
 
     def pinned_bytes(self) -> int:
-        return self._pinned
+        return sum(self._registered.values())
 
     def synchronize(self) -> None:
         torch.cuda.synchronize(self.device)

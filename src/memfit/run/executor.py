@@ -6,9 +6,10 @@
 What each tier means for a block's weights (the plan's "device" / "host" / "disk"):
 
   execution device   device                 host                            disk
-  CUDA               moved to the GPU       pinned host tensor; copied in   mmap'd view of the model's own
-                     for the whole run      for each forward (next block    safetensors; copied in per forward
-                                            prefetched on a side stream)    (converted on the host if dtypes differ)
+  CUDA               moved to the GPU       a place in the stage's one      mmap'd view of the model's own
+                     for the whole run      pinned arena; copied in for     safetensors; read into a pinned staging
+                                            each forward (next block        ring by a reader thread, copied in from
+                                            prefetched on a side stream)    there, converted on the GPU
   CPU                untouched              untouched (host RAM *is* the    the parameter's data IS the mmap'd view
                                             device)                         (no copy; the kernel may drop and re-read
                                                                             pages); if the run dtype differs from the
@@ -24,7 +25,8 @@ no meta model is ever built or attached here (failure 3).
 Known limits, chosen on purpose:
   * The first parameter of every component is never offloaded: diffusers' and transformers'
     ``module.dtype`` / ``module.device`` read it, and the pipeline uses them to place latents and
-    cast embeddings. It is a single tensor (usually a small embedding or conv).
+    cast embeddings. It is a single tensor (usually a small embedding or conv); on a GPU it is moved
+    there whatever its block's tier, so ``module.device`` names the GPU and the run never mixes devices.
   * A disk-tier weight must equal what the model's safetensors file holds (after conversion to the
     run dtype); optimize checks this once, block by block, and raises naming the first weight that
     differs (e.g. after fusing a LoRA), instead of silently running other weights. An unfused LoRA
@@ -44,6 +46,7 @@ from __future__ import annotations
 
 import dataclasses
 import fnmatch
+import weakref
 from pathlib import Path
 from typing import Mapping
 
@@ -53,10 +56,11 @@ from memfit.devices import runtime_for
 from memfit.models.checkpoint_keys import loaded_names
 from memfit.plan.budget import AUTO, NONE, Budget, BudgetLike, resolve_budget
 from memfit.errors import MemfitError
-from memfit.run.offload import HookRegistry, MappedSafetensors, Runtime, Shared, Slot, SwapHook
+from memfit.run.offload import HookRegistry, MappedSafetensors, Runtime, Shared, Slot, StagingRing, SwapHook, aligned
 from memfit.plan.planner import DEVICE, DISK, HOST, BlockSpec, Plan, StageInput, make_plan
 
-__all__ = ["optimize", "restore", "is_optimized", "live_blocks", "plan_stage", "unrun_blocks", "blocks_not_run"]
+__all__ = ["optimize", "restore", "is_optimized", "live_blocks", "plan_stage", "unrun_blocks", "blocks_not_run",
+           "refuse_cuda_graphs_while_streaming"]
 
 STATE_ATTR = "_memfit_state"
 PLAN_ATTR = "_memfit_plan"
@@ -85,7 +89,9 @@ class _State:
     slots: list  # every Slot memfit changed, hooked or not
     hooked: list  # modules that carry a SwapHook
     unrun: list = dataclasses.field(default_factory=list)  # LiveBlocks outside the stage's parts, parked on disk
-    arenas: list = dataclasses.field(default_factory=list)  # pinned host memory the host tier lives in
+    arenas: list = dataclasses.field(default_factory=list)  # pinned host memory: the host tier's, the staging ring
+    # (slot, where its values are read from) for the host tier, placed in one arena once all are known
+    host_sources: list = dataclasses.field(default_factory=list)
 
 
 # --- public -------------------------------------------------------------------------------------
@@ -176,32 +182,84 @@ def optimize(
     elif plan is None:
         # optimize fits a pipeline already loaded: what it holds now is part of what the budget bounds.
         in_use = sum(block.bytes for component_blocks in blocks.values() for block in component_blocks)
+        on_host = 0
+        if device.separate_memory:  # only what is on the device already counts there
+            on_device = sum(t.numel() * t.element_size() for module in components.values()
+                            for t in _tensors(module) if device.owns(t))
+            in_use, on_host = on_device, in_use - on_device
         resolved = resolve_budget(budget, device, in_use=in_use if _is_auto(budget) else 0)
         planned = resolved.budget
         if not device.separate_memory and _is_auto(budget):
             # The pipeline is loaded already: on the CPU a block "parked on the host" stays where it is.
             planned = Budget(device=planned.device, host=None, disk=planned.disk)
+        elif device.separate_memory:
+            planned = _with_host_budget(planned, device, on_host if _is_auto(budget) else 0)
         plan = make_plan(stages, planned)
     tiers = _tiers_from_plan(plan, blocks)
     tiers.update((block.key, DISK) for block in unrun)
 
-    runtime = Runtime(device, prefetch=prefetch)  # the hooks' shared state, around the device runtime
+    # The hooks' shared state, around the device runtime: at most the plan's window of streamed
+    # blocks on the device at once (the one running and those copied in ahead of it).
+    runtime = Runtime(device, prefetch=prefetch, window=1 + plan.prefetch if prefetch else 1)
     state = _State(runtime=runtime, slots=[], hooked=[], unrun=unrun)
+    # A pipeline dropped without restore (a staged run's finished stage) gives its pinned memory
+    # back when it is collected; restore gives it back at once (and empties the list).
+    weakref.finalize(state, _release_arenas, device, state.arenas)
     try:
         for name, module in components.items():
             _apply_component(name, module, blocks[name], tiers, state, model_dir)
+        _place_host_tier(state)
+        _make_staging_ring(state)
     except BaseException:
         _undo(state)
         raise
     object.__setattr__(pipe, STATE_ATTR, state)
     object.__setattr__(pipe, PLAN_ATTR, plan)
-    if backend is not None:
-        try:
+    try:
+        if backend is not None:
             _compile(pipe, backend, fallback, precision)
-        except BaseException:
-            restore(pipe)
-            raise
+        refuse_cuda_graphs_while_streaming(pipe)
+    except BaseException:
+        restore(pipe)
+        raise
     return pipe
+
+
+def _tensors(module: torch.nn.Module):
+    yield from module.parameters()
+    yield from module.buffers()
+
+
+def _with_host_budget(planned: Budget, device, pipeline_on_host: int) -> Budget:
+    """On a device with its own memory the host tier is page-locked RAM: bounded by what the host
+    has available (minus a reserve) when the user gave no host budget, never unlimited. An
+    automatic budget adds back the pipeline's own weights that sit in host RAM now, since the host
+    tier takes their place."""
+    from memfit.plan.budget import detect
+
+    host = planned.host if planned.host is not None else detect(device).budget.host
+    return Budget(device=planned.device, host=host + pipeline_on_host, disk=planned.disk)
+
+
+def refuse_cuda_graphs_while_streaming(pipe) -> None:
+    """Raise if a component of ``pipe`` whose weights stream is compiled with CUDA graphs.
+
+    A CUDA graph replays the addresses it captured, and a streamed block's weights are at new
+    addresses on every forward (``param.data`` is swapped), so the replay would read freed memory.
+    Called by optimize, after it placed the weights and compiled what it was asked to.
+    """
+    from memfit.compile.backends.inductor import refuse_cuda_graphs
+    from memfit.compile.entry_points import ENTRIES_ATTR
+
+    state = vars(pipe).get(STATE_ATTR)
+    if state is None or not state.hooked or not state.runtime.separate_memory:
+        return  # nothing streams, or on the CPU, where inductor captures no CUDA graph
+    hooked = {id(module) for module in state.hooked}
+    for name, module in _components(pipe).items():
+        if not any(id(sub) in hooked for sub in module.modules()):
+            continue
+        for method, entry in vars(module).get(ENTRIES_ATTR, {}).items():
+            refuse_cuda_graphs(entry.backend, entry.options, f"{name}.{method}")
 
 
 def _is_auto(budget) -> bool:
@@ -209,12 +267,19 @@ def _is_auto(budget) -> bool:
 
 
 def plan_stage(pipe, budget: BudgetLike, stage: str, activation_bytes: int = 0,
-               parts: Mapping[str, tuple[str, ...]] | None = None, skip=()) -> Plan:
+               parts: Mapping[str, tuple[str, ...]] | None = None, skip=(), device=None) -> Plan:
     """The plan ``optimize(pipe, budget, stage=stage, activation_bytes=..., parts=...)`` would carry out;
-    components named in ``skip`` are left out (optimize then leaves them as they are)."""
+    components named in ``skip`` are left out (optimize then leaves them as they are).
+
+    ``device`` (a name or memfit.devices runtime): on one with its own memory a budget without a
+    host part gets one (available RAM minus a reserve), as optimize gives it, since the host tier
+    is page-locked memory there."""
     blocks = {name: live_blocks(name, module) for name, module in _components(pipe).items() if name not in skip}
+    budget = Budget.of(budget)
+    if device is not None and runtime_for(device).separate_memory and budget.host is None:
+        budget = _with_host_budget(budget, runtime_for(device), 0)
     return make_plan(_stage_inputs(_without(blocks, unrun_blocks(blocks, parts)), stage, activation_bytes, type(pipe).__name__),
-                     Budget.of(budget))
+                     budget)
 
 
 def blocks_not_run(pipe) -> list[LiveBlock]:
@@ -400,16 +465,17 @@ def _apply_component(name, module, component_blocks, tiers, state: _State, model
     runtime = state.runtime
     anchor = _first_param(module)
     files: MappedSafetensors | None = None
+    tried_files = False
     file_keys: dict[str, str] = {}
     for block in component_blocks:
         tier = tiers.get(block.key, DEVICE)
         for hooked, tensors in block.units:
             slots = []
             for owner, attr, tensor, is_param, full_name in tensors:
-                if tensor is anchor:
-                    continue  # module.dtype / module.device read it: see the module docstring
                 separate = runtime.separate_memory
-                if separate and tier == DEVICE and not runtime.device_runtime.owns(tensor):
+                if tensor is anchor and not separate:
+                    continue  # module.dtype / module.device read it: see the module docstring
+                if separate and (tier == DEVICE or tensor is anchor) and not runtime.device_runtime.owns(tensor):
                     slot = Slot(owner, attr, tensor, home=None, kind="device")
                     tensor.data = runtime.device_runtime.to_device(tensor.data)
                     state.slots.append(slot)
@@ -418,10 +484,11 @@ def _apply_component(name, module, component_blocks, tiers, state: _State, model
                     tier_of_tensor = HOST  # a LoRA's own tensor is in no model file: it stays in memory
                 else:
                     tier_of_tensor = tier
-                if tier_of_tensor == DEVICE or (not separate and (tier_of_tensor == HOST or not is_param)):
+                if tier_of_tensor == DEVICE or tensor is anchor or (not separate and (tier_of_tensor == HOST or not is_param)):
                     continue  # on the CPU host RAM is the device; buffers stay where they are
                 if tier_of_tensor == DISK and is_param:
                     if files is None:
+                        tried_files = True
                         files = _open_files(name, module, model_dir)
                         file_keys = {live: key for key, live in (loaded_names(module, files.keys()) or {}).items()}
                     mapped = _checked_mapping(files, name, full_name, tensor, module, file_keys)
@@ -434,19 +501,76 @@ def _apply_component(name, module, component_blocks, tiers, state: _State, model
                     if mapped.pages is not None:
                         mapped.pages.release()  # the check above read every page
                     continue
-                # host tier on a GPU (or a buffer of a disk block): a pinned host copy is the home.
-                nbytes = tensor.numel() * tensor.element_size()
-                arena = runtime.device_runtime.pinned_arena(nbytes)
-                state.arenas.append(arena)
-                home = arena[:nbytes].view(tensor.dtype).view(tensor.shape)
-                home.copy_(tensor.data)
-                slot = Slot(owner, attr, tensor, home=home, kind="host")
-                tensor.data = home
+                # host tier on a GPU (or a buffer of a disk block): its home is a place in the stage's
+                # pinned arena, filled by _place_host_tier once every such tensor is known.
+                if files is None and not tried_files:
+                    tried_files = True
+                    try:
+                        files = _open_files(name, module, model_dir)
+                        file_keys = {live: key for key, live in (loaded_names(module, files.keys()) or {}).items()}
+                    except MemfitError:
+                        files = None  # no files: the loaded tensors are the only source
+                slot = Slot(owner, attr, tensor, home=None, kind="host")
+                source = None
+                if files is not None and not is_adapter_weight(full_name):
+                    source = _file_view(files, full_name, tensor, module, file_keys)
+                state.host_sources.append((slot, source))
                 state.slots.append(slot)
                 slots.append(slot)
             if slots:
                 HookRegistry.of(hooked).register(SwapHook(block.key, slots, runtime))
                 state.hooked.append(hooked)
+
+
+def _place_host_tier(state: _State) -> None:
+    """Put every host-tier tensor of the stage into ONE pinned arena of exactly their aligned sizes.
+
+    One arena, not one pinned buffer per tensor: a pinned allocator rounds each request up (to a
+    power of two in torch's), so per-tensor buffers take up to twice what the plan counts. Values
+    are read from the model's memory-mapped file where the weight is there (no detour through
+    the loaded copy, wherever that lives), else from the loaded tensor.
+    """
+    if not state.host_sources:
+        return
+    device = state.runtime.device_runtime
+    sizes = [slot.tensor.numel() * slot.tensor.element_size() for slot, _ in state.host_sources]
+    arena = device.pinned_arena(sum(aligned(n) for n in sizes))
+    state.arenas.append(arena)
+    offset = 0
+    for (slot, source), nbytes in zip(state.host_sources, sizes):
+        tensor = slot.tensor
+        home = arena[offset:offset + nbytes].view(tensor.dtype).view(tensor.shape)
+        offset += aligned(nbytes)
+        home.copy_(source.tensor if source is not None else tensor.data)
+        if source is not None and source.pages is not None:
+            source.pages.release()
+        slot.home = home
+        tensor.data = home
+    state.host_sources.clear()
+
+
+def _make_staging_ring(state: _State) -> None:
+    """The pinned ring the disk tier passes through on a device with its own memory: one slot per
+    block of the streaming window, each as large as the largest disk-tier block in its file dtype."""
+    runtime = state.runtime
+    if not runtime.separate_memory:
+        return
+    largest = 0
+    for module in state.hooked:
+        hook = HookRegistry.get(module).hooks[SwapHook.name]
+        homes = [slot.home_tensor() for slot in hook.slots if slot.kind == "mmap"]
+        largest = max(largest, sum(aligned(h.numel() * h.element_size()) for h in homes))
+    if largest:
+        runtime.ring = StagingRing(runtime.device_runtime, largest, runtime.window)
+        state.arenas.append(runtime.ring.arena)
+
+
+def _file_view(files: MappedSafetensors, full_name: str, tensor, module, file_keys: Mapping[str, str]) -> Shared | None:
+    """The mapped file's copy of ``tensor`` when the file holds exactly this weight, else None."""
+    try:
+        return _checked_mapping(files, "", full_name, tensor, module, file_keys)
+    except MemfitError:
+        return None
 
 
 def _open_files(name: str, module, model_dir) -> MappedSafetensors:
@@ -534,6 +658,9 @@ def _undo(state: _State) -> None:
         slot.tensor.data = data
     state.slots.clear()
     state.hooked.clear()
-    for arena in state.arenas:
-        state.runtime.device_runtime.release_arena(arena)
-    state.arenas.clear()
+    _release_arenas(state.runtime.device_runtime, state.arenas)
+
+
+def _release_arenas(device, arenas: list) -> None:
+    while arenas:
+        device.release_arena(arenas.pop())

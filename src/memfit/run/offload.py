@@ -15,6 +15,9 @@ Lifecycle (after diffusers' hooks/hooks.py, with one system instead of two):
     ``copy.deepcopy`` pointing at the original module, and removing hooks from a copy would strip
     the original).
 
+Compilation: the dispatch is wrapped in ``torch.compiler.disable``, so a compiled component breaks
+its graph exactly at each hooked module's entry and exit and traces everything between.
+
 Why swapping ``param.data`` between real storages and never parking on ``meta``: any code that
 reads a weight outside a forward (``.item()``, a dtype check, a cache sized from a weight) must see
 real data. A parameter object is never replaced, so optimizers, tied
@@ -28,6 +31,7 @@ import mmap
 import os
 import threading
 import time
+from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Iterator
@@ -39,10 +43,18 @@ from memfit.errors import MemfitError
 from memfit.run.timeline import record_move
 from memfit.safetensors_header import read_header
 
-__all__ = ["HookRegistry", "MappedSafetensors", "ModuleHook", "MappedPages", "Runtime", "Shared", "Slot", "SwapHook", "weights_ready"]
+__all__ = ["ALIGNMENT", "HookRegistry", "MappedSafetensors", "ModuleHook", "MappedPages", "Runtime", "Shared", "Slot",
+           "StagingRing", "SwapHook", "aligned", "weights_ready"]
 
 REGISTRY_ATTR = "_memfit_hooks"
 _TIER_OF_KIND = {"mmap": "disk", "host": "host", "device": "device"}
+#: Offsets inside a pinned arena are multiples of this (the device allocator's own granularity), so
+#: every tensor view is aligned for its dtype and for the copy engine.
+ALIGNMENT = 256
+
+
+def aligned(nbytes: int) -> int:
+    return -(-nbytes // ALIGNMENT) * ALIGNMENT
 
 
 class ModuleHook:
@@ -115,11 +127,16 @@ class HookRegistry:
         for name in reversed(list(self.hooks)):
             self.remove(name)
 
+    # Hook dispatch swaps tensors, waits on events and starts threads: nothing a compiled graph can
+    # hold. Disabled for the compiler, each call is one clean boundary instead of a trace that
+    # breaks somewhere inside (and again on every streamed block).
+    @torch.compiler.disable
     def _pre(self, module, args, kwargs):
         for hook in self.hooks.values():
             hook.pre_forward(module)
         return None  # inputs unchanged
 
+    @torch.compiler.disable
     def _post(self, module, args, output):
         for hook in reversed(list(self.hooks.values())):
             hook.post_forward(module)
@@ -273,29 +290,84 @@ class Slot:
         return self.home.pages if isinstance(self.home, Shared) else None
 
 
+class StagingRing:
+    """Pinned host slots the disk tier passes through on its way to a device with its own memory.
+
+    A block's memory-mapped weights are read (in the file's dtype) into the next slot, then copied
+    to the device from there: a copy from page-locked memory runs asynchronously, a copy straight
+    from the mapped file would be a synchronous, staged one. A slot is reused only after the copy
+    that read it last has run (an event recorded after that copy), since the copy engine reads the
+    slot when it runs, not when it was queued. ``slots`` is the plan's streaming window.
+    """
+
+    def __init__(self, device: DeviceRuntime, slot_bytes: int, slots: int):
+        self.device = device
+        self.slot_bytes = slot_bytes
+        self.arena = device.pinned_arena(slot_bytes * slots)
+        self._free: list = [None] * slots  # per slot: the event after the copy that read it last
+        self._next = 0
+        self._lock = threading.Lock()
+
+    def copy_in(self, slots: list[Slot]) -> list[torch.Tensor]:
+        """Device copies of ``slots``' mapped homes, queued on the current stream through one ring slot."""
+        device = self.device
+        with self._lock:
+            index, self._next = self._next, (self._next + 1) % len(self._free)
+            if self._free[index] is not None:
+                self._free[index].synchronize()
+            offset = index * self.slot_bytes
+            out = []
+            for slot in slots:
+                home = slot.home_tensor()
+                nbytes = home.numel() * home.element_size()
+                staged = self.arena[offset:offset + nbytes].view(home.dtype).view(home.shape)
+                staged.copy_(home)
+                if slot.pages is not None:
+                    slot.pages.release()
+                out.append(device.to_device(staged, slot.dtype))  # converted on the device, after the copy
+                offset += aligned(nbytes)
+            event = device.new_event()
+            event.record(device.current_stream())
+            self._free[index] = event
+        return out
+
+
 class Runtime:
     """What the hooks of one optimized pipeline share: the device runtime (memfit.devices), the order
     blocks ran in (learned on the first pass, updated on every pass) and the prefetcher.
 
     Prefetch: on a device with its own memory (a GPU) a side stream copies the next block's host
-    tensors while the current block computes; on the CPU a background thread converts the next
-    block's memory-mapped weights to the run dtype. The "next block" is the block that followed this
-    one the last time it ran, which learns loops (denoising steps) as well as straight sequences.
+    tensors while the current block computes (a disk-tier block is first read into the staging
+    ring by the reader thread, which then queues its copy); on the CPU a background thread converts
+    the next block's memory-mapped weights to the run dtype. The "next block" is the block that
+    followed this one the last time it ran, which learns loops (denoising steps) as well as
+    straight sequences.
+
+    Blocks in flight: ``window`` streamed blocks at most hold device memory at once (the plan's
+    1 + prefetch). The host queues work far ahead of a GPU, and a block's memory freed on the host
+    is reusable only once the GPU has run the forward that used it; so an event is recorded after
+    every streamed block's forward and, before another block is copied in, the host waits for the
+    oldest ones until no more than ``window`` blocks can be on the device.
     """
 
-    def __init__(self, device: DeviceRuntime, prefetch: bool = True):
+    def __init__(self, device: DeviceRuntime, prefetch: bool = True, window: int = 2):
         self.device_runtime = device
         self.device = device.device
         self.prefetch = prefetch
+        self.window = max(1, window)
         self.next_of: dict[int, "SwapHook"] = {}
         self.last: "SwapHook | None" = None
+        self.ring: StagingRing | None = None
+        self._finished: deque = deque()  # events after forwards whose blocks' memory may be in use
+        self._running = 0  # streamed blocks inside their forward now
         self._pool: ThreadPoolExecutor | None = None
         self._stream = None
         self._lock = threading.Lock()
 
     def __deepcopy__(self, memo):
         # A copy gets its own prefetcher and learns its own order; threads and streams cannot be copied.
-        copy = Runtime(self.device_runtime, self.prefetch)
+        copy = Runtime(self.device_runtime, self.prefetch, self.window)
+        copy.ring = self.ring  # the ring's lock and events keep the two copies' slots apart
         memo[id(self)] = copy
         return copy
 
@@ -321,17 +393,36 @@ class Runtime:
         if self.prefetch and upcoming is not None and upcoming is not hook:
             upcoming.start_prefetch()
 
+    def before_onload(self) -> None:
+        """Wait (host side) until one more block fits the window; see the class docstring."""
+        if not self.separate_memory:
+            return
+        while self._finished and len(self._finished) + self._running >= self.window:
+            self._finished.popleft().synchronize()
+
+    def started(self) -> None:
+        self._running += 1
+
+    def finished(self) -> None:
+        self._running -= 1
+        if self.separate_memory:
+            event = self.device_runtime.new_event()
+            event.record(self.device_runtime.current_stream())
+            self._finished.append(event)
+
     def close(self) -> None:
         if self._pool is not None:
             self._pool.shutdown(wait=True)
             self._pool = None
+        self._finished.clear()
 
 
 class SwapHook(ModuleHook):
     """Swap a block's tensors to their run form for the forward and back to their home after.
 
-    Run form: on a GPU, a device copy of the home (pinned host tensor or mmap view); on the CPU, the
-    mmap view converted to the run dtype. Outside a forward every tensor is its home: real data.
+    Run form: on a GPU, a device copy of the home (pinned host tensor, or mmap view through the
+    staging ring); on the CPU, the mmap view converted to the run dtype. Outside a forward every
+    tensor is its home: real data.
     """
 
     name = "memfit.swap"
@@ -343,15 +434,24 @@ class SwapHook(ModuleHook):
         self._pending: Future | tuple | None = None
         self._depth = 0  # a module re-entered (rare; e.g. a shared submodule) swaps once
 
+    @property
+    def reads_files(self) -> bool:
+        return any(slot.kind == "mmap" for slot in self.slots)
+
     def _materialize(self) -> list[torch.Tensor]:
+        """The run form of every slot; on a GPU queued on the current stream."""
         started = time.perf_counter()
-        out = []
         device = self.runtime.device_runtime
-        for slot in self.slots:
-            home = slot.home_tensor()
-            if device.separate_memory:
-                out.append(device.to_device(home, slot.dtype))
-            else:
+        ring = self.runtime.ring
+        if device.separate_memory:
+            mapped = [slot for slot in self.slots if slot.kind == "mmap"] if ring is not None else []
+            staged = iter(ring.copy_in(mapped)) if mapped else iter(())
+            out = [next(staged) if mapped and slot.kind == "mmap" else device.to_device(slot.home_tensor(), slot.dtype)
+                   for slot in self.slots]
+        else:
+            out = []
+            for slot in self.slots:
+                home = slot.home_tensor()
                 pages = slot.pages
                 if pages is not None and home.dtype == slot.dtype:
                     pages.prefetch()  # used in place: let the kernel read it ahead
@@ -364,29 +464,42 @@ class SwapHook(ModuleHook):
                     "device", sum(t.numel() * t.element_size() for t in out), started, time.perf_counter())
         return out
 
+    def _copy_on(self, stream) -> tuple[list[torch.Tensor], object]:
+        device = self.runtime.device_runtime
+        with device.use_stream(stream):
+            tensors = self._materialize()
+            event = device.new_event()
+            event.record(stream)
+        return tensors, event
+
     def start_prefetch(self) -> None:
         if self._pending is not None or self._depth:
             return
         device = self.runtime.device_runtime
         if device.separate_memory:
+            self.runtime.before_onload()
             stream = self.runtime.stream()
             stream.wait_stream(device.current_stream())
-            with device.use_stream(stream):
-                tensors = self._materialize()
-                event = device.new_event()
-                event.record(stream)
-            self._pending = (tensors, event)
+            if self.reads_files:
+                # Reading the file into the ring is host work: the reader thread does it (and queues
+                # the copy after it) while this thread goes on queuing the current block's kernels.
+                self._pending = self.runtime.pool().submit(self._copy_on, stream)
+            else:
+                self._pending = self._copy_on(stream)
         else:
             self._pending = self.runtime.pool().submit(self._materialize)
 
     def _take(self) -> list[torch.Tensor]:
         pending, self._pending = self._pending, None
-        if pending is None:
-            return self._materialize()
-        if isinstance(pending, Future):
-            return pending.result()
-        tensors, event = pending
         device = self.runtime.device_runtime
+        if pending is None:
+            self.runtime.before_onload()
+            return self._materialize()  # queued on the current stream: later work there sees it
+        if isinstance(pending, Future):
+            pending = pending.result()
+            if not device.separate_memory:
+                return pending
+        tensors, event = pending
         current = device.current_stream()
         current.wait_event(event)
         for t in tensors:  # the side stream's allocations are now used on the compute stream
@@ -399,6 +512,7 @@ class SwapHook(ModuleHook):
             return
         for slot, tensor in zip(self.slots, self._take()):
             slot.tensor.data = tensor
+        self.runtime.started()
         self.runtime.entered(self)
 
     def post_forward(self, module) -> None:
@@ -409,6 +523,7 @@ class SwapHook(ModuleHook):
             slot.tensor.data = slot.home_tensor()
             if slot.pages is not None:
                 slot.pages.release()
+        self.runtime.finished()
 
     def deinitialize(self, module) -> None:
         pending, self._pending = self._pending, None
@@ -426,4 +541,3 @@ class SwapHook(ModuleHook):
         new._pending = None  # a prefetch in flight belongs to the original
         new._depth = 0
         return new
-

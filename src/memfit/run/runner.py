@@ -343,7 +343,7 @@ class StageContext:
         margin = DEVICE_ACTIVATION_MARGIN if runner.runtime.separate_memory else 1.0
         try:
             strategy, plan = choose(options, lambda activations: plan_stage(
-                pipe, room, self.stage, int(activations * margin), parts, skip=compiled))
+                pipe, room, self.stage, int(activations * margin), parts, skip=compiled, device=runner.runtime))
         except MemfitError as exc:
             raise StageDoesNotFit(
                 f"{exc} These figures leave out the {format_bytes(already_used)} this process already holds "

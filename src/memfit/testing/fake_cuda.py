@@ -21,6 +21,11 @@ What it models, after how a GPU behaves (memfit.devices.DeviceRuntime is the int
   * Pinned memory: ``pinned_arena`` counts its bytes; copies from memory outside every arena are
     counted in ``pageable_copy_bytes`` (on a real GPU they are synchronous, slow, and staged).
   * Activations computed by torch are not counted: only what memfit moves is.
+  * The current stream is per thread (``use_stream``), as torch.cuda's is, so a reader thread can
+    queue copies on a side stream while the main thread computes.
+  * A side stream waiting for the compute stream sees its data (the CPU ran that work already) but
+    does not tell the host that the compute stream got there: only a host-synchronized event or
+    ``synchronize`` does, so "the host waited for the GPU" is always an explicit step in memfit.
 """
 
 from __future__ import annotations
@@ -51,6 +56,7 @@ class FakeStream:
         self._ops: deque = deque()
         self._cond = threading.Condition()
         self._worker: threading.Thread | None = None
+        self._running = threading.RLock()
 
     def mark(self) -> int:
         """A new position on this stream (a kernel boundary); returns it."""
@@ -93,14 +99,15 @@ class FakeStream:
                 self.completed = max(self.completed, position)
             return
         if self.runtime.lazy:
-            while True:
-                with self._cond:
-                    if self.completed >= position or not self._ops:
-                        return
-                    op = self._ops.popleft()
-                op()
-                with self._cond:
-                    self.completed += 1
+            with self._running:  # one thread at a time runs this stream's ops, in order
+                while True:
+                    with self._cond:
+                        if self.completed >= position or not self._ops:
+                            return
+                        op = self._ops.popleft()
+                    op()
+                    with self._cond:
+                        self.completed += 1
         with self._cond:
             while self.completed < position:
                 self._cond.wait()
@@ -122,8 +129,11 @@ class FakeStream:
         position = other.enqueued
         if self.compute:
             other.complete_to(position)
-        else:
+        elif not other.compute:
             self.enqueue(lambda: other.complete_to(position))
+        # A side stream waiting for the compute stream: the compute work queued so far has run on
+        # the CPU already, so the data is there; and a GPU's host does not learn that the compute
+        # stream got this far from it, so nothing is marked complete.
 
     def query(self) -> bool:
         return self.completed >= self.enqueued
@@ -181,7 +191,7 @@ class FakeCudaRuntime(DeviceRuntime):
         self.lazy = lazy
         self.total_memory = total_memory
         self._compute = FakeStream(self, compute=True)
-        self._current = self._compute
+        self._local = threading.local()  # the current stream is per thread, as torch.cuda's is
         self._streams: list[FakeStream] = []
         self._lock = threading.Lock()
         self._allocations: list[_Allocation] = []
@@ -201,15 +211,16 @@ class FakeCudaRuntime(DeviceRuntime):
         return stream
 
     def current_stream(self) -> FakeStream:
-        return self._current
+        return getattr(self._local, "stream", self._compute)
 
     @contextlib.contextmanager
     def use_stream(self, stream: FakeStream) -> Iterator[None]:
-        previous, self._current = self._current, stream
+        previous = self.current_stream()
+        self._local.stream = stream
         try:
             yield
         finally:
-            self._current = previous
+            self._local.stream = previous
 
     def new_event(self) -> FakeEvent:
         return FakeEvent()
@@ -236,11 +247,13 @@ class FakeCudaRuntime(DeviceRuntime):
         self._update_peaks()
 
         def copy() -> None:
-            target.copy_(host)
+            # It may run after the inference_mode block that queued it has ended, as a GPU's would.
+            with torch.inference_mode(target.is_inference()):
+                target.copy_(host)
             with self._lock:
                 self.bytes_in_flight -= nbytes
 
-        self._current.enqueue(copy)
+        self.current_stream().enqueue(copy)
         return target
 
     def pinned_arena(self, nbytes: int) -> torch.Tensor:
@@ -304,6 +317,11 @@ class FakeCudaRuntime(DeviceRuntime):
     def pinned_bytes(self) -> int:
         with self._lock:
             return sum(self._arenas.values())
+
+    def pinned_arenas(self) -> list[int]:
+        """The size of every pinned arena held now, in the order they were made."""
+        with self._lock:
+            return list(self._arenas.values())
 
     def owns(self, tensor: torch.Tensor) -> bool:
         return self._allocation_of(tensor) is not None

@@ -41,10 +41,13 @@ from typing import Any, Callable, Mapping, Sequence
 from memfit.compile.backends._common import graph_id, returning_plain_tensors, tensor_signature, uses_store, warm_up
 from memfit.compile.backends.base import Availability, Backend
 from memfit.compile.backends.torch_settings import preserved_torch_settings
+from memfit.errors import MemfitError
 
 ARTIFACTS_FILE = "artifacts.bin"
 KERNELS_DIR = "kernels"
 _KERNEL_SUFFIXES = (".so", ".o")
+# torch.compile modes that capture CUDA graphs ("max-autotune-no-cudagraphs" does not).
+CUDA_GRAPH_MODES = ("reduce-overhead", "max-autotune")
 # Part of the key; bump it when what an entry holds changes, so older entries miss, not misread.
 _ENTRY_FORMAT = "inductor-artifacts/2"
 
@@ -183,4 +186,28 @@ def _load_artifacts(entry: Path) -> None:
             "component is compiled from scratch. Clear them with `memfit cache clear --kind "
             "compiled` if this repeats.",
             stacklevel=4,
+        )
+
+
+def uses_cuda_graphs(options: Mapping[str, Any] | None) -> bool:
+    """Whether inductor ``options`` (as InductorBackend takes them) make it capture CUDA graphs."""
+    opts = InductorBackend.default_options | dict(options or {})
+    config = dict(opts.get("inductor_config") or {})
+    if config:  # torch.compile takes options instead of the mode then (see InductorBackend.compile)
+        return bool(config.get("triton.cudagraphs", False))
+    return opts.get("mode") in CUDA_GRAPH_MODES
+
+
+def refuse_cuda_graphs(backend: Backend, options: Mapping[str, Any] | None, where: str) -> None:
+    """Raise when ``backend`` would capture CUDA graphs of ``where``, an entry whose weights stream.
+
+    A CUDA graph replays the memory addresses it captured, and streamed weights move to new ones on
+    every forward, so a replay would read memory that belongs to something else by then.
+    """
+    if backend.name != InductorBackend.name:
+        return
+    if uses_cuda_graphs(dict(backend.default_options) | dict(options or {})):
+        raise MemfitError(
+            f"{where} streams its weights, which CUDA graphs cannot follow; compile it with inductor's default "
+            "mode or mode='max-autotune-no-cudagraphs', or give a budget that keeps it resident."
         )
