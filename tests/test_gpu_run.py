@@ -177,9 +177,9 @@ def test_activation_estimates_get_the_device_margin_on_a_gpu_only(tiny_models, m
     asked, offered = [], []
     plan_stage, stage_strategies = executor.plan_stage, activations.stage_strategies
 
-    def planning(pipe, budget, stage, activation_bytes=0, parts=None):
+    def planning(pipe, budget, stage, activation_bytes=0, parts=None, **options):
         asked.append(activation_bytes)
-        return plan_stage(pipe, budget, stage, activation_bytes, parts)
+        return plan_stage(pipe, budget, stage, activation_bytes, parts, **options)
 
     def strategies(*args):
         options = stage_strategies(*args)

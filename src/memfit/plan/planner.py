@@ -36,11 +36,20 @@ DEVICE, HOST, DISK = "device", "host", "disk"
 
 @dataclasses.dataclass(frozen=True)
 class BlockSpec:
-    """One block to place: the component it belongs to, its module path, its size in bytes."""
+    """One block to place: the component it belongs to, its module path, its size in bytes.
+
+    ``fixed_bytes``: the part of it the executor keeps on the device whatever its tier (a
+    component's first parameter, which ``module.device`` and ``module.dtype`` read).
+    """
 
     component: str
     name: str
     bytes: int
+    fixed_bytes: int = 0
+
+    @property
+    def movable_bytes(self) -> int:
+        return self.bytes - self.fixed_bytes
 
     @property
     def key(self) -> str:
@@ -227,7 +236,8 @@ def minimum_device_bytes(stage: StageInput, prefetch: int = 1) -> int:
 
 def _minimum_device(stage: StageInput, prefetch: int) -> int:
     """Smallest device budget for the stage: stream everything, only the window is on the device."""
-    return stage.activation_bytes + _window((b.bytes for b in stage.blocks), prefetch)
+    return (stage.activation_bytes + _window((b.movable_bytes for b in stage.blocks), prefetch)
+            + sum(b.fixed_bytes for b in stage.blocks))
 
 
 def _check_device_fits(stages: Sequence[StageInput], budget: Budget, prefetch: int) -> None:
@@ -255,8 +265,9 @@ def _choose_resident(stage: StageInput, capacity: float, prefetch: int) -> froze
     resident_bytes = 0
     for i in order:
         block = stage.blocks[i]
-        streamed_after = (b.bytes for b in stage.blocks if b.key not in resident and b.key != block.key)
-        need = resident_bytes + block.bytes + _window(streamed_after, prefetch) + stage.activation_bytes
+        streamed_after = [b for b in stage.blocks if b.key not in resident and b.key != block.key]
+        need = (resident_bytes + block.bytes + _window((b.movable_bytes for b in streamed_after), prefetch)
+                + sum(b.fixed_bytes for b in streamed_after) + stage.activation_bytes)
         if need <= capacity:
             resident.add(block.key)
             resident_bytes += block.bytes
@@ -311,9 +322,10 @@ def stage_plan(stage: StageInput, resident: frozenset[str], homes: dict[str, str
         Placement(b.component, b.name, b.bytes, DEVICE if b.key in resident else homes[b.key]) for b in stage.blocks
     )
     by_where = {DEVICE: 0, HOST: 0, DISK: 0}
-    for p in placements:
-        by_where[p.where] += p.bytes
-    window = _window((p.bytes for p in placements if p.where != DEVICE), prefetch)
+    for block, p in zip(stage.blocks, placements):
+        by_where[p.where] += block.movable_bytes
+        by_where[DEVICE] += block.fixed_bytes  # resident whatever the block's tier
+    window = _window((b.movable_bytes for b, p in zip(stage.blocks, placements) if p.where != DEVICE), prefetch)
     return StagePlan(
         name=stage.name,
         placements=placements,

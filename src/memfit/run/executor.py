@@ -77,6 +77,7 @@ class LiveBlock:
     bytes: int
     # (module whose forward covers the tensors, [(owner module, attribute name, tensor, is_param, full name)])
     units: list
+    fixed_bytes: int = 0  # the component's anchor, if in this block: it stays on the device whatever the tier
 
     @property
     def key(self) -> str:
@@ -308,8 +309,11 @@ def unrun_blocks(blocks: dict[str, list[LiveBlock]], parts: Mapping[str, tuple[s
 
 
 def _without(blocks: dict[str, list[LiveBlock]], left_out: list[LiveBlock]) -> dict[str, list[LiveBlock]]:
+    """``blocks`` less ``left_out``; a left-out block holding its component's anchor stays as the anchor
+    alone (the executor keeps the anchor on the device whatever the block's tier, so the plan counts it)."""
     ids = {id(b) for b in left_out}
-    return {name: [b for b in found if id(b) not in ids] for name, found in blocks.items()}
+    return {name: [b if id(b) not in ids else dataclasses.replace(b, bytes=b.fixed_bytes, units=[])
+                   for b in found if id(b) not in ids or b.fixed_bytes] for name, found in blocks.items()}
 
 
 def _stage_inputs(blocks: dict[str, list[LiveBlock]], stage: str | None, activation_bytes: int,
@@ -319,7 +323,8 @@ def _stage_inputs(blocks: dict[str, list[LiveBlock]], stage: str | None, activat
     the text encoders together, the VAE alone), so each group fits the budget at once."""
     from memfit.models.families import run_together
 
-    specs = {name: tuple(BlockSpec(b.component, b.name, b.bytes) for b in found) for name, found in blocks.items()}
+    specs = {name: tuple(BlockSpec(b.component, b.name, b.bytes, b.fixed_bytes) for b in found)
+             for name, found in blocks.items()}
     if stage is not None:
         return [StageInput(stage, tuple(spec for found in specs.values() for spec in found), activation_bytes)]
     return [StageInput(name, tuple(spec for member in members for spec in specs[member]), activation_bytes)
@@ -363,9 +368,10 @@ def live_blocks(component: str, module: torch.nn.Module) -> list[LiveBlock]:
     names.update({id(t): n for n, t in module.named_buffers()})
     threshold = max(1, int(sum(p.numel() for p in module.parameters()) * DEFAULT_MAX_BLOCK_FRACTION))
     seen: set[int] = set()
+    anchor = _first_param(module)
     out = []
     for block_name, members in split_blocks(module, "", threshold):
-        units, size = [], 0
+        units, size, fixed = [], 0, 0
         for member in members:
             if isinstance(member, DirectTensors):
                 hooked = member.module
@@ -383,10 +389,12 @@ def live_blocks(component: str, module: torch.nn.Module) -> list[LiveBlock]:
                     continue
                 seen.add(id(tensor))
                 size += tensor.numel() * tensor.element_size()
+                if tensor is anchor:
+                    fixed = tensor.numel() * tensor.element_size()
                 tensors.append((owner, attr, tensor, is_param, names.get(id(tensor), attr)))
             if tensors:
                 units.append((hooked, tensors))
-        out.append(LiveBlock(component, block_name, size, units))
+        out.append(LiveBlock(component, block_name, size, units, fixed))
     return out
 
 
