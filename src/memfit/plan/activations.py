@@ -14,6 +14,12 @@ computes the same image:
                      chosen only when the batched pass cannot be planned at all. Pipelines that
                      already run the passes separately (CogView4) have only "batched", with a batch
                      of one.
+           chunked   a UNet's attention and feed-forward layers over chunks of query tokens
+                     (memfit.run.chunked_attention: exact softmax over all keys per chunk), with the
+                     guidance passes split where the family can: the per-token hidden layers of the
+                     transformer blocks never exist whole. It costs time (smaller matrix multiplies,
+                     and the split's second read of streamed weights), so it is chosen only when
+                     neither batched nor split can be planned.
   decode   plain     vae.decode as diffusers runs it.
            banded    memfit.run.banded_decode: bands of rows, GroupNorm statistics over the whole tensor
                      (two thirds of the activations at 512x512, about as fast); chosen as soon as
@@ -55,15 +61,17 @@ def stage_strategies(adapter, stage: str, settings, guided: bool, dtype: str) ->
         kind = "unet" if denoiser == "unet" else "transformer"
         denoiser_class = adapter.classes.get(denoiser, ("", ""))[1]
 
-        def estimate(batch: int) -> int:
+        def estimate(batch: int, kind: str = kind) -> int:
             return activation_estimate(kind, configs[denoiser], batch=batch, text_tokens=adapter.max_text_tokens,
                                        class_name=denoiser_class, dtype=dtype, **size)
 
-        if not guided or adapter.guidance_batch == 1:
-            return [Strategy("batched", estimate(1))]
-        options = [Strategy("batched", estimate(2))]
-        if adapter.splits_guidance:
+        one_pass = not guided or adapter.guidance_batch == 1
+        options = [Strategy("batched", estimate(1 if one_pass else 2))]
+        if not one_pass and adapter.splits_guidance:
             options.append(Strategy("split", estimate(1), cheap=False))
+        if kind == "unet":
+            options.append(Strategy("chunked", estimate(1 if one_pass or adapter.splits_guidance else 2, "unet_chunked"),
+                                    cheap=False))
         return options
     if stage == "decode":
         vae = configs["vae"]
