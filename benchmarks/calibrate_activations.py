@@ -155,7 +155,8 @@ def main() -> None:
               f"(memfit estimates {estimate / 2**20:.0f} MiB), factor alone {row['factor']:.2f}", flush=True)
     if args.only:  # the other kinds as recorded
         recorded = json.loads((Path(__file__).resolve().parent.parent / "docs" / "activation_calibration.json").read_text())
-        rows = [row for row in recorded["rows"] if row["kind"] not in args.only] + rows
+        measured = {(row["arch"], row["kind"]) for row in rows}
+        rows = [row for row in recorded["rows"] if (row["arch"], row["kind"]) not in measured] + rows
     fits = fit(rows)
     for kind, (factor, offset) in fits.items():
         print(f"fit {kind}: factor {factor:.2f}, offset {offset / 2**20:.0f} MiB "

@@ -12,7 +12,10 @@ normalized, so every band is normalized with exactly the statistics the full ten
 diffusers' tiling, which blends overlapping tiles and changes the image). The second conv of a
 residual block writes its output over its own input in place (a saved copy of the one row the next
 band still needs stands in for the overwritten halo). What remains at full resolution is a block's
-input plus one buffer, instead of three or four.
+input plus one buffer, instead of three or four. The up blocks' layers are called one by one, so an
+up block's input is freed once its first resnet returns, not when the whole block does; and the
+heap that a banded layer's temporaries used is handed back to the OS when the layer ends (SD 1.5
+fp32 512x512: 476 MiB of activations instead of 673 MiB with both left as they were).
 
 Exactness: every band computes the same sums per output element as the whole-tensor op, GroupNorm
 is applied the way torch's CPU kernel fuses it (statistics from torch's own kernel on whole channel
