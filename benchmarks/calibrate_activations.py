@@ -26,6 +26,7 @@ CASES = [
     ("sd15", "fp32", "unet", "plain", 512, 2),
     ("sd15", "fp32", "unet", "plain", 512, 1),
     ("sd15", "fp32", "unet", "plain", 256, 2),
+    ("sd15", "fp32", "unet", "chunked", 512, 2),
     ("sd15", "fp32", "unet", "chunked", 512, 1),
     ("sd15", "fp32", "unet", "chunked", 256, 1),
     ("sd15", "fp32", "vae_decoder", "plain", 512, 1),

@@ -1,6 +1,6 @@
-"""The "chunked" denoise strategy (memfit.run.chunked_attention): a UNet's attention and feed-forward
-over chunks of query tokens, the same result as plain diffusers within float rounding, chosen only
-when neither the batched nor the split pass can be planned.
+"""The "chunked" denoise strategy (memfit.run.chunked_attention): the batched pass with a UNet's attention
+and feed-forward over chunks of query tokens, the same result as plain diffusers within float
+rounding, chosen only when the batched pass cannot be planned (and before the split passes).
 
 Stated tolerance: every token is computed from the same inputs with the same arithmetic (each
 chunk's softmax is over all keys); only the matrix-multiply and attention kernels' blocking for a
@@ -102,30 +102,34 @@ def test_other_processors_and_masked_calls_are_left_alone():
         assert (attention(hidden) - attention.processor.inner(attention, hidden)).abs().max() <= 1e-5
 
 
-def test_chunked_is_planned_only_where_batched_and_split_cannot_be(tiny_models, monkeypatch):
-    """Denoise floors (every weight streamed): chunked < split < batched; a budget between chunked's and
-    split's floors plans chunked, one above batched's never does."""
+def test_chunked_is_planned_only_where_batched_cannot_be(tiny_models, monkeypatch):
+    """Denoise floors (every weight streamed): split < chunked < batched. A budget between chunked's and
+    batched's floors plans chunked (before split, which would read streamed weights twice); one
+    below chunked's plans split; one that holds everything plans batched."""
     from memfit.models.folder import ModelFolder
     from memfit.plan.budget import Budget
     from memfit.plan.planner import minimum_device_bytes
     from memfit.plan.stages import choose_strategies, stage_options
 
-    # The shape models alone (one factor, no workspace): at real size on the CPU, calibration puts the
-    # chunked UNet's fixed workspace above what chunking saves at 512x512 (docs/activation_calibration.md).
-    monkeypatch.setattr(meta, "ACTIVATION_OFFSETS", dict.fromkeys(meta.ACTIVATION_OFFSETS, 0))
-    monkeypatch.setattr(meta, "ACTIVATION_FACTORS", dict(meta.ACTIVATION_FACTORS, unet_chunked=meta.ACTIVATION_FACTORS["unet"]))
+    # The shape models alone (no fixed workspace), scaled so the chunked batch of two holds 1.5x the
+    # activations of one whole-tensor pass: between the split pass (1x) and the batched one (2x), as
+    # calibrated at real size (docs/activation_calibration.md).
     adapter = ModelFolder.open(tiny_models("sd")).adapter
+    config = adapter.configs["unet"]
+    whole, chunked = (meta.activation_elements(kind, config, width=256, height=256) for kind in ("unet", "unet_chunked"))
+    monkeypatch.setattr(meta, "ACTIVATION_OFFSETS", dict.fromkeys(meta.ACTIVATION_OFFSETS, 0))
+    monkeypatch.setattr(meta, "ACTIVATION_FACTORS", dict(meta.ACTIVATION_FACTORS, unet=1.0, unet_chunked=0.75 * whole / chunked))
     options = stage_options(adapter, dtype="fp32", width=256, height=256, steps=2)
     denoise = {strategy.name: stage for strategy, stage in options[1]}
-    assert list(denoise) == ["batched", "split", "chunked"]
+    assert list(denoise) == ["batched", "chunked", "split"]
     floors = {name: minimum_device_bytes(stage) for name, stage in denoise.items()}
-    assert floors["chunked"] < floors["split"] < floors["batched"]
+    assert floors["split"] < floors["chunked"] < floors["batched"]
 
     def chosen(budget: int) -> str:  # each stage is chosen on its own: only the denoise stage matters here
         return choose_strategies([options[1]], Budget(device=budget))[1]["denoise"]
 
-    assert chosen((floors["chunked"] + floors["split"]) // 2) == "chunked"
-    assert chosen((floors["split"] + floors["batched"]) // 2) == "split"
+    assert chosen((floors["chunked"] + floors["batched"]) // 2) == "chunked"
+    assert chosen((floors["split"] + floors["chunked"]) // 2) == "split"
     assert chosen(floors["batched"] + sum(block.bytes for block in denoise["batched"].blocks)) == "batched"
 
 
@@ -139,7 +143,7 @@ def test_run_under_a_chunked_budget_makes_the_same_image(tiny_models, monkeypatc
     # Only the denoiser's activations count (the tiny model's weights are far smaller than real-size
     # workspace, and the process's own memory would swamp it).
     factors = dict.fromkeys(meta.ACTIVATION_FACTORS, 0.0)
-    factors.update(unet=60.0, unet_chunked=60.0)
+    factors.update(unet=60.0, unet_chunked=30.0)
     monkeypatch.setattr(meta, "ACTIVATION_FACTORS", factors)
     monkeypatch.setattr(meta, "ACTIVATION_OFFSETS", dict.fromkeys(meta.ACTIVATION_OFFSETS, 0))
     monkeypatch.setattr("memfit.run.runner.memory_in_use", lambda device: 0)
@@ -147,9 +151,9 @@ def test_run_under_a_chunked_budget_makes_the_same_image(tiny_models, monkeypatc
     folder = tiny_models("sd")
     adapter = ModelFolder.open(folder).adapter
     settings = adapter.resolve("a red circle", None, 2, 4.0, 0, 128, 128)
-    batched, split, chunked = stage_strategies(adapter, "denoise", settings, True, "fp32")
-    assert chunked.name == "chunked" and chunked.activation_bytes < split.activation_bytes
-    budget = (chunked.activation_bytes + split.activation_bytes) // 2
+    batched, chunked, split = stage_strategies(adapter, "denoise", settings, True, "fp32")
+    assert chunked.name == "chunked" and chunked.activation_bytes < batched.activation_bytes
+    budget = (chunked.activation_bytes + batched.activation_bytes) // 2
 
     kwargs = dict(model=folder, steps=2, guidance=4.0, width=128, height=128, progress=False)
     reference = memfit.generate("a red circle", budget="none", **kwargs)

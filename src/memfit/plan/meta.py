@@ -280,7 +280,7 @@ def _all_tensors(modules):
 # and trimmed its heap per layer (it can only have dropped since), so that fit errs high for SDXL.
 ACTIVATION_FACTORS = {
     "unet": 2.24,
-    "unet_chunked": 1.89,
+    "unet_chunked": 1.58,
     "transformer": 4.0,
     "vae_decoder": 7.42,
     "vae_decoder_banded": 2.14,
@@ -290,7 +290,7 @@ ACTIVATION_FACTORS = {
 # Workspace that does not scale with the feature maps (kernels' scratch buffers, attention blocks).
 ACTIVATION_OFFSETS = {
     "unet": 59 * 2**20,
-    "unet_chunked": 120 * 2**20,
+    "unet_chunked": 122 * 2**20,
     "transformer": 0,
     "vae_decoder": 22 * 2**20,
     "vae_decoder_banded": 210 * 2**20,

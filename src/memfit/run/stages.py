@@ -179,7 +179,7 @@ def denoise_stage(folder: ModelFolder, settings: Settings, embeddings: Callable[
         pipe = context.load(folder, adapter.task_denoise_components(task), plan_as="denoise", label=label,
                             pipeline_class=adapter.pipeline_class(task), external=external, loras=conditioning.loras)
         chunked = context.strategy == "chunked"
-        split = context.strategy == "split" or (chunked and adapter.splits_guidance and context.runner.guided)
+        split = context.strategy == "split"
         inputs = conditioning.pipeline_inputs()
         with torch.inference_mode(), sampler_scheduler(pipe, sampler), _chunked_if(chunked, pipe):
             if run is None:
