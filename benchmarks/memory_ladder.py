@@ -99,7 +99,7 @@ def main() -> None:
                                              args.image_out)))
         return
 
-    from common import build_real_size, machine, write_outputs
+    from common import build_real_size
 
     from memfit.testing.cgroup import cgroup_unavailable_reason
 
@@ -116,6 +116,8 @@ def main() -> None:
     model = str(build_real_size(args.arch, Path(args.models) / f"{args.arch}-{args.file_dtype}", file_dtype=file_dtype))
     caps = [None if c.strip() == "none" else float(c) for c in args.caps.split(",")]
     args.images = tempfile.mkdtemp(prefix="memory-ladder-images-")
+    name = args.name or f"memory_ladder_{args.arch}_{args.dtype}"
+    earlier = earlier_rows(name, set()) if args.keep_earlier else []
     rows = []
     for round_ in range(args.repeat):  # rounds interleave systems and caps, so machine noise hits all alike
         for cap in caps:
@@ -127,14 +129,21 @@ def main() -> None:
                 print(f"round {round_} cap {cap} GiB  {system:30s} {status:8s} wall {row.get('wall_s', 0):7.1f} s  "
                       f"cgroup peak {row['cgroup_peak'] / GiB:5.2f} GiB  peak RSS {row.get('peak_rss', 0) / GiB:5.2f} GiB",
                       flush=True)
+        write_recorded(rows, args, earlier)  # after every round: a long ladder cut short keeps what it measured
+    shutil.rmtree(args.images, ignore_errors=True)
+    plot(write_recorded(rows, args, earlier), args.name or f"memory_ladder_{args.arch}_{args.dtype}", vars(args))
+
+
+def write_recorded(rows: list[dict], args, earlier: list[dict]) -> list[dict]:
+    """docs/<name>.{json,md} for the rows so far (and the earlier rows kept); returns all of them."""
+    from common import machine, write_outputs
 
     compare_images(rows)
+    measured = {(row["cap_gib"], row["system"]) for row in rows}
+    everything = rows + [row for row in earlier if (row["cap_gib"], row["system"]) not in measured]
     name = args.name or f"memory_ladder_{args.arch}_{args.dtype}"
-    if args.keep_earlier:
-        rows += earlier_rows(name, {(row["cap_gib"], row["system"]) for row in rows})
-    shutil.rmtree(args.images, ignore_errors=True)
-    write_outputs(name, {"machine": machine(), "args": vars(args), "rows": rows}, render(rows, vars(args)))
-    plot(rows, name, vars(args))
+    write_outputs(name, {"machine": machine(), "args": vars(args), "rows": everything}, render(everything, vars(args)))
+    return everything
 
 
 def earlier_rows(name: str, measured: set) -> list[dict]:
