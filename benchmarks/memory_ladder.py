@@ -257,6 +257,7 @@ def render(rows: list[dict], args: dict) -> str:
         "same round, worst round.",
         *(["Rows marked 'earlier run' are kept from the previous recording of this page (not re-measured)."]
           if any(r.get("earlier_run") for r in rows) else []),
+        *([f"Note: {args['note']}."] if args.get("note") else []),
         "",
         "| cap GiB | system | result | wall s | x uncapped | cgroup peak GiB | peak RSS GiB | load peak RSS GiB | "
         "planned peak GiB | plan error | strategies | image diff |",
