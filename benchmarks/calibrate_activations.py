@@ -26,6 +26,9 @@ CASES = [
     ("sd15", "fp32", "unet", "plain", 512, 2),
     ("sd15", "fp32", "unet", "plain", 512, 1),
     ("sd15", "fp32", "unet", "plain", 256, 2),
+    ("sd15", "fp32", "unet", "chunked", 512, 2),
+    ("sd15", "fp32", "unet", "chunked", 512, 1),
+    ("sd15", "fp32", "unet", "chunked", 256, 1),
     ("sd15", "fp32", "vae_decoder", "plain", 512, 1),
     ("sd15", "fp32", "vae_decoder", "plain", 256, 1),
     ("sd15", "fp32", "vae_decoder", "banded", 512, 1),
@@ -36,6 +39,7 @@ CASES = [
     ("sdxl", "bf16", "vae_decoder", "plain", 512, 1),
     ("sdxl", "bf16", "vae_decoder", "banded", 512, 1),
 ]
+ESTIMATE_KINDS = {("vae_decoder", "banded"): "vae_decoder_banded", ("unet", "chunked"): "unet_chunked"}
 FOLDERS = {"sd15": "/tmp/bm/sd15-fp32", "sdxl": "/tmp/bm/sdxl-bf16"}
 FILE_DTYPES = {"sd15": "fp32", "sdxl": "bf16"}
 
@@ -69,6 +73,10 @@ def measure(arch: str, dtype_name: str, kind: str, strategy: str, size: int, bat
             latent = torch.zeros(b, 4, px // 8, px // 8, dtype=dtype)
             return model(latent, torch.tensor(10), torch.zeros(b, 77, cross, dtype=dtype), **extra_for(b)).sample
         config = dict(model.config)
+        if strategy == "chunked":
+            from memfit.run.chunked_attention import enable_chunked_attention
+
+            enable_chunked_attention(model)
     elif kind == "vae_decoder":
         model = diffusers.AutoencoderKL.from_pretrained(folder / "vae", torch_dtype=dtype)
         if strategy == "banded":
@@ -106,6 +114,9 @@ def main() -> None:
     parser.add_argument("--child", help=argparse.SUPPRESS)
     parser.add_argument("--arch", action="append", help="only these archs (sd15, sdxl)")
     parser.add_argument("--rerender", action="store_true", help="rewrite the markdown from the recorded JSON")
+    parser.add_argument("--only", action="append", metavar="KIND",
+                        help="measure only these estimate kinds (e.g. unet_chunked) and replace their rows in the "
+                             "recorded JSON, keeping the others")
     args = parser.parse_args()
     if args.rerender:
         path = Path(__file__).resolve().parent.parent / "docs" / "activation_calibration.json"
@@ -124,7 +135,8 @@ def main() -> None:
     rows = []
     for case in CASES:
         arch, dtype_name, kind, strategy, size, batch = case
-        if args.arch and arch not in args.arch:
+        estimate_kind = ESTIMATE_KINDS.get((kind, strategy), kind)
+        if (args.arch and arch not in args.arch) or (args.only and estimate_kind not in args.only):
             continue
         file_dtype = parse_dtype(FILE_DTYPES[arch])
         build_real_size(arch, FOLDERS[arch], file_dtype=file_dtype)
@@ -132,7 +144,6 @@ def main() -> None:
         if done.returncode != 0:
             raise SystemExit(f"{case} failed:\n{done.stderr[-3000:]}")
         result = json.loads(done.stdout.strip().splitlines()[-1])
-        estimate_kind = "vae_decoder_banded" if strategy == "banded" else kind
         unit = batch * dtype_bytes(dtype_name) * activation_elements(
             estimate_kind, result["config"], width=size, height=size, text_tokens=77)
         estimate = activation_estimate(estimate_kind, result["config"], width=size, height=size, batch=batch,
@@ -143,6 +154,10 @@ def main() -> None:
         rows.append(row)
         print(f"{arch} {dtype_name} {estimate_kind} {size}px batch {batch}: {row['measured_bytes'] / 2**20:.0f} MiB "
               f"(memfit estimates {estimate / 2**20:.0f} MiB), factor alone {row['factor']:.2f}", flush=True)
+    if args.only:  # the other kinds as recorded
+        recorded = json.loads((Path(__file__).resolve().parent.parent / "docs" / "activation_calibration.json").read_text())
+        measured = {(row["arch"], row["kind"]) for row in rows}
+        rows = [row for row in recorded["rows"] if (row["arch"], row["kind"]) not in measured] + rows
     fits = fit(rows)
     for kind, (factor, offset) in fits.items():
         print(f"fit {kind}: factor {factor:.2f}, offset {offset / 2**20:.0f} MiB "

@@ -2,11 +2,13 @@
 a cgroup memory cap from a ladder, side by side in one script (issue 5's benchmark).
 
     python benchmarks/memory_ladder.py --arch sd15 --dtype fp32 --caps 1,1.5,2,2.5,3,4,6,none
+    python benchmarks/memory_ladder.py --systems memfit --caps 1,1.25,1.5,2,none --keep-earlier  # memfit rows only
 
 Each run is a fresh subprocess in a child memory cgroup (page cache of the model evicted first
 and counted against the cap). Per system and cap: completed or killed, wall time, cgroup peak
-usage (RSS + page cache), peak RSS and load-time peak RSS of the process (VmHWM). Writes
-docs/memory_ladder_<arch>_<dtype>.{json,md}.
+usage (RSS + page cache), peak RSS and load-time peak RSS of the process (VmHWM); for memfit, its
+strategies and its image's difference from its uncapped image. Writes
+docs/memory_ladder_<arch>_<dtype>.{json,md,png}.
 """
 
 from __future__ import annotations
@@ -26,8 +28,10 @@ SYSTEMS = ("diffusers", "diffusers-group-offload-disk", "memfit")
 GiB = 2**30
 
 
-def run_one(system: str, model: str, dtype_name: str, size: int, steps: int, budget: str | None) -> dict:
-    """Inside the capped child: one generation, with its own timings and peaks."""
+def run_one(system: str, model: str, dtype_name: str, size: int, steps: int, budget: str | None,
+            image_out: str | None = None) -> dict:
+    """Inside the capped child: one generation, with its own timings and peaks (the image saved to
+    ``image_out``, for memfit, so the parent can compare it with the uncapped run's)."""
     import torch
 
     from memfit.run.memory import read_peak_rss
@@ -47,6 +51,8 @@ def run_one(system: str, model: str, dtype_name: str, size: int, steps: int, bud
         stage_peak = max(s.peak_bytes for s in result.report.stages)
         stages = [{"stage": s.stage, "seconds": s.seconds, "peak_rss": s.peak_bytes, "planned_peak": s.planned_peak_bytes,
                    "strategy": s.strategy} for s in result.report.stages]
+        if image_out:
+            result.images[0].save(image_out)
         return {"wall_s": time.perf_counter() - started, "peak_rss": stage_peak, "load_peak_rss": None,
                 "stages": stages, "notes": result.report.notes}
     else:
@@ -83,13 +89,17 @@ def main() -> None:
     parser.add_argument("--run", help=argparse.SUPPRESS)  # internal: the capped child
     parser.add_argument("--model", help=argparse.SUPPRESS)
     parser.add_argument("--budget", help=argparse.SUPPRESS)
+    parser.add_argument("--image-out", help=argparse.SUPPRESS)
+    parser.add_argument("--keep-earlier", action="store_true",
+                        help="keep the recorded rows (docs/<name>.json) of every (cap, system) this run does not measure")
     args = parser.parse_args()
 
     if args.run:
-        print("RESULT " + json.dumps(run_one(args.run, args.model, args.dtype, args.size, args.steps, args.budget)))
+        print("RESULT " + json.dumps(run_one(args.run, args.model, args.dtype, args.size, args.steps, args.budget,
+                                             args.image_out)))
         return
 
-    from common import build_real_size, machine, write_outputs
+    from common import build_real_size
 
     from memfit.testing.cgroup import cgroup_unavailable_reason
 
@@ -105,6 +115,9 @@ def main() -> None:
     file_dtype = parse_dtype(args.file_dtype)
     model = str(build_real_size(args.arch, Path(args.models) / f"{args.arch}-{args.file_dtype}", file_dtype=file_dtype))
     caps = [None if c.strip() == "none" else float(c) for c in args.caps.split(",")]
+    args.images = tempfile.mkdtemp(prefix="memory-ladder-images-")
+    name = args.name or f"memory_ladder_{args.arch}_{args.dtype}"
+    earlier = earlier_rows(name, set()) if args.keep_earlier else []
     rows = []
     for round_ in range(args.repeat):  # rounds interleave systems and caps, so machine noise hits all alike
         for cap in caps:
@@ -116,10 +129,52 @@ def main() -> None:
                 print(f"round {round_} cap {cap} GiB  {system:30s} {status:8s} wall {row.get('wall_s', 0):7.1f} s  "
                       f"cgroup peak {row['cgroup_peak'] / GiB:5.2f} GiB  peak RSS {row.get('peak_rss', 0) / GiB:5.2f} GiB",
                       flush=True)
+        write_recorded(rows, args, earlier)  # after every round: a long ladder cut short keeps what it measured
+    shutil.rmtree(args.images, ignore_errors=True)
+    plot(write_recorded(rows, args, earlier), args.name or f"memory_ladder_{args.arch}_{args.dtype}", vars(args))
 
+
+def write_recorded(rows: list[dict], args, earlier: list[dict]) -> list[dict]:
+    """docs/<name>.{json,md} for the rows so far (and the earlier rows kept); returns all of them."""
+    from common import machine, write_outputs
+
+    compare_images(rows)
+    measured = {(row["cap_gib"], row["system"]) for row in rows}
+    everything = rows + [row for row in earlier if (row["cap_gib"], row["system"]) not in measured]
     name = args.name or f"memory_ladder_{args.arch}_{args.dtype}"
-    write_outputs(name, {"machine": machine(), "args": vars(args), "rows": rows}, render(rows, vars(args)))
-    plot(rows, name, vars(args))
+    write_outputs(name, {"machine": machine(), "args": vars(args), "rows": everything}, render(everything, vars(args)))
+    return everything
+
+
+def earlier_rows(name: str, measured: set) -> list[dict]:
+    """The recorded rows of docs/<name>.json for the (cap, system) pairs not in ``measured``, marked so."""
+    path = Path(__file__).resolve().parent.parent / "docs" / f"{name}.json"
+    if not path.is_file():
+        return []
+    kept = [dict(row, earlier_run=True) for row in json.loads(path.read_text())["rows"]
+            if (row["cap_gib"], row["system"]) not in measured]
+    return kept
+
+
+def compare_images(rows: list[dict]) -> None:
+    """Each memfit row's largest pixel difference from the uncapped memfit run of its round."""
+    import numpy as np
+    from PIL import Image
+
+    def pixels(row):
+        return np.asarray(Image.open(row["image"]), dtype=int) if row.get("image") and Path(row["image"]).is_file() else None
+
+    for row in rows:
+        if row["system"] != "memfit":
+            continue
+        reference = next((r for r in rows if r["system"] == "memfit" and r["cap_gib"] is None
+                          and r["round"] == row["round"] and r["completed"]), None)
+        if reference is None or not row["completed"]:
+            continue
+        mine, theirs = pixels(row), pixels(reference)
+        if mine is not None and theirs is not None:
+            row["image_max_diff"] = int(np.abs(mine - theirs).max())
+            row["image_mean_diff"] = float(np.abs(mine - theirs).mean())
 
 
 def measure_capped(system: str, model: str, cap: float | None, args) -> dict:
@@ -128,6 +183,10 @@ def measure_capped(system: str, model: str, cap: float | None, args) -> dict:
 
     command = [sys.executable, __file__, "--run", system, "--model", model, "--dtype", args.dtype,
                "--size", str(args.size), "--steps", str(args.steps)]
+    image = None
+    if system == "memfit":
+        image = str(Path(args.images) / f"{cap or 'none'}-{time.monotonic_ns()}.png")
+        command += ["--image-out", image]
     if system == "memfit" and cap is not None:
         command += ["--budget", f"{cap}GiB"]
     evict_page_cache(model)
@@ -136,7 +195,8 @@ def measure_capped(system: str, model: str, cap: float | None, args) -> dict:
         shutil.rmtree(leftover, ignore_errors=True)  # a killed run cannot clean up its offload files
     result = next((json.loads(line[7:]) for line in run.stdout.splitlines() if line.startswith("RESULT ")), None)
     row = {"system": system, "cap_gib": cap, "completed": run.completed and result is not None, "killed": run.killed,
-           "returncode": run.returncode, "cgroup_peak": run.max_usage_bytes, "process_s": run.seconds, **(result or {})}
+           "returncode": run.returncode, "cgroup_peak": run.max_usage_bytes, "process_s": run.seconds, "image": image,
+           **(result or {})}
     if not row["completed"] and not run.killed:
         row["error"] = run.stderr.strip().splitlines()[-1:]
     return row
@@ -159,6 +219,9 @@ def aggregate(rows: list[dict]) -> list[dict]:
         first["killed"] = any(r["killed"] for r in runs)
         first["cgroup_peak"] = max(r["cgroup_peak"] for r in runs)
         if done:
+            diffs = [r["image_max_diff"] for r in done if r.get("image_max_diff") is not None]
+            if diffs:
+                first["image_max_diff"] = max(diffs)
             first["walls"] = [round(r["wall_s"], 1) for r in done]
             first["wall_s"] = statistics.median(r["wall_s"] for r in done)
             first["peak_rss"] = max(r["peak_rss"] for r in done)
@@ -189,24 +252,43 @@ def render(rows: list[dict], args: dict) -> str:
         "the encode stage (under 1 s instead of several).",
         *([f"{rounds} rounds, interleaved; wall s is the median (every round's in the JSON), peaks the largest."]
           if rounds > 1 else []),
+        "x uncapped: wall time over the same system's uncapped wall time. memfit's strategies: denoise / decode",
+        "(memfit.plan.activations). Image: memfit's largest pixel difference (0-255) from its uncapped image of the",
+        "same round, worst round.",
+        *(["Rows marked 'earlier run' are kept from the previous recording of this page (not re-measured)."]
+          if any(r.get("earlier_run") for r in rows) else []),
+        *([f"Note: {args['note']}."] if args.get("note") else []),
         "",
-        "| cap GiB | system | result | wall s | cgroup peak GiB | peak RSS GiB | load peak RSS GiB | planned peak GiB | plan error |",
-        "|---|---|---|---|---|---|---|---|---|",
+        "| cap GiB | system | result | wall s | x uncapped | cgroup peak GiB | peak RSS GiB | load peak RSS GiB | "
+        "planned peak GiB | plan error | strategies | image diff |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
-    for r in aggregate(rows):
+    table = aggregate(rows)
+    uncapped = {r["system"]: r["wall_s"] for r in table if r["cap_gib"] is None and r["completed"]}
+    for r in sorted(table, key=lambda r: (r["cap_gib"] is None, r["cap_gib"] or 0, _system_order(r["system"]))):
         done = r["completed"]
         result = "ok" if done else ("killed" if r["killed"] else "failed")
         if 0 < r.get("rounds_ok", 1) < r.get("rounds", 1):
             result = f"ok {r['rounds_ok']}/{r['rounds']}, killed {r['rounds'] - r['rounds_ok']}/{r['rounds']}"
+        if r.get("earlier_run"):
+            result += " (earlier run)"
         planned, error = _plan_accuracy(r) if done else (None, None)
         wall = f"{r['wall_s']:.1f}" if done else "-"
+        ratio = f"{r['wall_s'] / uncapped[r['system']]:.2f}" if done and r["system"] in uncapped else "-"
+        strategies = " / ".join(dict.fromkeys(s["strategy"] for s in r.get("stages", [])
+                                              if s["stage"] in ("denoise", "decode") and s.get("strategy")))
+        diff = r.get("image_max_diff")
         lines.append(
-            f"| {r['cap_gib'] or 'none'} | {r['system']} | {result} | {wall} | "
+            f"| {r['cap_gib'] or 'none'} | {r['system']} | {result} | {wall} | {ratio} | "
             f"{r['cgroup_peak'] / GiB:.2f} | {gib(r.get('peak_rss')) if done else '-'} | "
             f"{gib(r.get('load_peak_rss')) if done else '-'} | {gib(planned)} | "
-            f"{'-' if error is None else f'{error:+.0%}'} |"
+            f"{'-' if error is None else f'{error:+.0%}'} | {strategies or '-'} | {'-' if diff is None else diff} |"
         )
     return "\n".join(lines) + "\n"
+
+
+def _system_order(system: str) -> int:
+    return SYSTEMS.index(system) if system in SYSTEMS else len(SYSTEMS)
 
 
 def _plan_accuracy(row: dict) -> tuple[int | None, float | None]:

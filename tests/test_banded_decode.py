@@ -155,3 +155,18 @@ def test_banded_decode_holds_fewer_activations():
         done = subprocess.run([sys.executable, "-c", _PEAK_CHILD, mode], capture_output=True, text=True, check=True)
         peaks[mode] = json.loads(done.stdout.strip().splitlines()[-1])
     assert peaks["banded"] < 0.75 * peaks["plain"], peaks
+
+
+def test_an_up_blocks_input_is_freed_once_its_first_resnet_returns():
+    """The block's input is not held (by a call's arguments) beside the later resnets' outputs: at the
+    decode's last, widest up block that is the largest tensor of the decode."""
+    import weakref
+
+    vae = _vae()
+    enable_banded_decode(vae)
+    block = vae.decoder.up_blocks[-1]
+    seen = {}
+    block.resnets[0].register_forward_pre_hook(lambda module, args: seen.update(input=weakref.ref(args[0])))
+    block.resnets[1].register_forward_pre_hook(lambda module, args: seen.update(alive=seen["input"]() is not None))
+    _decode(vae, torch.randn(1, 4, 8, 8))
+    assert seen["alive"] is False

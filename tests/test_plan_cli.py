@@ -74,7 +74,8 @@ def test_fp16_upcasts_a_force_upcast_vae(capsys):
 def test_strategies_are_chosen_as_a_run_chooses_them(capsys):
     """SD 1.5 fp32 at 512x512: a roomy budget decodes the plain way; at 1 GiB the plain decode
     (about 1 GiB of activations) would push the VAE off the device, so the plan shows the banded one,
-    with its smaller activations; split guidance only where the batched denoise cannot be planned."""
+    with its smaller activations; chunked attention, then split guidance, only where the batched
+    denoise cannot be planned."""
     def planned(budget):
         report = run_json(["--arch", "sd15", "--dtype", "fp32", "--budget", budget], capsys)
         stages = {s["name"]: s for s in report["plan"]["stages"]}
@@ -88,13 +89,17 @@ def test_strategies_are_chosen_as_a_run_chooses_them(capsys):
     _, out = run(["--arch", "sd15", "--dtype", "fp32", "--budget", "1GiB"], capsys)
     assert "decode: banded instead of plain" in out
 
-    # The denoise alone (at 512x512 no budget fits a split denoise but not the decode): 600 MiB
-    # cannot hold the batched pass (270 MiB) beside two streamed 188 MiB blocks, the split one fits.
+    # The denoise alone: 600 MiB cannot hold the batched pass (270 MiB) beside two streamed 188 MiB
+    # blocks; the chunked pass (224 MiB) fits, and is chosen before split. 560 MiB holds only the
+    # split pass (165 MiB).
     options = stage_options(get_arch("sd15").adapter(), dtype="fp32", width=512, height=512)
     denoise = [stage for stage in options if stage[0][1].name == "denoise"]
     stages, chosen = choose_strategies(denoise, Budget(device="600MiB"))
-    assert chosen == {"denoise": "split"}
+    assert chosen == {"denoise": "chunked"}
     assert stages[0].activation_bytes < roomy_stages["denoise"]["activation_bytes"]
+    smaller, chosen = choose_strategies(denoise, Budget(device="560MiB"))
+    assert chosen == {"denoise": "split"}
+    assert smaller[0].activation_bytes < stages[0].activation_bytes
 
 
 def test_too_small_budget_raises_with_the_smallest_that_works(capsys):

@@ -5,18 +5,24 @@ times a factor calibrated on real-size runs (benchmarks/calibrate_activations.py
 docs/activation_calibration.md).
 
 Strategies, first = the pipeline's own way; each later one holds fewer activations at once and
-computes the same image:
+computes the same image (within float rounding):
 
   encode   plain     text encoders as the pipeline calls them (their activations are small).
   denoise  batched   the pipeline's [uncond, cond] batch of two.
+           chunked   the batched pass with a UNet's attention over chunks of query tokens
+                     (memfit.run.chunked_attention: each chunk's softmax is over all keys, so it is
+                     exact) and its feed-forward over the same chunks: the transformer blocks'
+                     per-token hidden layers never exist whole. Smaller matrix multiplies cost some
+                     time, so it is chosen only when the batched pass cannot be planned; it comes
+                     before split, which reads every streamed weight twice per step.
            split     the two guidance passes one after the other (split_guidance_passes): half
                      the activations, but every streamed weight is read twice per step, so it is
-                     chosen only when the batched pass cannot be planned at all. Pipelines that
+                     chosen only when neither batched nor chunked can be planned at all. Pipelines that
                      already run the passes separately (CogView4) have only "batched", with a batch
                      of one.
   decode   plain     vae.decode as diffusers runs it.
            banded    memfit.run.banded_decode: bands of rows, GroupNorm statistics over the whole tensor
-                     (two thirds of the activations at 512x512, about as fast); chosen as soon as
+                     (half the activations at 512x512); chosen as soon as
                      the plain decode would push any VAE weight off the device.
 """
 
@@ -55,14 +61,15 @@ def stage_strategies(adapter, stage: str, settings, guided: bool, dtype: str) ->
         kind = "unet" if denoiser == "unet" else "transformer"
         denoiser_class = adapter.classes.get(denoiser, ("", ""))[1]
 
-        def estimate(batch: int) -> int:
+        def estimate(batch: int, kind: str = kind) -> int:
             return activation_estimate(kind, configs[denoiser], batch=batch, text_tokens=adapter.max_text_tokens,
                                        class_name=denoiser_class, dtype=dtype, **size)
 
-        if not guided or adapter.guidance_batch == 1:
-            return [Strategy("batched", estimate(1))]
-        options = [Strategy("batched", estimate(2))]
-        if adapter.splits_guidance:
+        batch = 1 if not guided or adapter.guidance_batch == 1 else 2
+        options = [Strategy("batched", estimate(batch))]
+        if kind == "unet":
+            options.append(Strategy("chunked", estimate(batch, "unet_chunked"), cheap=False))
+        if batch == 2 and adapter.splits_guidance:
             options.append(Strategy("split", estimate(1), cheap=False))
         return options
     if stage == "decode":

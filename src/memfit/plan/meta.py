@@ -276,20 +276,24 @@ def _all_tensors(modules):
 # components, 256 and 512 px, batch 1 and 2 (benchmarks/calibrate_activations.py; measured peaks,
 # fits and each estimate's error in docs/activation_calibration.md). "transformer" has no real-size
 # measurement yet (Flux, Lumina2, CogView4 did not fit this machine's time budget): a first guess.
+# vae_decoder_banded's SDXL point was measured before the banded decode freed up-block inputs early
+# and trimmed its heap per layer (it can only have dropped since), so that fit errs high for SDXL.
 ACTIVATION_FACTORS = {
     "unet": 2.24,
+    "unet_chunked": 1.58,
     "transformer": 4.0,
     "vae_decoder": 7.42,
-    "vae_decoder_banded": 4.81,
+    "vae_decoder_banded": 2.14,
     "text_encoder": 6.84,
 }
 
 # Workspace that does not scale with the feature maps (kernels' scratch buffers, attention blocks).
 ACTIVATION_OFFSETS = {
     "unet": 59 * 2**20,
+    "unet_chunked": 122 * 2**20,
     "transformer": 0,
     "vae_decoder": 22 * 2**20,
-    "vae_decoder_banded": 58 * 2**20,
+    "vae_decoder_banded": 210 * 2**20,
     "text_encoder": 0,
 }
 
@@ -313,7 +317,7 @@ def activation_estimate(
 ) -> int:
     """A first estimate of the peak activation bytes of one forward pass.
 
-    kind is "unet", "transformer", "vae_decoder", "vae_decoder_banded" or "text_encoder"; ``config`` is the component's
+    kind is "unet", "unet_chunked", "transformer", "vae_decoder", "vae_decoder_banded" or "text_encoder"; ``config`` is the component's
     config.json; width/height are the *image* size in pixels; ``batch`` is the batch the model
     really sees (2 when classifier-free guidance batches cond and uncond); ``frames`` the latent
     frames a video transformer sees at once, and a video VAE decodes (1 for images).
@@ -323,6 +327,8 @@ def activation_estimate(
       unet:         max over resolution levels of tokens * channels * (4 with attention for the
                     GEGLU feed-forward's 8x-wide hidden / 2 with SDPA's O(n) memory, else 1), plus the
                     skip connections the down path keeps for the up path;
+      unet_chunked: the same with the attention levels' widest tensor at 1x (memfit.run.chunked_attention
+                    runs the attention and feed-forward hidden layers over chunks of tokens);
       transformer:  (image tokens + text tokens) * hidden size * 4 (feed-forward width);
       vae_decoder:  width * height * block_out_channels[0] (the full-resolution last up block); a
                     video VAE: that for the frames of one latent frame, plus the whole output video;
@@ -346,6 +352,7 @@ def activation_elements(kind: str, config: Mapping[str, Any], *, width: int, hei
     """The shape model's element count for one sample (what ACTIVATION_FACTORS multiply)."""
     return {
         "unet": _unet_elems,
+        "unet_chunked": functools.partial(_unet_elems, chunked=True),
         "transformer": _transformer_elems,
         "vae_decoder": _vae_decoder_elems,
         "vae_decoder_banded": _vae_decoder_elems,
@@ -354,7 +361,7 @@ def activation_elements(kind: str, config: Mapping[str, Any], *, width: int, hei
              frames=frames)
 
 
-def _unet_elems(config, *, width, height, vae_scale, **_):
+def _unet_elems(config, *, width, height, vae_scale, chunked=False, **_):
     channels = list(config.get("block_out_channels", (320, 640, 1280, 1280)))
     down_types = list(config.get("down_block_types", ()))
     layers = config.get("layers_per_block", 2)
@@ -363,7 +370,7 @@ def _unet_elems(config, *, width, height, vae_scale, **_):
     for level, c in enumerate(channels):
         tokens = tokens0 // (4**level)
         has_attention = level < len(down_types) and "CrossAttn" in down_types[level]
-        widest = max(widest, tokens * c * (4 if has_attention else 1))
+        widest = max(widest, tokens * c * (4 if has_attention and not chunked else 1))
         skips += tokens * c * (layers + 1)
     return widest + skips
 

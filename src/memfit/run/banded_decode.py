@@ -12,7 +12,10 @@ normalized, so every band is normalized with exactly the statistics the full ten
 diffusers' tiling, which blends overlapping tiles and changes the image). The second conv of a
 residual block writes its output over its own input in place (a saved copy of the one row the next
 band still needs stands in for the overwritten halo). What remains at full resolution is a block's
-input plus one buffer, instead of three or four.
+input plus one buffer, instead of three or four. The up blocks' layers are called one by one, so an
+up block's input is freed once its first resnet returns, not when the whole block does; and the
+heap that a banded layer's temporaries used is handed back to the OS when the layer ends (SD 1.5
+fp32 512x512: 476 MiB of activations instead of 673 MiB with both left as they were).
 
 Exactness: every band computes the same sums per output element as the whole-tensor op, GroupNorm
 is applied the way torch's CPU kernel fuses it (statistics from torch's own kernel on whole channel
@@ -31,6 +34,8 @@ hooks (offload.py) fire as usual; sub-layers used directly (norms, convs) have t
 
 from __future__ import annotations
 
+import contextlib
+import ctypes
 import functools
 
 import torch
@@ -152,13 +157,39 @@ def _upsampler_reason(upsampler) -> str | None:
 def _decoder_forward(decoder, band_bytes, sample, latent_embeds=None):
     if latent_embeds is not None or (torch.is_grad_enabled() and decoder.training):
         return type(decoder).forward(decoder, sample, latent_embeds)
-    with heap_for_temporaries_under(band_bytes):  # a band's temporaries are each smaller than band_bytes
-        sample = decoder.conv_in(sample)
-        sample = decoder.mid_block(sample, None)
-        for up_block in decoder.up_blocks:
-            sample = up_block(sample, None)
-        with weights_ready(decoder.conv_norm_out, decoder.conv_out):
-            return _norm_act_conv(sample, decoder.conv_norm_out, decoder.conv_out, band_bytes)
+    sample = decoder.conv_in(sample)
+    sample = decoder.mid_block(sample, None)
+    for up_block in decoder.up_blocks:
+        # The block's layers one by one, not up_block(sample): a call would hold the block's input
+        # (as this frame's variable and the call's argument) until the block returns, beside every
+        # later layer's output; here each layer's input is dropped as soon as the layer returns.
+        with weights_ready(up_block):
+            for resnet in up_block.resnets:
+                sample = resnet(sample, None)
+            for upsampler in up_block.upsamplers or ():
+                sample = upsampler(sample)
+    with weights_ready(decoder.conv_norm_out, decoder.conv_out):
+        return _norm_act_conv(sample, decoder.conv_norm_out, decoder.conv_out, band_bytes)
+
+
+@contextlib.contextmanager
+def _band_heap(band_bytes: int):
+    """A banded op's temporaries (each under band_bytes) from the heap, and that heap handed back to
+    the OS as soon as the op is done. Raised for the whole decode instead, the mid block's and the
+    64x64 level's 8 MiB tensors also landed in the heap and left ~95 MiB of it fragmented at the
+    decode's peak (measured, SD 1.5 fp32 512x512)."""
+    with heap_for_temporaries_under(band_bytes):
+        try:
+            yield
+        finally:
+            _trim_heap()
+
+
+def _trim_heap() -> None:
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):
+        pass
 
 
 def _resnet_forward(resnet, band_bytes, input_tensor, temb=None, *args, **kwargs):
@@ -247,6 +278,13 @@ def _norm_act_conv(
     scale, shift = _channel_affine(norm, *_group_stats(x, norm, band_bytes), channels)
     out = x if overwrite else x.new_empty((n, channels_out, height, width))
     rows = _rows_per_band(channels, channels_out, width, x.element_size(), band_bytes)
+    with _band_heap(band_bytes):
+        _norm_act_conv_bands(x, out, conv, scale, shift, rows, residual, shortcut, output_scale, overwrite)
+    return out
+
+
+def _norm_act_conv_bands(x, out, conv, scale, shift, rows, residual, shortcut, output_scale, overwrite) -> None:
+    height = x.shape[2]
     above = None
     for r0 in range(0, height, rows):
         r1 = min(height, r0 + rows)
@@ -271,7 +309,6 @@ def _norm_act_conv(
         if overwrite:
             above = x[:, :, r1 - 1:r1].clone()
         out[:, :, r0:r1] = y
-    return out
 
 
 def _upsample_conv(x: torch.Tensor, conv, band_bytes: int) -> torch.Tensor:
@@ -280,12 +317,13 @@ def _upsample_conv(x: torch.Tensor, conv, band_bytes: int) -> torch.Tensor:
     out_height, out_width = 2 * height, 2 * width
     out = x.new_empty((n, conv.out_channels, out_height, out_width))
     rows = max(2, _rows_per_band(channels, conv.out_channels, out_width, x.element_size(), band_bytes) // 2 * 2)
-    for r0 in range(0, out_height, rows):
-        r1 = min(out_height, r0 + rows)
-        need0, need1 = max(0, r0 - 1), min(out_height, r1 + 1)  # upsampled rows the band reads
-        src0, src1 = need0 // 2, (need1 - 1) // 2 + 1
-        upsampled = F.interpolate(x[:, :, src0:src1], scale_factor=2.0, mode="nearest")
-        band = upsampled[:, :, need0 - 2 * src0:need1 - 2 * src0]
-        padded = F.pad(band, (0, 0, 1 if r0 == 0 else 0, 1 if r1 == out_height else 0))
-        out[:, :, r0:r1] = F.conv2d(padded, conv.weight, conv.bias, padding=(0, 1))
+    with _band_heap(band_bytes):
+        for r0 in range(0, out_height, rows):
+            r1 = min(out_height, r0 + rows)
+            need0, need1 = max(0, r0 - 1), min(out_height, r1 + 1)  # upsampled rows the band reads
+            src0, src1 = need0 // 2, (need1 - 1) // 2 + 1
+            upsampled = F.interpolate(x[:, :, src0:src1], scale_factor=2.0, mode="nearest")
+            band = upsampled[:, :, need0 - 2 * src0:need1 - 2 * src0]
+            padded = F.pad(band, (0, 0, 1 if r0 == 0 else 0, 1 if r1 == out_height else 0))
+            out[:, :, r0:r1] = F.conv2d(padded, conv.weight, conv.bias, padding=(0, 1))
     return out

@@ -178,9 +178,10 @@ def denoise_stage(folder: ModelFolder, settings: Settings, embeddings: Callable[
         external = {"controlnet": Path(conditioning.controlnet)} if conditioning.controlnet else None
         pipe = context.load(folder, adapter.task_denoise_components(task), plan_as="denoise", label=label,
                             pipeline_class=adapter.pipeline_class(task), external=external, loras=conditioning.loras)
+        chunked = context.strategy == "chunked"
         split = context.strategy == "split"
         inputs = conditioning.pipeline_inputs()
-        with torch.inference_mode(), sampler_scheduler(pipe, sampler):
+        with torch.inference_mode(), sampler_scheduler(pipe, sampler), _chunked_if(chunked, pipe):
             if run is None:
                 extra = {"inputs": inputs} if inputs else {}
                 latents = adapter.denoise(pipe, embeddings(results), settings, generator, split=split, **extra)
@@ -190,6 +191,15 @@ def denoise_stage(folder: ModelFolder, settings: Settings, embeddings: Callable[
         return latents.clone()
 
     return Stage(name, work, generators=(generator,))
+
+
+def _chunked_if(chunked: bool, pipe):
+    """The denoiser's attention in chunks of query tokens while inside (the "chunked" strategy), else nothing."""
+    if not chunked:
+        return contextlib.nullcontext()
+    from memfit.run.chunked_attention import chunked_attention
+
+    return chunked_attention(getattr(pipe, "unet", None))
 
 
 def decode_stage(folder: ModelFolder, settings: Settings, generator, latents_from: str = "denoise") -> Stage:
