@@ -155,6 +155,7 @@ def main() -> None:
                         "adds its static- and dynamic-shape rows")
     parser.add_argument("--optimum-ir", help="the IR `optimum-cli export openvino --model MODEL --task text-to-image "
                         "DIR` wrote for the same model (needed with --optimum-python)")
+    parser.add_argument("--skip", action="append", default=[], metavar="ROW", help="leave a row out (repeatable)")
     parser.add_argument("--precision", choices=("fp32", "bf16"), help="memfit's compute precision (default: --dtype)")
     args = parser.parse_args()
     if args.child:
@@ -178,6 +179,7 @@ def main() -> None:
         if not args.optimum_ir:
             parser.error("--optimum-python needs --optimum-ir, the IR optimum-cli exported for the same model")
         rows += OPTIMUM_ROWS
+    rows = [row for row in rows if row not in args.skip]
 
     def save():  # after every row: a long run stopped early still leaves what it measured
         summary = {}
