@@ -229,19 +229,33 @@ def diffusers_group_offload_row(folder, runtime, dtype, *, size, steps, text_tok
 
 def parity_rows(kinds, device: str, workdir: Path, atol: int) -> list[dict]:
     """memfit (all resident, and with the denoiser streamed) against plain diffusers on ``device``."""
+    from memfit.plan import meta
+
+    # Calibrated activation sizes are real-size workspace: a tiny model's streaming budget would be refused.
+    # Set for these runs only and put back after: the caller's process (a test session) goes on.
+    saved = meta.ACTIVATION_OFFSETS, meta.ACTIVATION_FACTORS, os.environ.get("MEMFIT_CACHE")
+    meta.ACTIVATION_OFFSETS = dict.fromkeys(meta.ACTIVATION_OFFSETS, 0)
+    meta.ACTIVATION_FACTORS = dict.fromkeys(meta.ACTIVATION_FACTORS, 0)
+    os.environ["MEMFIT_CACHE"] = "0"
+    try:
+        return _parity_rows(kinds, device, workdir, atol)
+    finally:
+        meta.ACTIVATION_OFFSETS, meta.ACTIVATION_FACTORS, cache = saved
+        if cache is None:
+            os.environ.pop("MEMFIT_CACHE", None)
+        else:
+            os.environ["MEMFIT_CACHE"] = cache
+
+
+def _parity_rows(kinds, device: str, workdir: Path, atol: int) -> list[dict]:
     import diffusers
 
     import memfit
     from memfit.models.folder import ModelFolder, dtype_keyword
-    from memfit.plan import meta
     from memfit.testing import save_pipeline
     from memfit.testing.parity import max_pixel_difference
     from memfit.testing.pipelines import DEFAULT_SIZE
 
-    # Calibrated activation sizes are real-size workspace: a tiny model's streaming budget would be refused.
-    meta.ACTIVATION_OFFSETS = dict.fromkeys(meta.ACTIVATION_OFFSETS, 0)
-    meta.ACTIVATION_FACTORS = dict.fromkeys(meta.ACTIVATION_FACTORS, 0)
-    os.environ["MEMFIT_CACHE"] = "0"
     rows = []
     for kind in kinds:
         folder = save_pipeline(kind, workdir / kind, seed=0)
