@@ -141,19 +141,19 @@ class PlainRuntime(DeviceRuntime):
         return host.to(self.device, dtype=dtype)
 
     def memory_allocated(self) -> int:
-        module = getattr(torch, self.device.type, None)
-        query = getattr(module, "current_allocated_memory", None) or getattr(module, "memory_allocated", None)
-        return int(query()) if query is not None else 0
+        return int(self._device_call("current_allocated_memory", "memory_allocated") or 0)
 
     def synchronize(self) -> None:
-        module = getattr(torch, self.device.type, None)
-        if module is not None and hasattr(module, "synchronize"):
-            module.synchronize()
+        self._device_call("synchronize")
 
     def empty_cache(self) -> None:
+        self._device_call("empty_cache")
+
+    def _device_call(self, *names: str):
+        """Call the first of ``names`` that torch's module for this device type has (torch.mps, torch.xpu)."""
         module = getattr(torch, self.device.type, None)
-        if module is not None and hasattr(module, "empty_cache"):
-            module.empty_cache()
+        function = next((getattr(module, name) for name in names if hasattr(module, name)), None)
+        return function() if function is not None else None
 
 
 class CudaRuntime(DeviceRuntime):
