@@ -3,6 +3,9 @@ holding a component in memory.
 
     python benchmarks/build_flux_random.py /work/bench-models/flux-dev-random            # bf16 files
     python benchmarks/build_flux_random.py /work/bench-models/flux-dev-random-fp16 --dtype fp16
+    # the bf16 folder with its transformer stored in fp16, as sparse files of zeros (no disk used):
+    python benchmarks/build_flux_random.py /work/bench-models/flux-dev-fp16-sparse \
+        --fp16-sparse-of /work/bench-models/flux-dev-random
 
 Each component is built on the ``meta`` device (shapes only, from memfit.models.archs.FLUX: the
 exact configs of FLUX.1-dev: 12B transformer, T5-XXL encoder, CLIP-L, 16-channel VAE), and its
@@ -161,11 +164,53 @@ def build(folder: Path, dtype=torch.bfloat16, seed: int = 0) -> Path:
     return folder
 
 
+def build_fp16_sparse(folder: Path, source: Path) -> Path:
+    """``source`` (a built bf16 folder) with its transformer stored in fp16: every other component is a
+    link to ``source``'s, and the transformer's shards are safetensors files of the same shapes whose
+    data is a hole (zeros, no disk blocks). For memory figures of an fp16 checkpoint run in bf16 (the
+    conversion happens whatever the values) where the disk has no room for 23.8 GB more; reading a
+    hole never reaches the disk, so times measured on it are not disk-bound."""
+    import struct
+
+    from memfit.safetensors_header import read_header
+
+    if (folder / "model_index.json").is_file():
+        print(f"{folder} is complete already (model_index.json present)")
+        return folder
+    if not (source / "model_index.json").is_file():
+        raise SystemExit(f"{source} is not built; build it first (see this script's docstring)")
+    folder.mkdir(parents=True, exist_ok=True)
+    for part in sorted(source.iterdir()):
+        if part.is_dir() and part.name != "transformer" and not (folder / part.name).exists():
+            (folder / part.name).symlink_to(part.resolve(), target_is_directory=True)
+    transformer = folder / "transformer"
+    transformer.mkdir(exist_ok=True)
+    for file in sorted((source / "transformer").iterdir()):
+        if file.suffix != ".safetensors":
+            shutil.copyfile(file, transformer / file.name)  # config.json, the shard index
+            continue
+        header = read_header(file)
+        entries = {key: dict(entry, dtype="F16") for key, entry in header.entries.items()}  # bf16 and fp16: 2 bytes
+        text = json.dumps({"__metadata__": header.metadata, **entries}, separators=(",", ":")).encode()
+        text += b" " * (-len(text) % 8)
+        with (transformer / file.name).open("wb") as out:
+            out.write(struct.pack("<Q", len(text)) + text)
+            out.truncate(8 + len(text) + header.data_end - header.data_start)
+        print(f"  {transformer.name}/{file.name} (sparse, fp16)", flush=True)
+    shutil.copyfile(source / "model_index.json", folder / "model_index.json")  # last: marks the folder complete
+    return folder
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("folder")
     parser.add_argument("--dtype", choices=("bf16", "fp16"), default="bf16")
+    parser.add_argument("--fp16-sparse-of", metavar="BF16_FOLDER",
+                        help="instead: link BF16_FOLDER's components and store its transformer in fp16, sparse")
     args = parser.parse_args()
+    if args.fp16_sparse_of:
+        build_fp16_sparse(Path(args.folder), Path(args.fp16_sparse_of))
+        return
     build(Path(args.folder), torch.bfloat16 if args.dtype == "bf16" else torch.float16)
 
 

@@ -70,3 +70,36 @@ def test_memfit_completes_where_plain_diffusers_is_killed(model, tmp_path):
     assert _run(ours("uncapped"), model, None).completed
     capped, uncapped = Image.open(tmp_path / "capped.png"), Image.open(tmp_path / "uncapped.png")
     assert np.array_equal(np.asarray(capped), np.asarray(uncapped))
+
+
+
+@pytest.fixture(scope="module")
+def wide_model(tmp_path_factory):
+    """A UNet of 755 MiB in bf16 (fp32 files): far more than the process's own memory."""
+    from memfit.testing import save_pipeline
+
+    return str(save_pipeline("sd", tmp_path_factory.mktemp("capped") / "wide", scale=40))
+
+
+def test_a_component_larger_than_the_cap_in_the_run_dtype_streams(wide_model, tmp_path):
+    """A cap below the UNet alone in bf16 (converted from its fp32 files) plus an idle process: loading it
+    converted whole, as plain diffusers does, is killed; memfit loads it as views of its files, converts
+    the blocks it keeps and streams the rest, with no flag, and draws the uncapped image."""
+    model = wide_model
+
+    def ours(name):
+        return [sys.executable, "-m", "memfit", "generate", "--model", model, "--prompt", "a red circle", "--steps", "1",
+                "--guidance", "2", "--width", "32", "--height", "32", "--dtype", "bf16", "--quiet",
+                "--out", str(tmp_path / f"{name}.png"), "--report", str(tmp_path / f"{name}.json")]
+    baseline = _run([sys.executable, "-c", "import torch, diffusers, transformers, memfit.cli.app"], model, None)
+    unet_bf16 = sum(f.stat().st_size for f in (Path(model) / "unet").glob("*.safetensors")) // 2
+    cap = baseline.max_usage_bytes + unet_bf16 * 9 // 10
+
+    assert _run([sys.executable, "-c", PLAIN, model], model, cap).killed
+    capped = _run(ours("capped"), model, cap)
+    assert capped.completed, f"memfit did not fit in {cap / MiB:.0f} MiB: {capped.stderr[-500:]}"
+    notes = json.loads((tmp_path / "capped.json").read_text())["notes"]
+    assert any(note.startswith("plan denoise") and "0 B streamed from disk" not in note for note in notes), notes
+    assert _run(ours("uncapped"), model, None).completed
+    capped_image, uncapped = Image.open(tmp_path / "capped.png"), Image.open(tmp_path / "uncapped.png")
+    assert np.array_equal(np.asarray(capped_image), np.asarray(uncapped))

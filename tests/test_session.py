@@ -146,12 +146,12 @@ def test_a_stage_that_does_not_fit_beside_the_warm_ones_is_planned_again_after_r
     real_fit = StageContext._fit
     refused = []
 
-    def fit(self, pipe, model, plan_as, already_used):
+    def fit(self, pipe, model, plan_as, already_used, **kwargs):
         pool = self.runner.pool
         if self.stage == "denoise" and pool is not None and pool.holds_any() and not refused:
             refused.append(_stages_kept(session))
             raise StageDoesNotFit("does not fit beside the warm stages")
-        return real_fit(self, pipe, model, plan_as, already_used)
+        return real_fit(self, pipe, model, plan_as, already_used, **kwargs)
 
     monkeypatch.setattr(StageContext, "_fit", fit)
     session = Session(folder, budget="4GiB")

@@ -122,6 +122,7 @@ _SAFETENSORS_DTYPES = {"F64": "float64", "F32": "float32", "F16": "float16", "BF
                        "F8_E4M3": "float8_e4m3fn", "F8_E5M2": "float8_e5m2", "I64": "int64", "I32": "int32",
                        "I16": "int16", "I8": "int8", "U8": "uint8", "BOOL": "bool"}
 _FLOAT_DTYPES = {"float64", "float32", "float16", "bfloat16", "float8_e4m3fn", "float8_e5m2"}
+_CONVERTIBLE = (torch.float32, torch.float16, torch.bfloat16)
 
 
 def _matches_any(key: str, patterns) -> bool:
@@ -336,8 +337,37 @@ class ModelFolder:
             files = sorted(p for p in folder.iterdir() if p.suffix in PICKLE_SUFFIXES)
         return files
 
+    def file_dtype(self, name: str) -> torch.dtype | None:
+        """The one floating dtype component ``name``'s safetensors files store its weights in (None when
+        it has no safetensors files or more than one floating dtype)."""
+        files = [f for f in self.weight_files(name) if f.suffix == ".safetensors"]
+        if not files:
+            return None
+        found = {dtype for dtype, _, _ in _checkpoint_entries(files).values() if dtype in _FLOAT_DTYPES}
+        return getattr(torch, found.pop()) if len(found) == 1 else None
+
+    def convertible(self, name: str, dtype: torch.dtype) -> bool:
+        """Whether component ``name`` can load in its files' dtype and be converted to ``dtype`` by memfit
+        with the values plain loading at ``dtype`` gives: its files hold one other floating dtype, and
+        its class keeps no module in fp32 at ``dtype`` (diffusers keeps them at any dtype, transformers
+        at fp16, or at bf16 too when strict)."""
+        import importlib
+
+        file_dtype = self.file_dtype(name)
+        if file_dtype is None or file_dtype == dtype or file_dtype not in _CONVERTIBLE or dtype not in _CONVERTIBLE:
+            return False
+        library, class_name = self.components.get(name, ("", ""))
+        try:
+            cls = getattr(importlib.import_module(library), class_name)
+        except (ImportError, AttributeError, ValueError):
+            return False
+        if library == "diffusers" or dtype == torch.float16:
+            return not getattr(cls, "_keep_in_fp32_modules", None)
+        return not getattr(cls, "_keep_in_fp32_modules_strict", None)
+
     def load_stage(self, names, dtype: torch.dtype, device: torch.device | None = None, *,
-                   pipeline_class: str | None = None, external: dict[str, Path] | None = None):
+                   pipeline_class: str | None = None, external: dict[str, Path] | None = None,
+                   in_file_dtype=()):
         """The pipeline with only `names` loaded; every other component is None (not resident).
 
         The weights stay in host memory unless ``device`` names where to move the whole pipeline:
@@ -347,6 +377,9 @@ class ModelFolder:
         ``pipeline_class`` loads the folder's components as another diffusers pipeline class (the
         img2img, inpaint or ControlNet pipeline of the family). ``external`` maps a component name in
         ``names`` to a model folder of its own (``--controlnet DIR``), loaded with its config's class.
+        The components named in ``in_file_dtype`` load in the dtype their files store (see file_dtype):
+        their weights stay views of the memory-mapped files, and memfit.run.executor.optimize converts
+        them to ``dtype`` block by block, so a conversion never holds the whole model twice.
         """
         import diffusers
 
@@ -358,7 +391,9 @@ class ModelFolder:
         skipped = {name: None for name in self.components if name not in names}
         try:
             modules = {name: load_component(folder, dtype) for name, folder in external.items()}
-            pipe = pipeline_class.from_pretrained(self.path, **{_DTYPE_KWARG: dtype}, **skipped, **modules)
+            dtypes = {name: self.file_dtype(name) for name in in_file_dtype}
+            load_dtype = {"default": dtype, **dtypes} if dtypes else dtype
+            pipe = pipeline_class.from_pretrained(self.path, **{_DTYPE_KWARG: load_dtype}, **skipped, **modules)
         except MemfitError:
             raise
         except Exception as exc:  # diffusers raises many types; name the folder and the stage

@@ -89,6 +89,7 @@ class _State:
     runtime: Runtime
     slots: list  # every Slot memfit changed, hooked or not
     hooked: list  # modules that carry a SwapHook
+    dtype: torch.dtype | None = None  # the run dtype of floating weights loaded in their files' dtype
     unrun: list = dataclasses.field(default_factory=list)  # LiveBlocks outside the stage's parts, parked on disk
     arenas: list = dataclasses.field(default_factory=list)  # pinned host memory: the host tier's, the staging ring
     # (slot, where its values are read from) for the host tier, placed in one arena once all are known
@@ -127,6 +128,7 @@ def optimize(
     stage: str | None = None,
     activation_bytes: int = 0,
     parts: Mapping[str, tuple[str, ...]] | None = None,
+    dtype: torch.dtype | None = None,
 ):
     """Apply a plan to the live pipeline ``pipe`` and return the same object.
 
@@ -152,6 +154,9 @@ def optimize(
                  compiles and places nothing. ``fallback="eager"`` runs a failing component eagerly;
                  the records are in ``pipe._memfit_compile_records``. ``precision`` ("fp32", "bf16",
                  "fp16") is the compute precision of a backend that has its own (memfit.compile.precision).
+    dtype:       the dtype floating weights run in, for a pipeline loaded in its files' dtype
+                 (memfit.models.folder.ModelFolder.load_stage's ``in_file_dtype``): planned at this dtype;
+                 resident weights are converted block by block, streamed ones at each forward. CPU only.
     """
     no_budget = isinstance(budget, str) and budget.strip().lower() == NONE
     if plan is not None or force_tiers is not None:
@@ -174,8 +179,11 @@ def optimize(
     if not device.can_stream:
         raise MemfitError(f"memfit streams weights on 'cpu' and 'cuda' devices, not {device.name}: load the "
                           "pipeline whole (budget=\"none\") or give a budget that keeps every weight resident.")
+    if dtype is not None and device.separate_memory:
+        raise MemfitError(f"optimize(dtype=...) converts weights on the CPU only; load the pipeline in its run "
+                          f"dtype to run it on {device.name}.")
 
-    blocks = {name: live_blocks(name, module) for name, module in components.items()}
+    blocks = {name: live_blocks(name, module, dtype) for name, module in components.items()}
     unrun = unrun_blocks(blocks, parts)
     stages = _stage_inputs(_without(blocks, unrun), stage, activation_bytes, type(pipe).__name__)
     if plan is None and force_tiers is not None:
@@ -202,7 +210,7 @@ def optimize(
     # The hooks' shared state, around the device runtime: at most the plan's window of streamed
     # blocks on the device at once (the one running and those copied in ahead of it).
     runtime = Runtime(device, prefetch=prefetch, window=1 + plan.prefetch if prefetch else 1)
-    state = _State(runtime=runtime, slots=[], hooked=[], unrun=unrun)
+    state = _State(runtime=runtime, slots=[], hooked=[], dtype=dtype, unrun=unrun)
     # A pipeline dropped without restore (a staged run's finished stage) gives its pinned memory
     # back when it is collected; restore gives it back at once (and empties the list).
     weakref.finalize(state, _release_arenas, device, state.arenas)
@@ -268,14 +276,15 @@ def _is_auto(budget) -> bool:
 
 
 def plan_stage(pipe, budget: BudgetLike, stage: str, activation_bytes: int = 0,
-               parts: Mapping[str, tuple[str, ...]] | None = None, skip=(), device=None) -> Plan:
+               parts: Mapping[str, tuple[str, ...]] | None = None, skip=(), device=None,
+               dtype: torch.dtype | None = None) -> Plan:
     """The plan ``optimize(pipe, budget, stage=stage, activation_bytes=..., parts=...)`` would carry out;
     components named in ``skip`` are left out (optimize then leaves them as they are).
 
     ``device`` (a name or memfit.devices runtime): on one with its own memory a budget without a
     host part gets one (available RAM minus a reserve), as optimize gives it, since the host tier
-    is page-locked memory there."""
-    blocks = {name: live_blocks(name, module) for name, module in _components(pipe).items() if name not in skip}
+    is page-locked memory there. ``dtype``: as optimize's."""
+    blocks = {name: live_blocks(name, module, dtype) for name, module in _components(pipe).items() if name not in skip}
     budget = Budget.of(budget)
     if device is not None and runtime_for(device).separate_memory and budget.host is None:
         budget = _with_host_budget(budget, runtime_for(device), 0)
@@ -356,8 +365,9 @@ def restore(pipe):
 # --- blocks -------------------------------------------------------------------------------------
 
 
-def live_blocks(component: str, module: torch.nn.Module) -> list[LiveBlock]:
-    """Split a live component into blocks with meta.py's rule; sizes from the live tensors.
+def live_blocks(component: str, module: torch.nn.Module, dtype: torch.dtype | None = None) -> list[LiveBlock]:
+    """Split a live component into blocks with meta.py's rule; sizes from the live tensors (floating
+    ones at ``dtype``'s size when given: the dtype they will run in).
 
     Every tensor belongs to exactly one block (tied weights to the first); order is registration
     order, as in meta.py.
@@ -388,9 +398,10 @@ def live_blocks(component: str, module: torch.nn.Module) -> list[LiveBlock]:
                 if tensor is None or id(tensor) in seen:
                     continue
                 seen.add(id(tensor))
-                size += tensor.numel() * tensor.element_size()
+                nbytes = tensor.numel() * (_run_dtype(tensor, dtype).itemsize)
+                size += nbytes
                 if tensor is anchor:
-                    fixed = tensor.numel() * tensor.element_size()
+                    fixed = nbytes
                 tensors.append((owner, attr, tensor, is_param, names.get(id(tensor), attr)))
             if tensors:
                 units.append((hooked, tensors))
@@ -469,20 +480,34 @@ def _tiers_from_plan(plan: Plan, blocks: dict[str, list[LiveBlock]]) -> dict[str
 # --- applying -----------------------------------------------------------------------------------
 
 
+def _run_dtype(tensor: torch.Tensor, dtype: torch.dtype | None) -> torch.dtype:
+    return dtype if dtype is not None and tensor.is_floating_point() else tensor.dtype
+
+
 def _apply_component(name, module, component_blocks, tiers, state: _State, model_dir) -> None:
     runtime = state.runtime
     anchor = _first_param(module)
-    files: MappedSafetensors | None = None
-    tried_files = False
-    file_keys: dict[str, str] = {}
+    opened: list = []  # [(files or None, {live name: file key})] once the component's files were looked for
+
+    def source_files(required: bool) -> tuple[MappedSafetensors | None, dict[str, str]]:
+        if not opened or (required and opened[0][0] is None):
+            try:
+                files = _open_files(name, module, model_dir)
+            except MemfitError:
+                if required:
+                    raise
+                files = None  # no files: the loaded tensors are the only source
+            keys = {live: key for key, live in (loaded_names(module, files.keys()) or {}).items()} if files else {}
+            opened[:] = [(files, keys)]
+        return opened[0]
+
     for block in component_blocks:
         tier = tiers.get(block.key, DEVICE)
         for hooked, tensors in block.units:
             slots = []
             for owner, attr, tensor, is_param, full_name in tensors:
                 separate = runtime.separate_memory
-                if tensor is anchor and not separate:
-                    continue  # module.dtype / module.device read it: see the module docstring
+                run_dtype = _run_dtype(tensor, state.dtype)
                 if separate and (tier == DEVICE or tensor is anchor) and not runtime.device_runtime.owns(tensor):
                     slot = Slot(owner, attr, tensor, home=None, kind="device")
                     tensor.data = runtime.device_runtime.to_device(tensor.data)
@@ -493,14 +518,15 @@ def _apply_component(name, module, component_blocks, tiers, state: _State, model
                 else:
                     tier_of_tensor = tier
                 if tier_of_tensor == DEVICE or tensor is anchor or (not separate and (tier_of_tensor == HOST or not is_param)):
-                    continue  # on the CPU host RAM is the device; buffers stay where they are
+                    # On the CPU host RAM is the device: the tensor stays where it is (module.dtype and
+                    # module.device read the anchor: see the module docstring), in its run dtype.
+                    if run_dtype != tensor.dtype:
+                        _convert(tensor, run_dtype, full_name, module, *source_files(required=False))
+                    continue
                 if tier_of_tensor == DISK and is_param:
-                    if files is None:
-                        tried_files = True
-                        files = _open_files(name, module, model_dir)
-                        file_keys = {live: key for key, live in (loaded_names(module, files.keys()) or {}).items()}
+                    files, file_keys = source_files(required=True)
                     mapped = _checked_mapping(files, name, full_name, tensor, module, file_keys)
-                    slot = Slot(owner, attr, tensor, home=mapped, kind="mmap")
+                    slot = Slot(owner, attr, tensor, home=mapped, kind="mmap", dtype=run_dtype)
                     state.slots.append(slot)
                     # The hook converts / copies it for each forward, or (same dtype, CPU) reads it
                     # ahead and drops its pages from this process after the block ran.
@@ -511,13 +537,7 @@ def _apply_component(name, module, component_blocks, tiers, state: _State, model
                     continue
                 # host tier on a GPU (or a buffer of a disk block): its home is a place in the stage's
                 # pinned arena, filled by _place_host_tier once every such tensor is known.
-                if files is None and not tried_files:
-                    tried_files = True
-                    try:
-                        files = _open_files(name, module, model_dir)
-                        file_keys = {live: key for key, live in (loaded_names(module, files.keys()) or {}).items()}
-                    except MemfitError:
-                        files = None  # no files: the loaded tensors are the only source
+                files, file_keys = source_files(required=False)
                 slot = Slot(owner, attr, tensor, home=None, kind="host")
                 source = None
                 if files is not None and not is_adapter_weight(full_name):
@@ -528,6 +548,19 @@ def _apply_component(name, module, component_blocks, tiers, state: _State, model
             if slots:
                 HookRegistry.of(hooked).register(SwapHook(block.key, slots, runtime))
                 state.hooked.append(hooked)
+
+
+def _convert(tensor: torch.Tensor, dtype: torch.dtype, full_name: str, module, files: MappedSafetensors | None,
+             file_keys: Mapping[str, str]) -> None:
+    """Give a weight loaded in its file's dtype its run dtype, read from memfit's own mapping of the
+    file where it is there, whose pages then leave this process: converting block by block holds
+    the converted blocks and one block of the file, never the model twice."""
+    source = None
+    if files is not None and not is_adapter_weight(full_name):
+        source = _file_view(files, full_name, tensor, module, file_keys)
+    tensor.data = (source.tensor if source is not None else tensor.data).to(dtype)
+    if source is not None and source.pages is not None:
+        source.pages.release()
 
 
 def _place_host_tier(state: _State) -> None:

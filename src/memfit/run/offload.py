@@ -273,13 +273,14 @@ class Slot:
     """One tensor memfit placed: where it lives outside a forward (``home``) and what to restore
     (its original dtype and device; the values come back from the home, which equals them)."""
 
-    def __init__(self, owner: torch.nn.Module, name: str, tensor: torch.Tensor, home, kind: str):
+    def __init__(self, owner: torch.nn.Module, name: str, tensor: torch.Tensor, home, kind: str,
+                 dtype: torch.dtype | None = None):
         self.owner = owner
         self.kind = kind  # "mmap" (home is a mapped view), "host" (home is a host tensor), "device" (moved)
         self.name = name
         self.tensor = tensor  # the Parameter / buffer object itself (never replaced)
         self.home = home  # Shared (mmap view) or a host tensor
-        self.dtype = tensor.dtype
+        self.dtype = dtype or tensor.dtype  # the run dtype, when it differs from the loaded (file) dtype
         self.device = tensor.device
 
     def home_tensor(self) -> torch.Tensor:
@@ -449,15 +450,17 @@ class SwapHook(ModuleHook):
             out = [next(staged) if mapped and slot.kind == "mmap" else device.to_device(slot.home_tensor(), slot.dtype)
                    for slot in self.slots]
         else:
+            for slot in self.slots:
+                if slot.pages is not None:
+                    # Ask the kernel for the whole block at once: large sequential reads, instead of
+                    # one page fault at a time while it is converted or used in place.
+                    slot.pages.prefetch()
             out = []
             for slot in self.slots:
                 home = slot.home_tensor()
-                pages = slot.pages
-                if pages is not None and home.dtype == slot.dtype:
-                    pages.prefetch()  # used in place: let the kernel read it ahead
                 out.append(home.to(slot.dtype, copy=home.dtype != slot.dtype))
-                if pages is not None and home.dtype != slot.dtype:
-                    pages.release()  # converted: the mapped pages are not needed any more
+                if slot.pages is not None and home.dtype != slot.dtype:
+                    slot.pages.release()  # converted: the mapped pages are not needed any more
         # On a GPU the end is when the copies were queued (they run on the side stream); on the CPU
         # a block used in place is only read ahead here, so the end is when the kernel was asked.
         record_move(self.block, _TIER_OF_KIND.get(self.slots[0].kind, "host") if self.slots else "host",

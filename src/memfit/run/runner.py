@@ -300,7 +300,17 @@ class StageContext:
                         if value}  # only where a task needs them: text to image loads as before
         # Loaded on the host (device None) and planned there: only what the plan keeps on the device
         # moves to it (memfit.run.executor.optimize), so a stage larger than a GPU can still run.
-        pipe = folder.load_stage(to_load, runner.torch_dtype, None, **task_options)
+        # Weights stored in another dtype than the run's load as views of their files and are converted
+        # block by block once planned (streamed ones at each forward): the whole model is never
+        # converted at once. Only where the plan is carried out on the CPU, with nothing else changing
+        # the loaded weights first (a LoRA, a compiler).
+        converting = []
+        runtime = runner.runtime
+        if self.budget is not None and runtime.can_stream and not runtime.separate_memory and runner.backend is None \
+                and not loras:
+            converting = [name for name in to_load if name not in external
+                          and folder.convertible(name, runner.torch_dtype)]
+        pipe = folder.load_stage(to_load, runner.torch_dtype, None, in_file_dtype=converting, **task_options)
         if loras:
             from memfit.models.lora import load_loras
 
@@ -317,7 +327,8 @@ class StageContext:
                                        "resident (its torch weights memory-mapped, not counted)")
         self.compiled_costs = compiled  # read by _fit
         if self.budget is not None and _has_weights(pipe, [name for name in to_load if name not in compiled]):
-            self._fit(pipe, folder, plan_as or self.stage, already_used)
+            self._fit(pipe, folder, plan_as or self.stage, already_used,
+                      dtype=runner.torch_dtype if converting else None)
         else:
             place_whole(pipe, runner.runtime)  # nothing to plan: the whole stage goes where it runs
         if shared:
@@ -325,7 +336,7 @@ class StageContext:
         compile_stage(pipe, folder.path, backend, runner.fallback, self.compiled, folder.component_fingerprint)
         return pipe
 
-    def _fit(self, pipe, folder: ModelFolder, plan_as: str, already_used: int) -> None:
+    def _fit(self, pipe, folder: ModelFolder, plan_as: str, already_used: int, dtype: torch.dtype | None = None) -> None:
         from memfit.plan.activations import choose, stage_strategies
         from memfit.run.executor import blocks_not_run, optimize, plan_stage, reads_in_place
 
@@ -343,14 +354,15 @@ class StageContext:
         margin = DEVICE_ACTIVATION_MARGIN if runner.runtime.separate_memory else 1.0
         try:
             strategy, plan = choose(options, lambda activations: plan_stage(
-                pipe, room, self.stage, int(activations * margin), parts, skip=compiled, device=runner.runtime))
+                pipe, room, self.stage, int(activations * margin), parts, skip=compiled, device=runner.runtime,
+                dtype=dtype))
         except MemfitError as exc:
             raise StageDoesNotFit(
                 f"{exc} These figures leave out the {format_bytes(already_used)} this process already holds "
                 "(Python, torch and the libraries loaded): add that to any budget named above."
             ) from exc
         if runner.runtime.can_stream:
-            optimize(pipe, plan=plan, model_dir=folder.path, device=runner.runtime, parts=parts)
+            optimize(pipe, plan=plan, model_dir=folder.path, device=runner.runtime, parts=parts, dtype=dtype)
         else:
             _refuse_streaming(plan.stages[0], self.stage, runner.runtime)
             place_whole(pipe, runner.runtime)

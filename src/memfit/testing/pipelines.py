@@ -651,9 +651,13 @@ def build_pipeline(kind: str, *, seed: int = 0, scale: int = 1, text_layers: int
     return pipe
 
 
-def save_pipeline(kind: str, path: str | Path, *, seed: int = 0, scale: int = 1, text_layers: int = 2) -> Path:
-    """Build a tiny pipeline and save it in the diffusers layout (safetensors) at `path`."""
+def save_pipeline(kind: str, path: str | Path, *, seed: int = 0, scale: int = 1, text_layers: int = 2,
+                  dtype: torch.dtype | None = None) -> Path:
+    """Build a tiny pipeline and save it in the diffusers layout (safetensors) at `path`, its weights in
+    ``dtype`` when given (as published checkpoints are: fp16 or bf16 files)."""
     path = Path(path)
     pipe = build_pipeline(kind, seed=seed, scale=scale, text_layers=text_layers)
+    if dtype is not None:
+        pipe.to(dtype)
     pipe.save_pretrained(path, safe_serialization=True)
     return path
