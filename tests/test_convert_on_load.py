@@ -90,3 +90,39 @@ def test_restore_gives_back_weights_in_the_run_dtype(fp16_flux):
     expected = folder.load_stage(["transformer"], torch.bfloat16).transformer.state_dict()
     for name, tensor in pipe.transformer.state_dict().items():
         assert tensor.dtype == expected[name].dtype and torch.equal(tensor, expected[name]), name
+
+
+def _file_backed(tensor) -> bool:
+    """Whether the tensor's memory lies in a mapping of a .safetensors file (Linux: /proc/self/maps)."""
+    address = tensor.untyped_storage().data_ptr()
+    for line in open("/proc/self/maps"):
+        span, *rest = line.split()
+        start, end = (int(x, 16) for x in span.split("-"))
+        if start <= address < end:
+            return rest[-1].endswith(".safetensors")
+    return False
+
+
+@pytest.fixture(scope="module")
+def bf16_flux(tmp_path_factory):
+    return save_pipeline("flux", tmp_path_factory.mktemp("bf16") / "flux", scale=4, dtype=torch.bfloat16)
+
+
+def test_resident_weights_leave_the_page_cache_when_the_stage_streams(bf16_flux):
+    """Same-dtype files load as views of the files: page cache, which the kernel reclaims like the
+    streamed blocks' pages. When the plan streams from disk, the weights it keeps get memory of their
+    own; when nothing streams they stay views (an automatic budget that fits costs nothing)."""
+    folder = ModelFolder.open(bf16_flux)
+    loaded = folder.load_stage(["transformer"], torch.bfloat16)
+    resident_name = "single_transformer_blocks.0.proj_out.weight"
+    assert _file_backed(loaded.transformer.get_parameter(resident_name))  # what plain loading leaves
+    memfit.optimize(loaded, force_tiers={"transformer/transformer_blocks.*": "disk"}, model_dir=bf16_flux)
+    streamed_name = "transformer_blocks.0.attn.to_q.weight"
+    assert _file_backed(loaded.transformer.get_parameter(streamed_name))  # the disk tier: the file itself
+    assert not _file_backed(loaded.transformer.get_parameter(resident_name))
+    assert not any(_file_backed(p) for name, p in loaded.transformer.named_parameters()
+                   if not name.startswith("transformer_blocks."))
+
+    whole = folder.load_stage(["transformer"], torch.bfloat16)
+    memfit.optimize(whole, force_tiers={"transformer": "device"}, model_dir=bf16_flux)
+    assert _file_backed(whole.transformer.get_parameter(resident_name))

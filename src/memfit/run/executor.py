@@ -90,6 +90,8 @@ class _State:
     slots: list  # every Slot memfit changed, hooked or not
     hooked: list  # modules that carry a SwapHook
     dtype: torch.dtype | None = None  # the run dtype of floating weights loaded in their files' dtype
+    # CPU, and the plan streams from disk: resident weights get memory of their own (see _own_memory)
+    own_resident: bool = False
     unrun: list = dataclasses.field(default_factory=list)  # LiveBlocks outside the stage's parts, parked on disk
     arenas: list = dataclasses.field(default_factory=list)  # pinned host memory: the host tier's, the staging ring
     # (slot, where its values are read from) for the host tier, placed in one arena once all are known
@@ -210,7 +212,10 @@ def optimize(
     # The hooks' shared state, around the device runtime: at most the plan's window of streamed
     # blocks on the device at once (the one running and those copied in ahead of it).
     runtime = Runtime(device, prefetch=prefetch, window=1 + plan.prefetch if prefetch else 1)
-    state = _State(runtime=runtime, slots=[], hooked=[], dtype=dtype, unrun=unrun)
+    unrun_keys = {block.key for block in unrun}
+    streams_from_disk = any(tier == DISK for key, tier in tiers.items() if key not in unrun_keys)
+    state = _State(runtime=runtime, slots=[], hooked=[], dtype=dtype, unrun=unrun,
+                   own_resident=streams_from_disk and not device.separate_memory)
     # A pipeline dropped without restore (a staged run's finished stage) gives its pinned memory
     # back when it is collected; restore gives it back at once (and empties the list).
     weakref.finalize(state, _release_arenas, device, state.arenas)
@@ -520,8 +525,8 @@ def _apply_component(name, module, component_blocks, tiers, state: _State, model
                 if tier_of_tensor == DEVICE or tensor is anchor or (not separate and (tier_of_tensor == HOST or not is_param)):
                     # On the CPU host RAM is the device: the tensor stays where it is (module.dtype and
                     # module.device read the anchor: see the module docstring), in its run dtype.
-                    if run_dtype != tensor.dtype:
-                        _convert(tensor, run_dtype, full_name, module, *source_files(required=False))
+                    if run_dtype != tensor.dtype or (state.own_resident and is_param):
+                        _own_memory(tensor, run_dtype, full_name, module, *source_files(required=False))
                     continue
                 if tier_of_tensor == DISK and is_param:
                     files, file_keys = source_files(required=True)
@@ -550,16 +555,28 @@ def _apply_component(name, module, component_blocks, tiers, state: _State, model
                 state.hooked.append(hooked)
 
 
-def _convert(tensor: torch.Tensor, dtype: torch.dtype, full_name: str, module, files: MappedSafetensors | None,
-             file_keys: Mapping[str, str]) -> None:
-    """Give a weight loaded in its file's dtype its run dtype, read from memfit's own mapping of the
-    file where it is there, whose pages then leave this process: converting block by block holds
-    the converted blocks and one block of the file, never the model twice."""
+def _own_memory(tensor: torch.Tensor, dtype: torch.dtype, full_name: str, module, files: MappedSafetensors | None,
+                file_keys: Mapping[str, str]) -> None:
+    """Give a resident weight memory of its own in its run dtype, read from memfit's own mapping of its
+    file where it is there, whose pages then leave this process.
+
+    Two cases. Loaded in its file's dtype: converting block by block holds the converted blocks and
+    one block of the file, never the model twice. Loaded as a view of its file (same dtype) in a
+    stage that streams from disk: a view is page cache, which the kernel reclaims like the streamed
+    blocks' pages, so under a cap the "resident" weights would be read again at every step; in the
+    process's own memory they stay (the plan counts them either way).
+    """
     source = None
     if files is not None and not is_adapter_weight(full_name):
         source = _file_view(files, full_name, tensor, module, file_keys)
-    tensor.data = (source.tensor if source is not None else tensor.data).to(dtype)
-    if source is not None and source.pages is not None:
+    if source is None:
+        if dtype != tensor.dtype:
+            tensor.data = tensor.data.to(dtype)
+        return  # not from a file: already the process's own memory
+    if source.pages is not None:
+        source.pages.prefetch()  # one large read instead of a page fault at a time
+    tensor.data = source.tensor.to(dtype, copy=True)
+    if source.pages is not None:
         source.pages.release()
 
 
