@@ -66,7 +66,7 @@ def heartbeat(interval: float = 10.0) -> None:
     threading.Thread(target=beat, daemon=True).start()
 
 
-def child(system: str, model: str, size: int, steps: int, timeline_path: str | None) -> dict:
+def child(system: str, model: str, size: int, steps: int, timeline_path: str | None, image_path: str | None) -> dict:
     """Inside the capped process: one generation, with its timings and peaks."""
     import torch
 
@@ -91,7 +91,9 @@ def child(system: str, model: str, size: int, steps: int, timeline_path: str | N
         # memfit.generate reads only these two attributes of a session: no stage is kept warm here.
         watcher = types.SimpleNamespace(pool=None, on_step=on_step)
         result = memfit.generate(PROMPT, model=model, steps=steps, guidance=GUIDANCE, width=size, height=size,
-                                 dtype="bf16", progress=False, session=watcher)
+                                 dtype="bf16", seed=0, progress=False, session=watcher)
+        if image_path:
+            result.images[0].save(image_path)
         timeline = result.timeline
         if timeline_path:  # a plot for docs/, the events (large) next to the model, outside the repository
             timeline.write(timeline_path)
@@ -126,8 +128,10 @@ def child(system: str, model: str, size: int, steps: int, timeline_path: str | N
     load_s = time.perf_counter() - started
     load_peak = read_peak_rss()
     call_started = time.perf_counter()
-    pipe(PROMPT, num_inference_steps=steps, guidance_scale=GUIDANCE, width=size, height=size,
-         generator=torch.Generator().manual_seed(0))
+    image = pipe(PROMPT, num_inference_steps=steps, guidance_scale=GUIDANCE, width=size, height=size,
+                 generator=torch.Generator().manual_seed(0)).images[0]
+    if image_path:
+        image.save(image_path)
     return {"wall_s": time.perf_counter() - started, "load_s": load_s, "call_s": time.perf_counter() - call_started,
             "peak_rss": read_peak_rss(), "load_peak_rss": load_peak}
 
@@ -192,6 +196,10 @@ def measure(spec: str, cap: float | None, args) -> dict:
     timeline = docs / f"flux_timeline_{spec}_{'none' if cap is None else f'{cap:g}'}gib.png"
     command = [sys.executable, __file__, "--child", system, "--model", model, "--size", str(args.size),
                "--steps", str(args.steps)] + (["--timeline", str(timeline)] if system == "memfit" else [])
+    image = Path(model).parent / "images" / f"{spec}_{'none' if cap is None else f'{cap:g}'}gib.png"
+    image.parent.mkdir(exist_ok=True)
+    image.unlink(missing_ok=True)
+    command += ["--image", str(image)]
     evict_page_cache(model)
     env = {**os.environ, "MEMFIT_CACHE": "0"}  # every memfit run encodes its prompt like plain diffusers does
     row = {"system": spec, "cap_gib": cap}
@@ -206,6 +214,8 @@ def measure(spec: str, cap: float | None, args) -> dict:
         row["error"] = run.stderr.strip().splitlines()[-3:]
     lines = run.stderr.strip().splitlines()
     row["heartbeat"] = [line for line in lines if line.startswith("HEARTBEAT")][-60:]
+    if row["completed"] and image.is_file():
+        row["image"] = str(image)
     row["warnings"] = [line for line in lines if line.startswith("memfit: during")]
     return row
 
@@ -238,8 +248,8 @@ def render(data: dict) -> str:
                   f"{bw['seconds']:.1f} s). Compute per step with every weight in memory: "
                   + (f"{compute:.0f} s." if compute else "not measured."), ""]
     lines += ["| run | cap | outcome | wall s | denoise load s / peak RSS | step s | disk bytes / step | disk s | "
-              "compute s | step / bound | peak RSS | cgroup peak | budget |",
-              "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+              "compute s | step / bound | image vs memfit uncapped | peak RSS | cgroup peak | budget |",
+              "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in data["rows"]:
         cap = "none" if r["cap_gib"] is None else f"{r['cap_gib']:g} GiB"
         outcome = ("completed" if r.get("completed") else "killed (OOM)" if r.get("killed")
@@ -259,6 +269,7 @@ def render(data: dict) -> str:
             f"{step:.0f}" if step else "-", f"{per_step / GiB:.1f} GiB" if per_step else "-",
             f"{disk:.0f}" if disk else "-", f"{compute:.0f}" if compute and step else "-",
             f"{step / bound:.2f}x" if step and bound and "fp16" not in r["system"] else "-",
+            image_difference(r, data["rows"]),
             f"{r['peak_rss'] / GiB:.2f} GiB" if r.get("peak_rss") else "-",
             f"{r['cgroup_peak'] / GiB:.2f} GiB" if r.get("cgroup_peak") else "-",
             (r.get("budget") or {}).get("source", "-").replace("|", "/")]) + " |")
@@ -271,6 +282,21 @@ def render(data: dict) -> str:
                      + ("-" if s["planned_peak"] is None else f"{s['planned_peak'] / GiB:.2f} GiB") for s in r["stages"]]
             lines.append(f"- {r['system']}, cap {cap}: " + "; ".join(parts))
     return "\n".join(lines) + "\n"
+
+
+def image_difference(row: dict, rows: list[dict]) -> str:
+    """The largest pixel difference (of 255) between this run's image and memfit's uncapped one from
+    the same folder."""
+    import numpy as np
+    from PIL import Image
+
+    variant = row["system"].partition("-")[2]
+    reference = next((r for r in rows if r["system"] == "memfit" + (f"-{variant}" if variant else "")
+                      and r["cap_gib"] is None and r.get("image")), None)
+    if not row.get("image") or reference is None or not Path(row["image"]).is_file():
+        return "-"
+    a, b = (np.asarray(Image.open(r["image"]).convert("RGB"), dtype=np.int16) for r in (row, reference))
+    return f"{int(np.abs(a - b).max())}/255"
 
 
 def plot_against_cap(data: dict, path: Path) -> None:
@@ -317,9 +343,11 @@ def main() -> None:
     parser.add_argument("--name", default="flux_larger_than_ram")
     parser.add_argument("--child", help=argparse.SUPPRESS)
     parser.add_argument("--timeline", help=argparse.SUPPRESS)
+    parser.add_argument("--image", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
-        print("RESULT " + json.dumps(child(args.child, args.model, args.size, args.steps, args.timeline)), flush=True)
+        print("RESULT " + json.dumps(child(args.child, args.model, args.size, args.steps, args.timeline, args.image)),
+              flush=True)
         return
 
     from common import machine, write_outputs

@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
+import memfit
 from memfit.compile.backends import get_backend
 from memfit.compile.entry_points import compile_components, compiled_weight_bytes, uncompile
 from memfit.compile.precision import with_precision
@@ -180,3 +181,11 @@ def test_plan_says_what_a_precision_changes(capsys):
     assert main(["plan", "--arch", "sd15", "--budget", "4GiB", "--precision", "bf16"]) == 0
     line = capsys.readouterr().out.strip().splitlines()[-1]
     assert line.startswith("precision bf16 with fp32 weights") and "8 mantissa bits instead of 24" in line
+
+
+def test_the_precision_is_recorded_also_for_a_class_without_adapter(tiny_models):
+    """A pipeline memfit runs through its own __call__ (no adapter) records the compute precision too."""
+    result = memfit.generate("a red circle", model=tiny_models("sd_pag"), steps=1, width=32, height=32,
+                             backend="eager", precision="fp32", progress=False)
+    assert result.report.stages[0].stage == "pipeline"
+    assert result.metadata["precision"] == "fp32"

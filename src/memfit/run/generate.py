@@ -141,13 +141,13 @@ def generate(
 
         if embeddings is not None:
             raise MemfitError("--embeddings cannot be combined with --refiner yet: the refiner needs its own encode; pass --prompt.")
-        return generate_with_refiner(
+        return _with_precision(generate_with_refiner(
             prompt, model=model, refiner=refiner,
             refiner_start=DEFAULT_REFINER_START if refiner_start is None else refiner_start,
             negative_prompt=negative_prompt, steps=steps, guidance=guidance, seed=seed, width=width, height=height,
             dtype=dtype, device=device, budget=budget, backend=backend, fallback=fallback, progress=progress,
             allow_pickle=allow_pickle,
-        )
+        ), backend, precision, dtype)
     if refiner_start is not None:
         raise MemfitError("--refiner-start only applies with --refiner REFINER.")
     folder = open_model(model, allow_pickle=allow_pickle)
@@ -183,8 +183,9 @@ def generate(
     if not adapter.staged:
         if sampler is not None:
             raise MemfitError(_not_staged(folder, "replace the scheduler (--sampler)", "Leave --sampler out."))
-        return run_result(runner.run([pipeline_stage(folder, settings, generator)])["pipeline"], settings, report,
-                          folder, dtype, timeline=runner.timeline)
+        return _with_precision(run_result(runner.run([pipeline_stage(folder, settings, generator)])["pipeline"],
+                                          settings, report, folder, dtype, timeline=runner.timeline),
+                               backend, precision, dtype)
     stages = []
     if loaded is None:
         stages.append(encode_stage([("base", folder)], settings, with_negative=guided, loras=conditioning.loras))
@@ -210,6 +211,11 @@ def generate(
     result = run_result(runner.run(stages)["decode"], settings, report, folder, dtype, timeline=runner.timeline)
     if sampler is not None:
         result.metadata["sampler"] = sampler
+    return _with_precision(result, backend, precision, dtype)
+
+
+def _with_precision(result, backend, precision: str | None, dtype: str):
+    """Record a compiled run's compute precision in the image's metadata (the PNG): it changes pixels."""
     if backend is not None:
         result.metadata["precision"] = precision or dtype
     return result
