@@ -322,7 +322,8 @@ def plot_against_cap(data: dict, path: Path) -> None:
                        label=f"{system}: killed" if not done else None)
     ax.set_xlabel(f"memory cap, GiB (uncapped drawn at the machine's {ram:g} GiB)")
     ax.set_ylabel("wall time, s (a cross at 0: killed)")
-    ax.set_title("FLUX.1-dev, one step, 256x256, bf16 run, 2 CPU cores")
+    size, steps = data["args"]["size"], data["args"]["steps"]
+    ax.set_title(f"FLUX.1-dev, {steps} step(s), {size}x{size}, bf16 run, {data['machine'].get('cpu_count')} CPU cores")
     ax.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=100)
