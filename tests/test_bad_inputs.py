@@ -11,7 +11,6 @@ line on stderr.
 from __future__ import annotations
 
 import json
-import math
 import os
 import shutil
 from pathlib import Path

@@ -2,7 +2,6 @@
 MEMFIT_CACHE=require (issue 17, item 3)."""
 
 import warnings
-from pathlib import Path
 
 import pytest
 from PIL import Image

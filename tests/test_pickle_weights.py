@@ -3,7 +3,6 @@
 import os
 import shutil
 
-import pytest
 import torch
 from PIL import Image
 from safetensors.torch import load_file

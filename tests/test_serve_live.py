@@ -3,7 +3,6 @@ images, a client killed mid-request does not stall the queue, SIGTERM drains the
 
 import base64
 import json
-import os
 import signal
 import socket
 import subprocess
