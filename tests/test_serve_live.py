@@ -61,6 +61,16 @@ def wait_queued(url, task, timeout=120):
     pytest.fail(f"task {task} never waited in the queue")
 
 
+def wait_known(url, task, timeout=120):
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        progress = httpx.get(url + "/sdapi/v1/progress", params={"id_task": task}, timeout=10).json()
+        if progress["memfit"]["job"] == task:
+            return progress
+        time.sleep(0.02)
+    pytest.fail(f"the server never received task {task}")
+
+
 def wait_running(url, task, timeout=120):
     deadline = time.time() + timeout
     while time.time() < deadline:
@@ -85,7 +95,7 @@ def test_concurrent_clients_are_answered_once_in_order_with_their_images(server,
     for i in range(clients):
         threads.append(threading.Thread(target=client, args=(i,)))
         threads[-1].start()
-        time.sleep(0.3)  # arrival order
+        wait_known(url, f"c{i}")  # arrival order: the next client posts once the server has this one
     for thread in threads:
         thread.join(300)
     assert sorted(responses) == list(range(clients))
