@@ -12,9 +12,18 @@ import struct
 from dataclasses import dataclass
 from pathlib import Path
 
+import torch
+
 from memfit.errors import MemfitError
 
-__all__ = ["SafetensorsHeader", "check_complete", "read_header"]
+__all__ = ["TORCH_DTYPES", "SafetensorsHeader", "check_complete", "read_header", "same_samples"]
+
+#: The torch dtype of each safetensors dtype name memfit maps into memory.
+TORCH_DTYPES = {
+    "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
+    "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
+    "BOOL": torch.bool,
+}
 
 _FIX = "re-download or re-save the model"
 
@@ -67,3 +76,19 @@ def check_complete(path: str | Path) -> SafetensorsHeader:
     if header.size < header.data_end:
         raise MemfitError(f"{path} is truncated: {header.size} bytes where its header needs {header.data_end}; {_FIX}.")
     return header
+
+
+def same_samples(view: torch.Tensor, loaded: torch.Tensor, count: int = 4096) -> bool:
+    """Whether a file's tensor (``view``, any dtype) and the loaded one agree at the start, middle and end.
+
+    A changed model (a fused LoRA, a merged or requantized weight) changes values everywhere, so
+    samples catch it; comparing every element would read the whole model again while loading, which
+    is exactly the memory peak that mapping the file exists to avoid.
+    """
+    flat_view, flat_loaded = view.reshape(-1), loaded.reshape(-1)
+    size = flat_view.numel()
+    for start in {0, max(0, size // 2 - count // 2), max(0, size - count)}:
+        part = slice(start, start + count)
+        if not torch.equal(flat_view[part].to(loaded.dtype), flat_loaded[part].cpu()):
+            return False
+    return True

@@ -30,16 +30,10 @@ from typing import Iterator
 
 import torch
 
-from memfit.safetensors_header import read_header
+from memfit.safetensors_header import TORCH_DTYPES, read_header, same_samples
 
 __all__ = ["FileWeights", "source_folder"]
 
-_DTYPES = {
-    "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
-    "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
-    "BOOL": torch.bool,
-}
-_SAMPLE = 4096
 
 
 def source_folder(module: torch.nn.Module, given: str | Path | None = None) -> Path | None:
@@ -137,7 +131,7 @@ class FileWeights:
             if view is None:
                 self.kept_because = f"{name} is in no safetensors file of {self.folder} (a LoRA or a changed module)"
                 return
-            if tuple(view.shape) != tuple(param.shape) or not _same_samples(view, param.data):
+            if tuple(view.shape) != tuple(param.shape) or not same_samples(view, param.data):
                 self.kept_because = f"{name} differs from the file in {self.folder} (changed after loading)"
                 return
             found[id(param)] = (param, view, param.dtype)
@@ -157,7 +151,7 @@ class FileWeights:
                 mapping = mmap.mmap(handle.fileno(), 0, access=mmap.ACCESS_COPY)
             self._maps.append(mapping)
             for key, entry in header.entries.items():
-                dtype = _DTYPES.get(entry["dtype"])
+                dtype = TORCH_DTYPES.get(entry["dtype"])
                 begin, end = entry["data_offsets"]
                 if dtype is None or end == begin:
                     continue
@@ -178,18 +172,6 @@ class FileWeights:
         for mapping in self._maps:
             with contextlib.suppress(AttributeError, OSError, ValueError):
                 mapping.madvise(mmap.MADV_DONTNEED)
-
-
-def _same_samples(view: torch.Tensor, loaded: torch.Tensor) -> bool:
-    """Whether the file's tensor and the loaded one agree at the start, middle and end (a changed
-    weight changes values everywhere; reading every element would read the whole model again)."""
-    flat_view, flat_loaded = view.reshape(-1), loaded.reshape(-1)
-    size = flat_view.numel()
-    for start in {0, max(0, size // 2 - _SAMPLE // 2), max(0, size - _SAMPLE)}:
-        part = slice(start, start + _SAMPLE)
-        if not torch.equal(flat_view[part].to(loaded.dtype), flat_loaded[part]):
-            return False
-    return True
 
 
 def _trim_heap() -> None:

@@ -57,6 +57,7 @@ from memfit.models.checkpoint_keys import loaded_names
 from memfit.plan.budget import AUTO, NONE, Budget, BudgetLike, resolve_budget
 from memfit.errors import MemfitError
 from memfit.run.offload import HookRegistry, MappedSafetensors, Runtime, Shared, Slot, StagingRing, SwapHook, aligned
+from memfit.safetensors_header import same_samples
 from memfit.plan.planner import DEVICE, DISK, HOST, BlockSpec, Plan, StageInput, make_plan
 
 __all__ = ["optimize", "restore", "is_optimized", "live_blocks", "plan_stage", "unrun_blocks", "blocks_not_run",
@@ -403,7 +404,7 @@ def live_blocks(component: str, module: torch.nn.Module, dtype: torch.dtype | No
                 if tensor is None or id(tensor) in seen:
                     continue
                 seen.add(id(tensor))
-                nbytes = tensor.numel() * (_run_dtype(tensor, dtype).itemsize)
+                nbytes = tensor.numel() * _run_dtype(tensor, dtype).itemsize
                 size += nbytes
                 if tensor is anchor:
                     fixed = nbytes
@@ -671,29 +672,13 @@ def _checked_mapping(files: MappedSafetensors, component: str, full_name: str, t
         )
     mapped = files.shared(key)
     view = mapped.tensor
-    if tuple(view.shape) != tuple(tensor.shape) or not _same_samples(view, tensor.data):
+    if tuple(view.shape) != tuple(tensor.shape) or not same_samples(view, tensor.data):
         raise MemfitError(
             f"{component}.{full_name} differs from {key} in {files.folder} (was the model changed after "
             "loading, e.g. a fused LoRA?). The disk tier would run the file's weights; save the pipeline "
             "and load it again, or keep this block off the disk tier."
         )
     return mapped
-
-
-def _same_samples(view: torch.Tensor, loaded: torch.Tensor, count: int = 4096) -> bool:
-    """Whether the file's tensor and the loaded one agree at the start, middle and end.
-
-    A changed model (a fused LoRA, a merged or requantized weight) changes values everywhere, so
-    samples catch it; comparing every element would read the whole model twice while loading, which
-    is exactly the memory peak the disk tier exists to avoid.
-    """
-    flat_view, flat_loaded = view.reshape(-1), loaded.reshape(-1)
-    size = flat_view.numel()
-    for start in {0, max(0, size // 2 - count // 2), max(0, size - count)}:
-        part = slice(start, start + count)
-        if not torch.equal(flat_view[part].to(loaded.dtype), flat_loaded[part].cpu()):
-            return False
-    return True
 
 
 def _undo(state: _State) -> None:

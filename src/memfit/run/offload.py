@@ -41,7 +41,7 @@ import torch
 from memfit.devices import DeviceRuntime
 from memfit.errors import MemfitError
 from memfit.run.timeline import record_move
-from memfit.safetensors_header import read_header
+from memfit.safetensors_header import TORCH_DTYPES, read_header
 
 __all__ = ["ALIGNMENT", "HookRegistry", "MappedSafetensors", "ModuleHook", "MappedPages", "Runtime", "Shared", "Slot",
            "StagingRing", "SwapHook", "aligned", "weights_ready"]
@@ -213,13 +213,6 @@ class MappedPages:
         self.mapping.madvise(option, self.start, self.length)
 
 
-_ST_DTYPES = {
-    "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
-    "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
-    "BOOL": torch.bool,
-}
-
-
 class MappedSafetensors:
     """The safetensors files of one folder, memory-mapped; ``tensor(key)`` is a zero-copy view.
 
@@ -253,7 +246,7 @@ class MappedSafetensors:
         if path not in self._maps:
             with path.open("rb") as handle:
                 self._maps[path] = mmap.mmap(handle.fileno(), 0, access=mmap.ACCESS_COPY)
-        dtype = _ST_DTYPES.get(entry["dtype"])
+        dtype = TORCH_DTYPES.get(entry["dtype"])
         if dtype is None:
             raise MemfitError(f"{path} stores {key} as {entry['dtype']}, which memfit cannot memory-map.")
         begin, end = entry["data_offsets"]
