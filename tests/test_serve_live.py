@@ -100,7 +100,8 @@ def test_concurrent_clients_are_answered_once_in_order_with_their_images(server,
         thread.join(300)
     assert sorted(responses) == list(range(clients))
     started = []
-    for i, response in responses.items():
+    for i in range(clients):  # in arrival order (``responses`` is in the order the answers came back)
+        response = responses[i]
         assert response.status_code == 200, response.text
         info = json.loads(response.json()["info"])
         assert info["seed"] == 100 + i and info["memfit"]["job"] == f"c{i}"
