@@ -11,6 +11,7 @@ evicted before each run and counts against the cap; being reclaimable, it cannot
 """
 
 import json
+import shutil
 import sys
 from pathlib import Path
 
@@ -39,7 +40,9 @@ pipe("a red circle", num_inference_steps=1, guidance_scale=2.0, width=32, height
 def model(tmp_path_factory):
     from memfit.testing import save_pipeline
 
-    return str(save_pipeline("sd", tmp_path_factory.mktemp("capped") / "sd", scale=24, text_layers=24))
+    folder = tmp_path_factory.mktemp("capped")
+    yield str(save_pipeline("sd", folder / "sd", scale=24, text_layers=24))
+    shutil.rmtree(folder)
 
 
 def _run(command, model, cap):
@@ -78,7 +81,9 @@ def wide_model(tmp_path_factory):
     """A UNet of 755 MiB in bf16 (fp32 files): far more than the process's own memory."""
     from memfit.testing import save_pipeline
 
-    return str(save_pipeline("sd", tmp_path_factory.mktemp("capped") / "wide", scale=40))
+    folder = tmp_path_factory.mktemp("wide")
+    yield str(save_pipeline("sd", folder / "wide", scale=40))
+    shutil.rmtree(folder)
 
 
 def test_a_component_larger_than_the_cap_in_the_run_dtype_streams(wide_model, tmp_path):

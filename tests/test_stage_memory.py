@@ -5,6 +5,7 @@ components are each 150-350 MB, so the differences asserted are well above alloc
 """
 
 import json
+import shutil
 import subprocess
 import sys
 
@@ -30,7 +31,9 @@ MiB = 2**20
 def big_model(tmp_path_factory):
     from memfit.testing import save_pipeline
 
-    return str(save_pipeline("sd", tmp_path_factory.mktemp("big") / "sd", scale=16, text_layers=40))
+    folder = tmp_path_factory.mktemp("big")
+    yield str(save_pipeline("sd", folder / "sd", scale=16, text_layers=40))
+    shutil.rmtree(folder)
 
 
 def test_stage_peaks_follow_the_largest_stage_not_the_sum(big_model, tmp_path):
