@@ -419,3 +419,52 @@ def test_a_file_of_many_pieces_is_checked_in_every_piece(store: CacheStore, monk
     damaged[3100] ^= 1  # in the last, short piece
     path.write_bytes(bytes(damaged))
     assert store.get(key()) is None
+
+
+def test_a_load_hashes_a_file_once_then_only_when_it_changed(store: CacheStore, monkeypatch):
+    """A file hashed once is stamped (size, times, inode); later loads trust the stamp until any of it
+    changes, even a rewrite of the same size with its modification time set back. `verify` rehashes
+    all, so it still finds what no stamp can see: bytes changed under an unchanged stamp."""
+    from memfit.cache import manifest as manifest_module
+
+    hashed = []
+    real_sha256 = manifest_module.sha256_of_file
+    monkeypatch.setattr(manifest_module, "sha256_of_file", lambda path: hashed.append(path) or real_sha256(path))
+    monkeypatch.setattr(manifest_module, "_SETTLED_NS", 0)
+    store.put(key(), {"blob": b"0123456789"})
+    hashed.clear()
+    assert store.get(key()) is not None and len(hashed) == 1  # hashed, then stamped
+    assert store.get(key()) is not None and len(hashed) == 1  # trusted: no hash
+
+    path = store.entry_dir(key()) / "data" / "blob"
+    before = path.stat()
+    time.sleep(0.05)  # past the filesystem's time granularity
+    path.write_bytes(b"0123456780")
+    os.utime(path, ns=(before.st_atime_ns, before.st_mtime_ns))
+    with pytest.warns(CacheCorruptionWarning, match="sha256"):
+        assert store.get(key()) is None
+
+    store.put(key(), {"blob": b"0123456789"})
+    assert store.get(key()) is not None
+    path.write_bytes(b"9123456789")
+    info = path.stat()  # as if the disk itself had changed it: a stamp that still matches
+    stamp = [info.st_size, info.st_mtime_ns, info.st_ctime_ns, info.st_ino, info.st_dev]
+    (store.entry_dir(key()) / "verified").write_text(json.dumps({"blob": stamp}))
+    hashed.clear()
+    assert store.get(key()) is not None and not hashed  # what a stamp cannot see
+    assert [bad.reason for bad in store.verify()] == ["blob fails its sha256 checksum (corrupted on disk)"]
+    assert len(hashed) == 1
+
+
+def test_a_file_changed_just_before_it_was_hashed_is_not_stamped(store: CacheStore, monkeypatch):
+    """Times tick coarsely: a file written within the last second could change again with the same
+    times, so it is hashed on every load until it has settled."""
+    from memfit.cache import manifest as manifest_module
+
+    hashed = []
+    real_sha256 = manifest_module.sha256_of_file
+    monkeypatch.setattr(manifest_module, "sha256_of_file", lambda path: hashed.append(path) or real_sha256(path))
+    store.put(key(), {"blob": b"abc"})
+    hashed.clear()
+    assert store.get(key()) is not None and store.get(key()) is not None
+    assert len(hashed) == 2 and not (store.entry_dir(key()) / "verified").exists()

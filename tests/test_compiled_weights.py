@@ -9,6 +9,7 @@ import json
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
@@ -53,6 +54,67 @@ def test_weights_changed_after_loading_stay_in_memory(tiny_models):
     assert not weights.release()
     assert "conv_out.weight differs" in weights.kept_because
     assert unet.conv_out.weight.dtype == torch.float32 and not weights.released
+
+
+def test_a_module_loaded_in_its_files_dtype_runs_in_its_run_dtype(tiny_models):
+    """Loaded in fp32 (its files' dtype) for a bf16 run: nothing is converted at load, yet every form the
+    module takes (its anchor and buffers, held, restored, or kept in memory) is the plain bf16 load's."""
+    plain = _unet(tiny_models("sd"), torch.bfloat16)
+    expected = {name: p.detach() for name, p in plain.named_parameters()}
+    unet = _unet(tiny_models("sd"), torch.float32)
+    weights = FileWeights(unet, Path(tiny_models("sd")) / "unet", torch.bfloat16)
+    assert weights.release(), weights.kept_because
+    first, *rest = list(unet.parameters())
+    assert unet.dtype == torch.bfloat16 and torch.equal(first, next(plain.parameters()))
+    assert all(p.dtype == torch.float32 for p in rest)
+    assert all(b.dtype == torch.bfloat16 for b in unet.buffers() if b.is_floating_point())
+    assert weights.released_bytes == sum(p.numel() * 2 for p in rest)
+    with weights.held():
+        assert all(torch.equal(p, expected[name]) for name, p in unet.named_parameters())
+    weights.restore()
+    assert all(torch.equal(p, expected[name]) for name, p in unet.named_parameters())
+
+    changed = _unet(tiny_models("sd"), torch.float32)
+    with torch.no_grad():
+        changed.conv_out.weight.add_(1.0)
+    kept = FileWeights(changed, Path(tiny_models("sd")) / "unet", torch.bfloat16)
+    assert not kept.release() and "conv_out.weight differs" in kept.kept_because
+    assert all(p.dtype == torch.bfloat16 for p in changed.parameters())  # kept in memory, as it runs
+
+
+@needs_openvino
+def test_a_staged_compiled_run_loads_the_served_components_unconverted(tiny_models, tmp_path, monkeypatch):
+    """A bf16 run of fp32 files with OpenVINO loads the components it compiles in fp32 (no conversion at
+    load); it builds the compiled models a load converted in bf16 would, so each path loads the other's
+    from the store, and all draw the same image."""
+    from memfit.models.folder import ModelFolder
+
+    loaded_in_file_dtype = []
+    load_stage = ModelFolder.load_stage
+
+    def spy(self, names, *args, in_file_dtype=(), **kwargs):
+        loaded_in_file_dtype.extend(in_file_dtype)
+        return load_stage(self, names, *args, in_file_dtype=in_file_dtype, **kwargs)
+
+    monkeypatch.setattr(ModelFolder, "load_stage", spy)
+    monkeypatch.setenv("MEMFIT_CACHE_DIR", str(tmp_path / "cache"))
+
+    def run(budget):
+        result = memfit.generate("a red circle", model=tiny_models("sd"), steps=2, width=32, height=32, seed=3,
+                                 dtype="bf16", backend={"unet": "openvino", "text_encoder": "openvino"},
+                                 budget=budget, progress=False)
+        records = [record for stage in result.report.stages for record in stage.compiled]
+        return np.asarray(result.images[0]), {record["component"]: record["cold"] for record in records}
+
+    unconverted_cold, cold = run("none")
+    assert sorted(set(loaded_in_file_dtype)) == ["text_encoder", "unet"] and all(cold.values()), cold
+    unconverted_warm, warm = run("4GiB")
+    assert not any(warm.values()), warm
+    loaded_in_file_dtype.clear()
+    monkeypatch.setattr(ModelFolder, "convertible", lambda self, name, dtype: False)  # loaded converted
+    converted_warm, warm = run("none")
+    assert not loaded_in_file_dtype and not any(warm.values()), warm
+    assert np.array_equal(unconverted_cold, unconverted_warm) and np.array_equal(unconverted_cold, converted_warm)
 
 
 def test_precision_is_refused_where_the_backend_computes_in_the_dtype():

@@ -4,13 +4,24 @@ An entry is complete and intact exactly when its manifest parses, names the dige
 it sits in, and every listed file exists with the listed size and sha256 and no other file is in
 the data directory. Anything less (a crash mid-write, a truncated copy, a flipped bit on disk) is
 reported and rebuilt, never loaded.
+
+Hashing gigabytes costs seconds on every load, so a file whose sha256 was checked is stamped (in
+the entry's ``verified`` file) with what the filesystem says of it: size, modification and change
+times in nanoseconds, inode and device. A load rehashes only a file whose stamp differs; any write,
+truncation, copy or replacement changes the change time, which no program can set back. Those times
+tick coarsely (milliseconds), so a file changed within a second before it was hashed is not stamped:
+a later change could share its time. What a stamp cannot see is the disk itself flipping a bit under
+an unchanged inode: ``memfit cache verify`` rehashes every file, stamped or not.
 """
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
+import tempfile
+import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -21,6 +32,8 @@ from memfit.cache.key import CACHE_FORMAT_VERSION
 MANIFEST_NAME = "manifest.json"
 DATA_DIR_NAME = "data"
 LAST_USED_NAME = "last_used"
+VERIFIED_NAME = "verified"
+_SETTLED_NS = 1_000_000_000  # a file unchanged this long when hashed can be stamped (see the module doc)
 
 _CHUNK = 4 * 1024 * 1024
 _PIECE = 64 * 1024 * 1024
@@ -141,8 +154,11 @@ def describe_files(data_dir: Path) -> dict[str, dict[str, Any]]:
     }
 
 
-def find_damage(entry_dir: Path, expected_digest: str, *, check_contents: bool = True) -> str | None:
-    """Why the entry at ``entry_dir`` must not be loaded, or None when it is intact."""
+def find_damage(entry_dir: Path, expected_digest: str, *, rehash: bool = False) -> str | None:
+    """Why the entry at ``entry_dir`` must not be loaded, or None when it is intact.
+
+    A file is hashed unless its stamp says it is unchanged since it last was; ``rehash`` hashes every file.
+    """
     manifest_path = entry_dir / MANIFEST_NAME
     try:
         manifest = Manifest.from_json(manifest_path.read_text(encoding="utf-8"))
@@ -159,11 +175,44 @@ def find_damage(entry_dir: Path, expected_digest: str, *, check_contents: bool =
         return f"file(s) missing: {', '.join(sorted(listed - present))}"
     if present - listed:
         return f"unexpected file(s): {', '.join(sorted(present - listed))}"
+    stamps = {} if rehash else _read_stamps(entry_dir)
+    settled = {}
     for name, expected in sorted(manifest.files.items()):
         path = data_dir / name
-        size = path.stat().st_size
-        if size != expected["size"]:
-            return f"{name} is {size} bytes, expected {expected['size']} (truncated or overwritten)"
-        if check_contents and sha256_of_file(path) != expected["sha256"]:
-            return f"{name} fails its sha256 checksum (corrupted on disk)"
+        info = path.stat()
+        stamp = [info.st_size, info.st_mtime_ns, info.st_ctime_ns, info.st_ino, info.st_dev]
+        if info.st_size != expected["size"]:
+            return f"{name} is {info.st_size} bytes, expected {expected['size']} (truncated or overwritten)"
+        if stamps.get(name) != stamp:
+            hashed_at = time.time_ns()
+            if sha256_of_file(path) != expected["sha256"]:
+                return f"{name} fails its sha256 checksum (corrupted on disk)"
+            if hashed_at - max(info.st_mtime_ns, info.st_ctime_ns) < _SETTLED_NS:
+                continue
+        settled[name] = stamp
+    if settled != stamps:
+        _write_stamps(entry_dir, settled)
     return None
+
+
+def _write_stamps(entry_dir: Path, stamps: dict[str, list[int]]) -> None:
+    """Best effort: a store memfit cannot write to rehashes on every load. Never creates ``entry_dir``
+    (a concurrent eviction may have removed it)."""
+    temporary = None
+    try:
+        fd, temporary = tempfile.mkstemp(prefix=f".{VERIFIED_NAME}.", suffix=".tmp", dir=entry_dir)
+        with os.fdopen(fd, "w", encoding="utf-8") as handle:
+            json.dump(stamps, handle)
+        os.replace(temporary, entry_dir / VERIFIED_NAME)
+    except OSError:
+        if temporary is not None:
+            with contextlib.suppress(OSError):
+                os.unlink(temporary)
+
+
+def _read_stamps(entry_dir: Path) -> dict[str, list[int]]:
+    try:
+        stamps = json.loads((entry_dir / VERIFIED_NAME).read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return {}
+    return stamps if isinstance(stamps, dict) else {}

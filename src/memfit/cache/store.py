@@ -334,7 +334,7 @@ class CacheStore:
         """Re-check every entry's files against its manifest; return the damaged ones."""
         bad = []
         for entry_dir in self._entry_dirs(kind):
-            damage = find_damage(entry_dir, entry_dir.name)
+            damage = find_damage(entry_dir, entry_dir.name, rehash=True)
             if damage is not None:
                 bad.append(BadEntry(entry_dir.parent.parent.name, entry_dir.name, entry_dir, damage))
                 if remove_bad:

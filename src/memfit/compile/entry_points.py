@@ -52,7 +52,7 @@ from memfit.errors import MemfitError
 from memfit.sizes import format_bytes as _size
 
 __all__ = ["CompileRecord", "compile_components", "compiled_weight_bytes", "entry_points", "is_compiled", "uncompile",
-           "module_fingerprint"]
+           "module_fingerprint", "served_by_own_weights"]
 
 BackendSpec = Union[str, Backend, Mapping[str, Union[str, Backend]]]
 
@@ -117,6 +117,7 @@ def compile_components(
     options: Mapping[str, Mapping[str, Any]] | None = None,
     sources: Mapping[str, Any] | None = None,
     precision: str | None = None,
+    run_dtypes: Mapping[str, torch.dtype] | None = None,
 ) -> list[CompileRecord]:
     """Install compiled entry points on every torch component of ``pipe``; see the module doc.
 
@@ -133,10 +134,13 @@ def compile_components(
                   its config names, and where neither holds them, they stay in memory (the record says so).
     precision:    the compute precision ("fp32", "bf16", "fp16") for backends that have one of their
                   own (OpenVINO); None: the dtype the component runs in. See ``with_precision``.
+    run_dtypes:   {component: the dtype it runs in} for components loaded in their files' dtype instead
+                  (memfit.run.runner skips that conversion for a component its compiled model serves);
+                  see memfit.compile.weights.
     """
     components = {name: value for name, value in getattr(pipe, "components", {}).items()}
     if precision is not None:
-        backend = with_precision(backend, precision, _weights_dtype(components))
+        backend = with_precision(backend, precision, _weights_dtype(components, run_dtypes or {}))
     chosen = _choose_backends(components, backend)
     fallback_backend = get_backend(fallback) if fallback is not None else None
     if fallback_backend is not None and fallback_backend.name != "eager":
@@ -158,7 +162,7 @@ def compile_components(
         installed = vars(module).setdefault(ENTRIES_ATTR, {})
         weights = vars(module).get(WEIGHTS_ATTR)
         if weights is None and ok and be.holds_own_weights:
-            weights = FileWeights(module, (sources or {}).get(name))
+            weights = FileWeights(module, (sources or {}).get(name), (run_dtypes or {}).get(name))
             vars(module)[WEIGHTS_ATTR] = weights
         for method in methods:
             existing = installed.get(method)
@@ -291,9 +295,11 @@ def _choose_backends(components: Mapping[str, Any], backend: BackendSpec) -> dic
     return {name: backend for name in components}
 
 
-def _weights_dtype(components: Mapping[str, Any]) -> Any:
+def _weights_dtype(components: Mapping[str, Any], run_dtypes: Mapping[str, torch.dtype]) -> Any:
     """The dtype the pipeline's weights run in: its first floating parameter's."""
-    for module in components.values():
+    for name, module in components.items():
+        if name in run_dtypes:
+            return run_dtypes[name]
         if isinstance(module, torch.nn.Module):
             for param in module.parameters():
                 if param.is_floating_point():
@@ -486,11 +492,12 @@ class _Entry:
 
 
 def compile_stage(pipe, model_dir, backend: BackendSpec | None, fallback, records: list,
-                  fingerprint: Callable[[str], str]) -> None:
+                  fingerprint: Callable[[str], str], run_dtypes: Mapping[str, torch.dtype] | None = None) -> None:
     """Compile a freshly loaded stage's components, with their folders' fingerprints as content.
 
     ``records`` receives the CompileRecords; they fill in as the entries compile during the stage.
-    ``fingerprint(name)`` is the content fingerprint of the folder ``model_dir/name``.
+    ``fingerprint(name)`` is the content fingerprint of the folder ``model_dir/name``. ``run_dtypes``: see
+    compile_components.
     """
     if backend is None:
         return
@@ -501,7 +508,26 @@ def compile_stage(pipe, model_dir, backend: BackendSpec | None, fallback, record
         if entry_points(name, module) and (Path(model_dir) / name).is_dir():
             fingerprints[name] = fingerprint(name)
             sources[name] = Path(model_dir) / name
-    records.extend(compile_components(pipe, backend, fallback=fallback, fingerprints=fingerprints, sources=sources))
+    records.extend(compile_components(pipe, backend, fallback=fallback, fingerprints=fingerprints, sources=sources,
+                                      run_dtypes=run_dtypes))
+
+
+def served_by_own_weights(all_names, names, backend: BackendSpec | None) -> list[str]:
+    """The components of ``names`` (a stage of a pipeline with components ``all_names``), not yet loaded,
+    that ``backend`` will compile into a model with its own copy of the weights: their torch weights
+    serve only a cold compile or an eager fallback (see compile_components' ``run_dtypes``)."""
+    if backend is None:
+        return []
+    chosen = _choose_backends(dict.fromkeys(all_names), backend)
+    served = []
+    for name in names:
+        spec = chosen.get(name)
+        if spec is None or not (name.startswith(("vae", "text_encoder")) or name.startswith(_DENOISERS)):
+            continue
+        be = get_backend(spec)
+        if be.holds_own_weights and be.available().ok:
+            served.append(name)
+    return served
 
 
 def compiled_weight_bytes(pipe, names, backend: BackendSpec | None, dtype: torch.dtype) -> dict[str, int]:

@@ -14,6 +14,11 @@ re-pointed to a private memory map of the component's own safetensors file (``Fi
 The first parameter keeps its loaded form (converted, if it was): ``module.dtype`` and
 ``module.device``, which pipelines read to place their inputs, come from it.
 
+A module loaded in its files' dtype to skip converting it at load (memfit.run.runner: the compiled
+model, not the torch weights, serves it) is given the dtype it runs in: its first parameter and its
+floating buffers are converted to it, ``held()`` and ``restore()`` convert to it, and where its
+weights cannot be released the whole module is converted, so it runs as if loaded in that dtype.
+
 What is never released: a module with a weight that no file of its folder holds with the same
 values (a LoRA's own tensors, a fused or changed weight, a module built in memory): ``release``
 then keeps every weight and ``kept_because`` says why.
@@ -51,8 +56,9 @@ def source_folder(module: torch.nn.Module, given: str | Path | None = None) -> P
 class FileWeights:
     """The parameters of one module, released to (and brought back from) its safetensors files."""
 
-    def __init__(self, module: torch.nn.Module, folder: str | Path | None):
+    def __init__(self, module: torch.nn.Module, folder: str | Path | None, dtype: torch.dtype | None = None):
         self.module = module
+        self.dtype = dtype  # the dtype the module runs in, where it was loaded in another (None: as loaded)
         self.folder = source_folder(module, folder)
         self.kept_because = "" if self.folder is not None else "no safetensors file of its own to map them from"
         self.released = False
@@ -69,12 +75,12 @@ class FileWeights:
         """Point every parameter (but the first) at the file; False (and ``kept_because``) if not possible."""
         if self.released:
             return True
-        if self.kept_because:
-            return False
-        if not self._loaded:
+        if not self.kept_because and not self._loaded:
             self._map_parameters()
-            if self.kept_because:
-                return False
+        if self.kept_because:
+            if self.dtype is not None:
+                self.module.to(self.dtype)  # kept in memory: in the dtype it runs in
+            return False
         if self._depth == 0:
             self._point_at_files()
         self.released = True
@@ -134,13 +140,18 @@ class FileWeights:
             if tuple(view.shape) != tuple(param.shape) or not same_samples(view, param.data):
                 self.kept_because = f"{name} differs from the file in {self.folder} (changed after loading)"
                 return
-            found[id(param)] = (param, view, param.dtype)
+            found[id(param)] = (param, view, self._run_dtype(param))
         self._loaded = found
+        if first is not None:
+            first.data = first.data.to(self._run_dtype(first))
         for buffer in self.module.buffers():
             # A buffer can be a view of the loader's whole-file map, which would keep every page the
             # module ever read in this process; an own copy is small.
-            buffer.data = buffer.data.clone()
+            buffer.data = buffer.data.to(self._run_dtype(buffer), copy=True)
         self._drop_pages()
+
+    def _run_dtype(self, tensor: torch.Tensor) -> torch.dtype:
+        return self.dtype if self.dtype is not None and tensor.is_floating_point() else tensor.dtype
 
     def _open_files(self) -> dict[str, torch.Tensor]:
         views: dict[str, torch.Tensor] = {}

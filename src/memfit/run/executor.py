@@ -48,7 +48,7 @@ import dataclasses
 import fnmatch
 import weakref
 from pathlib import Path
-from typing import Mapping
+from typing import Collection, Mapping
 
 import torch
 
@@ -132,6 +132,7 @@ def optimize(
     activation_bytes: int = 0,
     parts: Mapping[str, tuple[str, ...]] | None = None,
     dtype: torch.dtype | None = None,
+    skip: Collection[str] = (),
 ):
     """Apply a plan to the live pipeline ``pipe`` and return the same object.
 
@@ -160,6 +161,7 @@ def optimize(
     dtype:       the dtype floating weights run in, for a pipeline loaded in its files' dtype
                  (memfit.models.folder.ModelFolder.load_stage's ``in_file_dtype``): planned at this dtype;
                  resident weights are converted block by block, streamed ones at each forward. CPU only.
+    skip:        components left exactly as they are, outside the plan (those a compiled model serves).
     """
     no_budget = isinstance(budget, str) and budget.strip().lower() == NONE
     if plan is not None or force_tiers is not None:
@@ -175,7 +177,7 @@ def optimize(
         return _compile(pipe, backend, fallback, precision)
     if is_optimized(pipe):
         raise MemfitError("This pipeline is already optimized; call memfit.restore(pipe) before optimizing it again.")
-    components = _components(pipe)
+    components = {name: module for name, module in _components(pipe).items() if name not in skip}
     if not components:
         raise MemfitError(f"{type(pipe).__name__} has no torch module components to optimize.")
     device = runtime_for(device if device is not None else _first_param(next(iter(components.values()))).device)

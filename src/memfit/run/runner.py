@@ -33,7 +33,7 @@ from typing import Any
 
 import torch
 
-from memfit.compile.entry_points import compile_stage, compiled_weight_bytes, report_records
+from memfit.compile.entry_points import compile_stage, compiled_weight_bytes, report_records, served_by_own_weights
 from memfit.devices import DeviceRuntime, cuda_device_count, runtime_for
 from memfit.errors import MemfitError
 from memfit.models.families import Settings
@@ -304,12 +304,19 @@ class StageContext:
         # block by block once planned (streamed ones at each forward): the whole model is never
         # converted at once. Only where the plan is carried out on the CPU, with nothing else changing
         # the loaded weights first (a LoRA, a compiler).
-        converting = []
+        # A component that a compiled model with its own copy of the weights will serve loads in its files'
+        # dtype too: its torch weights are only read by a cold compile or an eager fallback, which convert
+        # what they read (memfit.compile.weights), so a warm store never pays for converting them.
+        converting, compiled_in_file_dtype = [], []
         runtime = runner.runtime
-        if self.budget is not None and runtime.can_stream and not runtime.separate_memory and runner.backend is None \
-                and not loras:
-            converting = [name for name in to_load if name not in external
-                          and folder.convertible(name, runner.torch_dtype)]
+        if runtime.can_stream and not runtime.separate_memory and not loras:
+            candidates = [name for name in to_load if name not in external]
+            if runner.backend is None and self.budget is not None:
+                converting = [name for name in candidates if folder.convertible(name, runner.torch_dtype)]
+            elif runner.backend is not None:
+                served = served_by_own_weights(folder.components, candidates, runner.backend)
+                compiled_in_file_dtype = [name for name in served if folder.convertible(name, runner.torch_dtype)]
+                converting = list(compiled_in_file_dtype)
         pipe = folder.load_stage(to_load, runner.torch_dtype, None, in_file_dtype=converting, **task_options)
         if loras:
             from memfit.models.lora import load_loras
@@ -333,7 +340,8 @@ class StageContext:
             place_whole(pipe, runner.runtime)  # nothing to plan: the whole stage goes where it runs
         if shared:
             pipe.register_modules(**shared)
-        compile_stage(pipe, folder.path, backend, runner.fallback, self.compiled, folder.component_fingerprint)
+        compile_stage(pipe, folder.path, backend, runner.fallback, self.compiled, folder.component_fingerprint,
+                      run_dtypes=dict.fromkeys(compiled_in_file_dtype, runner.torch_dtype))
         return pipe
 
     def _fit(self, pipe, folder: ModelFolder, plan_as: str, already_used: int, dtype: torch.dtype | None = None) -> None:
@@ -362,7 +370,8 @@ class StageContext:
                 "(Python, torch and the libraries loaded): add that to any budget named above."
             ) from exc
         if runner.runtime.can_stream:
-            optimize(pipe, plan=plan, model_dir=folder.path, device=runner.runtime, parts=parts, dtype=dtype)
+            optimize(pipe, plan=plan, model_dir=folder.path, device=runner.runtime, parts=parts, dtype=dtype,
+                     skip=compiled)
         else:
             _refuse_streaming(plan.stages[0], self.stage, runner.runtime)
             place_whole(pipe, runner.runtime)
