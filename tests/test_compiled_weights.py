@@ -85,8 +85,8 @@ def test_a_module_loaded_in_its_files_dtype_runs_in_its_run_dtype(tiny_models):
 @needs_openvino
 def test_a_staged_compiled_run_loads_the_served_components_unconverted(tiny_models, tmp_path, monkeypatch):
     """A bf16 run of fp32 files with OpenVINO loads the components it compiles in fp32 (no conversion at
-    load); it builds the compiled models a load converted in bf16 would, so each path loads the other's
-    from the store, and all draw the same image."""
+    load), and a warm start never converts them; a cold one builds the compiled models a load converted
+    in bf16 would, so each path loads the other's from the store, and all draw the same image."""
     from memfit.models.folder import ModelFolder
 
     loaded_in_file_dtype = []
@@ -98,6 +98,15 @@ def test_a_staged_compiled_run_loads_the_served_components_unconverted(tiny_mode
 
     monkeypatch.setattr(ModelFolder, "load_stage", spy)
     monkeypatch.setenv("MEMFIT_CACHE_DIR", str(tmp_path / "cache"))
+    brought_in = []  # components whose torch weights were read in their run form
+    bring_in = FileWeights._bring_in
+
+    def spy_bring_in(self):
+        if self.released and not self._brought_in:
+            brought_in.append(type(self.module).__name__)
+        bring_in(self)
+
+    monkeypatch.setattr(FileWeights, "_bring_in", spy_bring_in)
 
     def run(budget):
         result = memfit.generate("a red circle", model=tiny_models("sd"), steps=2, width=32, height=32, seed=3,
@@ -108,8 +117,10 @@ def test_a_staged_compiled_run_loads_the_served_components_unconverted(tiny_mode
 
     unconverted_cold, cold = run("none")
     assert sorted(set(loaded_in_file_dtype)) == ["text_encoder", "unet"] and all(cold.values()), cold
+    assert sorted(brought_in) == ["CLIPTextModel", "UNet2DConditionModel"]  # read by the builds
+    brought_in.clear()
     unconverted_warm, warm = run("4GiB")
-    assert not any(warm.values()), warm
+    assert not any(warm.values()) and not brought_in, (warm, brought_in)  # stored: never read
     loaded_in_file_dtype.clear()
     monkeypatch.setattr(ModelFolder, "convertible", lambda self, name, dtype: False)  # loaded converted
     converted_warm, warm = run("none")

@@ -30,7 +30,8 @@ def register(subparsers: "argparse._SubParsersAction") -> argparse.ArgumentParse
     ls.add_argument("--json", action="store_true", help="print a JSON list instead of a table")
     ls.set_defaults(func=cmd_ls)
 
-    verify = actions.add_parser("verify", help="re-check every entry's checksums; exit 1 if any is bad")
+    verify = actions.add_parser("verify", help="rehash every file of every entry (a load trusts a file unchanged "
+                                "since it was hashed); exit 1 if any is bad")
     verify.add_argument("--kind", help="only entries of this kind")
     verify.add_argument("--remove", action="store_true", help="also remove the bad entries")
     verify.set_defaults(func=cmd_verify)

@@ -71,7 +71,7 @@ def entry_points(name: str, module: torch.nn.Module) -> tuple[str, ...]:
         return ()
     if name.startswith("vae"):
         return tuple(m for m in ("decode", "encode") if callable(getattr(module, m, None)))
-    if name.startswith(_DENOISERS) or name.startswith("text_encoder"):
+    if name.startswith(_DENOISERS + ("text_encoder",)):
         return ("forward",)
     return ()
 
@@ -441,11 +441,14 @@ class _Entry:
                 fingerprint = self._entry_fingerprint(leaves, tensor_positions, spec) if self.cache is not None else None
                 run = self.backend.compile(fn, tensors, self.options, cache=self.cache, weights_fingerprint=fingerprint)
             else:
-                with self.weights.held():  # a cold build reads them; a stored artifact does not
+                # A cold build reads them, so they are brought in when it starts; a stored artifact does not.
+                with self.weights.held(until_needed=True) as bring_in:
+                    if self.fingerprint is None:
+                        bring_in()  # the key then hashes the weights as the module runs them
                     fingerprint = self._entry_fingerprint(leaves, tensor_positions, spec) if self.cache is not None else None
                     run = self.backend.compile(fn, tensors, self.options, cache=self.cache,
                                                weights_fingerprint=fingerprint, before_load=self.weights.drop,
-                                               on_build=lambda: built.append(True))
+                                               on_build=lambda: (built.append(True), bring_in()))
         except Exception as exc:
             if isinstance(exc, MemfitError) and "MEMFIT_CACHE=require" in str(exc):
                 raise
@@ -522,7 +525,7 @@ def served_by_own_weights(all_names, names, backend: BackendSpec | None) -> list
     served = []
     for name in names:
         spec = chosen.get(name)
-        if spec is None or not (name.startswith(("vae", "text_encoder")) or name.startswith(_DENOISERS)):
+        if spec is None or not name.startswith(_DENOISERS + ("vae", "text_encoder")):  # see entry_points
             continue
         be = get_backend(spec)
         if be.holds_own_weights and be.available().ok:

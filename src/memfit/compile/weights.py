@@ -31,7 +31,7 @@ import ctypes
 import gc
 import mmap
 from pathlib import Path
-from typing import Iterator
+from typing import Callable, Iterator
 
 import torch
 
@@ -65,6 +65,7 @@ class FileWeights:
         self._loaded: dict[int, tuple[torch.nn.Parameter, torch.Tensor, torch.dtype]] = {}  # id -> (param, map view, dtype)
         self._maps: list[mmap.mmap] = []
         self._depth = 0
+        self._brought_in = False  # inside held(): the parameters are as the module runs them
 
     @property
     def released_bytes(self) -> int:
@@ -83,29 +84,41 @@ class FileWeights:
             return False
         if self._depth == 0:
             self._point_at_files()
+        else:
+            self._brought_in = True  # inside held(): as loaded until it ends
         self.released = True
         return True
 
     def drop(self) -> None:
         """Inside ``held()``: the caller no longer needs the weights (a compile has built its model)."""
-        if self.released:
+        if self.released and self._brought_in:
             self._point_at_files()
 
     @contextlib.contextmanager
-    def held(self) -> Iterator[None]:
-        """The parameters as the module runs them, for the duration (eager calls, compiles)."""
+    def held(self, until_needed: bool = False) -> Iterator[Callable[[], None]]:
+        """The parameters as the module runs them, for the duration (eager calls, compiles).
+
+        With ``until_needed`` they stay as they are until the caller calls what this yields: a compile
+        does so only when it builds, so one that finds its model stored converts nothing.
+        """
         self._depth += 1
         try:
-            if self._depth == 1 and self.released:
-                for param, view, dtype in self._loaded.values():
-                    if view.dtype != dtype:
-                        param.data = view.to(dtype)
-                self._drop_pages()  # converted: the file's pages are not needed in this process
-            yield
+            if not until_needed:
+                self._bring_in()
+            yield self._bring_in
         finally:
             self._depth -= 1
-            if self._depth == 0 and self.released:
+            if self._depth == 0 and self.released and self._brought_in:
                 self._point_at_files()
+
+    def _bring_in(self) -> None:
+        if not self.released or self._brought_in:
+            return
+        for param, view, dtype in self._loaded.values():
+            if view.dtype != dtype:
+                param.data = view.to(dtype)
+        self._drop_pages()  # converted: the file's pages are not needed in this process
+        self._brought_in = True
 
     def restore(self) -> None:
         """The weights back in memory in the module's dtype (for good: uncompile, an eager fallback)."""
@@ -174,6 +187,7 @@ class FileWeights:
     def _point_at_files(self) -> None:
         for param, view, _ in self._loaded.values():
             param.data = view
+        self._brought_in = False
         gc.collect()  # a compile's graphs hold the converted weights in reference cycles
         _trim_heap()
         self._drop_pages()

@@ -370,8 +370,10 @@ class StageContext:
                 "(Python, torch and the libraries loaded): add that to any budget named above."
             ) from exc
         if runner.runtime.can_stream:
+            # On the CPU a compiled component's torch weights stay as loaded (memory-mapped once compiled); on
+            # a GPU they move with the plan, so that the pipeline places its inputs where the rest runs.
             optimize(pipe, plan=plan, model_dir=folder.path, device=runner.runtime, parts=parts, dtype=dtype,
-                     skip=compiled)
+                     skip=() if runner.runtime.separate_memory else compiled)
         else:
             _refuse_streaming(plan.stages[0], self.stage, runner.runtime)
             place_whole(pipe, runner.runtime)
