@@ -108,6 +108,14 @@ def run_optimum(python: str, ir: str, static: bool, args) -> dict:
     return {"ok": True, **json.loads(line)}
 
 
+def _paired_ratios(runs: list[dict], ours: str, theirs: str) -> list[tuple[int, float, float]]:
+    """(round, first image ratio, second image ratio) of ``ours`` against ``theirs`` in each round both completed."""
+    by_round = {(r["row"], r["round"]): r for r in runs if r["ok"]}
+    return [(index, mine["first_image_s"] / other["first_image_s"], mine["second_image_s"] / other["second_image_s"])
+            for (row, index), mine in sorted(by_round.items(), key=lambda item: item[0][1])
+            if row == ours and (other := by_round.get((theirs, index)))]
+
+
 def render(data: dict) -> str:
     a = data["args"]
     lines = [
@@ -135,6 +143,12 @@ def render(data: dict) -> str:
                   f"1.0x, peak RSS <= 0.5x): first image {ours['first_image_s'] / anchor['first_image_s']:.2f}x, "
                   f"second image {ours['second_image_s'] / anchor['second_image_s']:.2f}x, peak RSS "
                   f"{ours['peak_rss_bytes'] / anchor['peak_rss_bytes']:.2f}x."]
+        paired = _paired_ratios(data["runs"], SESSION_ROW, "optimum-intel static")
+        if paired:
+            lines += ["", "The same ratios within each round (the two runs of a round are minutes apart, so they share "
+                      "the machine's load): " + "; ".join(
+                          f"round {index}: first image {first:.2f}x, second image {second:.2f}x"
+                          for index, first, second in paired) + "."]
     errors = [f"- {r['row']} round {r['round']}: {r['error']}" for r in data["runs"] if not r["ok"]]
     if errors:
         lines += ["", "Failed runs:", *errors]
