@@ -82,6 +82,19 @@ def test_a_module_loaded_in_its_files_dtype_runs_in_its_run_dtype(tiny_models):
     assert all(p.dtype == torch.bfloat16 for p in changed.parameters())  # kept in memory, as it runs
 
 
+def test_a_component_loaded_in_its_files_dtype_that_nothing_serves_from_files_runs_converted(tiny_models):
+    """A backend that runs the torch weights themselves (eager) gets them in the run dtype, as a plain load."""
+    import diffusers
+
+    pipe = diffusers.StableDiffusionPipeline.from_pretrained(tiny_models("sd"), safety_checker=None,
+                                                             requires_safety_checker=False)  # fp32, as the files
+    compile_components(pipe, {"unet": "eager"}, run_dtypes={"unet": torch.bfloat16, "vae": torch.bfloat16})
+    assert all(p.dtype == torch.bfloat16 for p in pipe.unet.parameters())
+    assert all(p.dtype == torch.bfloat16 for p in pipe.vae.parameters())  # not compiled at all
+    assert all(p.dtype == torch.float32 for p in pipe.text_encoder.parameters())  # not named: as loaded
+    uncompile(pipe)
+
+
 @needs_openvino
 def test_a_staged_compiled_run_loads_the_served_components_unconverted(tiny_models, tmp_path, monkeypatch):
     """A bf16 run of fp32 files with OpenVINO loads the components it compiles in fp32 (no conversion at

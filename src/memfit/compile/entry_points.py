@@ -205,6 +205,11 @@ def compile_components(
                     if record.component == name and record.status != "shared":
                         record.weights = (f"torch weights ({_size(weights.released_bytes)}) memory-mapped from "
                                           f"{weights.folder}, not in memory")
+    for name, dtype in (run_dtypes or {}).items():
+        module = components.get(name)
+        weights = vars(module).get(WEIGHTS_ATTR) if isinstance(module, torch.nn.Module) else None
+        if isinstance(module, torch.nn.Module) and (weights is None or not weights.released):
+            module.to(dtype)  # no compiled model serves it from its files: it runs in memory, as loaded converted
     return records
 
 

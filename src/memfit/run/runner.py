@@ -307,16 +307,14 @@ class StageContext:
         # A component that a compiled model with its own copy of the weights will serve loads in its files'
         # dtype too: its torch weights are only read by a cold compile or an eager fallback, which convert
         # what they read (memfit.compile.weights), so a warm store never pays for converting them.
-        converting, compiled_in_file_dtype = [], []
+        converting = []
         runtime = runner.runtime
         if runtime.can_stream and not runtime.separate_memory and not loras:
             candidates = [name for name in to_load if name not in external]
-            if runner.backend is None and self.budget is not None:
+            if runner.backend is not None:
+                candidates = served_by_own_weights(folder.components, candidates, runner.backend)
+            if runner.backend is not None or self.budget is not None:
                 converting = [name for name in candidates if folder.convertible(name, runner.torch_dtype)]
-            elif runner.backend is not None:
-                served = served_by_own_weights(folder.components, candidates, runner.backend)
-                compiled_in_file_dtype = [name for name in served if folder.convertible(name, runner.torch_dtype)]
-                converting = list(compiled_in_file_dtype)
         pipe = folder.load_stage(to_load, runner.torch_dtype, None, in_file_dtype=converting, **task_options)
         if loras:
             from memfit.models.lora import load_loras
@@ -340,8 +338,10 @@ class StageContext:
             place_whole(pipe, runner.runtime)  # nothing to plan: the whole stage goes where it runs
         if shared:
             pipe.register_modules(**shared)
+        # Those the budget left uncompiled were converted by the plan (_fit) like any other component.
+        served = [name for name in converting if self.budget is None or name in compiled]
         compile_stage(pipe, folder.path, backend, runner.fallback, self.compiled, folder.component_fingerprint,
-                      run_dtypes=dict.fromkeys(compiled_in_file_dtype, runner.torch_dtype))
+                      run_dtypes=dict.fromkeys(served, runner.torch_dtype) if backend is not None else None)
         return pipe
 
     def _fit(self, pipe, folder: ModelFolder, plan_as: str, already_used: int, dtype: torch.dtype | None = None) -> None:
