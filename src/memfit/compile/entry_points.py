@@ -139,8 +139,9 @@ def compile_components(
                   see memfit.compile.weights.
     """
     components = {name: value for name, value in getattr(pipe, "components", {}).items()}
+    run_dtypes = run_dtypes or {}
     if precision is not None:
-        backend = with_precision(backend, precision, _weights_dtype(components, run_dtypes or {}))
+        backend = with_precision(backend, precision, _weights_dtype(components, run_dtypes))
     chosen = _choose_backends(components, backend)
     fallback_backend = get_backend(fallback) if fallback is not None else None
     if fallback_backend is not None and fallback_backend.name != "eager":
@@ -162,7 +163,7 @@ def compile_components(
         installed = vars(module).setdefault(ENTRIES_ATTR, {})
         weights = vars(module).get(WEIGHTS_ATTR)
         if weights is None and ok and be.holds_own_weights:
-            weights = FileWeights(module, (sources or {}).get(name), (run_dtypes or {}).get(name))
+            weights = FileWeights(module, (sources or {}).get(name), run_dtypes.get(name))
             vars(module)[WEIGHTS_ATTR] = weights
         for method in methods:
             existing = installed.get(method)
@@ -205,10 +206,9 @@ def compile_components(
                     if record.component == name and record.status != "shared":
                         record.weights = (f"torch weights ({_size(weights.released_bytes)}) memory-mapped from "
                                           f"{weights.folder}, not in memory")
-    for name, dtype in (run_dtypes or {}).items():
+    for name, dtype in run_dtypes.items():
         module = components.get(name)
-        weights = vars(module).get(WEIGHTS_ATTR) if isinstance(module, torch.nn.Module) else None
-        if isinstance(module, torch.nn.Module) and (weights is None or not weights.released):
+        if isinstance(module, torch.nn.Module) and not getattr(vars(module).get(WEIGHTS_ATTR), "released", False):
             module.to(dtype)  # no compiled model serves it from its files: it runs in memory, as loaded converted
     return records
 
@@ -520,21 +520,20 @@ def compile_stage(pipe, model_dir, backend: BackendSpec | None, fallback, record
                                       run_dtypes=run_dtypes))
 
 
-def served_by_own_weights(all_names, names, backend: BackendSpec | None) -> list[str]:
-    """The components of ``names`` (a stage of a pipeline with components ``all_names``), not yet loaded,
-    that ``backend`` will compile into a model with its own copy of the weights: their torch weights
-    serve only a cold compile or an eager fallback (see compile_components' ``run_dtypes``)."""
+def served_by_own_weights(all_names, names, backend: BackendSpec | None) -> dict[str, Backend]:
+    """{component: its backend} for the components of ``names`` (a stage of a pipeline with components
+    ``all_names``; they need not be loaded yet) that ``backend`` compiles into a model with its own copy
+    of the weights: their torch weights serve only a cold compile or an eager fallback (see
+    compile_components' ``run_dtypes``)."""
     if backend is None:
-        return []
-    chosen = _choose_backends(dict.fromkeys(all_names), backend)
-    served = []
-    for name in names:
-        spec = chosen.get(name)
-        if spec is None or not name.startswith(_DENOISERS + ("vae", "text_encoder")):  # see entry_points
+        return {}
+    served = {}
+    for name, spec in _choose_backends(dict.fromkeys(all_names), backend).items():
+        if name not in names or not name.startswith(_DENOISERS + ("vae", "text_encoder")):  # see entry_points
             continue
         be = get_backend(spec)
         if be.holds_own_weights and be.available().ok:
-            served.append(name)
+            served[name] = be
     return served
 
 
@@ -543,18 +542,11 @@ def compiled_weight_bytes(pipe, names, backend: BackendSpec | None, dtype: torch
     its own copy of the weights (their torch weights are then memory-mapped, not in memory): every
     parameter at the backend's compute precision, or ``dtype`` where it has none set. A budget counts
     this, not the torch weights, for such a component: it cannot be streamed block by block."""
-    if backend is None:
-        return {}
     components = dict(getattr(pipe, "components", {}))
     costs = {}
-    for name, spec in _choose_backends(components, backend).items():
-        module = components.get(name)
-        if name not in names:
-            continue
+    for name, be in served_by_own_weights(components, names, backend).items():
+        module = components[name]
         if not entry_points(name, module):
-            continue
-        be = get_backend(spec)
-        if not be.holds_own_weights or not be.available().ok:
             continue
         size = _PRECISION_BYTES.get(be.precision) or torch.empty((), dtype=dtype).element_size()
         costs[name] = sum(p.numel() for p in module.parameters()) * size

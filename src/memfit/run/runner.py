@@ -312,7 +312,7 @@ class StageContext:
         if runtime.can_stream and not runtime.separate_memory and not loras:
             candidates = [name for name in to_load if name not in external]
             if runner.backend is not None:
-                candidates = served_by_own_weights(folder.components, candidates, runner.backend)
+                candidates = list(served_by_own_weights(folder.components, candidates, runner.backend))
             if runner.backend is not None or self.budget is not None:
                 converting = [name for name in candidates if folder.convertible(name, runner.torch_dtype)]
         pipe = folder.load_stage(to_load, runner.torch_dtype, None, in_file_dtype=converting, **task_options)
