@@ -89,7 +89,9 @@ def test_bf16_within_bf16_rounding():
     plain = _decode(vae, z).float()
     enable_banded_decode(vae, band_bytes=SMALL_BANDS)
     banded = _decode(vae, z).float()
-    assert (banded - plain).abs().max().item() <= 2e-2
+    # bf16 steps are 2**-7 near 1: the bands change where the decoder rounds, and how that adds up depends
+    # on the CPU's bf16 kernels (measured 0.023, 3 steps, at a value of 1.03; under 0.02 on another CPU).
+    assert (banded - plain).abs().max().item() <= 4 * 2**-7
 
 
 def test_unsupported_decoder_is_named_not_guessed():
