@@ -410,6 +410,37 @@ def test_openvino_with_the_cache_off_compiles_in_memory_and_writes_nothing(model
         run(torch.randn(2, 4, 8, 8))
 
 
+class ReturnsATensorTwice(nn.Module):
+    """Like a diffusers down block: the last hidden state is returned, and again among the residuals."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.first, self.last = tiny_conv_model(), nn.Conv2d(4, 4, 3, stride=2, padding=1)
+
+    def forward(self, x):
+        residual = self.first(x)
+        hidden = self.last(residual)
+        return hidden, (residual, hidden)
+
+
+def test_openvino_returns_a_tensor_the_module_returns_twice_from_one_output(tmp_path):
+    skip_unless_available("openvino")
+    model = ReturnsATensorTwice().eval()
+    x = torch.randn(1, 4, 8, 8, generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        hidden, (residual, again) = model(x)
+    store = CacheStore(tmp_path, mode="on")
+    backend = get_backend("openvino")
+    for _ in range(2):  # compiled, then loaded from the store with its stored layout
+        run = backend.compile(model, (x,), cache=store, weights_fingerprint="twice-seed0")
+        assert len(run.compiled_model.outputs) == 2
+        out_hidden, (out_residual, out_again) = run(x)
+        assert out_again is out_hidden
+        assert_plain_and_close(out_hidden, hidden, backend.float32_tolerance)
+        assert_plain_and_close(out_residual, residual, backend.float32_tolerance)
+    assert len(store.ls()) == 1
+
+
 # -- onnxruntime ---------------------------------------------------------------------------------
 
 

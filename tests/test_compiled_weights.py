@@ -243,22 +243,90 @@ def test_warm_openvino_run_fits_where_torch_weights_beside_the_compiled_model_do
     assert np.array_equal(np.asarray(capped_image), np.asarray(uncapped_image))
 
 
-def test_compiled_models_that_do_not_fit_are_refused_or_run_eagerly():
+def test_compiled_models_that_do_not_fit_run_in_blocks_or_are_refused_or_run_eagerly():
     from types import SimpleNamespace
 
     from memfit.plan.budget import Budget
     from memfit.run.runner import StageDoesNotFit, _fit_compiled
 
-    compiled = {"unet": 600 * MiB, "text_encoder": 100 * MiB}
-    runner = SimpleNamespace(fallback=None, report=SimpleNamespace(notes=[]))
-    kept, backend = _fit_compiled(Budget(device=1000 * MiB), 300 * MiB, compiled, "denoise", "openvino", runner)
-    assert kept == compiled and backend == "openvino"  # they fit: nothing changes
+    compiled = {"unet": 600 * MiB, "vae": 100 * MiB}
+    pipe = SimpleNamespace(unet=torch.nn.Linear(2, 2), vae=SimpleNamespace())  # a forward, and no entry points
+    cpu = SimpleNamespace(fallback=None, report=SimpleNamespace(notes=[]), runtime=SimpleNamespace(separate_memory=False))
+    kept, in_blocks, backend = _fit_compiled(Budget(device=1000 * MiB), 300 * MiB, compiled, "denoise", "openvino",
+                                             cpu, pipe)
+    assert kept == compiled and in_blocks == [] and backend == "openvino"  # they fit: nothing changes
+    # On the CPU the UNet, whose forward runs block by block, is compiled in blocks planned like weights.
+    kept, in_blocks, backend = _fit_compiled(Budget(device=900 * MiB), 300 * MiB, compiled, "denoise", "openvino",
+                                             cpu, pipe)
+    assert kept == {"vae": 100 * MiB} and in_blocks == ["unet"] and backend == {"*": "openvino", "unet": None}
+    # What cannot be split (a VAE's decode) and still does not fit is refused, naming the budget it needs...
+    with pytest.raises(StageDoesNotFit, match="need 400.00 MiB.*--budget 400MiB"):
+        _fit_compiled(Budget(device=350 * MiB), 300 * MiB, compiled, "denoise", "openvino", cpu, pipe)
+    # ...as is all of it where memory is the device's own (blocks are planned on the host only).
+    gpu = SimpleNamespace(fallback=None, report=SimpleNamespace(notes=[]), runtime=SimpleNamespace(separate_memory=True))
     with pytest.raises(StageDoesNotFit, match="need 1000.00 MiB.*--budget 1000MiB"):
-        _fit_compiled(Budget(device=900 * MiB), 300 * MiB, compiled, "denoise", "openvino", runner)
-    runner.fallback = "eager"
-    kept, backend = _fit_compiled(Budget(device=900 * MiB), 300 * MiB, compiled, "denoise", "openvino", runner)
-    assert kept == {"text_encoder": 100 * MiB} and backend == {"*": "openvino", "unet": None}
-    assert "unet run eagerly" in runner.report.notes[-1]
+        _fit_compiled(Budget(device=900 * MiB), 300 * MiB, compiled, "denoise", "openvino", gpu, pipe)
+    gpu.fallback = "eager"
+    kept, in_blocks, backend = _fit_compiled(Budget(device=900 * MiB), 300 * MiB, compiled, "denoise", "openvino",
+                                             gpu, pipe)
+    assert kept == {"vae": 100 * MiB} and in_blocks == [] and backend == {"*": "openvino", "unet": None}
+    assert "unet run eagerly" in gpu.report.notes[-1]
+
+
+@needs_openvino
+def test_a_compiled_unet_too_large_for_the_budget_runs_its_resident_blocks_compiled(tiny_models, streamed_plans):
+    """Under a budget below the compiled UNet, the blocks the plan keeps resident run as OpenVINO models of
+    their own (their torch weights memory-mapped) and the rest stream eagerly: the image is the uncapped
+    compiled run's (fp32: within OpenVINO's tolerance)."""
+    import memfit.run.runner as runner
+    from memfit.compile.entry_points import ENTRIES_ATTR, WEIGHTS_ATTR
+
+    model = tiny_models("sd")
+    settings = dict(model=model, steps=2, width=32, height=32, seed=0, guidance=3.0, progress=False,
+                    backend={"unet": "openvino"})
+    whole = memfit.generate("a red circle", budget="none", **settings)
+    assert [r["component"] for s in whole.report.stages for r in (s.compiled or [])] == ["unet"]
+
+    from safetensors import safe_open
+
+    unet_bytes = 0  # what the compiled UNet holds: every parameter in fp32
+    for file in (Path(model) / "unet").glob("*.safetensors"):
+        with safe_open(file, "pt") as weights:
+            unet_bytes += sum(int(np.prod(weights.get_slice(key).get_shape())) * 4 for key in weights.keys())
+    seen = []
+    original = runner.compile_blocks
+
+    def recording(module, component, paths, *args, **kwargs):
+        records = original(module, component, paths, *args, **kwargs)
+        seen.append([module.get_submodule(path) for path in paths])
+        return records
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(runner, "compile_blocks", recording)
+        split = memfit.generate("a red circle", budget=unet_bytes - 1, **settings)  # whole, it is 1 byte over
+    denoise = next(plan.stages[0] for plan in streamed_plans if plan.stages[0].name == "denoise")
+    assert denoise.from_disk and denoise.resident  # the plan streams some blocks and keeps others
+    records = [r for s in split.report.stages for r in (s.compiled or [])]
+    assert records and all(r["component"].startswith("unet/") and r["status"] == "compiled" for r in records)
+    assert len(records) == len(seen[0])
+    for block in seen[0]:  # served by its compiled model, its torch weights are the file's
+        assert vars(block)[ENTRIES_ATTR] and vars(block)[WEIGHTS_ATTR].released
+    streamed = [r for r in records if any(r["component"] == key or r["component"].startswith(key + ".")
+                                          for key in denoise.from_disk)]
+    assert not streamed  # a block the plan streams runs eagerly
+    assert any("run compiled with openvino, each a model of its own" in note for note in split.report.notes)
+    difference = np.abs(np.asarray(split.images[0], dtype=int) - np.asarray(whole.images[0], dtype=int))
+    assert difference.max() <= 1, difference.max()
+
+
+def test_a_budget_with_no_room_for_any_compiled_block_runs_the_unet_eagerly_and_says_so(tiny_models, streamed_plans):
+    model = tiny_models("sd")
+    unet_bytes = sum(f.stat().st_size for f in (Path(model) / "unet").glob("*.safetensors"))
+    result = memfit.generate("a red circle", model=model, steps=1, width=32, height=32, seed=0, progress=False,
+                             backend={"unet": "openvino"}, budget=unet_bytes // 2)
+    assert not [r for s in result.report.stages for r in (s.compiled or []) if r["component"].startswith("unet")]
+    assert any("no block of it fits compiled" in note and "unet runs eagerly as planned" in note
+               for note in result.report.notes), result.report.notes
 
 
 def test_plan_says_what_a_precision_changes(capsys):

@@ -51,8 +51,8 @@ from memfit.compile.weights import FileWeights
 from memfit.errors import MemfitError
 from memfit.sizes import format_bytes as _size
 
-__all__ = ["CompileRecord", "compile_components", "compiled_weight_bytes", "entry_points", "is_compiled", "uncompile",
-           "module_fingerprint", "served_by_own_weights"]
+__all__ = ["CompileRecord", "compile_blocks", "compile_components", "compiled_weight_bytes", "entry_points",
+           "is_compiled", "uncompile", "module_fingerprint", "served_by_own_weights"]
 
 BackendSpec = Union[str, Backend, Mapping[str, Union[str, Backend]]]
 
@@ -143,73 +143,106 @@ def compile_components(
     if precision is not None:
         backend = with_precision(backend, precision, _weights_dtype(components, run_dtypes))
     chosen = _choose_backends(components, backend)
-    fallback_backend = get_backend(fallback) if fallback is not None else None
-    if fallback_backend is not None and fallback_backend.name != "eager":
-        raise MemfitError(f"fallback={fallback_backend.name!r} is not supported; the fallback is 'eager' (or None to raise).")
-    if cache is None:
-        from memfit.cache import open_store
-
-        cache = open_store()
-    elif cache is False:
-        cache = None
+    fallback_backend, cache = _fallback_backend(fallback), _store(cache)
     records: list[CompileRecord] = []
     for name, spec in chosen.items():
         module = components.get(name)
         methods = entry_points(name, module)
-        if not methods:
-            continue
-        be = get_backend(spec)
-        ok, why = be.available()
-        installed = vars(module).setdefault(ENTRIES_ATTR, {})
-        weights = vars(module).get(WEIGHTS_ATTR)
-        if weights is None and ok and be.holds_own_weights:
-            weights = FileWeights(module, (sources or {}).get(name), run_dtypes.get(name))
-            vars(module)[WEIGHTS_ATTR] = weights
-        for method in methods:
-            existing = installed.get(method)
-            if existing is not None:
-                if existing.backend.name != be.name:
-                    raise MemfitError(
-                        f"{name}.{method} is already compiled with backend {existing.backend.name!r} (the module is "
-                        f"shared with another pipeline); call memfit.compile.entry_points.uncompile on it before choosing {be.name!r}."
-                    )
-                record = CompileRecord(name, method, be.name, existing.record.backend_used, "shared")
-                records.append(record)
-                continue
-            record = CompileRecord(name, method, be.name, be.name)
-            if not ok:
-                reason = f"backend {be.name!r} is not available: {why}"
-                if fallback_backend is None:
-                    raise MemfitError(f"Cannot compile {name}.{method}: {reason}. Pass fallback='eager' (--fallback eager) or choose another backend for {name}.")
-                record.status, record.backend_used, record.reason = "fallback", fallback_backend.name, reason
-                be_used = fallback_backend
-            else:
-                be_used = be
-            entry = _Entry(
-                module, method, name, record, be_used, fallback_backend, cache,
-                (fingerprints or {}).get(name), (options or {}).get(be_used.name),
-                weights if be_used is be else None,
-            )
-            entry.install()
-            installed[method] = entry
-            records.append(record)
-        if not installed:
-            vars(module).pop(ENTRIES_ATTR, None)
-        if weights is not None and any(e.weights is weights for e in installed.values()):
-            # From now on only a compile or an eager fallback reads them (under weights.held()).
-            if not weights.release():
-                for record in records:
-                    if record.component == name and record.status != "shared":
-                        record.weights = f"torch weights kept in memory: {weights.kept_because}"
-            else:
-                for record in records:
-                    if record.component == name and record.status != "shared":
-                        record.weights = (f"torch weights ({_size(weights.released_bytes)}) memory-mapped from "
-                                          f"{weights.folder}, not in memory")
+        if methods:
+            records += _install(module, name, methods, get_backend(spec), fallback_backend, cache,
+                                (fingerprints or {}).get(name), (options or {}), (sources or {}).get(name),
+                                run_dtypes.get(name))
     for name, dtype in run_dtypes.items():
         module = components.get(name)
         if isinstance(module, torch.nn.Module) and not getattr(vars(module).get(WEIGHTS_ATTR), "released", False):
             module.to(dtype)  # no compiled model serves it from its files: it runs in memory, as loaded converted
+    return records
+
+
+def compile_blocks(module: torch.nn.Module, component: str, paths, backend: str | Backend, *, fallback=None,
+                   cache: Any = None, fingerprint: str | None = None, source=None,
+                   run_dtype: torch.dtype | None = None) -> list[CompileRecord]:
+    """Compile the ``forward`` of the submodules ``paths`` of ``module`` (component ``component``), each
+    as a model of its own, while ``module``'s own forward runs as plain PyTorch: a component whose
+    compiled model does not fit a budget whole runs its largest blocks compiled and streams the rest
+    (memfit.run.runner). Each block's torch weights are memory-mapped from ``source`` (the component's
+    folder) like a whole component's; its records are named "component/path". ``fingerprint``: the
+    component's weights fingerprint (each block's key adds its path). Undone by ``uncompile(module)``.
+    """
+    be, fallback_backend, cache = get_backend(backend), _fallback_backend(fallback), _store(cache)
+    # Many block models would each keep their own intermediate buffers between calls.
+    options = {be.name: {"release_memory": True}} if "release_memory" in be.default_options else {}
+    records = []
+    for path in paths:
+        block_fingerprint = None
+        if fingerprint is not None:
+            block_fingerprint = hashlib.sha256(f"{fingerprint}\0{path}".encode()).hexdigest()
+        records += _install(module.get_submodule(path), f"{component}/{path}", ("forward",), be, fallback_backend,
+                            cache, block_fingerprint, options, source, run_dtype, key_prefix=path + ".")
+    return records
+
+
+def _fallback_backend(fallback: str | Backend | None) -> Backend | None:
+    fallback_backend = get_backend(fallback) if fallback is not None else None
+    if fallback_backend is not None and fallback_backend.name != "eager":
+        raise MemfitError(f"fallback={fallback_backend.name!r} is not supported; the fallback is 'eager' (or None to raise).")
+    return fallback_backend
+
+
+def _store(cache: Any) -> Any:
+    """The CacheStore compiles use: ``cache`` itself, the environment's (None), or none (False)."""
+    if cache is None:
+        from memfit.cache import open_store
+
+        return open_store()
+    return None if cache is False else cache
+
+
+def _install(module, name, methods, be, fallback_backend, cache, fingerprint, options, source, run_dtype,
+             key_prefix: str = "") -> list[CompileRecord]:
+    """Install compiled ``methods`` of one module (a component, or a block of one named "component/path")."""
+    records: list[CompileRecord] = []
+    ok, why = be.available()
+    installed = vars(module).setdefault(ENTRIES_ATTR, {})
+    weights = vars(module).get(WEIGHTS_ATTR)
+    if weights is None and ok and be.holds_own_weights:
+        weights = FileWeights(module, source, run_dtype, key_prefix=key_prefix)
+        vars(module)[WEIGHTS_ATTR] = weights
+    for method in methods:
+        existing = installed.get(method)
+        if existing is not None:
+            if existing.backend.name != be.name:
+                raise MemfitError(
+                    f"{name}.{method} is already compiled with backend {existing.backend.name!r} (the module is "
+                    f"shared with another pipeline); call memfit.compile.entry_points.uncompile on it before choosing {be.name!r}."
+                )
+            records.append(CompileRecord(name, method, be.name, existing.record.backend_used, "shared"))
+            continue
+        record = CompileRecord(name, method, be.name, be.name)
+        if not ok:
+            reason = f"backend {be.name!r} is not available: {why}"
+            if fallback_backend is None:
+                raise MemfitError(f"Cannot compile {name}.{method}: {reason}. Pass fallback='eager' (--fallback eager) or choose another backend for {name}.")
+            record.status, record.backend_used, record.reason = "fallback", fallback_backend.name, reason
+            be_used = fallback_backend
+        else:
+            be_used = be
+        entry = _Entry(module, method, name, record, be_used, fallback_backend, cache, fingerprint,
+                       options.get(be_used.name), weights if be_used is be else None)
+        entry.install()
+        installed[method] = entry
+        records.append(record)
+    if not installed:
+        vars(module).pop(ENTRIES_ATTR, None)
+    if weights is not None and any(e.weights is weights for e in installed.values()):
+        # From now on only a compile or an eager fallback reads them (under weights.held()).
+        if not weights.release():
+            where = f"torch weights kept in memory: {weights.kept_because}"
+        else:
+            where = f"torch weights ({_size(weights.released_bytes)}) memory-mapped from {weights.folder}, not in memory"
+        for record in records:
+            if record.status != "shared":
+                record.weights = where
     return records
 
 
@@ -219,18 +252,19 @@ def uncompile(pipe_or_module) -> None:
         modules = [pipe_or_module]
     else:
         modules = [m for m in getattr(pipe_or_module, "components", {}).values() if isinstance(m, torch.nn.Module)]
-    for module in modules:
-        entries = vars(module).pop(ENTRIES_ATTR, None) or {}
-        for entry in entries.values():
-            entry.uninstall()
-        weights = vars(module).pop(WEIGHTS_ATTR, None)
-        if weights is not None:
-            weights.restore()
+    for component in modules:
+        for module in component.modules():  # a component compiled whole, or block by block (compile_blocks)
+            entries = vars(module).pop(ENTRIES_ATTR, None) or {}
+            for entry in entries.values():
+                entry.uninstall()
+            weights = vars(module).pop(WEIGHTS_ATTR, None)
+            if weights is not None:
+                weights.restore()
 
 
 def is_compiled(pipe_or_module) -> bool:
     if isinstance(pipe_or_module, torch.nn.Module):
-        return bool(vars(pipe_or_module).get(ENTRIES_ATTR))
+        return any(vars(module).get(ENTRIES_ATTR) for module in pipe_or_module.modules())
     return any(is_compiled(m) for m in getattr(pipe_or_module, "components", {}).values() if isinstance(m, torch.nn.Module))
 
 
@@ -571,7 +605,11 @@ def report_records(report, records: list) -> None:
         return
     stage = report.stages[-1]
     stage.compiled = [record.to_dict() for record in records]
+    blocks: dict[str, list[CompileRecord]] = {}  # a component's blocks (compile_blocks) get one note
     for record in records:
+        if "/" in record.component and record.status == "compiled" and record.backend != "eager":
+            blocks.setdefault(record.component.split("/")[0], []).append(record)
+            continue
         if record.status == "fallback":
             report.notes.append(
                 f"{stage.stage}: {record.component}.{record.entry} fell back from {record.backend} to "
@@ -588,3 +626,11 @@ def report_records(report, records: list) -> None:
                 f"{stage.stage}: {record.component}.{record.entry} compiled with {record.backend} in "
                 f"{record.compile_seconds:.2f} s, {how}" + (f"; {record.weights}" if record.weights else "")
             )
+    for component, done in blocks.items():
+        built = sum(record.cold for record in done)
+        mapped = all("memory-mapped" in record.weights for record in done)
+        report.notes.append(
+            f"{stage.stage}: {len(done)} blocks of {component} compiled with {done[0].backend} in "
+            f"{sum(record.compile_seconds for record in done):.2f} s, {len(done) - built} loaded from memfit's store, "
+            f"{built} built" + ("; their torch weights memory-mapped, not in memory" if mapped else "")
+        )

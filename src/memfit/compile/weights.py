@@ -56,8 +56,10 @@ def source_folder(module: torch.nn.Module, given: str | Path | None = None) -> P
 class FileWeights:
     """The parameters of one module, released to (and brought back from) its safetensors files."""
 
-    def __init__(self, module: torch.nn.Module, folder: str | Path | None, dtype: torch.dtype | None = None):
+    def __init__(self, module: torch.nn.Module, folder: str | Path | None, dtype: torch.dtype | None = None,
+                 key_prefix: str = ""):
         self.module = module
+        self.key_prefix = key_prefix  # a block of a component: its path in the component's files ("up_blocks.1.")
         self.dtype = dtype  # the dtype the module runs in, where it was loaded in another (None: as loaded)
         self.folder = source_folder(module, folder)
         self.kept_because = "" if self.folder is not None else "no safetensors file of its own to map them from"
@@ -142,16 +144,17 @@ class FileWeights:
         for name, param in named:
             if param is first:
                 continue
+            shown = self.key_prefix + name
             if param.device.type != "cpu":
-                self.kept_because = f"{name} is on {param.device}, not in host memory"
+                self.kept_because = f"{shown} is on {param.device}, not in host memory"
                 return
-            view = next((files[key] for key in (name, f"{prefix}.{name}", name.removeprefix(prefix + "."))
-                         if key in files), None)
+            keys = (self.key_prefix + name,) if self.key_prefix else (name, f"{prefix}.{name}", name.removeprefix(prefix + "."))
+            view = next((files[key] for key in keys if key in files), None)
             if view is None:
-                self.kept_because = f"{name} is in no safetensors file of {self.folder} (a LoRA or a changed module)"
+                self.kept_because = f"{shown} is in no safetensors file of {self.folder} (a LoRA or a changed module)"
                 return
             if tuple(view.shape) != tuple(param.shape) or not same_samples(view, param.data):
-                self.kept_because = f"{name} differs from the file in {self.folder} (changed after loading)"
+                self.kept_because = f"{shown} differs from the file in {self.folder} (changed after loading)"
                 return
             found[id(param)] = (param, view, self._run_dtype(param))
         self._loaded = found

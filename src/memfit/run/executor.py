@@ -161,7 +161,9 @@ def optimize(
     dtype:       the dtype floating weights run in, for a pipeline loaded in its files' dtype
                  (memfit.models.folder.ModelFolder.load_stage's ``in_file_dtype``): planned at this dtype;
                  resident weights are converted block by block, streamed ones at each forward. CPU only.
-    skip:        components left exactly as they are, outside the plan (those a compiled model serves).
+    skip:        components, or blocks ("unet/up_blocks.1.resnets.0"), left exactly as they are, outside the
+                 plan (those a compiled model serves; a given plan may still place them: it counts their
+                 compiled models as it would their weights).
     """
     no_budget = isinstance(budget, str) and budget.strip().lower() == NONE
     if plan is not None or force_tiers is not None:
@@ -188,7 +190,8 @@ def optimize(
         raise MemfitError(f"optimize(dtype=...) converts weights on the CPU only; load the pipeline in its run "
                           f"dtype to run it on {device.name}.")
 
-    blocks = {name: live_blocks(name, module, dtype) for name, module in components.items()}
+    all_blocks = {name: live_blocks(name, module, dtype) for name, module in components.items()}
+    blocks = {name: [b for b in found if b.key not in skip] for name, found in all_blocks.items()}
     unrun = unrun_blocks(blocks, parts)
     stages = _stage_inputs(_without(blocks, unrun), stage, activation_bytes, type(pipe).__name__)
     if plan is None and force_tiers is not None:
@@ -209,7 +212,7 @@ def optimize(
         elif device.separate_memory:
             planned = _with_host_budget(planned, device, on_host if _is_auto(budget) else 0)
         plan = make_plan(stages, planned)
-    tiers = _tiers_from_plan(plan, blocks)
+    tiers = _tiers_from_plan(plan, all_blocks)
     tiers.update((block.key, DISK) for block in unrun)
 
     # The hooks' shared state, around the device runtime: at most the plan's window of streamed

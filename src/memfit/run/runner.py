@@ -33,7 +33,8 @@ from typing import Any
 
 import torch
 
-from memfit.compile.entry_points import compile_stage, compiled_weight_bytes, report_records, served_by_own_weights
+from memfit.compile.entry_points import (compile_blocks, compile_stage, compiled_weight_bytes, report_records,
+                                        served_by_own_weights)
 from memfit.devices import DeviceRuntime, cuda_device_count, runtime_for
 from memfit.errors import MemfitError
 from memfit.models.families import Settings
@@ -215,6 +216,7 @@ class StageContext:
         self.compiled: list = []
         self.streamed_bytes = 0  # weights the stage's plan left off the device (streamed)
         self.compiled_costs: dict[str, int] = {}  # compiled models of the load being fitted (memfit.compile)
+        self.compiled_in_blocks: list[str] = []  # components of that load compiled block by block
         self._loaded: list[tuple[Any, list[str], tuple, tuple]] = []
 
     def load(self, folder: ModelFolder, names, *, plan_as: str | None = None, shared: Mapping[str, Any] | None = None,
@@ -324,13 +326,20 @@ class StageContext:
         # A component compiled by a backend with its own copy of the weights costs that copy, not its torch
         # weights (memory-mapped once compiled: memfit.compile.weights), and is planned as such.
         compiled = compiled_weight_bytes(pipe, to_load, runner.backend, runner.torch_dtype) if self.budget else {}
-        backend = runner.backend
+        backend, in_blocks = runner.backend, []
         if compiled:
-            compiled, backend = _fit_compiled(self.budget, already_used, compiled, self.stage, backend, runner)
+            from memfit.plan.activations import stage_strategies
+
+            # A compiled graph runs the stage's own way (no chunked attention, no banded decode): its activations.
+            activations = stage_strategies(folder.adapter, plan_as or self.stage, runner.settings, runner.guided,
+                                           runner.dtype)[0].activation_bytes
+            compiled, in_blocks, backend = _fit_compiled(self.budget, already_used + activations, compiled,
+                                                         self.stage, backend, runner, pipe)
         for name, size in compiled.items():
             runner.report.notes.append(f"{self.stage}: planned {name} as its compiled model, {format_bytes(size)} "
                                        "resident (its torch weights memory-mapped, not counted)")
         self.compiled_costs = compiled  # read by _fit
+        self.compiled_in_blocks = in_blocks  # read by _fit
         if self.budget is not None and _has_weights(pipe, [name for name in to_load if name not in compiled]):
             self._fit(pipe, folder, plan_as or self.stage, already_used,
                       dtype=runner.torch_dtype if converting else None)
@@ -356,24 +365,62 @@ class StageContext:
         adapter = folder.adapter
         compiled = self.compiled_costs  # {component: bytes} of compiled models, planned as fixed costs
         already_used += sum(compiled.values())
-        room = _room_left(budget, already_used)
         options = stage_strategies(adapter, plan_as, runner.settings, runner.guided, runner.dtype)
         parts = adapter.stage_parts.get(plan_as)
         margin = DEVICE_ACTIVATION_MARGIN if runner.runtime.separate_memory else 1.0
-        try:
-            strategy, plan = choose(options, lambda activations: plan_stage(
-                pipe, room, self.stage, int(activations * margin), parts, skip=compiled, device=runner.runtime,
-                dtype=dtype))
-        except MemfitError as exc:
-            raise StageDoesNotFit(
-                f"{exc} These figures leave out the {format_bytes(already_used)} this process already holds "
-                "(Python, torch and the libraries loaded): add that to any budget named above."
-            ) from exc
+        # A compiled model too large for the budget whole runs in blocks: those the plan keeps resident
+        # compiled (each a model of its own), the others streamed eagerly. The block models cost more than
+        # the weights they replace (_compiled_blocks_extra), so that is set aside and the stage planned again:
+        # less room keeps fewer blocks, which need less set aside; the least reserve that holds is kept.
+        def plan_with(extra: int):
+            room = _room_left(budget, already_used + extra)
+            try:
+                strategy, plan = choose(options, lambda activations: plan_stage(
+                    pipe, room, self.stage, int(activations * margin), parts, skip=compiled, device=runner.runtime,
+                    dtype=dtype))
+            except MemfitError as exc:
+                raise StageDoesNotFit(
+                    f"{exc} These figures leave out the {format_bytes(already_used + extra)} this process already "
+                    "holds (Python, torch and the libraries loaded"
+                    + (", and what its compiled blocks need beyond their weights" if extra else "")
+                    + "): add that to any budget named above."
+                ) from exc
+            found = {name: _compilable_blocks(getattr(pipe, name), name, plan.stages[0].resident, dtype)
+                     for name in self.compiled_in_blocks}
+            return strategy, plan, found, _compiled_blocks_extra(pipe, found, dtype)
+
+        # The reserve a plan needs shrinks as the reserve grows (less room, fewer blocks): the least reserve
+        # that covers what its own plan needs is found by bisection.
+        first = plan_with(0)
+        held = first if first[3] == 0 else None
+        low, high = 0, first[3]
+        while held is None or high - low > high // 32:
+            if high <= low:
+                break
+            extra = high if held is None else (low + high) // 2
+            try:
+                candidate = plan_with(extra)
+            except StageDoesNotFit:
+                break  # even this reserve leaves too little room: no compiled block is affordable
+            if candidate[3] <= extra:
+                held, high = (*candidate[:3], extra), extra
+            else:
+                low = extra + 1
+        if held is None:  # no reserve holds: the blocks run eagerly, as the plan without one streams them
+            strategy, plan, _, _ = first
+            compiled_blocks, extra = {name: {} for name in self.compiled_in_blocks}, 0
+        else:
+            strategy, plan, compiled_blocks, extra = held
+        stage_plan = plan.stages[0]
+        already_used += extra
+        block_paths = {name: [path for paths in found.values() for path in paths] for name, found in compiled_blocks.items()}
         if runner.runtime.can_stream:
             # On the CPU a compiled component's torch weights stay as loaded (memory-mapped once compiled); on
             # a GPU they move with the plan, so that the pipeline places its inputs where the rest runs.
+            skip = () if runner.runtime.separate_memory else {*compiled, *(key for found in compiled_blocks.values()
+                                                                          for key in found)}
             optimize(pipe, plan=plan, model_dir=folder.path, device=runner.runtime, parts=parts, dtype=dtype,
-                     skip=() if runner.runtime.separate_memory else compiled)
+                     skip=skip)
         else:
             _refuse_streaming(plan.stages[0], self.stage, runner.runtime)
             place_whole(pipe, runner.runtime)
@@ -389,7 +436,7 @@ class StageContext:
                 f"({', '.join(sorted({b.component + '/' + b.name.split('.')[0] for b in unrun}))}) left memory-mapped "
                 "on disk, outside the plan"
             )
-        stage_plan = plan.stages[0]
+        self._compile_blocks(pipe, folder, block_paths, dtype)
         self.streamed_bytes += stage_plan.streamed_from_host_bytes + stage_plan.streamed_from_disk_bytes
         binds = strategy is not options[0] or stage_plan.streamed_from_host_bytes or stage_plan.streamed_from_disk_bytes
         if runner.resolved.mode != AUTO or binds:
@@ -416,6 +463,27 @@ class StageContext:
                 f"{format_bytes(planned_stage.streamed_from_disk_bytes)} streamed from disk (memory-mapped), "
                 f"activations {format_bytes(planned_stage.activation_bytes)}"
             )
+
+    def _compile_blocks(self, pipe, folder: ModelFolder, block_paths: dict[str, list[str]], dtype) -> None:
+        runner = self.runner
+        served = served_by_own_weights(folder.components, list(block_paths), runner.backend)
+        for name, paths in block_paths.items():
+            module = getattr(pipe, name)
+            if not paths:
+                runner.report.notes.append(
+                    f"{self.stage}: {name}'s compiled model does not fit the budget whole, and no block of it fits "
+                    f"compiled (a block model needs about {1 + COMPILED_BLOCK_OVERHEAD:.1f}x its weights, and "
+                    f"{COMPILED_BLOCK_BUILD}x while it is built): {name} runs eagerly as planned")
+                continue
+            records = compile_blocks(module, name, paths, served[name], fallback=runner.fallback,
+                                     fingerprint=folder.component_fingerprint(name), source=folder.path / name,
+                                     run_dtype=dtype)
+            self.compiled += records
+            total = sum(b.numel() for p in paths for b in module.get_submodule(p).parameters())
+            runner.report.notes.append(
+                f"{self.stage}: {name}'s compiled model does not fit the budget whole: {len(paths)} of its blocks "
+                f"({total / 1e6:.0f}M parameters of {sum(p.numel() for p in module.parameters()) / 1e6:.0f}M) run "
+                f"compiled with {served[name].name}, each a model of its own, the rest eagerly as planned")
 
     def _release(self) -> int:
         """Drop every pipeline this stage loaded (or hand it to the runner's pool, which may keep it
@@ -601,17 +669,29 @@ def _has_weights(pipe, names) -> bool:
     return any(isinstance(getattr(pipe, name, None), torch.nn.Module) for name in names)
 
 
-def _fit_compiled(budget: Budget, already_used: int, compiled: dict[str, int], stage: str, backend, runner):
-    """The compiled models a stage keeps, and the backend spec it compiles with: all of them where they fit the
-    budget; else, with --fallback eager, the largest run eagerly (planned and streamed like any eager
-    component) until the rest fit; else a refusal naming the budget they need (they cannot be streamed)."""
-    from memfit.compile.entry_points import without_components
+def _fit_compiled(budget: Budget, already_used: int, compiled: dict[str, int], stage: str, backend, runner, pipe):
+    """The compiled models a stage keeps whole, those it compiles block by block, and the backend spec it
+    compiles the whole ones with. All whole where they fit the budget; else on the CPU the largest with a
+    forward of blocks (denoisers, text encoders) are compiled in blocks, planned like eager weights, until
+    the rest fit; else, with --fallback eager, the largest run eagerly; else a refusal naming the budget needed."""
+    from memfit.compile.entry_points import entry_points, without_components
 
-    needed = already_used + sum(compiled.values())
-    if budget.device is None or needed <= budget.device:
-        return compiled, backend
-    parts = ", ".join(f"{name} {format_bytes(size)}" for name, size in compiled.items())
-    if runner.fallback != "eager":
+    def fits(kept):
+        return budget.device is None or already_used + sum(kept.values()) <= budget.device
+
+    if fits(compiled):
+        return compiled, [], backend
+    kept, in_blocks, dropped = dict(compiled), [], []
+    if not runner.runtime.separate_memory:
+        for name in sorted(compiled, key=compiled.get, reverse=True):
+            if fits(kept):
+                break
+            if entry_points(name, getattr(pipe, name, None)) == ("forward",):
+                in_blocks.append(name)
+                kept.pop(name)
+    needed = already_used + sum(kept.values())
+    parts = ", ".join(f"{name} {format_bytes(size)}" for name, size in kept.items())
+    if not fits(kept) and runner.fallback != "eager":
         raise StageDoesNotFit(
             f"The {stage} stage's compiled models ({parts}) hold their own weights, which cannot be streamed: with the "
             f"{format_bytes(already_used)} this process holds they need {format_bytes(needed)}, over the budget of "
@@ -619,17 +699,60 @@ def _fit_compiled(budget: Budget, already_used: int, compiled: dict[str, int], s
             "--fallback eager to run what does not fit eagerly, or compile fewer components (e.g. --backend "
             "unet=eager,*=openvino)."
         )
-    kept = dict(compiled)
-    for name in sorted(compiled, key=compiled.get, reverse=True):
-        if already_used + sum(kept.values()) <= budget.device:
+    for name in sorted(kept, key=kept.get, reverse=True):
+        if fits(kept):
             break
+        dropped.append(name)
         kept.pop(name)
-    dropped = [name for name in compiled if name not in kept]
-    runner.report.notes.append(
-        f"{stage}: {', '.join(dropped)} run eagerly, not compiled: the compiled models ({parts}) do not fit the budget "
-        f"of {format_bytes(budget.device)} with the {format_bytes(already_used)} this process holds (--fallback eager)"
-    )
-    return kept, without_components(backend, dropped)
+    if dropped:
+        runner.report.notes.append(
+            f"{stage}: {', '.join(dropped)} run eagerly, not compiled: the compiled models ({parts}) do not fit the "
+            f"budget of {format_bytes(budget.device)} with the {format_bytes(already_used)} this process holds "
+            "(--fallback eager)"
+        )
+    return kept, in_blocks, without_components(backend, dropped + in_blocks)
+
+
+# What a block compiled as a model of its own holds beyond its weights, as a share of them: the runtime's
+# structures and buffers (measured with openvino on the SD 1.5 UNet's blocks in bf16, freeing intermediate
+# buffers after each call: 0.35); and what building a block that is not stored yet peaks at, beside the
+# others, as a multiple of its weights (torch.export, the converted and the compiled model alive together).
+COMPILED_BLOCK_OVERHEAD = 0.4
+COMPILED_BLOCK_BUILD = 3
+
+
+def _compiled_blocks_extra(pipe, compiled_blocks: dict[str, dict[str, list[str]]], dtype) -> int:
+    """Bytes the compiled blocks ``compiled_blocks`` ({component: {block key: module paths}}) need beyond
+    the weights the plan counts for them, a build of the largest of them included."""
+    sizes = []
+    for name, found in compiled_blocks.items():
+        module = getattr(pipe, name)
+        for paths in found.values():
+            sizes.append(sum(p.numel() * (torch.empty((), dtype=dtype or p.dtype).element_size())
+                             for path in paths for p in module.get_submodule(path).parameters()))
+    if not sizes:
+        return 0
+    return int(COMPILED_BLOCK_OVERHEAD * sum(sizes) + COMPILED_BLOCK_BUILD * max(sizes))
+
+
+def _compilable_blocks(module: torch.nn.Module, component: str, resident: tuple[str, ...], dtype) -> dict[str, list[str]]:
+    """{block key: module paths} for ``component``'s resident blocks that compile as models of their own:
+    every unit a whole submodule (not some tensors of one), none holding the anchor module.dtype reads."""
+    from memfit.run.executor import live_blocks
+
+    keys = set(resident)
+    paths = {id(sub): path for path, sub in module.named_modules()}
+    anchor = next(module.parameters(), None)
+    found = {}
+    for block in live_blocks(component, module, dtype):
+        if block.key not in keys or block.fixed_bytes:
+            continue
+        units = [hooked for hooked, tensors in block.units
+                 if paths.get(id(hooked)) and sum(1 for _ in hooked.parameters()) == sum(1 for t in tensors if t[3])
+                 and not any(p is anchor for p in hooked.parameters())]
+        if units and len(units) == len(block.units):
+            found[block.key] = [paths[id(hooked)] for hooked in units]
+    return found
 
 
 def _room_left(budget: Budget, already_used: int) -> Budget:

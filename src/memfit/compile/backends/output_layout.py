@@ -23,23 +23,35 @@ CONSTANT_TYPES = (type(None), bool, int, float, str)
 
 
 class OutputLayout:
-    """Where a module's outputs go: its pytree structure, and which leaves are constants (e.g.
-    None) rather than tensors."""
+    """Where a module's outputs go: its pytree structure, which leaves are constants (e.g. None)
+    rather than tensors, and which leaves repeat an earlier leaf (``aliases``: leaf -> earlier leaf).
 
-    def __init__(self, backend: str, spec: Any, constants: dict[int, Any]) -> None:
+    A repeated tensor is returned once: a diffusers down block returns its last hidden state also
+    among its residuals, and a graph converter cannot name one tensor as two outputs (OpenVINO's
+    refuses such a model)."""
+
+    def __init__(self, backend: str, spec: Any, constants: dict[int, Any], aliases: dict[int, int] | None = None) -> None:
         self.backend = backend
         self.spec = spec
         self.constants = constants
+        self.aliases = aliases or {}
 
     @property
     def tensor_count(self) -> int:
-        return self.spec.num_leaves - len(self.constants)
+        return self.spec.num_leaves - len(self.constants) - len(self.aliases)
 
     def rebuild(self, tensors: list[Any]) -> Any:
         from torch.utils._pytree import tree_unflatten
 
         remaining = iter(tensors)
-        leaves = [self.constants[i] if i in self.constants else next(remaining) for i in range(self.spec.num_leaves)]
+        leaves: list[Any] = []
+        for i in range(self.spec.num_leaves):
+            if i in self.constants:
+                leaves.append(self.constants[i])
+            elif i in self.aliases:
+                leaves.append(leaves[self.aliases[i]])
+            else:
+                leaves.append(next(remaining))
         return tree_unflatten(leaves, self.spec)
 
     def to_json(self) -> str:
@@ -53,14 +65,23 @@ class OutputLayout:
                 f"({self.spec}) is not serializable ({exc}). Run with MEMFIT_CACHE=0, or return "
                 "tuples, dicts or diffusers/transformers output classes."
             ) from exc
-        return json.dumps({"spec": spec, "constants": [[i, v] for i, v in sorted(self.constants.items())]})
+        return json.dumps({
+            "spec": spec,
+            "constants": [[i, v] for i, v in sorted(self.constants.items())],
+            "aliases": [[i, j] for i, j in sorted(self.aliases.items())],
+        })
 
     @classmethod
     def from_json(cls, backend: str, text: str) -> "OutputLayout":
         from torch.utils._pytree import treespec_loads
 
         raw = json.loads(text)
-        return cls(backend, treespec_loads(raw["spec"]), {int(i): v for i, v in raw["constants"]})
+        return cls(
+            backend,
+            treespec_loads(raw["spec"]),
+            {int(i): v for i, v in raw["constants"]},
+            {int(i): int(j) for i, j in raw.get("aliases", [])},
+        )
 
     @classmethod
     def load(cls, backend: str, folder: Path) -> "OutputLayout":
@@ -94,8 +115,14 @@ class FlatOutputs(torch.nn.Module):
                 f"{name_of(self.fn)} also returns {', '.join(odd)}. Use backend='inductor' or "
                 "'eager' for this component."
             )
-        self.found_layout(OutputLayout(self.backend, spec, constants))
-        return tuple(leaf for leaf in leaves if isinstance(leaf, torch.Tensor))
+        first_of: dict[int, int] = {}
+        aliases = {}
+        for i, leaf in enumerate(leaves):
+            if isinstance(leaf, torch.Tensor):
+                aliases[i] = first_of.setdefault(id(leaf), i)
+        aliases = {i: j for i, j in aliases.items() if i != j}
+        self.found_layout(OutputLayout(self.backend, spec, constants, aliases))
+        return tuple(leaf for i, leaf in enumerate(leaves) if isinstance(leaf, torch.Tensor) and i not in aliases)
 
 
 def name_of(fn: Callable[..., Any]) -> str:
