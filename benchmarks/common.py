@@ -59,6 +59,16 @@ def build_real_size(arch_name: str, folder: str | Path, *, file_dtype=torch.floa
     return folder
 
 
+def tiny_sd(models: str | Path) -> Path:
+    """A tiny SD pipeline (memfit.testing, fixed seed) under ``models``, for smoke runs of a benchmark."""
+    from memfit.testing import save_pipeline
+
+    model = Path(models) / "sd-tiny"
+    if not (model / "model_index.json").is_file():
+        save_pipeline("sd", model, seed=0)
+    return model
+
+
 def write_outputs(name: str, data: dict, table: str) -> None:
     docs = Path(__file__).resolve().parent.parent / "docs"
     docs.mkdir(exist_ok=True)

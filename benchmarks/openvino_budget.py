@@ -148,14 +148,10 @@ def main() -> None:
     args = parser.parse_args()
 
     import torch
-    from common import build_real_size, machine, write_outputs
+    from common import build_real_size, machine, tiny_sd, write_outputs
 
     if args.tiny:
-        from memfit.testing import save_pipeline
-
-        model = Path(args.models) / "sd-tiny"
-        if not (model / "model_index.json").is_file():
-            save_pipeline("sd", model, seed=0)
+        model = tiny_sd(args.models)
         args.size = min(args.size, 64)
     else:
         file_dtype = {"bf16": torch.bfloat16, "fp32": torch.float32}[args.dtype]

@@ -176,14 +176,10 @@ def main() -> None:
         print("RESULT " + json.dumps(child(json.loads(args.child))), flush=True)
         return
 
-    from common import build_real_size, machine, write_outputs
+    from common import build_real_size, machine, tiny_sd, write_outputs
 
     if args.tiny:
-        from memfit.testing import save_pipeline
-
-        model = Path(args.models) / "sd-tiny"
-        if not (model / "model_index.json").is_file():
-            save_pipeline("sd", model, seed=0)
+        model = tiny_sd(args.models)
         args.size = min(args.size, 64)
     else:
         model = build_real_size("sd15", Path(args.models) / "sd15-fp32")
