@@ -1,6 +1,7 @@
-"""Peak memory of compiled backends on the CPU (issue 18): SD 1.5 architecture, random weights.
+"""Peak memory of compiled backends on the CPU (issue 18): SD 1.5 or SDXL architecture, random weights.
 
     python benchmarks/openvino_memory.py                    # 512x512, 4 steps, 2 rounds -> docs/openvino_memory.{json,md}
+    python benchmarks/openvino_memory.py --arch sdxl --model /work/bench-models/sdxl-bf16 --size 1024 --dtype bf16
     python benchmarks/openvino_memory.py --dtype bf16 --rounds 3
     python benchmarks/openvino_memory.py --tiny             # tiny pipeline, seconds: smoke-test the script
 
@@ -11,10 +12,14 @@ Rows, each a fresh process, interleaved over --rounds rounds:
   memfit openvino warm the same on the store the cold run filled (imports the compiled models)
   memfit openvino session  a memfit.Session on the warm store: the second image reuses the loaded stages
                        (memfit's best choice for a stream of images)
-  optimum-intel static / dynamic   with --optimum-python: optimum-intel's OVStableDiffusionPipeline on an IR
+  optimum-intel static / dynamic   with --optimum-python: optimum-intel's OVDiffusionPipeline on an IR
                        exported once by `optimum-cli export openvino` (--optimum-ir), with its shapes fixed by
                        reshape() before compile() (static, its fastest mode) or left dynamic; run in
-                       optimum-intel's own environment (benchmarks/optimum_intel_child.py), never memfit's
+                       optimum-intel's own environment (benchmarks/optimum_intel_child.py), never memfit's:
+                           python -m venv OPT && OPT/bin/pip install torch==2.13.0 "optimum-intel[openvino]" diffusers psutil
+                           OPT/bin/pip uninstall -y torchvision   # it pulls one built for another torch
+                           OPT/bin/optimum-cli export openvino --model MODEL --task text-to-image --weight-format fp16 IR
+                       (fp16: without it, a model over 1B parameters, the SDXL UNet, is exported with 8-bit weights)
 
 Per row: peak RSS of the process (ru_maxrss, which counts pages of mapped files the process touched),
 seconds from launch to the first image, and to a second image made in the same process (diffusers:
@@ -45,6 +50,7 @@ GUIDANCE = 7.5
 ROWS = ("diffusers eager", "memfit openvino cold", "memfit openvino warm")
 SESSION_ROW = "memfit openvino session"
 OPTIMUM_ROWS = ("optimum-intel static", "optimum-intel dynamic")
+ARCH_NAMES = {"sd15": "SD 1.5", "sdxl": "SDXL"}
 
 
 def child(spec: dict) -> dict:
@@ -119,7 +125,8 @@ def _paired_ratios(runs: list[dict], ours: str, theirs: str) -> list[tuple[int, 
 def render(data: dict) -> str:
     a = data["args"]
     lines = [
-        f"# Peak memory with compiled backends: SD 1.5 ({'tiny' if a['tiny'] else 'real size'}, random weights), "
+        f"# Peak memory with compiled backends: {ARCH_NAMES[a.get('arch', 'sd15')]} "
+        f"({'tiny' if a['tiny'] else 'real size'}, random weights), "
         f"{a['size']}x{a['size']}, {a['steps']} steps, {a['dtype']}\n",
         f"Machine: {data['machine']['cpu_count']} CPUs, {data['machine']['memory_gib']} GiB, torch "
         f"{data['machine']['torch']}. Each row is a fresh process; medians of {a['rounds']} interleaved rounds "
@@ -163,6 +170,9 @@ def main() -> None:
     parser.add_argument("--size", type=int, default=512)
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--tiny", action="store_true")
+    parser.add_argument("--arch", default="sd15", choices=tuple(ARCH_NAMES))
+    parser.add_argument("--model", help="an existing pipeline folder of --arch (default: built with random fp32 weights "
+                        "under --models)")
     parser.add_argument("--models", default=str(Path(tempfile.gettempdir()) / "memfit-bench-models"))
     parser.add_argument("--out", default="openvino_memory")
     parser.add_argument("--optimum-python", help="Python of an environment with optimum-intel[openvino] installed: "
@@ -182,7 +192,7 @@ def main() -> None:
         model = tiny_sd(args.models)
         args.size = min(args.size, 64)
     else:
-        model = build_real_size("sd15", Path(args.models) / "sd15-fp32")
+        model = Path(args.model) if args.model else build_real_size(args.arch, Path(args.models) / f"{args.arch}-fp32")
     runs = []
     rows = list(ROWS) + [SESSION_ROW]
     if args.optimum_python:

@@ -23,10 +23,10 @@ def main() -> None:
     started = psutil.Process().create_time()
     import numpy as np
     import torch
-    from optimum.intel import OVStableDiffusionPipeline
+    from optimum.intel import OVDiffusionPipeline
 
     config = {"INFERENCE_PRECISION_HINT": {"bf16": "bf16", "fp32": "f32"}[spec.get("precision", "bf16")]}
-    pipe = OVStableDiffusionPipeline.from_pretrained(spec["ir"], compile=False, ov_config=config)
+    pipe = OVDiffusionPipeline.from_pretrained(spec["ir"], compile=False, ov_config=config)
     if spec["static"]:
         # optimum-intel's fastest mode: every input shape fixed before compiling.
         pipe.reshape(batch_size=1, height=spec["height"], width=spec["width"], num_images_per_prompt=1)

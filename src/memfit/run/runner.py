@@ -670,7 +670,9 @@ def _has_weights(pipe, names) -> bool:
 
 
 def _fit_compiled(budget: Budget, already_used: int, compiled: dict[str, int], stage: str, backend, runner, pipe):
-    """The compiled models a stage keeps whole, those it compiles block by block, and the backend spec it
+    """``already_used``: what the process holds plus the stage's activations.
+
+    The compiled models a stage keeps whole, those it compiles block by block, and the backend spec it
     compiles the whole ones with. All whole where they fit the budget; else on the CPU the largest with a
     forward of blocks (denoisers, text encoders) are compiled in blocks, planned like eager weights, until
     the rest fit; else, with --fallback eager, the largest run eagerly; else a refusal naming the budget needed."""
@@ -694,7 +696,8 @@ def _fit_compiled(budget: Budget, already_used: int, compiled: dict[str, int], s
     if not fits(kept) and runner.fallback != "eager":
         raise StageDoesNotFit(
             f"The {stage} stage's compiled models ({parts}) hold their own weights, which cannot be streamed: with the "
-            f"{format_bytes(already_used)} this process holds they need {format_bytes(needed)}, over the budget of "
+            f"{format_bytes(already_used)} that this process and the stage's activations take, they need "
+            f"{format_bytes(needed)}, over the budget of "
             f"{format_bytes(budget.device)}. Give --budget {_round_up_mib(needed)}MiB or more, a narrower --precision, "
             "--fallback eager to run what does not fit eagerly, or compile fewer components (e.g. --backend "
             "unet=eager,*=openvino)."
@@ -707,8 +710,8 @@ def _fit_compiled(budget: Budget, already_used: int, compiled: dict[str, int], s
     if dropped:
         runner.report.notes.append(
             f"{stage}: {', '.join(dropped)} run eagerly, not compiled: the compiled models ({parts}) do not fit the "
-            f"budget of {format_bytes(budget.device)} with the {format_bytes(already_used)} this process holds "
-            "(--fallback eager)"
+            f"budget of {format_bytes(budget.device)} with the {format_bytes(already_used)} that this process and the "
+            "stage's activations take (--fallback eager)"
         )
     return kept, in_blocks, without_components(backend, dropped + in_blocks)
 
