@@ -387,30 +387,28 @@ class StageContext:
                 ) from exc
             found = {name: _compilable_blocks(getattr(pipe, name), name, plan.stages[0].resident, dtype)
                      for name in self.compiled_in_blocks}
-            return strategy, plan, found, _compiled_blocks_extra(pipe, found, dtype)
+            return strategy, plan, found, _compiled_blocks_extra(plan.stages[0], found)
 
         # The reserve a plan needs shrinks as the reserve grows (less room, fewer blocks): the least reserve
-        # that covers what its own plan needs is found by bisection.
+        # that covers what its own plan needs is found by bisection. held: (reserve, the plan made with it).
         first = plan_with(0)
-        held = first if first[3] == 0 else None
+        held = (0, first) if first[3] == 0 else None
         low, high = 0, first[3]
-        while held is None or high - low > high // 32:
-            if high <= low:
-                break
+        while low < high and (held is None or high - low > high // 32):
             extra = high if held is None else (low + high) // 2
             try:
                 candidate = plan_with(extra)
             except StageDoesNotFit:
                 break  # even this reserve leaves too little room: no compiled block is affordable
             if candidate[3] <= extra:
-                held, high = (*candidate[:3], extra), extra
+                held, high = (extra, candidate), extra
             else:
                 low = extra + 1
         if held is None:  # no reserve holds: the blocks run eagerly, as the plan without one streams them
             strategy, plan, _, _ = first
             compiled_blocks, extra = {name: {} for name in self.compiled_in_blocks}, 0
         else:
-            strategy, plan, compiled_blocks, extra = held
+            extra, (strategy, plan, compiled_blocks, _) = held
         stage_plan = plan.stages[0]
         already_used += extra
         block_paths = {name: [path for paths in found.values() for path in paths] for name, found in compiled_blocks.items()}
@@ -724,15 +722,11 @@ COMPILED_BLOCK_OVERHEAD = 0.4
 COMPILED_BLOCK_BUILD = 3
 
 
-def _compiled_blocks_extra(pipe, compiled_blocks: dict[str, dict[str, list[str]]], dtype) -> int:
+def _compiled_blocks_extra(stage_plan, compiled_blocks: dict[str, dict[str, list[str]]]) -> int:
     """Bytes the compiled blocks ``compiled_blocks`` ({component: {block key: module paths}}) need beyond
-    the weights the plan counts for them, a build of the largest of them included."""
-    sizes = []
-    for name, found in compiled_blocks.items():
-        module = getattr(pipe, name)
-        for paths in found.values():
-            sizes.append(sum(p.numel() * (torch.empty((), dtype=dtype or p.dtype).element_size())
-                             for path in paths for p in module.get_submodule(path).parameters()))
+    the weights ``stage_plan`` counts for them, a build of the largest of them included."""
+    keys = {key for found in compiled_blocks.values() for key in found}
+    sizes = [p.bytes for p in stage_plan.placements if f"{p.component}/{p.block}" in keys]
     if not sizes:
         return 0
     return int(COMPILED_BLOCK_OVERHEAD * sum(sizes) + COMPILED_BLOCK_BUILD * max(sizes))

@@ -115,12 +115,11 @@ class FlatOutputs(torch.nn.Module):
                 f"{name_of(self.fn)} also returns {', '.join(odd)}. Use backend='inductor' or "
                 "'eager' for this component."
             )
-        first_of: dict[int, int] = {}
+        first_of: dict[int, int] = {}  # id of a tensor -> the leaf it first appeared at
         aliases = {}
         for i, leaf in enumerate(leaves):
-            if isinstance(leaf, torch.Tensor):
-                aliases[i] = first_of.setdefault(id(leaf), i)
-        aliases = {i: j for i, j in aliases.items() if i != j}
+            if isinstance(leaf, torch.Tensor) and first_of.setdefault(id(leaf), i) != i:
+                aliases[i] = first_of[id(leaf)]
         self.found_layout(OutputLayout(self.backend, spec, constants, aliases))
         return tuple(leaf for i, leaf in enumerate(leaves) if isinstance(leaf, torch.Tensor) and i not in aliases)
 
