@@ -148,6 +148,22 @@ def test_optimize_with_backend_and_restore():
     assert not is_compiled(pipe) and "forward" not in vars(pipe.unet)
 
 
+def test_a_new_generator_per_image_compiles_nothing_again():
+    """A pipeline hands each image's generator to vae.decode: the compiled decoder must serve
+    every image (keyed by the generator's identity, it compiled again per image and ran eagerly
+    from the ninth on)."""
+    pipe = build_pipeline("sd")
+    pipe.set_progress_bar_config(disable=True)
+    records = compile_components(pipe, "eager", cache=False)
+    with torch.inference_mode():
+        for seed in range(3):
+            pipe("a red house", num_inference_steps=1, width=32, height=32, output_type="pt",
+                 generator=torch.Generator().manual_seed(seed))
+    decode = next(r for r in records if (r.component, r.entry) == ("vae", "decode"))
+    assert (decode.status, decode.signatures) == ("compiled", 1)
+    uncompile(pipe)
+
+
 @pytest.mark.slow
 def test_openvino_three_runs_plain_tensors_within_tolerance():
     _skip_unless("openvino")

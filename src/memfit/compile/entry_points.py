@@ -351,7 +351,13 @@ def _leaf_signature(value: Any) -> Any:
         return value
     if isinstance(value, (torch.dtype, torch.device)):
         return str(value)
-    # An object (e.g. a generator): baked in by identity; the entry keeps a reference to it.
+    if isinstance(value, torch.Generator):
+        # A trace cannot keep drawing from a generator, so no compiled graph depends on which one
+        # is passed (the store's key already ignores it). Keyed by identity, every image's new
+        # generator compiled the entry again (a pipeline hands its generator to vae.decode) and the
+        # ninth image ran it eagerly.
+        return "<Generator>"
+    # Any other object: baked in by identity; the entry keeps a reference to it.
     return f"<{type(value).__qualname__}@{id(value)}>"
 
 
