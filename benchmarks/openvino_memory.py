@@ -19,7 +19,8 @@ Rows, each a fresh process, interleaved over --rounds rounds:
                            python -m venv OPT && OPT/bin/pip install torch==2.13.0 "optimum-intel[openvino]" diffusers psutil
                            OPT/bin/pip uninstall -y torchvision   # it pulls one built for another torch
                            OPT/bin/optimum-cli export openvino --model MODEL --task text-to-image --weight-format fp16 IR
-                       (fp16: without it, a model over 1B parameters, the SDXL UNet, is exported with 8-bit weights)
+                       (fp16: without it, a model over 1B parameters, the SDXL UNet, is exported with 8-bit weights;
+                       a smaller one, SD 1.5, with fp32 weights: --optimum-fp16-ir adds a row for its fp16 export)
 
 Per row: peak RSS of the process (ru_maxrss, which counts pages of mapped files the process touched),
 seconds from launch to the first image, and to a second image made in the same process (diffusers:
@@ -50,6 +51,7 @@ GUIDANCE = 7.5
 ROWS = ("diffusers eager", "memfit openvino cold", "memfit openvino warm")
 SESSION_ROW = "memfit openvino session"
 OPTIMUM_ROWS = ("optimum-intel static", "optimum-intel dynamic")
+OPTIMUM_FP16_ROW = "optimum-intel static, fp16 IR"
 ARCH_NAMES = {"sd15": "SD 1.5", "sdxl": "SDXL"}
 
 
@@ -144,13 +146,16 @@ def render(data: dict) -> str:
         ratio = f"{s['peak_rss_bytes'] / base:.2f}x" if base else "-"
         lines.append(f"| {row} | {s['peak_rss_bytes'] / 2**30:.2f} | {ratio} | {s['first_image_s']:.1f} | "
                      f"{s['second_image_s']:.1f} |")
-    anchor, ours = data["summary"].get("optimum-intel static"), data["summary"].get(SESSION_ROW)
-    if anchor and ours:
-        lines += ["", f"{SESSION_ROW} against optimum-intel static (targets: first image <= 0.9x, second image <= "
+    ours = data["summary"].get(SESSION_ROW)
+    for theirs in ("optimum-intel static", OPTIMUM_FP16_ROW):
+        anchor = data["summary"].get(theirs)
+        if not (anchor and ours):
+            continue
+        lines += ["", f"{SESSION_ROW} against {theirs} (targets: first image <= 0.9x, second image <= "
                   f"1.0x, peak RSS <= 0.5x): first image {ours['first_image_s'] / anchor['first_image_s']:.2f}x, "
                   f"second image {ours['second_image_s'] / anchor['second_image_s']:.2f}x, peak RSS "
                   f"{ours['peak_rss_bytes'] / anchor['peak_rss_bytes']:.2f}x."]
-        paired = _paired_ratios(data["runs"], SESSION_ROW, "optimum-intel static")
+        paired = _paired_ratios(data["runs"], SESSION_ROW, theirs)
         if paired:
             lines += ["", "The same ratios within each round (the two runs of a round are minutes apart, so they share "
                       "the machine's load): " + "; ".join(
@@ -179,6 +184,8 @@ def main() -> None:
                         "adds its static- and dynamic-shape rows")
     parser.add_argument("--optimum-ir", help="the IR `optimum-cli export openvino --model MODEL --task text-to-image "
                         "DIR` wrote for the same model (needed with --optimum-python)")
+    parser.add_argument("--optimum-fp16-ir", help="an IR of the same model exported with --weight-format fp16 (with "
+                        "--optimum-python): adds the row '" + OPTIMUM_FP16_ROW + "', optimum-intel static on it")
     parser.add_argument("--skip", action="append", default=[], metavar="ROW", help="leave a row out (repeatable)")
     parser.add_argument("--precision", choices=("fp32", "bf16"), help="memfit's compute precision (default: --dtype)")
     args = parser.parse_args()
@@ -199,6 +206,8 @@ def main() -> None:
         if not args.optimum_ir:
             parser.error("--optimum-python needs --optimum-ir, the IR optimum-cli exported for the same model")
         rows += OPTIMUM_ROWS
+        if args.optimum_fp16_ir:
+            rows.append(OPTIMUM_FP16_ROW)
     rows = [row for row in rows if row not in args.skip]
 
     def save():  # after every row: a long run stopped early still leaves what it measured
@@ -220,7 +229,9 @@ def main() -> None:
             for row in rows:
                 if row == "memfit openvino cold" and round_index:
                     continue
-                if row in OPTIMUM_ROWS:
+                if row == OPTIMUM_FP16_ROW:
+                    result = run_optimum(args.optimum_python, args.optimum_fp16_ir, True, args)
+                elif row in OPTIMUM_ROWS:
                     result = run_optimum(args.optimum_python, args.optimum_ir, row.endswith("static"), args)
                 else:
                     system = "diffusers" if row.startswith("diffusers") else "memfit"

@@ -393,6 +393,17 @@ def test_clear_by_kind(store: CacheStore):
         store.clear(kind="../..")
 
 
+def test_a_tagged_view_writes_its_tags_into_what_it_builds(store: CacheStore):
+    def build(out: Path):
+        (out / "artifact").write_text("built")
+        return {"build_seconds": 1.0}
+
+    store.tagged(component_weights="fp-9").get_or_build(key(), build)
+    store.put(key(1), b"untagged")  # the store itself stays untagged
+    metas = {entry.parts["weights"]: entry.meta for entry in store.ls("test")}
+    assert metas == {"fp-0": {"build_seconds": 1.0, "component_weights": "fp-9"}, "fp-1": {}}
+
+
 def test_manifest_records_key_parts_times_sizes_and_checksums(store: CacheStore):
     store.put(key(), {"a": b"123"})
     manifest = json.loads((store.entry_dir(key()) / "manifest.json").read_text())

@@ -15,7 +15,7 @@ import torch
 
 import memfit
 from memfit.compile.backends import get_backend
-from memfit.compile.entry_points import compile_components, compiled_weight_bytes, uncompile
+from memfit.compile.entry_points import compile_components, compiled_in_store, compiled_weight_bytes, uncompile
 from memfit.compile.precision import with_precision
 from memfit.compile.weights import FileWeights
 from memfit.errors import MemfitError
@@ -188,6 +188,30 @@ def test_openvino_component_runs_from_mapped_weights_and_uncompiles_whole(tiny_m
     assert all(p.dtype == torch.bfloat16 and torch.equal(p, before[name]) for name, p in pipe.unet.named_parameters())
 
 
+@needs_openvino
+def test_the_store_says_which_components_it_holds_compiled(tiny_models, tmp_path):
+    """What a budget reads before any compile: a component's first call imports a stored model, or builds
+    one (which peaks at several times its size)."""
+    import diffusers
+
+    from memfit.cache import CacheStore
+
+    store = CacheStore(tmp_path / "cache")
+    pipe = diffusers.StableDiffusionPipeline.from_pretrained(tiny_models("sd"), safety_checker=None,
+                                                             requires_safety_checker=False)
+    pipe.set_progress_bar_config(disable=True)
+    fingerprints = {"unet": "unet-weights", "vae": "vae-weights"}
+    openvino = {"unet": get_backend("openvino"), "vae": get_backend("openvino")}
+    assert compiled_in_store(fingerprints, openvino, cache=store) == set()
+    compile_components(pipe, {"vae": "openvino"}, cache=store, fingerprints=fingerprints)
+    pipe("a red circle", num_inference_steps=1, width=32, height=32, generator=torch.Generator().manual_seed(0))
+    uncompile(pipe)
+    assert compiled_in_store(fingerprints, openvino, cache=store) == {"vae"}
+    assert compiled_in_store({"vae": "other weights"}, openvino, cache=store) == set()
+    assert compiled_in_store(fingerprints, {"vae": get_backend("onnxruntime")}, cache=store) == set()
+    assert compiled_in_store(fingerprints, openvino, cache=CacheStore(tmp_path / "cache", mode="off")) == set()
+
+
 # --- under a real memory cap ----------------------------------------------------------------------
 
 RUN = """
@@ -247,30 +271,44 @@ def test_compiled_models_that_do_not_fit_run_in_blocks_or_are_refused_or_run_eag
     from types import SimpleNamespace
 
     from memfit.plan.budget import Budget
-    from memfit.run.runner import StageDoesNotFit, _fit_compiled
+    from memfit.run.runner import COMPILED_WHOLE_BUILD, StageDoesNotFit, _fit_compiled
 
     compiled = {"unet": 600 * MiB, "vae": 100 * MiB}
     pipe = SimpleNamespace(unet=torch.nn.Linear(2, 2), vae=SimpleNamespace())  # a forward, and no entry points
+    stored = {"unet", "vae"}  # memfit's store holds both: their first calls import them
     cpu = SimpleNamespace(fallback=None, report=SimpleNamespace(notes=[]), runtime=SimpleNamespace(separate_memory=False))
-    kept, in_blocks, backend = _fit_compiled(Budget(device=1000 * MiB), 300 * MiB, compiled, "denoise", "openvino",
+    kept, in_blocks, backend = _fit_compiled(Budget(device=1000 * MiB), 300 * MiB, compiled, stored, "denoise", "openvino",
                                              cpu, pipe)
     assert kept == compiled and in_blocks == [] and backend == "openvino"  # they fit: nothing changes
     # On the CPU the UNet, whose forward runs block by block, is compiled in blocks planned like weights.
-    kept, in_blocks, backend = _fit_compiled(Budget(device=900 * MiB), 300 * MiB, compiled, "denoise", "openvino",
+    kept, in_blocks, backend = _fit_compiled(Budget(device=900 * MiB), 300 * MiB, compiled, stored, "denoise", "openvino",
                                              cpu, pipe)
     assert kept == {"vae": 100 * MiB} and in_blocks == ["unet"] and backend == {"*": "openvino", "unet": None}
     # What cannot be split (a VAE's decode) and still does not fit is refused, naming the budget it needs...
     with pytest.raises(StageDoesNotFit, match="need 400.00 MiB.*--budget 400MiB"):
-        _fit_compiled(Budget(device=350 * MiB), 300 * MiB, compiled, "denoise", "openvino", cpu, pipe)
+        _fit_compiled(Budget(device=350 * MiB), 300 * MiB, compiled, stored, "denoise", "openvino", cpu, pipe)
     # ...as is all of it where memory is the device's own (blocks are planned on the host only).
     gpu = SimpleNamespace(fallback=None, report=SimpleNamespace(notes=[]), runtime=SimpleNamespace(separate_memory=True))
     with pytest.raises(StageDoesNotFit, match="need 1000.00 MiB.*--budget 1000MiB"):
-        _fit_compiled(Budget(device=900 * MiB), 300 * MiB, compiled, "denoise", "openvino", gpu, pipe)
+        _fit_compiled(Budget(device=900 * MiB), 300 * MiB, compiled, stored, "denoise", "openvino", gpu, pipe)
     gpu.fallback = "eager"
-    kept, in_blocks, backend = _fit_compiled(Budget(device=900 * MiB), 300 * MiB, compiled, "denoise", "openvino",
+    kept, in_blocks, backend = _fit_compiled(Budget(device=900 * MiB), 300 * MiB, compiled, stored, "denoise", "openvino",
                                              gpu, pipe)
     assert kept == {"vae": 100 * MiB} and in_blocks == [] and backend == {"*": "openvino", "unet": None}
     assert "unet run eagerly" in gpu.report.notes[-1]
+    # Not stored, the UNet is built on its first call, which needs more than the model: the budget that
+    # holds it stored does not hold its build, so it is compiled in blocks (each block built on its own), and
+    # the note says which budget would store it whole.
+    cpu.report.notes.clear()
+    kept, in_blocks, backend = _fit_compiled(Budget(device=1000 * MiB), 300 * MiB, compiled, {"vae"}, "denoise",
+                                             "openvino", cpu, pipe)
+    assert kept == {"vae": 100 * MiB} and in_blocks == ["unet"]
+    whole_build = 300 + 700 + int(COMPILED_WHOLE_BUILD * 600)
+    assert "unet compiled in blocks" in cpu.report.notes[-1] and f"--budget {whole_build}MiB" in cpu.report.notes[-1]
+    # The refusal counts the build too, and says so.
+    with pytest.raises(StageDoesNotFit, match=f"need {300 + 100 + COMPILED_WHOLE_BUILD * 100:.2f} MiB \\(with "
+                       f"{COMPILED_WHOLE_BUILD}x the largest of vae more while it is built"):
+        _fit_compiled(Budget(device=350 * MiB), 300 * MiB, compiled, set(), "denoise", "openvino", cpu, pipe)
 
 
 @needs_openvino

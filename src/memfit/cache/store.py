@@ -26,6 +26,7 @@ Guarantees, each with a test in tests/test_cache_store.py:
 from __future__ import annotations
 
 import atexit
+import copy
 import os
 import shutil
 import socket
@@ -137,11 +138,25 @@ class CacheStore:
         if self.max_bytes <= 0:
             raise MemfitError(f"The cache size limit must be positive; got {self.max_bytes} bytes.")
         self.mode = mode_from_env() if mode is None else CacheMode(mode)
+        self._tags: dict[str, Any] = {}
 
     def __repr__(self) -> str:
         return f"CacheStore(root={str(self.root)!r}, max_bytes={self.max_bytes}, mode={self.mode.value!r})"
 
+    def tagged(self, **meta: Any) -> CacheStore:
+        """This store, writing ``meta`` into the manifest of every entry built through it: what
+        ``find`` looks entries up by before their keys can be known."""
+        view = copy.copy(self)
+        view._tags = {**self._tags, **meta}
+        return view
+
     # -- lookups -------------------------------------------------------------------------------
+
+    def find(self, kind: str, **meta: Any) -> list[CacheEntry]:
+        """The entries of ``kind`` whose manifest's metadata holds every item of ``meta`` (contents not checked)."""
+        if self.mode is CacheMode.OFF:
+            return []
+        return [entry for entry in self.ls(kind) if all(entry.meta.get(k) == v for k, v in meta.items())]
 
     def entry_dir(self, key: CacheKey) -> Path:
         return self.root / key.kind / key.digest[:2] / key.digest
@@ -276,7 +291,7 @@ class CacheStore:
                     f"The builder for cache entry {key} wrote no files into {data_dir}; "
                     "a builder must write the entry's files into the directory it is given."
                 )
-            return self._commit(key, staging, dict(meta))
+            return self._commit(key, staging, {**meta, **self._tags})
         finally:
             if staging.exists():
                 shutil.rmtree(staging, ignore_errors=True)

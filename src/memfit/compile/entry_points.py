@@ -45,13 +45,14 @@ from typing import Any, Callable, Mapping, Union
 
 import torch
 
+from memfit.cache import CacheMode
 from memfit.compile.backends import Backend, get_backend
 from memfit.compile.precision import with_precision
 from memfit.compile.weights import FileWeights
 from memfit.errors import MemfitError
 from memfit.sizes import format_bytes as _size
 
-__all__ = ["CompileRecord", "compile_blocks", "compile_components", "compiled_weight_bytes", "entry_points",
+__all__ = ["CompileRecord", "compile_blocks", "compile_components", "compiled_in_store", "compiled_weight_bytes", "entry_points",
            "is_compiled", "uncompile", "module_fingerprint", "served_by_own_weights"]
 
 BackendSpec = Union[str, Backend, Mapping[str, Union[str, Backend]]]
@@ -60,6 +61,8 @@ BackendSpec = Union[str, Backend, Mapping[str, Union[str, Backend]]]
 ENTRIES_ATTR = "_memfit_compiled"
 WEIGHTS_ATTR = "_memfit_file_weights"
 MAX_SIGNATURES = 8
+# The manifest field a stored compiled model names its component's weights fingerprint in.
+STORED_WEIGHTS_TAG = "component_weights"
 _MISSING = object()
 
 _DENOISERS = ("unet", "transformer", "prior", "decoder")
@@ -149,14 +152,25 @@ def compile_components(
         module = components.get(name)
         methods = entry_points(name, module)
         if methods:
-            records += _install(module, name, methods, get_backend(spec), fallback_backend, cache,
-                                (fingerprints or {}).get(name), (options or {}), (sources or {}).get(name),
+            be = get_backend(spec)
+            records += _install(module, name, methods, be, fallback_backend, cache, (fingerprints or {}).get(name),
+                                _component_options(name, be, options or {}), (sources or {}).get(name),
                                 run_dtypes.get(name))
     for name, dtype in run_dtypes.items():
         module = components.get(name)
         if isinstance(module, torch.nn.Module) and not getattr(vars(module).get(WEIGHTS_ATTR), "released", False):
             module.to(dtype)  # no compiled model serves it from its files: it runs in memory, as loaded converted
     return records
+
+
+def _component_options(name: str, be: Backend, options: Mapping[str, Mapping[str, Any]]) -> Mapping[str, Mapping[str, Any]]:
+    """``options`` for component ``name``: one that runs once per image (a text encoder, a VAE) frees its
+    intermediate buffers after each call where the backend can and the caller did not say otherwise; a
+    denoiser, called every step, keeps them."""
+    own = dict(options.get(be.name) or {})
+    if name.startswith(_DENOISERS) or "release_memory" not in be.default_options or "release_memory" in own:
+        return options
+    return {**options, be.name: {**own, "release_memory": True}}
 
 
 def compile_blocks(module: torch.nn.Module, component: str, paths, backend: str | Backend, *, fallback=None,
@@ -481,17 +495,20 @@ class _Entry:
         fn = self._tensor_function(spec, leaves, tensor_positions)
         started = time.perf_counter()
         built: list[bool] = []
+        cache = self.cache
+        if self.fingerprint is not None and hasattr(cache, "tagged"):
+            cache = cache.tagged(**{STORED_WEIGHTS_TAG: self.fingerprint})  # see compiled_in_store
         try:
             if self.weights is None:
                 fingerprint = self._entry_fingerprint(leaves, tensor_positions, spec) if self.cache is not None else None
-                run = self.backend.compile(fn, tensors, self.options, cache=self.cache, weights_fingerprint=fingerprint)
+                run = self.backend.compile(fn, tensors, self.options, cache=cache, weights_fingerprint=fingerprint)
             else:
                 # A cold build reads them, so they are brought in when it starts; a stored artifact does not.
                 with self.weights.held(until_needed=True) as bring_in:
                     if self.fingerprint is None:
                         bring_in()  # the key then hashes the weights as the module runs them
                     fingerprint = self._entry_fingerprint(leaves, tensor_positions, spec) if self.cache is not None else None
-                    run = self.backend.compile(fn, tensors, self.options, cache=self.cache,
+                    run = self.backend.compile(fn, tensors, self.options, cache=cache,
                                                weights_fingerprint=fingerprint, before_load=self.weights.drop,
                                                on_build=lambda: (built.append(True), bring_in()))
         except Exception as exc:
@@ -577,6 +594,22 @@ def served_by_own_weights(all_names, names, backend: BackendSpec | None) -> dict
     return served
 
 
+def compiled_in_store(fingerprints: Mapping[str, str], backends: Mapping[str, Backend], cache: Any = None) -> set[str]:
+    """The components of ``backends`` ({component: its backend}, e.g. from served_by_own_weights) of which
+    the store already holds a model compiled with that backend from the weights ``fingerprints`` names:
+    their first call imports it, where a build peaks at several times its size. Matched by weights and
+    backend only, so a model stored for another input shape, precision or library version counts too (a
+    first call with those still builds)."""
+    store = _store(cache)
+    if store is None or getattr(store, "mode", None) is CacheMode.OFF or not backends:
+        return set()
+    try:
+        held = {(entry.meta.get(STORED_WEIGHTS_TAG), entry.parts.get("backend")) for entry in store.ls("compiled")}
+    except OSError:  # an unreadable store: every build is a cold one
+        return set()
+    return {name for name, be in backends.items() if (fingerprints.get(name), be.name) in held}
+
+
 def compiled_weight_bytes(pipe, names, backend: BackendSpec | None, dtype: torch.dtype) -> dict[str, int]:
     """{component: bytes its compiled model holds} for the components of ``names`` whose backend keeps
     its own copy of the weights (their torch weights are then memory-mapped, not in memory): every
@@ -624,10 +657,11 @@ def report_records(report, records: list) -> None:
         elif record.status == "compiled" and record.backend != "eager":
             how = "loaded from memfit's store"
             if record.cold:
-                # Measured with openvino on the SD UNet: torch.export, the converted model and the compiled one
-                # are alive together during a build.
-                how = ("built (no stored artifact; a build peaks at about 3-4x the component's weights, above a "
-                       "budget planned for the stored one: build it once with a larger budget)")
+                # A budget counts the build (memfit.run.runner): the note is for runs without one, whose user may
+                # wonder why the first run needs more than later ones.
+                how = ("built (no stored artifact; torch.export, the converted and the compiled model are alive "
+                       "together while it builds, about 2x the compiled model in memory, plus the torch weights read "
+                       "from the files; later runs import it)")
             report.notes.append(
                 f"{stage.stage}: {record.component}.{record.entry} compiled with {record.backend} in "
                 f"{record.compile_seconds:.2f} s, {how}" + (f"; {record.weights}" if record.weights else "")

@@ -33,8 +33,8 @@ from typing import Any
 
 import torch
 
-from memfit.compile.entry_points import (compile_blocks, compile_stage, compiled_weight_bytes, report_records,
-                                        served_by_own_weights)
+from memfit.compile.entry_points import (compile_blocks, compile_stage, compiled_in_store, compiled_weight_bytes,
+                                        report_records, served_by_own_weights)
 from memfit.devices import DeviceRuntime, cuda_device_count, runtime_for
 from memfit.errors import MemfitError
 from memfit.models.families import Settings
@@ -333,7 +333,9 @@ class StageContext:
             # A compiled graph runs the stage's own way (no chunked attention, no banded decode): its activations.
             activations = stage_strategies(folder.adapter, plan_as or self.stage, runner.settings, runner.guided,
                                            runner.dtype)[0].activation_bytes
-            compiled, in_blocks, backend = _fit_compiled(self.budget, already_used + activations, compiled,
+            stored = compiled_in_store({name: folder.component_fingerprint(name) for name in compiled},
+                                       served_by_own_weights(folder.components, list(compiled), backend))
+            compiled, in_blocks, backend = _fit_compiled(self.budget, already_used + activations, compiled, stored,
                                                          self.stage, backend, runner, pipe)
         for name, size in compiled.items():
             runner.report.notes.append(f"{self.stage}: planned {name} as its compiled model, {format_bytes(size)} "
@@ -667,17 +669,24 @@ def _has_weights(pipe, names) -> bool:
     return any(isinstance(getattr(pipe, name, None), torch.nn.Module) for name in names)
 
 
-def _fit_compiled(budget: Budget, already_used: int, compiled: dict[str, int], stage: str, backend, runner, pipe):
-    """``already_used``: what the process holds plus the stage's activations.
+def _fit_compiled(budget: Budget, already_used: int, compiled: dict[str, int], stored: set[str], stage: str,
+                  backend, runner, pipe):
+    """``already_used``: what the process holds plus the stage's activations; ``stored``: the components
+    whose compiled model memfit's store holds already (the others are built on their first call).
 
     The compiled models a stage keeps whole, those it compiles block by block, and the backend spec it
-    compiles the whole ones with. All whole where they fit the budget; else on the CPU the largest with a
-    forward of blocks (denoisers, text encoders) are compiled in blocks, planned like eager weights, until
-    the rest fit; else, with --fallback eager, the largest run eagerly; else a refusal naming the budget needed."""
+    compiles the whole ones with. All whole where they fit the budget, with the build of the largest one
+    not stored yet; else on the CPU the largest with a forward of blocks (denoisers, text encoders) are
+    compiled in blocks, planned like eager weights, until the rest fit; else, with --fallback eager, the
+    largest run eagerly; else a refusal naming the budget needed."""
     from memfit.compile.entry_points import entry_points, without_components
 
+    def needed(kept):
+        builds = [size for name, size in kept.items() if name not in stored]
+        return already_used + sum(kept.values()) + int(COMPILED_WHOLE_BUILD * max(builds, default=0))
+
     def fits(kept):
-        return budget.device is None or already_used + sum(kept.values()) <= budget.device
+        return budget.device is None or needed(kept) <= budget.device
 
     if fits(compiled):
         return compiled, [], backend
@@ -689,14 +698,16 @@ def _fit_compiled(budget: Budget, already_used: int, compiled: dict[str, int], s
             if entry_points(name, getattr(pipe, name, None)) == ("forward",):
                 in_blocks.append(name)
                 kept.pop(name)
-    needed = already_used + sum(kept.values())
     parts = ", ".join(f"{name} {format_bytes(size)}" for name, size in kept.items())
+    building = [name for name in kept if name not in stored]
+    build_note = (f" (with {COMPILED_WHOLE_BUILD}x the largest of {', '.join(building)} more while it is built: "
+                  "memfit's store does not hold it yet)") if building else ""
     if not fits(kept) and runner.fallback != "eager":
         raise StageDoesNotFit(
             f"The {stage} stage's compiled models ({parts}) hold their own weights, which cannot be streamed: with the "
             f"{format_bytes(already_used)} that this process and the stage's activations take, they need "
-            f"{format_bytes(needed)}, over the budget of "
-            f"{format_bytes(budget.device)}. Give --budget {_round_up_mib(needed)}MiB or more, a narrower --precision, "
+            f"{format_bytes(needed(kept))}{build_note}, over the budget of "
+            f"{format_bytes(budget.device)}. Give --budget {_round_up_mib(needed(kept))}MiB or more, a narrower --precision, "
             "--fallback eager to run what does not fit eagerly, or compile fewer components (e.g. --backend "
             "unet=eager,*=openvino)."
         )
@@ -709,17 +720,31 @@ def _fit_compiled(budget: Budget, already_used: int, compiled: dict[str, int], s
         runner.report.notes.append(
             f"{stage}: {', '.join(dropped)} run eagerly, not compiled: the compiled models ({parts}) do not fit the "
             f"budget of {format_bytes(budget.device)} with the {format_bytes(already_used)} that this process and the "
-            "stage's activations take (--fallback eager)"
+            f"stage's activations take{build_note} (--fallback eager)"
+        )
+    cold_blocks = [name for name in in_blocks if name not in stored and already_used + sum(compiled.values())
+                   <= budget.device]
+    if cold_blocks:
+        runner.report.notes.append(
+            f"{stage}: {', '.join(cold_blocks)} compiled in blocks: compiled whole, it fits the budget, but building it "
+            f"whole needs about {COMPILED_WHOLE_BUILD}x its size more, and memfit's store does not hold it yet. A run with "
+            f"--budget {_round_up_mib(needed(compiled))}MiB (or none) stores it; later runs under this budget use it whole"
         )
     return kept, in_blocks, without_components(backend, dropped + in_blocks)
 
 
 # What a block compiled as a model of its own holds beyond its weights, as a share of them: the runtime's
 # structures and buffers (measured with openvino on the SD 1.5 UNet's blocks in bf16, freeing intermediate
-# buffers after each call: 0.35); and what building a block that is not stored yet peaks at, beside the
-# others, as a multiple of its weights (torch.export, the converted and the compiled model alive together).
+# buffers after each call: 0.35); and what building a block that is not stored yet peaks at beyond it, as a
+# multiple of its weights (torch.export, the converted and the compiled model alive together, and the torch
+# weights it reads: mapped pages of the files, which a tight budget cannot leave out).
 COMPILED_BLOCK_OVERHEAD = 0.4
 COMPILED_BLOCK_BUILD = 3
+# What building a whole compiled model that is not stored yet needs beyond the model itself, as a multiple of
+# it: measured with openvino on the SD 1.5 UNet in bf16 (1.60 GiB), 1.1x of anonymous memory (3.93 GiB peak,
+# 0.53 GiB before). The torch weights it reads are mapped pages of the files on top (another 1.9 GiB there),
+# which a memory cap reclaims: under a 4 GiB cgroup cap the same build completed with its page cache reclaimed.
+COMPILED_WHOLE_BUILD = 1.25
 
 
 def _compiled_blocks_extra(stage_plan, compiled_blocks: dict[str, dict[str, list[str]]]) -> int:

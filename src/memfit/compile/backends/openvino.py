@@ -41,11 +41,12 @@ Learned on openvino 2026.4, torch 2.13, CPU:
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import importlib.util
 import threading
 from pathlib import Path
-from typing import Any, Callable, Mapping, Sequence
+from typing import Any, Callable, Iterator, Mapping, Sequence
 
 import torch
 
@@ -290,7 +291,8 @@ def _load_entry(entry: Path, device: str, ov_config: Mapping[str, Any]) -> tuple
     blob = np.memmap(entry / MODEL_FILE, dtype=np.uint8, mode="c")
     try:
         # The precision hint again: without it the CPU plugin imports an f32 blob as bf16.
-        compiled = _core().import_model(ov.Tensor(blob, shared_memory=True), device, dict(ov_config))
+        with _pages_dropped_meanwhile(blob):
+            compiled = _core().import_model(ov.Tensor(blob, shared_memory=True), device, dict(ov_config))
     except RuntimeError as exc:
         raise MemfitError(
             f"OpenVINO could not import the stored model {entry / MODEL_FILE} ({exc}). Remove it "
@@ -298,6 +300,28 @@ def _load_entry(entry: Path, device: str, ov_config: Mapping[str, Any]) -> tuple
         ) from exc
     _drop_pages(blob)
     return compiled, layout, blob
+
+
+@contextlib.contextmanager
+def _pages_dropped_meanwhile(blob: Any, every_seconds: float = 0.05) -> Iterator[None]:
+    """Drop the blob's pages from this process again and again while the block runs: the import reads
+    the blob once, front to back, into memory of the plugin's own, so the pages it has read are not
+    needed, and without this the whole blob stays resident beside that copy until the import ends
+    (measured on the SD 1.5 UNet, 1.72 GB in bf16: peak RSS 3.39 GiB without, 1.81 GiB with, import
+    1.0 s either way). A page read again later comes back from the page cache; see _drop_pages."""
+    done = threading.Event()
+
+    def drop_until_done() -> None:
+        while not done.wait(every_seconds):
+            _drop_pages(blob)
+
+    dropper = threading.Thread(target=drop_until_done, name="memfit-openvino-import", daemon=True)
+    dropper.start()
+    try:
+        yield
+    finally:
+        done.set()
+        dropper.join()
 
 
 def _drop_pages(blob: Any) -> None:
