@@ -212,6 +212,34 @@ def test_the_store_says_which_components_it_holds_compiled(tiny_models, tmp_path
     assert compiled_in_store(fingerprints, openvino, cache=CacheStore(tmp_path / "cache", mode="off")) == set()
 
 
+@needs_openvino
+def test_a_session_frees_the_buffers_of_the_compiled_models_it_keeps(tiny_models, tmp_path, monkeypatch):
+    """Between images a Session keeps its compiled models loaded, not their intermediate buffers (the decode
+    needs that room beside the kept denoiser); the next image allocates them again and draws the same."""
+    import memfit.run.runner as runner
+    from memfit.compile.entry_points import ENTRIES_ATTR, release_buffers
+    from memfit.run.session import Session
+
+    monkeypatch.setenv("MEMFIT_CACHE_DIR", str(tmp_path / "cache"))
+    freed = []
+
+    def counting(pipe):
+        for name, module in pipe.components.items():
+            for entry in vars(module).get(ENTRIES_ATTR, {}).values() if isinstance(module, torch.nn.Module) else ():
+                for run, _ in entry.compiled.values():
+                    release = run.release_buffers
+                    run.release_buffers = lambda release=release, name=name: (freed.append(name), release())
+        release_buffers(pipe)
+
+    monkeypatch.setattr(runner, "release_buffers", counting)
+    session = Session(tiny_models("sd"), budget="none", backend={"unet": "openvino", "vae": "openvino"})
+    first = session.generate("a red circle", seed=1, steps=2, width=32, height=32)
+    assert sorted(freed) == ["unet", "vae"], freed  # once per kept stage that compiled something
+    second = session.generate("a red circle", seed=1, steps=2, width=32, height=32)
+    assert np.array_equal(np.asarray(first.images[0]), np.asarray(second.images[0]))
+    session.close()
+
+
 # --- under a real memory cap ----------------------------------------------------------------------
 
 RUN = """

@@ -52,8 +52,8 @@ from memfit.compile.weights import FileWeights
 from memfit.errors import MemfitError
 from memfit.sizes import format_bytes as _size
 
-__all__ = ["CompileRecord", "compile_blocks", "compile_components", "compiled_in_store", "compiled_weight_bytes", "entry_points",
-           "is_compiled", "uncompile", "module_fingerprint", "served_by_own_weights"]
+__all__ = ["CompileRecord", "compile_blocks", "compile_components", "compiled_in_store", "compiled_weight_bytes",
+           "entry_points", "is_compiled", "release_buffers", "uncompile", "module_fingerprint", "served_by_own_weights"]
 
 BackendSpec = Union[str, Backend, Mapping[str, Union[str, Backend]]]
 
@@ -163,7 +163,7 @@ def compile_components(
     return records
 
 
-def _component_options(name: str, be: Backend, options: Mapping[str, Mapping[str, Any]]) -> Mapping[str, Mapping[str, Any]]:
+def _component_options(name: str, be: Backend, options: Mapping[str, Mapping[str, Any]]) -> Mapping[str, Any]:
     """``options`` for component ``name``: one that runs once per image (a text encoder, a VAE) frees its
     intermediate buffers after each call where the backend can and the caller did not say otherwise; a
     denoiser, called every step, keeps them."""
@@ -592,6 +592,21 @@ def served_by_own_weights(all_names, names, backend: BackendSpec | None) -> dict
         if be.holds_own_weights and be.available().ok:
             served[name] = be
     return served
+
+
+def release_buffers(pipe) -> None:
+    """Free the intermediate buffers of ``pipe``'s compiled models, whole or in blocks, where their backend
+    keeps them between calls (OpenVINO): for a pipeline kept loaded between runs, whose next call
+    allocates them again. A denoiser's are as large as a VAE decode's at the same size."""
+    for component in getattr(pipe, "components", {}).values():
+        if not isinstance(component, torch.nn.Module):
+            continue
+        for module in component.modules():
+            for entry in vars(module).get(ENTRIES_ATTR, {}).values():
+                for run, _ in entry.compiled.values():
+                    release = getattr(run, "release_buffers", None)
+                    if release is not None:
+                        release()
 
 
 def compiled_in_store(fingerprints: Mapping[str, str], backends: Mapping[str, Backend], cache: Any = None) -> set[str]:

@@ -34,7 +34,7 @@ from typing import Any
 import torch
 
 from memfit.compile.entry_points import (compile_blocks, compile_stage, compiled_in_store, compiled_weight_bytes,
-                                        report_records, served_by_own_weights)
+                                        release_buffers, report_records, served_by_own_weights)
 from memfit.devices import DeviceRuntime, cuda_device_count, runtime_for
 from memfit.errors import MemfitError
 from memfit.models.families import Settings
@@ -491,6 +491,7 @@ class StageContext:
         weights = sum(resident_bytes(pipe, names) for pipe, names, _, _ in self._loaded)
         if self.runner.pool is not None:
             for pipe, _, key, made_for in self._loaded:
+                release_buffers(pipe)  # kept for the next run: the stages between need the room
                 self.runner.pool.keep(key, made_for, pipe)
         self._loaded.clear()
         return weights

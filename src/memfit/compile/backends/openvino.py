@@ -364,6 +364,11 @@ def _runner(
                 compiled.release_memory()
         return plain_outputs(layout.rebuild(outputs))
 
+    def release_buffers() -> None:
+        with lock:
+            compiled.release_memory()
+
+    run.release_buffers = release_buffers  # type: ignore[attr-defined]  (see entry_points.release_buffers)
     run.compiled_model = compiled  # type: ignore[attr-defined]  (for inspection and tests)
     run._keep_alive = keep_alive  # type: ignore[attr-defined]
     return run
