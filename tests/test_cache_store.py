@@ -402,6 +402,11 @@ def test_a_tagged_view_writes_its_tags_into_what_it_builds(store: CacheStore):
     store.put(key(1), b"untagged")  # the store itself stays untagged
     metas = {entry.parts["weights"]: entry.meta for entry in store.ls("test")}
     assert metas == {"fp-0": {"build_seconds": 1.0, "component_weights": "fp-9"}, "fp-1": {}}
+    # An entry stored untagged (by an older memfit) gets the tags when a tagged view loads it, intact.
+    assert store.tagged(component_weights="fp-8").get(key(1)) is not None
+    metas = {entry.parts["weights"]: entry.meta for entry in store.ls("test")}
+    assert metas["fp-1"] == {"component_weights": "fp-8"} and store.verify() == []
+    assert store.get(key(1)).joinpath("blob").read_bytes() == b"untagged"
 
 
 def test_manifest_records_key_parts_times_sizes_and_checksums(store: CacheStore):

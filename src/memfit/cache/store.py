@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import atexit
 import copy
+import dataclasses
 import os
 import shutil
 import socket
@@ -144,19 +145,13 @@ class CacheStore:
         return f"CacheStore(root={str(self.root)!r}, max_bytes={self.max_bytes}, mode={self.mode.value!r})"
 
     def tagged(self, **meta: Any) -> CacheStore:
-        """This store, writing ``meta`` into the manifest of every entry built through it: what
-        ``find`` looks entries up by before their keys can be known."""
+        """This store, writing ``meta`` into the manifest of every entry built or loaded through it: what
+        a caller can find entries by (``ls``, each entry's ``meta``) before it can know their keys."""
         view = copy.copy(self)
         view._tags = {**self._tags, **meta}
         return view
 
     # -- lookups -------------------------------------------------------------------------------
-
-    def find(self, kind: str, **meta: Any) -> list[CacheEntry]:
-        """The entries of ``kind`` whose manifest's metadata holds every item of ``meta`` (contents not checked)."""
-        if self.mode is CacheMode.OFF:
-            return []
-        return [entry for entry in self.ls(kind) if all(entry.meta.get(k) == v for k, v in meta.items())]
 
     def entry_dir(self, key: CacheKey) -> Path:
         return self.root / key.kind / key.digest[:2] / key.digest
@@ -173,6 +168,8 @@ class CacheStore:
         except OSError as exc:
             self._unavailable(exc)
             found = None
+        if found is not None and self._tags:
+            self._add_tags(key, found.parent)
         if found is None and self.mode is CacheMode.REQUIRE:
             raise MemfitError(
                 f"Cache miss for {key} under {self.root}, and MEMFIT_CACHE=require forbids "
@@ -206,6 +203,27 @@ class CacheStore:
                     return None
         _touch(entry / LAST_USED_NAME)
         return entry / DATA_DIR_NAME
+
+    def _add_tags(self, key: CacheKey, entry: Path) -> None:
+        """Write this view's tags into the manifest of an entry stored without them (by a memfit from before
+        they existed), so that lookups by tag find it from now on. The manifest is replaced by a rename, as
+        an entry is; a store that cannot be written keeps the entry as it is."""
+        try:
+            manifest = Manifest.from_json((entry / MANIFEST_NAME).read_text(encoding="utf-8"))
+            if all(manifest.meta.get(name) == value for name, value in self._tags.items()):
+                return
+            staging = self._new_staging_dir()
+            try:
+                updated = dataclasses.replace(manifest, meta={**manifest.meta, **self._tags})
+                (staging / MANIFEST_NAME).write_text(updated.to_json(), encoding="utf-8")
+                fsync_file(staging / MANIFEST_NAME)
+                with key_lock(self._lock_path(key)):
+                    os.replace(staging / MANIFEST_NAME, entry / MANIFEST_NAME)
+                fsync_dir(entry)
+            finally:
+                shutil.rmtree(staging, ignore_errors=True)
+        except (OSError, ValueError, KeyError, TypeError):
+            pass
 
     # -- writes --------------------------------------------------------------------------------
 
