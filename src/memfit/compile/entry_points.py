@@ -167,8 +167,14 @@ def _component_options(name: str, be: Backend, options: Mapping[str, Mapping[str
     """``options`` for component ``name``: one that runs once per image (a text encoder, a VAE) frees its
     intermediate buffers after each call where the backend can and the caller did not say otherwise; a
     denoiser, called every step, keeps them."""
+    return options if name.startswith(_DENOISERS) else _releasing_buffers(be, options)
+
+
+def _releasing_buffers(be: Backend, options: Mapping[str, Mapping[str, Any]]) -> Mapping[str, Any]:
+    """``options`` with ``be`` freeing its intermediate buffers after each call, where it can and the
+    caller did not say otherwise."""
     own = dict(options.get(be.name) or {})
-    if name.startswith(_DENOISERS) or "release_memory" not in be.default_options or "release_memory" in own:
+    if "release_memory" not in be.default_options or "release_memory" in own:
         return options
     return {**options, be.name: {**own, "release_memory": True}}
 
@@ -185,7 +191,7 @@ def compile_blocks(module: torch.nn.Module, component: str, paths, backend: str 
     """
     be, fallback_backend, cache = get_backend(backend), _fallback_backend(fallback), _store(cache)
     # Many block models would each keep their own intermediate buffers between calls.
-    options = {be.name: {"release_memory": True}} if "release_memory" in be.default_options else {}
+    options = _releasing_buffers(be, {})
     records = []
     for path in paths:
         block_fingerprint = None
