@@ -154,7 +154,7 @@ def compile_components(
         if methods:
             be = get_backend(spec)
             records += _install(module, name, methods, be, fallback_backend, cache, (fingerprints or {}).get(name),
-                                _component_options(name, be, options or {}), (sources or {}).get(name),
+                                options or {}, (sources or {}).get(name),
                                 run_dtypes.get(name))
     for name, dtype in run_dtypes.items():
         module = components.get(name)
@@ -163,16 +163,11 @@ def compile_components(
     return records
 
 
-def _component_options(name: str, be: Backend, options: Mapping[str, Mapping[str, Any]]) -> Mapping[str, Any]:
-    """``options`` for component ``name``: one that runs once per image (a text encoder, a VAE) frees its
-    intermediate buffers after each call where the backend can and the caller did not say otherwise; a
-    denoiser, called every step, keeps them."""
-    return options if name.startswith(_DENOISERS) else _releasing_buffers(be, options)
-
-
 def _releasing_buffers(be: Backend, options: Mapping[str, Mapping[str, Any]]) -> Mapping[str, Any]:
     """``options`` with ``be`` freeing its intermediate buffers after each call, where it can and the
-    caller did not say otherwise."""
+    caller did not say otherwise: for block models, each of which would otherwise keep its own. A whole
+    component keeps its buffers until its stage ends (see release_buffers); freeing them after each call
+    would not lower a stage's peak, and a Session's next image would allocate them again."""
     own = dict(options.get(be.name) or {})
     if "release_memory" not in be.default_options or "release_memory" in own:
         return options
@@ -602,8 +597,8 @@ def served_by_own_weights(all_names, names, backend: BackendSpec | None) -> dict
 
 def release_buffers(pipe) -> None:
     """Free the intermediate buffers of ``pipe``'s compiled models, whole or in blocks, where their backend
-    keeps them between calls (OpenVINO): for a pipeline kept loaded between runs, whose next call
-    allocates them again. A denoiser's are as large as a VAE decode's at the same size."""
+    keeps them between calls (OpenVINO): for a pipeline kept loaded between runs under a budget, whose
+    next call allocates them again. A denoiser's are as large as a VAE decode's at the same size."""
     for component in getattr(pipe, "components", {}).values():
         if not isinstance(component, torch.nn.Module):
             continue
