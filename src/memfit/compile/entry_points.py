@@ -163,17 +163,6 @@ def compile_components(
     return records
 
 
-def _releasing_buffers(be: Backend, options: Mapping[str, Mapping[str, Any]]) -> Mapping[str, Any]:
-    """``options`` with ``be`` freeing its intermediate buffers after each call, where it can and the
-    caller did not say otherwise: for block models, each of which would otherwise keep its own. A whole
-    component keeps its buffers until its stage ends (see release_buffers); freeing them after each call
-    would not lower a stage's peak, and a Session's next image would allocate them again."""
-    own = dict(options.get(be.name) or {})
-    if "release_memory" not in be.default_options or "release_memory" in own:
-        return options
-    return {**options, be.name: {**own, "release_memory": True}}
-
-
 def compile_blocks(module: torch.nn.Module, component: str, paths, backend: str | Backend, *, fallback=None,
                    cache: Any = None, fingerprint: str | None = None, source=None,
                    run_dtype: torch.dtype | None = None) -> list[CompileRecord]:
@@ -185,8 +174,10 @@ def compile_blocks(module: torch.nn.Module, component: str, paths, backend: str 
     component's weights fingerprint (each block's key adds its path). Undone by ``uncompile(module)``.
     """
     be, fallback_backend, cache = get_backend(backend), _fallback_backend(fallback), _store(cache)
-    # Many block models would each keep their own intermediate buffers between calls.
-    options = _releasing_buffers(be, {})
+    # Many block models would each keep their own intermediate buffers between calls, so each frees them after
+    # its call. A whole component keeps its buffers until its stage ends (see release_buffers): freeing them
+    # after each call would not lower the stage's peak, and a Session's next image would allocate them again.
+    options = {be.name: {"release_memory": True}} if "release_memory" in be.default_options else {}
     records = []
     for path in paths:
         block_fingerprint = None
