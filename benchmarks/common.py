@@ -77,12 +77,28 @@ def write_outputs(name: str, data: dict, table: str) -> None:
     print(f"wrote docs/{name}.json and docs/{name}.md")
 
 
+def cpu_name() -> str | None:
+    """The CPU's model name and whether it computes bf16 in hardware (AVX-512 BF16 or AMX): without it, a bf16
+    run is emulated (torch) or runs in fp32 (OpenVINO), which changes what a benchmark compares."""
+    try:
+        info = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return None
+    fields = dict(line.split(":", 1) for line in info.splitlines() if ":" in line)
+    name = " ".join(fields.get("model name\t", "").split()) or None
+    flags = set(fields.get("flags\t\t", "").split())
+    if name is None:
+        return None
+    return f"{name}, {'bf16 in hardware' if flags & {'avx512_bf16', 'amx_bf16'} else 'no bf16 in hardware'}"
+
+
 def machine() -> dict:
     import platform
 
     import psutil
 
     return {
+        "cpu": cpu_name(),
         "cpu_count": os.cpu_count(),
         "memory_gib": round(psutil.virtual_memory().total / 2**30, 1),
         "platform": platform.platform(),

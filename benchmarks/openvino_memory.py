@@ -134,7 +134,9 @@ def render(data: dict) -> str:
         f"# Peak memory with compiled backends: {ARCH_NAMES[a.get('arch', 'sd15')]} "
         f"({'tiny' if a['tiny'] else 'real size'}, random weights), "
         f"{a['size']}x{a['size']}, {a['steps']} steps, {a['dtype']}\n",
-        f"Machine: {data['machine']['cpu_count']} CPUs, {data['machine']['memory_gib']} GiB, torch "
+        f"Machine: {data['machine']['cpu_count']} CPUs"
+        + (f" ({data['machine']['cpu']})" if data["machine"].get("cpu") else "")
+        + f", {data['machine']['memory_gib']} GiB, torch "
         f"{data['machine']['torch']}. Each row is a fresh process; medians of {a['rounds']} interleaved rounds "
         "(few steps and rounds: the machine is small and shared). Peak RSS is ru_maxrss (touched pages of mapped "
         f"files included). Steady image: the median time of images 2..{a['images']} in the same process. "

@@ -34,7 +34,7 @@ from typing import Any
 import torch
 
 from memfit.compile.entry_points import (compile_blocks, compile_stage, compiled_in_store, compiled_weight_bytes,
-                                        release_buffers, report_records, served_by_own_weights)
+                                        report_records, served_by_own_weights)
 from memfit.devices import DeviceRuntime, cuda_device_count, runtime_for
 from memfit.errors import MemfitError
 from memfit.models.families import Settings
@@ -217,6 +217,7 @@ class StageContext:
         self.streamed_bytes = 0  # weights the stage's plan left off the device (streamed)
         self.compiled_costs: dict[str, int] = {}  # compiled models of the load being fitted (memfit.compile)
         self.compiled_in_blocks: list[str] = []  # components of that load compiled block by block
+        self.loaded_any = False  # whether a load fitted a pipeline rather than taking a kept one
         self._loaded: list[tuple[Any, list[str], tuple, tuple]] = []
 
     def load(self, folder: ModelFolder, names, *, plan_as: str | None = None, shared: Mapping[str, Any] | None = None,
@@ -246,9 +247,14 @@ class StageContext:
         made_for = self._made_for(pipeline_class, external, loras)
         pool = runner.pool
         pipe = pool.take(key, made_for) if pool is not None else None
+        limit = None if self.budget is None else self.budget.device
         if pipe is not None:
             self.note = "warm" if not self.note else f"{self.note}, warm"
+            pool.make_room(self.stage, memory_in_use(runner.runtime), limit)
         else:
+            self.loaded_any = True
+            if pool is not None:
+                pool.make_room(None, 0, limit)
             task = (pipeline_class, external, loras)
             note, compiled = self.note, len(self.compiled)
             try:
@@ -491,10 +497,7 @@ class StageContext:
         weights = sum(resident_bytes(pipe, names) for pipe, names, _, _ in self._loaded)
         if self.runner.pool is not None:
             for pipe, _, key, made_for in self._loaded:
-                if self.runner.budget is not None:
-                    # Under a budget the stages between need the room. Without one the buffers stay: the next
-                    # run would allocate and fault them in again (SDXL's decode at 1024x1024: 1.0 s of 8.7 s).
-                    release_buffers(pipe)
+                # With its compiled models' buffers: the pool frees them when a stage needs the room.
                 self.runner.pool.keep(key, made_for, pipe)
         self._loaded.clear()
         return weights
@@ -609,6 +612,8 @@ class StageRunner:
             device_memory=None if peak.device_peaks is None else peak.device_peaks.to_dict(),
         ))
         report_records(self.report, context.compiled)
+        if self.pool is not None:
+            self.pool.note_growth(stage.name, peak.peak_bytes - peak.start_bytes, loaded=context.loaded_any)
         return result
 
 
