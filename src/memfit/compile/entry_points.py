@@ -620,7 +620,8 @@ def compiled_in_store(fingerprints: Mapping[str, str], backends: Mapping[str, Ba
 def compiled_weight_bytes(pipe, names, backend: BackendSpec | None, dtype: torch.dtype) -> dict[str, int]:
     """{component: bytes its compiled model holds} for the components of ``names`` whose backend keeps
     its own copy of the weights (their torch weights are then memory-mapped, not in memory): every
-    parameter at the backend's compute precision, or ``dtype`` where it has none set. A budget counts
+    parameter at the precision the backend holds it in (Backend.held_precision: its compute precision, or
+    ``dtype`` where it has none set; f32 where its device cannot compute in that). A budget counts
     this, not the torch weights, for such a component: it cannot be streamed block by block."""
     components = dict(getattr(pipe, "components", {}))
     costs = {}
@@ -628,12 +629,13 @@ def compiled_weight_bytes(pipe, names, backend: BackendSpec | None, dtype: torch
         module = components[name]
         if not entry_points(name, module):
             continue
-        size = _PRECISION_BYTES.get(be.precision) or torch.empty((), dtype=dtype).element_size()
+        size = _PRECISION_BYTES[be.held_precision(_DTYPE_NAMES.get(dtype, "fp32"))]
         costs[name] = sum(p.numel() for p in module.parameters()) * size
     return costs
 
 
 _PRECISION_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
+_DTYPE_NAMES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
 
 
 def without_components(backend: BackendSpec | None, names) -> BackendSpec | None:

@@ -86,6 +86,11 @@ class Backend:
         configured.precision = precision
         return configured
 
+    def held_precision(self, dtype: str) -> str:
+        """The precision ("fp32", "bf16", "fp16") the compiled model holds its weights in, for a component that
+        runs in ``dtype`` (same names): what a budget counts for it."""
+        return self.precision or dtype
+
     @property
     def label(self) -> str:
         """The name, with the precision where one is set: what a cached result computed with it depends on."""

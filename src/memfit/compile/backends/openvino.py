@@ -98,6 +98,15 @@ class OpenVINOBackend(Backend):
         except metadata.PackageNotFoundError:
             return "absent"
 
+    def held_precision(self, dtype: str) -> str:
+        # A device that cannot compute in the hinted precision (a CPU without AVX-512 BF16 or AMX asked for bf16)
+        # runs, and holds its weights, in f32: twice the bytes a bf16 run would plan with.
+        wanted = super().held_precision(dtype)
+        capabilities = _capabilities(self.resolve_options(None)["device"])
+        if wanted == "fp32" or not capabilities or wanted.upper() in capabilities:
+            return wanted
+        return "fp32"
+
     def compile(
         self,
         fn: Callable[..., Any],
@@ -150,6 +159,17 @@ def _refuse_own_caching(config: Mapping[str, Any]) -> None:
                 f"OpenVINO's {name} is not supported by memfit: {why}. Remove it from the "
                 "openvino backend's config; memfit stores compiled models itself (MEMFIT_CACHE_DIR)."
             )
+
+
+@functools.lru_cache(maxsize=None)
+def _capabilities(device: str) -> frozenset[str]:
+    """What ``device`` computes in ("FP32", "BF16", "FP16", ...), or nothing where OpenVINO cannot say."""
+    try:
+        import openvino
+
+        return frozenset(openvino.Core().get_property(device, "OPTIMIZATION_CAPABILITIES"))
+    except Exception:  # not installed, or no such device: the hint is taken as given
+        return frozenset()
 
 
 def _precision_hint(example_inputs: Sequence[Any]) -> str:
