@@ -85,10 +85,10 @@ def cpu_name() -> str | None:
     except OSError:
         return None
     fields = dict(line.split(":", 1) for line in info.splitlines() if ":" in line)
-    name = " ".join(fields.get("model name\t", "").split()) or None
-    flags = set(fields.get("flags\t\t", "").split())
-    if name is None:
+    name = " ".join(fields.get("model name\t", "").split())
+    if not name:
         return None
+    flags = set(fields.get("flags\t\t", "").split())
     return f"{name}, {'bf16 in hardware' if flags & {'avx512_bf16', 'amx_bf16'} else 'no bf16 in hardware'}"
 
 

@@ -175,8 +175,8 @@ def compile_blocks(module: torch.nn.Module, component: str, paths, backend: str 
     """
     be, fallback_backend, cache = get_backend(backend), _fallback_backend(fallback), _store(cache)
     # Many block models would each keep their own intermediate buffers between calls, so each frees them after
-    # its call. A whole component keeps its buffers until its stage ends (see release_buffers): freeing them
-    # after each call would not lower the stage's peak, and a Session's next image would allocate them again.
+    # its call. A whole component keeps its buffers between calls (a Session's pool frees them when a stage
+    # needs the room: release_buffers): freeing them after each call would not lower the stage's peak.
     options = {be.name: {"release_memory": True}} if "release_memory" in be.default_options else {}
     records = []
     for path in paths:
