@@ -105,7 +105,7 @@ class _Probe:
 def child(spec: dict) -> dict:
     import torch
 
-    from memfit.models.folder import parse_dtype
+    from memfit.dtypes import parse_dtype
 
     launched = spec["launched"]
     probe = _Probe()

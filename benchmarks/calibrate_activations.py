@@ -51,7 +51,7 @@ def measure(arch: str, dtype_name: str, kind: str, strategy: str, size: int, bat
     import torch
 
     from memfit.run.memory import read_peak_rss, reset_peak_rss, current_rss, release_freed_memory, return_large_frees_to_os
-    from memfit.models.folder import parse_dtype
+    from memfit.dtypes import parse_dtype
 
     return_large_frees_to_os()
     dtype = parse_dtype(dtype_name)
@@ -130,7 +130,7 @@ def main() -> None:
     from common import build_real_size, machine, write_outputs
 
     from memfit.plan.meta import ACTIVATION_FACTORS, ACTIVATION_OFFSETS, activation_elements, activation_estimate, dtype_bytes
-    from memfit.models.folder import parse_dtype
+    from memfit.dtypes import parse_dtype
 
     rows = []
     for case in CASES:

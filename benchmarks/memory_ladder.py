@@ -35,7 +35,7 @@ def run_one(system: str, model: str, dtype_name: str, size: int, steps: int, bud
     import torch
 
     from memfit.run.memory import read_peak_rss
-    from memfit.models.folder import parse_dtype
+    from memfit.dtypes import parse_dtype
 
     dtype = parse_dtype(dtype_name)
     started = time.perf_counter()
@@ -110,7 +110,7 @@ def main() -> None:
     reason = cgroup_unavailable_reason()
     if reason:
         sys.exit(f"cannot cap memory here ({reason}); run where a child memory cgroup can be made")
-    from memfit.models.folder import parse_dtype
+    from memfit.dtypes import parse_dtype
 
     file_dtype = parse_dtype(args.file_dtype)
     model = str(build_real_size(args.arch, Path(args.models) / f"{args.arch}-{args.file_dtype}", file_dtype=file_dtype))

@@ -11,7 +11,7 @@ SRC = Path(__file__).resolve().parents[1] / "src"
 # Highest first; a module may import its own layer and the layers below it. A tuple holds peer layers,
 # which import neither each other nor the layers above them.
 LAYERS = ["testing", "cli", ("serve", "batch"), "run", "models", "plan", "compile", "cache", "base"]
-BASE = {"memfit", "memfit.errors", "memfit.devices", "memfit.sizes", "memfit.atomic", "memfit.safetensors_header", "memfit.demo",
+BASE = {"memfit", "memfit.errors", "memfit.devices", "memfit.sizes", "memfit.dtypes", "memfit.atomic", "memfit.safetensors_header", "memfit.demo",
         "memfit.demo.shapes"}
 
 

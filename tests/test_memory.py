@@ -1,12 +1,15 @@
-"""memfit.run.memory: garbage collection scoped to a run."""
+"""memfit.run.memory: garbage collection scoped to a run; the process's peak RSS across memfit's per-stage resets."""
 
 import gc
+import resource
 import weakref
+
+import numpy as np
 
 import pytest
 
 import memfit
-from memfit.run.memory import collects_only_its_own_garbage
+from memfit.run.memory import collects_only_its_own_garbage, read_peak_rss, release_freed_memory, reset_peak_rss
 
 
 class _Node:
@@ -61,3 +64,20 @@ def test_generate_unfreezes_even_when_it_fails(tiny_models):
     with pytest.raises(memfit.MemfitError, match="width 33"):
         memfit.generate("a red circle", model=model, steps=1, width=33, height=32, progress=False)
     assert gc.get_freeze_count() == 0
+
+
+def test_the_process_peak_survives_the_resets_of_a_run(tiny_models):
+    """memfit resets the kernel's high-water mark at every stage, and ru_maxrss with it; process_peak_rss still
+    reports a spike from before the run."""
+    model = tiny_models("sd")
+    if not reset_peak_rss():
+        pytest.skip("no /proc/self/clear_refs here: memfit samples RSS and never resets the mark")
+    spike = np.ones(384 * 2**20 // 8)  # written, so every page is resident
+    spiked = read_peak_rss()
+    del spike
+    release_freed_memory()
+    memfit.generate("a red circle", model=model, steps=1, width=32, height=32, progress=False)
+    forgotten = 256 * 2**20
+    assert read_peak_rss() < spiked - forgotten  # the kernel's mark lost the spike to the stages' resets ...
+    assert resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 < spiked - forgotten  # ... and so did ru_maxrss
+    assert memfit.process_peak_rss() >= spiked - 2**20  # the kernel's RSS counters are batched, a few pages off

@@ -29,5 +29,6 @@ EXPECTED_ALL = [
     "generate",
     "optimize",
     "parse_size",
+    "process_peak_rss",
     "restore",
 ]

@@ -9,6 +9,7 @@ from memfit.errors import MemfitError
 from memfit.run.executor import optimize, restore
 from memfit.run.report import RunReport, StageReport
 from memfit.run.generate import Generation, encode, generate
+from memfit.run.memory import process_peak_rss
 
 __all__ = [
     "Budget",
@@ -22,5 +23,6 @@ __all__ = [
     "generate",
     "optimize",
     "parse_size",
+    "process_peak_rss",
     "restore",
 ]

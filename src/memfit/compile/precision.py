@@ -13,12 +13,12 @@ from __future__ import annotations
 from typing import Any, Mapping
 
 from memfit.compile.backends import get_backend
+from memfit.dtypes import dtype_name as name_of
 from memfit.errors import MemfitError
 
 __all__ = ["PRECISIONS", "check_precision", "describe_precision", "with_precision"]
 
 PRECISIONS = ("fp32", "bf16", "fp16")
-_DTYPE_NAMES = {"torch.float32": "fp32", "torch.bfloat16": "bf16", "torch.float16": "fp16"}
 
 
 def check_precision(precision: str) -> str:
@@ -50,7 +50,7 @@ def with_precision(backend: Any, precision: str | None, dtype: Any) -> Any:
     if precision is None:
         return backend
     check_precision(precision)
-    dtype_name = _DTYPE_NAMES.get(str(dtype), str(dtype))
+    dtype_name = name_of(dtype)
     if backend is None:
         _refuse_unless_equal("eager", "", precision, dtype_name)
         return None

@@ -32,15 +32,6 @@ def dtype_keyword() -> str:
     return "dtype" if hasattr(deprecation, "_TORCH_DTYPE_DEPRECATION_MESSAGE") else "torch_dtype"
 
 
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
-
-
-def parse_dtype(name: str) -> torch.dtype:
-    if name not in DTYPES:
-        raise MemfitError(f"Unknown dtype {name!r}; use one of {', '.join(DTYPES)}.")
-    return DTYPES[name]
-
-
 def _read_json(path: Path) -> dict:
     try:
         return json.loads(path.read_text())

@@ -5,6 +5,10 @@ Peak RSS comes from the kernel's high-water mark (VmHWM), reset at the start of 
 writing "5" to /proc/self/clear_refs. Where that file is not writable (non-Linux, some sandboxes)
 a background thread samples RSS every few milliseconds instead, which can miss a short spike;
 `PeakMemory.method` says which one was used so reports never overstate their precision.
+
+That mark is also what getrusage's ru_maxrss and `time -v` report for the whole process, so after a
+run they show only the peak since its last stage began; process_peak_rss folds in what every reset
+discarded and is the process's peak since it started.
 """
 
 from __future__ import annotations
@@ -14,6 +18,7 @@ import ctypes
 import dataclasses
 import functools
 import gc
+import sys
 import threading
 import time
 from dataclasses import dataclass
@@ -39,13 +44,41 @@ def read_peak_rss() -> int | None:
     return None
 
 
+_peak_before_resets = 0  # the highest high-water mark any reset_peak_rss discarded
+
+
 def reset_peak_rss() -> bool:
+    global _peak_before_resets
+    before = read_peak_rss()
+    if before is None:
+        return False
     try:
         with open(_CLEAR_REFS, "w") as clear_refs:
             clear_refs.write("5")
     except OSError:
         return False
-    return read_peak_rss() is not None
+    _peak_before_resets = max(_peak_before_resets, before)
+    return True
+
+
+def process_peak_rss() -> int:
+    """The peak RSS of this process since it started, in bytes, whatever memfit measured in between.
+
+    memfit resets the kernel's high-water mark at every stage (reset_peak_rss), and with it what
+    ru_maxrss (``resource.getrusage``, ``/usr/bin/time -v``) reports: read after a run, those give
+    the peak of its last stage only. This is what they would have said.
+    """
+    return max(read_peak_rss() or _rusage_peak_rss() or current_rss(), _peak_before_resets)
+
+
+def _rusage_peak_rss() -> int | None:
+    """ru_maxrss where there is no /proc (macOS counts it in bytes, other systems in KiB); None on Windows."""
+    try:
+        import resource
+    except ImportError:
+        return None
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return peak if sys.platform == "darwin" else peak * 1024
 
 
 def release_freed_memory() -> None:

@@ -36,9 +36,10 @@ import torch
 from memfit.compile.entry_points import (compile_blocks, compile_stage, compiled_in_store, compiled_weight_bytes,
                                         report_records, served_by_own_weights)
 from memfit.devices import DeviceRuntime, cuda_device_count, runtime_for
+from memfit.dtypes import parse_dtype
 from memfit.errors import MemfitError
 from memfit.models.families import Settings
-from memfit.models.folder import ModelFolder, parse_dtype
+from memfit.models.folder import ModelFolder
 from memfit.plan.budget import AUTO, Budget, resolve_budget
 from memfit.run.memory import PeakMemory, current_rss, release_freed_memory, return_large_frees_to_os
 from memfit.run.report import RunReport, StageReport
@@ -253,8 +254,8 @@ class StageContext:
             pool.make_room(self.stage, memory_in_use(runner.runtime), limit)
         else:
             self.loaded_any = True
-            if pool is not None:
-                pool.make_room(None, 0, limit)
+            if pool is not None and limit is not None:
+                pool.free_buffers()
             task = (pipeline_class, external, loras)
             note, compiled = self.note, len(self.compiled)
             try:

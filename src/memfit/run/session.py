@@ -82,14 +82,17 @@ class WarmPool:
         it loaded a pipeline rather than taking a kept one, so what earlier runs measured no longer applies."""
         self._growth[stage] = grew_by if loaded else max(grew_by, self._growth.get(stage, 0))
 
-    def make_room(self, stage: str | None, in_use: int, limit: int | None) -> None:
-        """Free the kept compiled models' intermediate buffers unless ``stage`` is known to fit beside them:
-        ``in_use`` (bytes held now, kept pipelines included) plus the most the stage grew by before stays
-        within ``limit`` (the budget's device bytes; None: unlimited). ``stage`` None: a stage about to be
-        planned, whose plan must see only the kept weights."""
-        grew_by = self._growth.get(stage) if stage is not None else None
-        if limit is None or (grew_by is not None and in_use + grew_by <= limit):
-            return
+    def make_room(self, stage: str, in_use: int, limit: int | None) -> None:
+        """Before the kept ``stage`` runs: free the kept compiled models' intermediate buffers unless the stage is
+        known to fit beside them: ``in_use`` (bytes held now, kept pipelines included) plus the most the stage grew
+        by before stays within ``limit`` (the budget's device bytes; None: unlimited)."""
+        grew_by = self._growth.get(stage)
+        if limit is not None and (grew_by is None or in_use + grew_by > limit):
+            self.free_buffers()
+
+    def free_buffers(self) -> None:
+        """Free the kept compiled models' intermediate buffers (they are allocated again on their next call): before
+        a stage is planned under a budget, so that its plan sees only the kept weights."""
         for _, pipe in self._pipes.values():
             release_buffers(pipe)
         release_freed_memory()
