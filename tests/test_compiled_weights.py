@@ -372,6 +372,14 @@ def test_compiled_models_that_do_not_fit_run_in_blocks_or_are_refused_or_run_eag
     assert kept == {"vae": 100 * MiB} and in_blocks == ["unet"]
     whole_build = 300 + 700 + int(COMPILED_WHOLE_BUILD * 600)
     assert "unet compiled in blocks" in cpu.report.notes[-1] and f"--budget {whole_build}MiB" in cpu.report.notes[-1]
+    # Built from files in another dtype than the run's, the build also holds the torch weights converted: the
+    # budget that holds the UNet's build from files in its run dtype does not hold that one.
+    kept, in_blocks, _ = _fit_compiled(Budget(device=whole_build * MiB), 300 * MiB, compiled, {"vae"}, "denoise",
+                                       "openvino", cpu, pipe)
+    assert kept == compiled and in_blocks == []
+    kept, in_blocks, _ = _fit_compiled(Budget(device=whole_build * MiB), 300 * MiB, compiled, {"vae"}, "denoise",
+                                       "openvino", cpu, pipe, converted={"unet": 600 * MiB})
+    assert in_blocks == ["unet"] and f"--budget {whole_build + 600}MiB" in cpu.report.notes[-1]
     # The refusal counts the build too, and says so.
     with pytest.raises(StageDoesNotFit, match=f"need {300 + 100 + COMPILED_WHOLE_BUILD * 100:.2f} MiB \\(with "
                        f"{COMPILED_WHOLE_BUILD}x the largest of vae more while it is built"):

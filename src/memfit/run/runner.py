@@ -342,8 +342,13 @@ class StageContext:
                                            runner.dtype)[0].activation_bytes
             stored = compiled_in_store({name: folder.component_fingerprint(name) for name in compiled},
                                        served_by_own_weights(folder.components, list(compiled), backend))
+            # A build reads the torch weights in the run dtype: from files in another dtype that is a converted copy
+            # in memory, which the compiled model holds on to until the build ends.
+            element = torch.empty((), dtype=runner.torch_dtype).element_size()
+            converted = {name: sum(p.numel() for p in getattr(pipe, name).parameters()) * element
+                         for name in compiled if folder.file_dtype(name) != runner.torch_dtype}
             compiled, in_blocks, backend = _fit_compiled(self.budget, already_used + activations, compiled, stored,
-                                                         self.stage, backend, runner, pipe)
+                                                         self.stage, backend, runner, pipe, converted=converted)
         for name, size in compiled.items():
             runner.report.notes.append(f"{self.stage}: planned {name} as its compiled model, {format_bytes(size)} "
                                        "resident (its torch weights memory-mapped, not counted)")
@@ -680,9 +685,11 @@ def _has_weights(pipe, names) -> bool:
 
 
 def _fit_compiled(budget: Budget, already_used: int, compiled: dict[str, int], stored: set[str], stage: str,
-                  backend, runner, pipe):
+                  backend, runner, pipe, converted: Mapping[str, int] | None = None):
     """``already_used``: what the process holds plus the stage's activations; ``stored``: the components
-    whose compiled model memfit's store holds already (the others are built on their first call).
+    whose compiled model memfit's store holds already (the others are built on their first call);
+    ``converted``: bytes of the torch weights a build of the component reads as a converted copy (its files
+    are in another dtype than the run's), held beside the build.
 
     The compiled models a stage keeps whole, those it compiles block by block, and the backend spec it
     compiles the whole ones with. All whole where they fit the budget, with the build of the largest one
@@ -691,9 +698,11 @@ def _fit_compiled(budget: Budget, already_used: int, compiled: dict[str, int], s
     largest run eagerly; else a refusal naming the budget needed."""
     from memfit.compile.entry_points import entry_points, without_components
 
+    converted = converted or {}
+
     def needed(kept):
-        builds = [size for name, size in kept.items() if name not in stored]
-        return already_used + sum(kept.values()) + int(COMPILED_WHOLE_BUILD * max(builds, default=0))
+        builds = [COMPILED_WHOLE_BUILD * size + converted.get(name, 0) for name, size in kept.items() if name not in stored]
+        return already_used + sum(kept.values()) + int(max(builds, default=0))
 
     def fits(kept):
         return budget.device is None or needed(kept) <= budget.device
@@ -710,8 +719,9 @@ def _fit_compiled(budget: Budget, already_used: int, compiled: dict[str, int], s
                 kept.pop(name)
     parts = ", ".join(f"{name} {format_bytes(size)}" for name, size in kept.items())
     building = [name for name in kept if name not in stored]
-    build_note = (f" (with {COMPILED_WHOLE_BUILD}x the largest of {', '.join(building)} more while it is built: "
-                  "memfit's store does not hold it yet)") if building else ""
+    build_note = (f" (with {COMPILED_WHOLE_BUILD}x the largest of {', '.join(building)} more while it is built"
+                  + (", and its torch weights converted to the run dtype" if any(n in converted for n in building) else "")
+                  + ": memfit's store does not hold it yet)") if building else ""
     if not fits(kept) and runner.fallback != "eager":
         raise StageDoesNotFit(
             f"The {stage} stage's compiled models ({parts}) hold their own weights, which cannot be streamed: with the "
@@ -737,7 +747,8 @@ def _fit_compiled(budget: Budget, already_used: int, compiled: dict[str, int], s
     if cold_blocks:
         runner.report.notes.append(
             f"{stage}: {', '.join(cold_blocks)} compiled in blocks: compiled whole, it fits the budget, but building it "
-            f"whole needs about {COMPILED_WHOLE_BUILD}x its size more, and memfit's store does not hold it yet. A run with "
+            f"whole needs about {COMPILED_WHOLE_BUILD}x its size more (and its torch weights in the run dtype, where "
+            "its files hold another), and memfit's store does not hold it yet. A run with "
             f"--budget {_round_up_mib(needed(compiled))}MiB (or none) stores it; later runs under this budget use it whole"
         )
     return kept, in_blocks, without_components(backend, dropped + in_blocks)
@@ -752,8 +763,11 @@ COMPILED_BLOCK_OVERHEAD = 0.4
 COMPILED_BLOCK_BUILD = 3
 # What building a whole compiled model that is not stored yet needs beyond the model itself, as a multiple of
 # it: measured with openvino on the SD 1.5 UNet in bf16 (1.60 GiB), 1.1x of anonymous memory (3.93 GiB peak,
-# 0.53 GiB before). The torch weights it reads are mapped pages of the files on top (another 1.9 GiB there),
-# which a memory cap reclaims: under a 4 GiB cgroup cap the same build completed with its page cache reclaimed.
+# 0.53 GiB before): mostly the exported stream. The torch weights it reads are mapped pages of the files on top
+# (another 1.9 GiB there), which a memory cap reclaims: under a 4 GiB cgroup cap the same build completed with
+# its page cache reclaimed. Files in another dtype than the run's are read as a converted copy in memory, which
+# the compiled model holds (it keeps the converted model's constants) until the build ends: that is counted on
+# top (the SD 1.5 UNet in fp32 from bf16 files, 3.2 GiB: peak 10.3 GiB from 0.5 GiB, 2.1x beyond the model).
 COMPILED_WHOLE_BUILD = 1.25
 
 
