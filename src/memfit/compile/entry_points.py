@@ -49,7 +49,7 @@ from memfit.cache import CacheMode
 from memfit.compile.backends import Backend, get_backend
 from memfit.compile.precision import with_precision
 from memfit.compile.weights import FileWeights
-from memfit.dtypes import dtype_name
+from memfit.dtypes import DTYPES, dtype_name
 from memfit.errors import MemfitError
 from memfit.sizes import format_bytes as _size
 
@@ -630,12 +630,9 @@ def compiled_weight_bytes(pipe, names, backend: BackendSpec | None, dtype: torch
         module = components[name]
         if not entry_points(name, module):
             continue
-        size = _PRECISION_BYTES.get(be.held_precision(dtype_name(dtype)), 4)  # a dtype memfit has no name for: f32
-        costs[name] = sum(p.numel() for p in module.parameters()) * size
+        held = DTYPES.get(be.held_precision(dtype_name(dtype)), torch.float32)  # a dtype memfit has no name for: f32
+        costs[name] = sum(p.numel() for p in module.parameters()) * held.itemsize
     return costs
-
-
-_PRECISION_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
 
 
 def without_components(backend: BackendSpec | None, names) -> BackendSpec | None:

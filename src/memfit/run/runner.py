@@ -343,10 +343,9 @@ class StageContext:
             stored = compiled_in_store({name: folder.component_fingerprint(name) for name in compiled},
                                        served_by_own_weights(folder.components, list(compiled), backend))
             # A build reads the torch weights in the run dtype: from files in another dtype that is a converted copy
-            # in memory, which the compiled model holds on to until the build ends.
-            element = torch.empty((), dtype=runner.torch_dtype).element_size()
-            converted = {name: sum(p.numel() for p in getattr(pipe, name).parameters()) * element
-                         for name in compiled if folder.file_dtype(name) != runner.torch_dtype}
+            # in memory, which the compiled model holds on to until the build ends. A stored model is not built.
+            converted = {name: sum(p.numel() for p in getattr(pipe, name).parameters()) * runner.torch_dtype.itemsize
+                         for name in compiled if name not in stored and folder.file_dtype(name) != runner.torch_dtype}
             compiled, in_blocks, backend = _fit_compiled(self.budget, already_used + activations, compiled, stored,
                                                          self.stage, backend, runner, pipe, converted=converted)
         for name, size in compiled.items():
