@@ -13,6 +13,9 @@ Rows, each a fresh process, interleaved over --rounds rounds:
   memfit openvino warm the same on the store the cold run filled (imports the compiled models)
   memfit openvino session  a memfit.Session on the warm store: later images reuse the loaded stages
                        (memfit's best choice for a stream of images)
+  memfit openvino session, budget B   with --session-budget B: the same Session under that budget, which keeps
+                       stages loaded only while the next stage still fits beside them (else it reloads each
+                       stage per image from the warm store)
   optimum-intel static / dynamic   with --optimum-python: optimum-intel's OVDiffusionPipeline on an IR
                        exported once by `optimum-cli export openvino` (--optimum-ir), with its shapes fixed by
                        reshape() before compile() (static, its fastest mode) or left dynamic; run in
@@ -28,7 +31,8 @@ memfit rows memfit.process_peak_rss(), the same figure with what memfit's per-st
 seconds from launch to the first image, and the steady time per image: the median of images 2..N made
 in the same process (--images N; diffusers: further __call__s; memfit warm: further memfit.generate
 calls, each loading its stages again; the Session and optimum-intel: further images from what they
-hold). Budgets are left at "none" so the rows measure what each system holds, not what a budget forces.
+hold). Budgets are "none" (what each system holds when nothing limits it) except in the row that names one.
+--store reuses an existing memfit store (kept afterwards) instead of a fresh one that the cold row fills.
 
 Slow on a small machine: keep --steps and --rounds small (4 and 2 by default), and say so in the doc.
 """
@@ -36,6 +40,7 @@ Slow on a small machine: keep --steps and --rounds small (4 and 2 by default), a
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import os
 import resource
@@ -53,6 +58,7 @@ PROMPT = "a lighthouse at dusk"
 GUIDANCE = 7.5
 ROWS = ("diffusers eager", "memfit openvino cold", "memfit openvino warm")
 SESSION_ROW = "memfit openvino session"
+SESSION_BUDGET_ROW = SESSION_ROW + ", budget {}"
 OPTIMUM_ROWS = ("optimum-intel static", "optimum-intel dynamic")
 OPTIMUM_FP16_ROW = "optimum-intel static, fp16 IR"
 ARCH_NAMES = {"sd15": "SD 1.5", "sdxl": "SDXL"}
@@ -79,7 +85,7 @@ def child(spec: dict) -> dict:
     elif spec.get("session"):
         from memfit.run.session import Session
 
-        session = Session(spec["model"], dtype=spec["dtype"], budget="none", backend="openvino")
+        session = Session(spec["model"], dtype=spec["dtype"], budget=spec["budget"], backend="openvino")
         for _ in range(images):
             session.generate(PROMPT, steps=steps, guidance=GUIDANCE, width=size, height=size,
                              precision=spec.get("precision"))
@@ -153,7 +159,7 @@ def render(data: dict) -> str:
            "at every stage, so they show the peak of each process's last stage (the decode), not its peak; later runs "
            "of this benchmark read memfit.process_peak_rss().** ")
         + f"Steady image: the median time of images 2..{a['images']} in the same process. "
-        "Budgets: none.\n",
+        "Budgets: none, except where a row names one.\n",
         "| row | peak RSS (GiB) | vs diffusers | first image (s) | steady image (s) |",
         "|---|---|---|---|---|",
     ]
@@ -166,16 +172,16 @@ def render(data: dict) -> str:
         ratio = f"{s['peak_rss_bytes'] / base:.2f}x" if base else "-"
         lines.append(f"| {row} | {s['peak_rss_bytes'] / 2**30:.2f} | {ratio} | {s['first_image_s']:.1f} | "
                      f"{s['steady_image_s']:.1f} |")
-    ours = data["summary"].get(SESSION_ROW)
-    for theirs in ("optimum-intel static", OPTIMUM_FP16_ROW):
-        anchor = data["summary"].get(theirs)
+    for (theirs, anchor), (row, ours) in itertools.product(
+            [(theirs, data["summary"].get(theirs)) for theirs in ("optimum-intel static", OPTIMUM_FP16_ROW)],
+            [(row, data["summary"].get(row)) for row in data["rows"] if row.startswith(SESSION_ROW)]):
         if not (anchor and ours):
             continue
-        lines += ["", f"{SESSION_ROW} against {theirs} (targets: first image <= 0.9x, steady image <= "
+        lines += ["", f"{row} against {theirs} (targets: first image <= 0.9x, steady image <= "
                   f"1.0x, peak RSS <= 0.5x): first image {ours['first_image_s'] / anchor['first_image_s']:.2f}x, "
                   f"steady image {ours['steady_image_s'] / anchor['steady_image_s']:.2f}x, peak RSS "
                   f"{ours['peak_rss_bytes'] / anchor['peak_rss_bytes']:.2f}x."]
-        paired = _paired_ratios(data["runs"], SESSION_ROW, theirs)
+        paired = _paired_ratios(data["runs"], row, theirs)
         if paired:
             lines += ["", "The same ratios within each round (the two runs of a round are minutes apart, so they share "
                       "the machine's load): " + "; ".join(
@@ -255,6 +261,10 @@ def main() -> None:
                         "--optimum-python): adds the row '" + OPTIMUM_FP16_ROW + "', optimum-intel static on it")
     parser.add_argument("--skip", action="append", default=[], metavar="ROW", help="leave a row out (repeatable)")
     parser.add_argument("--precision", choices=("fp32", "bf16"), help="memfit's compute precision (default: --dtype)")
+    parser.add_argument("--session-budget", metavar="SIZE", help="adds the row '" + SESSION_BUDGET_ROW.format("SIZE")
+                        + "': a Session under that budget (e.g. 4.3GiB)")
+    parser.add_argument("--store", help="an existing memfit store to run on, kept afterwards (default: a fresh one, "
+                        "filled by the cold row and removed at the end)")
     args = parser.parse_args()
     if args.images < 2:
         parser.error("--images must be at least 2: the first image includes the start, the rest are the steady time")
@@ -278,6 +288,9 @@ def main() -> None:
         model = Path(args.model) if args.model else build_real_size(args.arch, Path(args.models) / f"{args.arch}-fp32")
     runs = []
     rows = list(ROWS) + [SESSION_ROW]
+    budget_row = SESSION_BUDGET_ROW.format(args.session_budget) if args.session_budget else None
+    if budget_row:
+        rows.append(budget_row)
     if args.optimum_python:
         if not args.optimum_ir:
             parser.error("--optimum-python needs --optimum-ir, the IR optimum-cli exported for the same model")
@@ -299,7 +312,7 @@ def main() -> None:
 
     # One store for every round: the cold row fills it in the first round only, and every later memfit row
     # starts warm, as a user's second start does.
-    store = tempfile.mkdtemp(prefix="memfit-ov-store-")
+    store = args.store or tempfile.mkdtemp(prefix="memfit-ov-store-")
     env = {**os.environ, "MEMFIT_CACHE_DIR": store}
     try:
         for round_index in range(args.rounds):
@@ -313,14 +326,16 @@ def main() -> None:
                 else:
                     system = "diffusers" if row.startswith("diffusers") else "memfit"
                     spec = {"system": system, "model": str(model), "dtype": args.dtype, "size": args.size,
-                            "steps": args.steps, "precision": args.precision, "session": row == SESSION_ROW,
-                            "images": args.images}
+                            "steps": args.steps, "precision": args.precision, "images": args.images,
+                            "session": row.startswith(SESSION_ROW),
+                            "budget": args.session_budget if row == budget_row else "none"}
                     result = run_child(spec, env)
                 runs.append({"row": row, "round": round_index, **result})
                 print(row, round_index, result, flush=True)
                 save()
     finally:
-        shutil.rmtree(store, ignore_errors=True)
+        if not args.store:
+            shutil.rmtree(store, ignore_errors=True)
 
 
 if __name__ == "__main__":
