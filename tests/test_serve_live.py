@@ -174,6 +174,13 @@ def test_the_web_page_in_a_real_browser_shows_the_apis_image(server):
     browser = _browser()
     try:
         browser.get(url + "/")
+        # Progress answers arrive a second late, so a poll is still in flight when the run ends: its late
+        # answer must not overwrite the final status (nor the full bar).
+        browser.execute_script("""
+            const original = window.fetch;
+            window.fetch = (resource, ...rest) => String(resource).includes("/sdapi/v1/progress")
+                ? original(resource, ...rest).then(answer => new Promise(done => setTimeout(() => done(answer), 1000)))
+                : original(resource, ...rest);""")
         fields = {"prompt": "a red circle", "negative_prompt": "blurry", "steps": "2", "cfg_scale": "3.5", "width": "32",
                   "height": "32", "seed": "42"}
         for field, value in fields.items():
@@ -185,6 +192,7 @@ def test_the_web_page_in_a_real_browser_shows_the_apis_image(server):
         src = browser.find_element(By.ID, "image").get_attribute("src")
         assert src.startswith("data:image/png;base64,")
         shown = base64.b64decode(src.split(",", 1)[1])
+        time.sleep(1.5)  # every poll sent before the end has answered by now
         report = browser.find_element(By.ID, "report").text
         parameters = browser.find_element(By.ID, "parameters").text
         assert "denoise" in report and "peak" in report and "Seed: 42" in parameters
