@@ -298,6 +298,9 @@ def main() -> None:
         if args.optimum_fp16_ir:
             rows.append(OPTIMUM_FP16_ROW)
     rows = [row for row in rows if row not in args.skip]
+    if args.store and "memfit openvino cold" in rows:
+        parser.error("--store runs on a filled store, so 'memfit openvino cold' would not be cold: add "
+                     "--skip 'memfit openvino cold', or leave --store out")
 
     def save():  # after every row: a long run stopped early still leaves what it measured
         summary = {}
