@@ -40,7 +40,6 @@ Slow on a small machine: keep --steps and --rounds small (4 and 2 by default), a
 from __future__ import annotations
 
 import argparse
-import itertools
 import json
 import os
 import resource
@@ -172,21 +171,22 @@ def render(data: dict) -> str:
         ratio = f"{s['peak_rss_bytes'] / base:.2f}x" if base else "-"
         lines.append(f"| {row} | {s['peak_rss_bytes'] / 2**30:.2f} | {ratio} | {s['first_image_s']:.1f} | "
                      f"{s['steady_image_s']:.1f} |")
-    for (theirs, anchor), (row, ours) in itertools.product(
-            [(theirs, data["summary"].get(theirs)) for theirs in ("optimum-intel static", OPTIMUM_FP16_ROW)],
-            [(row, data["summary"].get(row)) for row in data["rows"] if row.startswith(SESSION_ROW)]):
-        if not (anchor and ours):
-            continue
-        lines += ["", f"{row} against {theirs} (targets: first image <= 0.9x, steady image <= "
-                  f"1.0x, peak RSS <= 0.5x): first image {ours['first_image_s'] / anchor['first_image_s']:.2f}x, "
-                  f"steady image {ours['steady_image_s'] / anchor['steady_image_s']:.2f}x, peak RSS "
-                  f"{ours['peak_rss_bytes'] / anchor['peak_rss_bytes']:.2f}x."]
-        paired = _paired_ratios(data["runs"], row, theirs)
-        if paired:
-            lines += ["", "The same ratios within each round (the two runs of a round are minutes apart, so they share "
-                      "the machine's load): " + "; ".join(
-                          f"round {index}: first image {first:.2f}x, steady image {steady:.2f}x"
-                          for index, first, steady in paired) + "."]
+    for theirs in ("optimum-intel static", OPTIMUM_FP16_ROW):
+        anchor = data["summary"].get(theirs)
+        for row in (row for row in data["rows"] if row.startswith(SESSION_ROW)):
+            ours = data["summary"].get(row)
+            if not (anchor and ours):
+                continue
+            lines += ["", f"{row} against {theirs} (targets: first image <= 0.9x, steady image <= "
+                      f"1.0x, peak RSS <= 0.5x): first image {ours['first_image_s'] / anchor['first_image_s']:.2f}x, "
+                      f"steady image {ours['steady_image_s'] / anchor['steady_image_s']:.2f}x, peak RSS "
+                      f"{ours['peak_rss_bytes'] / anchor['peak_rss_bytes']:.2f}x."]
+            paired = _paired_ratios(data["runs"], row, theirs)
+            if paired:
+                lines += ["", "The same ratios within each round (the two runs of a round are minutes apart, so they "
+                          "share the machine's load): " + "; ".join(
+                              f"round {index}: first image {first:.2f}x, steady image {steady:.2f}x"
+                              for index, first, steady in paired) + "."]
     errors = [f"- {r['row']} round {r['round']}: {r['error']}" for r in data["runs"] if not r["ok"]]
     if errors:
         lines += ["", "Failed runs:", *errors]
