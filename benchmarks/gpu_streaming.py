@@ -166,7 +166,7 @@ def load_transformer(folder: Path, dtype):
 
 def speed_rows(folder: Path, runtime, *, size: int, steps: int, text_tokens: int, group_offload: bool) -> tuple[list, dict]:
     import memfit
-    from memfit.run.runner import place_whole
+    from memfit.run.fit import place_whole
 
     dtype = torch.bfloat16 if runtime.device.type == "cuda" else torch.float32
     probe = load_transformer(folder, dtype)

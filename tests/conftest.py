@@ -43,28 +43,36 @@ def pytest_sessionfinish(session, exitstatus):
 
 
 @pytest.fixture
-def streamed_plans(monkeypatch):
+def nothing_in_use(monkeypatch):
+    """Every device runtime says the process holds nothing on it before memfit places weights: the
+    process's own memory (Python, torch) would swamp a tiny model's budget."""
+    from memfit.devices import DeviceRuntime
+
+    monkeypatch.setattr(DeviceRuntime, "memory_in_use", lambda self: 0)
+
+
+@pytest.fixture
+def streamed_plans(monkeypatch, nothing_in_use):
     """Budgets about a tiny model's size, and every plan memfit carries out, recorded.
 
     Calibrated activation offsets are real-size kernel workspace, and the process's own memory
     (Python, torch) would swamp a tiny model: only what memfit places is counted, activations are
     left out, and the prompt cache is off so the encode stage always loads (and streams) its encoders.
     """
-    import memfit.run.executor as executor
+    import memfit.run.fit as fit
     from memfit.plan import meta
 
     monkeypatch.setattr(meta, "ACTIVATION_OFFSETS", dict.fromkeys(meta.ACTIVATION_OFFSETS, 0))
     monkeypatch.setattr(meta, "ACTIVATION_FACTORS", dict.fromkeys(meta.ACTIVATION_FACTORS, 0))
-    monkeypatch.setattr("memfit.run.runner.memory_in_use", lambda device: 0)
     monkeypatch.setenv("MEMFIT_CACHE", "0")
     plans = []
-    original = executor.optimize
+    original = fit.optimize
 
     def recording(pipe, *args, plan=None, **kwargs):
         plans.append(plan)
         return original(pipe, *args, plan=plan, **kwargs)
 
-    monkeypatch.setattr(executor, "optimize", recording)
+    monkeypatch.setattr(fit, "optimize", recording)
     return plans
 
 

@@ -17,6 +17,7 @@ from memfit.errors import MemfitError
 from memfit.plan import budget as budget_module
 from memfit.run import runner as runner_module
 from memfit.run.report import RunReport
+from memfit.run.options import RunOptions
 from memfit.run.runner import OOM_SHRINK, Stage, StageRunner
 from memfit.run.timeline import Timeline
 
@@ -95,8 +96,8 @@ def test_optimize_none_without_a_backend_is_refused(tiny_models):
 
 
 def _runner(budget="1GiB"):
-    return StageRunner(report=RunReport(device="cpu", dtype="fp32", model="m"), settings=None, guided=False,
-                       dtype="fp32", device=torch.device("cpu"), budget=budget, progress=False)
+    return StageRunner(RunOptions.build(device="cpu", budget=budget, progress=False),
+                       report=RunReport(device="cpu", dtype="fp32", model="m"), settings=None, guided=False)
 
 
 def test_out_of_memory_replans_smaller_and_retries_from_the_same_inputs_and_seed():

@@ -11,7 +11,7 @@ from memfit.plan.budget import (
     DEFAULT_HOST_RESERVE,
     Budget,
     cgroup_free_memory,
-    detect_budget,
+    detect,
 )
 from memfit.sizes import format_bytes, parse_size
 from memfit.errors import MemfitError
@@ -104,7 +104,7 @@ def test_cgroup_v2_limit_caps_the_cpu_budget(tmp_path):
         cgroup_line="0::/user.slice/job",
         files={"user.slice/job/memory.max": str(8 * GiB), "user.slice/job/memory.current": str(GiB)},
     )
-    budget = detect_budget(reserve="1GiB", **roots)
+    budget = detect(reserve="1GiB", **roots).budget
     assert budget.device == 8 * GiB - GiB - GiB  # limit - usage - reserve
     assert budget.host == 0  # on the CPU, device memory is host memory
 
@@ -114,7 +114,7 @@ def test_cgroup_v2_max_means_no_limit(tmp_path):
         tmp_path, 4 * 2**20, "0::/job", {"job/memory.max": "max", "job/memory.current": "12345"}
     )
     assert cgroup_free_memory(**roots) is None
-    assert detect_budget(**roots).device == 4 * GiB - DEFAULT_HOST_RESERVE
+    assert detect(**roots).budget.device == 4 * GiB - DEFAULT_HOST_RESERVE
 
 
 def test_cgroup_v1_limit_read_from_own_memory_cgroup(tmp_path):
@@ -129,7 +129,7 @@ def test_cgroup_v1_limit_read_from_own_memory_cgroup(tmp_path):
         },
     )
     assert cgroup_free_memory(**roots) == 4 * GiB
-    assert detect_budget(reserve=0, **roots).device == 4 * GiB
+    assert detect(reserve=0, **roots).budget.device == 4 * GiB
 
 
 def test_cgroup_v1_huge_limit_means_no_limit(tmp_path):
@@ -140,23 +140,23 @@ def test_cgroup_v1_huge_limit_means_no_limit(tmp_path):
         files={"memory/memory.limit_in_bytes": "9223372036854771712", "memory/memory.usage_in_bytes": "1"},
     )
     assert cgroup_free_memory(**roots) is None
-    assert detect_budget(reserve="512MiB", **roots).device == 3 * GiB - 512 * MiB
+    assert detect(reserve="512MiB", **roots).budget.device == 3 * GiB - 512 * MiB
 
 
 def test_meminfo_wins_when_smaller_than_cgroup_room(tmp_path):
     roots = _fake_machine(tmp_path, 2 * 2**20, "0::/", {"memory.max": str(64 * GiB), "memory.current": "0"})
-    assert detect_budget(reserve=0, **roots).device == 2 * GiB
+    assert detect(reserve=0, **roots).budget.device == 2 * GiB
 
 
 def test_reserve_larger_than_memory_gives_zero_not_negative(tmp_path):
     roots = _fake_machine(tmp_path, 1024, "0::/", {})
-    assert detect_budget(**roots).device == 0
+    assert detect(**roots).budget.device == 0
 
 
 def test_unknown_device_is_an_error(tmp_path):
     roots = _fake_machine(tmp_path, 2**20, "0::/", {})
     with pytest.raises(MemfitError, match="tpu"):
-        detect_budget("tpu", **roots)
+        detect("tpu", **roots)
 
 
 def test_cuda_without_cuda_says_so(tmp_path):
@@ -165,7 +165,7 @@ def test_cuda_without_cuda_says_so(tmp_path):
         pytest.skip("this machine has CUDA")
     roots = _fake_machine(tmp_path, 2**20, "0::/", {})
     with pytest.raises(MemfitError, match="no CUDA"):
-        detect_budget("cuda", **roots)
+        detect("cuda", **roots)
 
 
 # --- the automatic budget, "none", refusals ---------------------------------------------------

@@ -334,64 +334,12 @@ def test_warm_openvino_run_fits_where_torch_weights_beside_the_compiled_model_do
     assert np.array_equal(np.asarray(capped_image), np.asarray(uncapped_image))
 
 
-def test_compiled_models_that_do_not_fit_run_in_blocks_or_are_refused_or_run_eagerly():
-    from types import SimpleNamespace
-
-    from memfit.plan.budget import Budget
-    from memfit.run.runner import COMPILED_WHOLE_BUILD, StageDoesNotFit, _fit_compiled
-
-    compiled = {"unet": 600 * MiB, "vae": 100 * MiB}
-    pipe = SimpleNamespace(unet=torch.nn.Linear(2, 2), vae=SimpleNamespace())  # a forward, and no entry points
-    stored = {"unet", "vae"}  # memfit's store holds both: their first calls import them
-    cpu = SimpleNamespace(fallback=None, report=SimpleNamespace(notes=[]), runtime=SimpleNamespace(separate_memory=False))
-    kept, in_blocks, backend = _fit_compiled(Budget(device=1000 * MiB), 300 * MiB, compiled, stored, "denoise", "openvino",
-                                             cpu, pipe)
-    assert kept == compiled and in_blocks == [] and backend == "openvino"  # they fit: nothing changes
-    # On the CPU the UNet, whose forward runs block by block, is compiled in blocks planned like weights.
-    kept, in_blocks, backend = _fit_compiled(Budget(device=900 * MiB), 300 * MiB, compiled, stored, "denoise", "openvino",
-                                             cpu, pipe)
-    assert kept == {"vae": 100 * MiB} and in_blocks == ["unet"] and backend == {"*": "openvino", "unet": None}
-    # What cannot be split (a VAE's decode) and still does not fit is refused, naming the budget it needs...
-    with pytest.raises(StageDoesNotFit, match="need 400.00 MiB.*--budget 400MiB"):
-        _fit_compiled(Budget(device=350 * MiB), 300 * MiB, compiled, stored, "denoise", "openvino", cpu, pipe)
-    # ...as is all of it where memory is the device's own (blocks are planned on the host only).
-    gpu = SimpleNamespace(fallback=None, report=SimpleNamespace(notes=[]), runtime=SimpleNamespace(separate_memory=True))
-    with pytest.raises(StageDoesNotFit, match="need 1000.00 MiB.*--budget 1000MiB"):
-        _fit_compiled(Budget(device=900 * MiB), 300 * MiB, compiled, stored, "denoise", "openvino", gpu, pipe)
-    gpu.fallback = "eager"
-    kept, in_blocks, backend = _fit_compiled(Budget(device=900 * MiB), 300 * MiB, compiled, stored, "denoise", "openvino",
-                                             gpu, pipe)
-    assert kept == {"vae": 100 * MiB} and in_blocks == [] and backend == {"*": "openvino", "unet": None}
-    assert "unet run eagerly" in gpu.report.notes[-1]
-    # Not stored, the UNet is built on its first call, which needs more than the model: the budget that
-    # holds it stored does not hold its build, so it is compiled in blocks (each block built on its own), and
-    # the note says which budget would store it whole.
-    cpu.report.notes.clear()
-    kept, in_blocks, backend = _fit_compiled(Budget(device=1000 * MiB), 300 * MiB, compiled, {"vae"}, "denoise",
-                                             "openvino", cpu, pipe)
-    assert kept == {"vae": 100 * MiB} and in_blocks == ["unet"]
-    whole_build = 300 + 700 + int(COMPILED_WHOLE_BUILD * 600)
-    assert "unet compiled in blocks" in cpu.report.notes[-1] and f"--budget {whole_build}MiB" in cpu.report.notes[-1]
-    # Built from files in another dtype than the run's, the build also holds the torch weights converted: the
-    # budget that holds the UNet's build from files in its run dtype does not hold that one.
-    kept, in_blocks, _ = _fit_compiled(Budget(device=whole_build * MiB), 300 * MiB, compiled, {"vae"}, "denoise",
-                                       "openvino", cpu, pipe)
-    assert kept == compiled and in_blocks == []
-    kept, in_blocks, _ = _fit_compiled(Budget(device=whole_build * MiB), 300 * MiB, compiled, {"vae"}, "denoise",
-                                       "openvino", cpu, pipe, converted={"unet": 600 * MiB})
-    assert in_blocks == ["unet"] and f"--budget {whole_build + 600}MiB" in cpu.report.notes[-1]
-    # The refusal counts the build too, and says so.
-    with pytest.raises(StageDoesNotFit, match=f"need {300 + 100 + COMPILED_WHOLE_BUILD * 100:.2f} MiB \\(with "
-                       f"{COMPILED_WHOLE_BUILD}x the largest of vae more while it is built"):
-        _fit_compiled(Budget(device=350 * MiB), 300 * MiB, compiled, set(), "denoise", "openvino", cpu, pipe)
-
-
 @needs_openvino
 def test_a_compiled_unet_too_large_for_the_budget_runs_its_resident_blocks_compiled(tiny_models, streamed_plans):
     """Under a budget below the compiled UNet, the blocks the plan keeps resident run as OpenVINO models of
     their own (their torch weights memory-mapped) and the rest stream eagerly: the image is the uncapped
     compiled run's (fp32: within OpenVINO's tolerance)."""
-    import memfit.run.runner as runner
+    import memfit.run.fit as fit
     from memfit.compile.entry_points import ENTRIES_ATTR, WEIGHTS_ATTR
 
     model = tiny_models("sd")
@@ -407,7 +355,7 @@ def test_a_compiled_unet_too_large_for_the_budget_runs_its_resident_blocks_compi
         with safe_open(file, "pt") as weights:
             unet_bytes += sum(int(np.prod(weights.get_slice(key).get_shape())) * 4 for key in weights.keys())
     seen = []
-    original = runner.compile_blocks
+    original = fit.compile_blocks
 
     def recording(module, component, paths, *args, **kwargs):
         records = original(module, component, paths, *args, **kwargs)
@@ -415,7 +363,7 @@ def test_a_compiled_unet_too_large_for_the_budget_runs_its_resident_blocks_compi
         return records
 
     with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(runner, "compile_blocks", recording)
+        patch.setattr(fit, "compile_blocks", recording)
         split = memfit.generate("a red circle", budget=unet_bytes - 1, **settings)  # whole, it is 1 byte over
     denoise = next(plan.stages[0] for plan in streamed_plans if plan.stages[0].name == "denoise")
     assert denoise.from_disk and denoise.resident  # the plan streams some blocks and keeps others

@@ -37,7 +37,7 @@ def test_streamed_fp16_files_at_bf16_equal_plain_diffusers(fp16_flux, streamed_p
     streamed_plans.clear()
     loads, fitted = [], []
     original_load = ModelFolder.load_stage
-    original_optimize = memfit.run.executor.optimize
+    original_optimize = memfit.run.fit.optimize
 
     def load_stage(self, names, dtype, device=None, **kwargs):
         loads.append((tuple(names), tuple(kwargs.get("in_file_dtype", ()))))
@@ -54,7 +54,7 @@ def test_streamed_fp16_files_at_bf16_equal_plain_diffusers(fp16_flux, streamed_p
         return out
 
     monkeypatch.setattr(ModelFolder, "load_stage", load_stage)
-    monkeypatch.setattr(memfit.run.executor, "optimize", optimize)
+    monkeypatch.setattr(memfit.run.fit, "optimize", optimize)
     ours = memfit.generate(model=str(fp16_flux), budget=budget, progress=False, **SETTINGS)
 
     assert any("transformer" in converting for _, converting in loads), loads

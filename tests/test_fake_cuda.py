@@ -147,17 +147,18 @@ def test_host_budget_is_bounded_and_honored(sd, tmp_path):
         assert gpu.pinned_bytes() == 0
 
 
-def test_a_staged_run_plans_a_gpu_stage_with_a_host_budget(sd):
-    """Defect 3, the staged runner's way in: plan_stage(device=a GPU) bounds the host tier as
-    optimize does; without a device (the CPU) a budget is taken as given."""
-    from memfit.plan.budget import read_host_memory
-    from memfit.run.executor import plan_stage
+def test_a_stage_budget_on_a_gpu_bounds_the_host_tier():
+    """Defect 3, the staged runner's way in: a stage's budget on a GPU (memfit.plan.budget.stage_budget, which
+    the runner and optimize share) bounds the host tier by what the host has; on the CPU a budget's host part
+    is taken as given, and a stage streaming from its files parks nothing in host RAM."""
+    from memfit.devices import runtime_for
+    from memfit.plan.budget import read_host_memory, stage_budget
 
-    pipe, _ = sd
     with fake_cuda():
-        host = plan_stage(pipe, memfit.Budget(device="1GiB"), "generate", device="cuda").budget.host
+        host = stage_budget(memfit.Budget(device="1GiB"), runtime_for("cuda")).host
     assert host is not None and 0 < host <= read_host_memory().available
-    assert plan_stage(pipe, memfit.Budget(device="1GiB"), "generate").budget.host is None
+    assert stage_budget(memfit.Budget(device="1GiB"), runtime_for("cpu")).host is None
+    assert stage_budget(memfit.Budget(device="1GiB"), runtime_for("cpu"), stream_from="/models/x").host == 0
 
 
 @pytest.mark.slow  # a generation on the fake GPU; the quick tier keeps two cheaper cases

@@ -22,12 +22,13 @@ from memfit.devices import CudaRuntime, PlainRuntime, runtime_for
 from memfit.errors import MemfitError
 from memfit.models.families import Settings
 from memfit.models.folder import ModelFolder
-from memfit.plan.budget import resolve_budget
+from memfit.plan.budget import StageDoesNotFit, resolve_budget
 from memfit.run import runner as runner_module
+from memfit.run.fit import DEVICE_ACTIVATION_MARGIN
 from memfit.run.memory import PeakMemory
+from memfit.run.options import RunOptions, resolve_device
 from memfit.run.report import RunReport
-from memfit.run.runner import (DEVICE_ACTIVATION_MARGIN, Stage, StageDoesNotFit, StageRunner, memory_in_use,
-                               resolve_device)
+from memfit.run.runner import Stage, StageRunner
 from memfit.testing.fake_cuda import fake_cuda
 
 KiB, MiB, GiB = 2**10, 2**20, 2**30
@@ -132,7 +133,7 @@ def patched_cuda(monkeypatch):
 def test_stage_baseline_on_a_gpu_is_allocated_memory(patched_cuda):
     runtime = runtime_for("cuda")
     assert isinstance(runtime, CudaRuntime)
-    assert memory_in_use(runtime) == patched_cuda["allocated"]
+    assert runtime.memory_in_use() == patched_cuda["allocated"]
 
 
 def test_an_explicit_budget_above_what_the_gpu_can_give_now_is_refused(patched_cuda):
@@ -171,11 +172,10 @@ def test_the_automatic_budget_is_detected_before_anything_is_on_the_gpu(tiny_mod
 
 
 def test_activation_estimates_get_the_device_margin_on_a_gpu_only(tiny_models, monkeypatch):
-    import memfit.run.executor as executor
-    from memfit.plan import activations
+    import memfit.run.fit as fit
 
     asked, offered = [], []
-    plan_stage, stage_strategies = executor.plan_stage, activations.stage_strategies
+    plan_stage, stage_strategies = fit.plan_stage, fit.stage_strategies
 
     def planning(pipe, budget, stage, activation_bytes=0, parts=None, **options):
         asked.append(activation_bytes)
@@ -186,8 +186,8 @@ def test_activation_estimates_get_the_device_margin_on_a_gpu_only(tiny_models, m
         offered.append(options[0].activation_bytes)
         return options
 
-    monkeypatch.setattr(executor, "plan_stage", planning)
-    monkeypatch.setattr(activations, "stage_strategies", strategies)
+    monkeypatch.setattr(fit, "plan_stage", planning)
+    monkeypatch.setattr(fit, "stage_strategies", strategies)
     memfit.generate(model=tiny_models("sd"), device="cpu", budget="8GiB", **RUN)
     assert asked == offered and all(asked)
     asked.clear(), offered.clear()
@@ -226,8 +226,8 @@ def test_a_stage_that_does_not_fit_the_gpu_without_a_budget_is_one_sentence(tiny
 
 
 def test_out_of_memory_outside_a_stage_retry_is_one_sentence(monkeypatch):
-    runner = StageRunner(report=RunReport(device="cuda", dtype="fp32", model="m"), settings=None, guided=False,
-                         dtype="fp32", device=torch.device("cpu"), budget="1GiB", progress=False)
+    runner = StageRunner(RunOptions.build(device="cpu", budget="1GiB", progress=False),
+                         report=RunReport(device="cuda", dtype="fp32", model="m"), settings=None, guided=False)
 
     def failing(stage, results):
         raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 20.00 MiB\nmore lines")
@@ -322,9 +322,10 @@ def _plain_runner(budget):
     """A runner on a device memfit cannot stream to; its tensors live on the CPU so torch can run them."""
     runtime = PlainRuntime(torch.device("cpu"))
     runtime.mem_get_info = lambda: (8 * GiB, 8 * GiB)
-    return StageRunner(report=RunReport(device="mps", dtype="fp32", model="m"),
+    return StageRunner(RunOptions.build(device=runtime, budget=budget, progress=False),
+                       report=RunReport(device="mps", dtype="fp32", model="m"),
                        settings=Settings("a red circle", "", steps=2, guidance=7.5, seed=0, width=32, height=32),
-                       guided=True, dtype="fp32", device=runtime, budget=budget, progress=False)
+                       guided=True)
 
 
 def test_a_device_that_cannot_stream_runs_stages_that_fit_whole(tiny_models, streamed_plans):

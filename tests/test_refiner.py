@@ -17,6 +17,7 @@ import pytest
 from PIL import Image
 
 import memfit
+from memfit.testing.runtimes import WeightsOnlyCpu
 from memfit.compile.backends import get_backend
 from memfit.cache import open_store
 from memfit.cli.app import main
@@ -76,9 +77,9 @@ def test_a_budget_fits_every_stage_of_base_and_refiner_like_generate(pair, tmp_p
         memfit.generate(model=base, refiner=refiner, budget="300KiB", progress=False, **SETTINGS)
     # The process's own memory and the calibrated kernel workspace (real-size offsets) would swamp
     # these tiny models: count only what memfit places and the activations' proportional part.
-    monkeypatch.setattr("memfit.run.runner.memory_in_use", lambda device: 0)
     monkeypatch.setattr(meta, "ACTIVATION_OFFSETS", dict.fromkeys(meta.ACTIVATION_OFFSETS, 0))
-    ours = memfit.generate(model=base, refiner=refiner, budget="600KiB", progress=False, **SETTINGS)
+    ours = memfit.generate(model=base, refiner=refiner, budget="600KiB", progress=False, device=WeightsOnlyCpu(),
+                           **SETTINGS)
     assert max_pixel_difference(ours.images[0], _reference(pair)) == 0
     stages = {stage.stage: stage for stage in ours.report.stages}
     assert list(stages) == ["encode", "denoise", "refine", "decode"]

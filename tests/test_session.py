@@ -140,20 +140,20 @@ def test_a_size_change_under_a_budget_refits_and_holds_one_fit(tiny_models):
 
 
 def test_a_stage_that_does_not_fit_beside_the_warm_ones_is_planned_again_after_releasing_them(tiny_models, monkeypatch):
-    from memfit.run.runner import StageContext, StageDoesNotFit
+    import memfit.run.runner as runner
+    from memfit.plan.budget import StageDoesNotFit
 
     folder = tiny_models("sd")
-    real_fit = StageContext._fit
+    real_fit = runner.fit_stage
     refused = []
 
-    def fit(self, pipe, model, plan_as, already_used, **kwargs):
-        pool = self.runner.pool
-        if self.stage == "denoise" and pool is not None and pool.holds_any() and not refused:
+    def fit(pipe, model, names, options, *, stage, **kwargs):
+        if stage == "denoise" and options.pool is not None and options.pool.holds_any() and not refused:
             refused.append(_stages_kept(session))
             raise StageDoesNotFit("does not fit beside the warm stages")
-        return real_fit(self, pipe, model, plan_as, already_used, **kwargs)
+        return real_fit(pipe, model, names, options, stage=stage, **kwargs)
 
-    monkeypatch.setattr(StageContext, "_fit", fit)
+    monkeypatch.setattr(runner, "fit_stage", fit)
     session = Session(folder, budget="4GiB")
     result = session.generate("a red circle", steps=1, width=32, height=32)
     assert refused == [["encode"]]  # the warm encode stage was held when denoise was refused

@@ -89,6 +89,20 @@ class DeviceRuntime:
         """(free, total) bytes of device memory."""
         raise MemfitError(f"memfit cannot measure the memory of {self.name}; pass an explicit budget.")
 
+    def memory_in_use(self) -> int:
+        """What the process holds on this device right now: the baseline a stage's plan adds to.
+
+        On a device with its own memory that is what its allocator has handed out (allocated, not
+        reserved: the blocks the caching allocator keeps free are reused by the stage's own tensors,
+        and counted here they would be counted twice; between stages the runner empties that cache
+        anyway). On the CPU the host is the device: the process's resident set.
+        """
+        if self.separate_memory:
+            return self.memory_allocated()
+        import psutil
+
+        return psutil.Process().memory_info().rss
+
     def memory_allocated(self) -> int:
         return 0
 

@@ -1,7 +1,7 @@
 """Ray mode of memfit batch: one BatchWorker actor per worker, jobs streamed to whichever is free.
 
 Each actor opens the model, resolves its own budget on its own node ("auto": that node's free
-memory, memfit.plan.budget.detect_budget) and keeps its pipeline warm, so a cluster of unlike
+memory, memfit.plan.budget.detect) and keeps its pipeline warm, so a cluster of unlike
 machines plans each one for what it has. The driver keeps one job in flight per actor, so a lost
 actor loses at most one job: a job whose actor died (process killed, node lost) is put back at
 the head of the queue and the actor replaced, without counting as a failure of the job. A job

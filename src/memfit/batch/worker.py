@@ -27,7 +27,7 @@ class BatchWorker:
                  fallback: str | None = None, name: str | None = None):
         import torch
 
-        from memfit.run.runner import default_device
+        from memfit.run.options import default_device
         from memfit.run.session import Session
 
         device = torch.device(device) if device is not None else default_device()

@@ -29,14 +29,31 @@ computes the same image (within float rounding):
 from __future__ import annotations
 
 import dataclasses
+import enum
 from typing import Callable
 
 from memfit.errors import MemfitError
 
+__all__ = ["Strategy", "StrategyKind", "banded_decode_unsupported", "choose", "stage_strategies",
+           "vae_execution_dtype"]
+
+
+class StrategyKind(str, enum.Enum):
+    """How a stage holds its activations (see the module doc); its text is what reports and JSON show."""
+
+    PLAIN = "plain"
+    BATCHED = "batched"
+    CHUNKED = "chunked"
+    SPLIT = "split"
+    BANDED = "banded"
+
+    def __str__(self) -> str:
+        return self.value
+
 
 @dataclasses.dataclass(frozen=True)
 class Strategy:
-    name: str
+    name: StrategyKind
     activation_bytes: int
     # True when the strategy costs little (use it as soon as it keeps more weights resident);
     # False when it costs time (use it only when nothing cheaper can be planned).
@@ -55,7 +72,7 @@ def stage_strategies(adapter, stage: str, settings, guided: bool, dtype: str) ->
         batch = 2 if guided else 1
         peak = max((activation_estimate("text_encoder", configs[name], batch=batch, text_tokens=adapter.max_text_tokens,
                                         dtype=dtype, **size) for name in encoders), default=0)
-        return [Strategy("plain", peak)]
+        return [Strategy(StrategyKind.PLAIN, peak)]
     if stage == "denoise":
         denoiser = adapter.denoiser
         kind = "unet" if denoiser == "unet" else "transformer"
@@ -66,24 +83,24 @@ def stage_strategies(adapter, stage: str, settings, guided: bool, dtype: str) ->
                                        class_name=denoiser_class, dtype=dtype, **size)
 
         batch = 1 if not guided or adapter.guidance_batch == 1 else 2
-        options = [Strategy("batched", estimate(batch))]
+        options = [Strategy(StrategyKind.BATCHED, estimate(batch))]
         if kind == "unet":
-            options.append(Strategy("chunked", estimate(batch, "unet_chunked"), cheap=False))
+            options.append(Strategy(StrategyKind.CHUNKED, estimate(batch, "unet_chunked"), cheap=False))
         if batch == 2 and adapter.splits_guidance:
-            options.append(Strategy("split", estimate(1), cheap=False))
+            options.append(Strategy(StrategyKind.SPLIT, estimate(1), cheap=False))
         return options
     if stage == "decode":
         vae = configs["vae"]
         vae_dtype = vae_execution_dtype(vae, dtype)
-        options = [Strategy("plain", activation_estimate("vae_decoder", vae, dtype=vae_dtype, **size))]
+        options = [Strategy(StrategyKind.PLAIN, activation_estimate("vae_decoder", vae, dtype=vae_dtype, **size))]
         if banded_decode_unsupported(adapter.classes.get("vae", ("", "AutoencoderKL"))[1], vae) is None:
-            options.append(Strategy("banded", activation_estimate("vae_decoder_banded", vae, dtype=vae_dtype, **size)))
+            options.append(Strategy(StrategyKind.BANDED, activation_estimate("vae_decoder_banded", vae, dtype=vae_dtype, **size)))
         return options
     if stage == "pipeline":  # a pipeline's own __call__ runs its parts one after another
         parts = [part for part in ("encode", "denoise", "decode") if adapter.stage_components(part)]
         peak = max((stage_strategies(adapter, part, settings, guided, dtype)[0].activation_bytes for part in parts),
                    default=0)
-        return [Strategy("plain", peak)]
+        return [Strategy(StrategyKind.PLAIN, peak)]
     raise MemfitError(f"Unknown stage {stage!r}; memfit's stages are encode, denoise, decode and pipeline.")
 
 

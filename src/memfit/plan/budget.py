@@ -1,7 +1,7 @@
 """Memory budgets: what a run may use on each tier, and what this machine can spare.
 
 A budget is always in bytes (memfit.sizes parses "6GiB" and "6GB"). This module imports torch
-only inside ``detect_budget`` (and only when asked about a CUDA device), so budgets stay cheap
+only inside ``detect`` (and only when asked about a CUDA device), so budgets stay cheap
 for the CLI and the pure planner.
 """
 
@@ -26,13 +26,14 @@ __all__ = [
     "ResolvedBudget",
     "available_host_memory",
     "cgroup_free_memory",
+    "StageDoesNotFit",
     "detect",
-    "detect_budget",
     "device_reserve",
     "host_reserve",
     "own_cgroup_usage",
     "read_host_memory",
     "resolve_budget",
+    "stage_budget",
 ]
 
 # What detection leaves unused. On a GPU the CUDA context, the caching allocator's fragmentation and
@@ -63,7 +64,7 @@ class Budget:
     host:   bytes of host RAM for weights parked off the device. On a CPU-only run host and device
             are the same RAM: pass host=0 so anything not resident streams from disk.
     disk:   a directory memfit may use for memory-mapped weights; None means no disk tier.
-    None for device or host means "no limit"; resolve unknown limits with ``detect_budget`` first.
+    None for device or host means "no limit"; resolve unknown limits with ``detect`` first.
     """
 
     device: int | None = None
@@ -106,6 +107,47 @@ class Budget:
 
 
 BudgetLike = Union[Budget, int, str, Mapping]
+
+
+class StageDoesNotFit(MemfitError):
+    """No plan fits a stage's components and activations into the budget left for it."""
+
+
+def stage_budget(budget: Budget, device, *, already_used: int = 0, stream_from: str | None = None,
+                 loaded: bool = False, host_in_use: int = 0) -> Budget:
+    """What the run's ``budget`` means for one stage's weights and activations on ``device`` (a
+    memfit.devices runtime): the one rule the stage runner and memfit.optimize share, on any device.
+
+    device: what is left once ``already_used`` is counted (what the process holds now: Python, torch,
+            the libraries, stages kept loaded); a budget already used up is refused (StageDoesNotFit).
+    host:   on a device with memory of its own the host tier is page-locked RAM: bounded by what the
+            host has available now (less a reserve) where the budget names no host part, never
+            unlimited; ``host_in_use``, the pipeline's weights that sit in host RAM now, is added,
+            since the host tier takes their place.
+            On the CPU the host is the device: a stage that streams from ``stream_from`` (the model's
+            own files) parks nothing in host RAM (host 0); a pipeline ``loaded`` already keeps what is
+            not resident where it is (host unlimited); otherwise the budget's host part.
+    disk:   ``stream_from`` where given, else the budget's.
+    """
+    limit = budget.device
+    if limit is not None and already_used:
+        if limit <= already_used:
+            raise StageDoesNotFit(
+                f"The budget of {format_bytes(limit)} is already used up by this process before any weight is "
+                f"loaded ({format_bytes(already_used)}: Python, torch and the libraries memfit loaded). Give a budget "
+                "above that, or leave it out (auto) to let memfit detect one."
+            )
+        limit -= already_used
+    disk = stream_from if stream_from is not None else budget.disk
+    if getattr(device, "separate_memory", False):
+        host = (budget.host if budget.host is not None else detect(device).budget.host) + host_in_use
+    elif stream_from is not None:
+        host = 0
+    elif loaded:
+        host = None
+    else:
+        host = budget.host
+    return Budget(device=limit, host=host, disk=disk)
 
 
 def _parse_field(field: str, raw: object) -> int:
@@ -263,7 +305,20 @@ def detect(
     proc_root: str | os.PathLike = "/proc",
     sys_root: str | os.PathLike = "/sys",
 ) -> ResolvedBudget:
-    """The automatic budget, with the arithmetic that produced it (see ``detect_budget``)."""
+    """Measure what memfit may use right now: the automatic budget, with the arithmetic that produced it
+    (``.budget``, and ``.source`` in words).
+
+    With a CUDA ``device`` ("cuda", "cuda:1"): device = free device memory
+    (``torch.cuda.mem_get_info``) + ``in_use`` minus ``reserve`` (default ``device_reserve``:
+    1/16 of the GPU, 256 MiB to 1 GiB); host = available RAM minus ``host_reserve``. Without one
+    (None or "cpu"): device = available RAM + ``in_use`` minus ``reserve`` (default
+    ``host_reserve``: 1/8 of the container limit or RAM, 64 MiB to 2 GiB) and host = 0, because on
+    the CPU the device *is* host memory, so nothing can be parked separately. Available RAM is the
+    smaller of MemAvailable (/proc/meminfo, psutil as a fallback) and the free room under this
+    process's cgroup memory limit (v2 and v1 both read).
+
+    ``proc_root`` and ``sys_root`` exist so tests can point at fake /proc and /sys trees.
+    """
     host = read_host_memory(proc_root=proc_root, sys_root=sys_root)
     unified = _is_unified(device)
     if _is_cuda(device):
@@ -295,30 +350,6 @@ def _host_words(host: HostMemory) -> str:
                 f"= {format_bytes(host.cgroup_room)} free")
     total = f" of {format_bytes(host.mem_total)}" if host.mem_total is not None else ""
     return f"MemAvailable {format_bytes(host.mem_available)}{total}"
-
-
-def detect_budget(
-    device: str | None = None,
-    reserve: int | str | None = None,
-    *,
-    in_use: int = 0,
-    proc_root: str | os.PathLike = "/proc",
-    sys_root: str | os.PathLike = "/sys",
-) -> Budget:
-    """Measure what memfit may use right now and return it as a Budget.
-
-    With a CUDA ``device`` ("cuda", "cuda:1"): device = free device memory
-    (``torch.cuda.mem_get_info``) + ``in_use`` minus ``reserve`` (default ``device_reserve``:
-    1/16 of the GPU, 256 MiB to 1 GiB); host = available RAM minus ``host_reserve``. Without one
-    (None or "cpu"): device = available RAM + ``in_use`` minus ``reserve`` (default
-    ``host_reserve``: 1/8 of the container limit or RAM, 64 MiB to 2 GiB) and host = 0, because on
-    the CPU the device *is* host memory, so nothing can be parked separately. Available RAM is the
-    smaller of MemAvailable (/proc/meminfo, psutil as a fallback) and the free room under this
-    process's cgroup memory limit (v2 and v1 both read).
-
-    ``proc_root`` and ``sys_root`` exist so tests can point at fake /proc and /sys trees.
-    """
-    return detect(device, reserve=reserve, in_use=in_use, proc_root=proc_root, sys_root=sys_root).budget
 
 
 def _is_cuda(device) -> bool:

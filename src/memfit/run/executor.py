@@ -54,14 +54,14 @@ import torch
 
 from memfit.devices import runtime_for
 from memfit.models.checkpoint_keys import loaded_names
-from memfit.plan.budget import AUTO, NONE, Budget, BudgetLike, resolve_budget
+from memfit.plan.budget import AUTO, NONE, Budget, BudgetLike, resolve_budget, stage_budget
 from memfit.errors import MemfitError
 from memfit.run.offload import HookRegistry, MappedSafetensors, Runtime, Shared, Slot, StagingRing, SwapHook, aligned
 from memfit.safetensors_header import same_samples
 from memfit.plan.planner import DEVICE, DISK, HOST, BlockSpec, Plan, StageInput, make_plan
 
-__all__ = ["optimize", "restore", "is_optimized", "live_blocks", "plan_stage", "unrun_blocks", "blocks_not_run",
-           "refuse_cuda_graphs_while_streaming"]
+__all__ = ["optimize", "restore", "is_optimized", "live_blocks", "plan_stage", "reads_in_place", "unrun_blocks",
+           "blocks_not_run", "refuse_cuda_graphs_while_streaming"]
 
 STATE_ATTR = "_memfit_state"
 PLAN_ATTR = "_memfit_plan"
@@ -204,14 +204,11 @@ def optimize(
             on_device = sum(t.numel() * t.element_size() for module in components.values()
                             for t in _tensors(module) if device.owns(t))
             in_use, on_host = on_device, in_use - on_device
-        resolved = resolve_budget(budget, device, in_use=in_use if _is_auto(budget) else 0)
-        planned = resolved.budget
-        if not device.separate_memory and _is_auto(budget):
-            # The pipeline is loaded already: on the CPU a block "parked on the host" stays where it is.
-            planned = Budget(device=planned.device, host=None, disk=planned.disk)
-        elif device.separate_memory:
-            planned = _with_host_budget(planned, device, on_host if _is_auto(budget) else 0)
-        plan = make_plan(stages, planned)
+        auto = _is_auto(budget)
+        resolved = resolve_budget(budget, device, in_use=in_use if auto else 0)
+        # The pipeline is loaded already: on the CPU a block "parked on the host" stays where it is; on a GPU
+        # an automatic budget's host tier takes the place of the weights in host RAM now.
+        plan = make_plan(stages, stage_budget(resolved.budget, device, loaded=auto, host_in_use=on_host if auto else 0))
     tiers = _tiers_from_plan(plan, all_blocks)
     tiers.update((block.key, DISK) for block in unrun)
 
@@ -250,17 +247,6 @@ def _tensors(module: torch.nn.Module):
     yield from module.buffers()
 
 
-def _with_host_budget(planned: Budget, device, pipeline_on_host: int) -> Budget:
-    """On a device with its own memory the host tier is page-locked RAM: bounded by what the host
-    has available (minus a reserve) when the user gave no host budget, never unlimited. An
-    automatic budget adds back the pipeline's own weights that sit in host RAM now, since the host
-    tier takes their place."""
-    from memfit.plan.budget import detect
-
-    host = planned.host if planned.host is not None else detect(device).budget.host
-    return Budget(device=planned.device, host=host + pipeline_on_host, disk=planned.disk)
-
-
 def refuse_cuda_graphs_while_streaming(pipe) -> None:
     """Raise if a component of ``pipe`` whose weights stream is compiled with CUDA graphs.
 
@@ -286,19 +272,13 @@ def _is_auto(budget) -> bool:
     return budget is None or (isinstance(budget, str) and budget.strip().lower() == AUTO)
 
 
-def plan_stage(pipe, budget: BudgetLike, stage: str, activation_bytes: int = 0,
-               parts: Mapping[str, tuple[str, ...]] | None = None, skip=(), device=None,
+def plan_stage(pipe, budget: Budget, stage: str, activation_bytes: int = 0,
+               parts: Mapping[str, tuple[str, ...]] | None = None, skip=(),
                dtype: torch.dtype | None = None) -> Plan:
-    """The plan ``optimize(pipe, budget, stage=stage, activation_bytes=..., parts=...)`` would carry out;
-    components named in ``skip`` are left out (optimize then leaves them as they are).
-
-    ``device`` (a name or memfit.devices runtime): on one with its own memory a budget without a
-    host part gets one (available RAM minus a reserve), as optimize gives it, since the host tier
-    is page-locked memory there. ``dtype``: as optimize's."""
+    """The plan ``optimize(pipe, stage=stage, activation_bytes=..., parts=...)`` would make under ``budget``, the
+    stage's own (memfit.plan.budget.stage_budget); components named in ``skip`` are left out (optimize then
+    leaves them as they are). ``dtype``: as optimize's."""
     blocks = {name: live_blocks(name, module, dtype) for name, module in _components(pipe).items() if name not in skip}
-    budget = Budget.of(budget)
-    if device is not None and runtime_for(device).separate_memory and budget.host is None:
-        budget = _with_host_budget(budget, runtime_for(device), 0)
     return make_plan(_stage_inputs(_without(blocks, unrun_blocks(blocks, parts)), stage, activation_bytes, type(pipe).__name__),
                      budget)
 

@@ -8,6 +8,7 @@ diffusers'.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -19,7 +20,9 @@ from memfit.run.embeddings import Embeddings
 from memfit.run.libraries import quiet_libraries
 from memfit.run.memory import collects_only_its_own_garbage
 from memfit.run.report import RunReport
-from memfit.run.runner import StageRunner, check_budget_floor, resolve_device
+from memfit.run.fit import check_budget_floor
+from memfit.run.options import RunOptions, StagePool
+from memfit.run.runner import StageRunner
 from memfit.run.stages import (
     Generation,
     check_embeddings,
@@ -52,11 +55,11 @@ def encode(
     folder = open_model(model, allow_pickle=allow_pickle)
     if not folder.adapter.staged:
         raise MemfitError(_not_staged(folder, "encode prompts on their own"))
-    device = resolve_device(device)
+    options = RunOptions.build(device=device, dtype=dtype, budget=budget, backend=backend, fallback=fallback,
+                               progress=False, allow_pickle=allow_pickle)
     settings = folder.adapter.resolve(prompt, negative_prompt, 1, None, 0, None, None, folder.defaults)
-    report = RunReport(device=str(device), dtype=dtype, model=str(folder.path))
-    runner = StageRunner(report=report, settings=settings, guided=True, dtype=dtype, device=device, budget=budget,
-                         backend=backend, fallback=fallback, progress=False)
+    report = RunReport(device=str(options.device), dtype=dtype, model=str(folder.path))
+    runner = StageRunner(options, report=report, settings=settings, guided=True)
     tensors = runner.run([encode_stage([("base", folder)], settings, with_negative=True)])["encode"]["base"]
     embeddings = Embeddings(tensors, folder.class_name, folder.text_fingerprint, settings.prompt, settings.negative_prompt)
     return embeddings, report
@@ -92,8 +95,9 @@ def generate(
     controlnet: str | Path | None = None,
     loras=(),
     sampler: str | None = None,
-    session=None,
     precision: str | None = None,
+    pool: StagePool | None = None,
+    on_step: Callable[[str, int, int], None] | None = None,
 ) -> Generation:
     """Generate an image with a diffusers model folder, one stage resident at a time.
 
@@ -118,7 +122,8 @@ def generate(
     load_lora_weights into the text encoders and the denoiser.
 
     `sampler` (an AUTOMATIC1111 sampler name, memfit.run.samplers) replaces the model's scheduler and
-    is recorded in the PNG. `session` (memfit.run.session.Session) keeps stages loaded between calls.
+    is recorded in the PNG. `pool` (a StagePool, memfit.run.session.Session's) keeps stages loaded between
+    calls; `on_step(stage, done, total)` is called as the denoising loop advances (it may raise to stop the run).
     `precision` ("fp32", "bf16", "fp16"; default: `dtype`) is the compute precision of a backend that has
     its own (OpenVINO), apart from the weights' `dtype`; any other backend, or none, must compute in
     `dtype` (memfit.compile.precision). It is recorded in the PNG.
@@ -134,25 +139,24 @@ def generate(
         controlnet=None if controlnet is None else str(Path(controlnet).expanduser()), loras=check_loras(loras))
     if refiner is not None and conditioning != Conditioning():
         raise MemfitError("--refiner cannot be combined with --image, --mask, --control-image or --lora yet.")
-    if refiner is not None and (sampler is not None or session is not None):
+    if refiner is not None and (sampler is not None or pool is not None):
         raise MemfitError("--sampler and sessions do not combine with --refiner yet; leave them out.")
+    options = RunOptions.build(device=device, dtype=dtype, budget=budget, backend=backend, fallback=fallback,
+                               progress=progress, allow_pickle=allow_pickle, pool=pool, on_step=on_step)
     if refiner is not None:
         from memfit.run.refiner import DEFAULT_REFINER_START, generate_with_refiner
 
         if embeddings is not None:
             raise MemfitError("--embeddings cannot be combined with --refiner yet: the refiner needs its own encode; pass --prompt.")
         return _with_precision(generate_with_refiner(
-            prompt, model=model, refiner=refiner,
+            prompt, options, model=model, refiner=refiner,
             refiner_start=DEFAULT_REFINER_START if refiner_start is None else refiner_start,
             negative_prompt=negative_prompt, steps=steps, guidance=guidance, seed=seed, width=width, height=height,
-            dtype=dtype, device=device, budget=budget, backend=backend, fallback=fallback, progress=progress,
-            allow_pickle=allow_pickle,
         ), backend, precision, dtype)
     if refiner_start is not None:
         raise MemfitError("--refiner-start only applies with --refiner REFINER.")
     folder = open_model(model, allow_pickle=allow_pickle)
     adapter = folder.adapter
-    device = resolve_device(device)
 
     loaded = None
     if not adapter.staged and embeddings is not None:
@@ -168,12 +172,10 @@ def generate(
                                true_cfg_scale=true_cfg_scale, num_frames=num_frames, conditioning=conditioning,
                                strength=strength)
     guided = adapter.guided(settings)
-    report = RunReport(device=str(device), dtype=dtype, model=str(folder.path), settings=settings.__dict__.copy())
-    runner = StageRunner(report=report, settings=settings, guided=guided, dtype=dtype, device=device, budget=budget,
-                         backend=backend, fallback=fallback, progress=progress,
-                         pool=getattr(session, "pool", None), on_step=getattr(session, "on_step", None))
+    report = RunReport(device=str(options.device), dtype=dtype, model=str(folder.path), settings=settings.__dict__.copy())
+    runner = StageRunner(options, report=report, settings=settings, guided=guided)
     if runner.resolved.mode == "explicit":  # an automatic budget is what there is: nothing to name instead
-        check_budget_floor(folder, settings, dtype, runner.budget, device)
+        check_budget_floor(folder, settings, dtype, runner.budget, options.runtime)
     if sampler is not None:  # refused before anything loads when it does not fit the model
         from memfit.run.samplers import resolve_sampler
 

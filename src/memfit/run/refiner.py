@@ -38,7 +38,8 @@ import torch
 from memfit.errors import MemfitError
 from memfit.models.folder import ModelFolder
 from memfit.run.report import RunReport
-from memfit.run.runner import StageRunner, resolve_device
+from memfit.run.options import RunOptions
+from memfit.run.runner import StageRunner
 from memfit.run.stages import Generation, decode_stage, denoise_stage, encode_stage, open_model, png_metadata
 
 __all__ = ["DEFAULT_REFINER_START", "generate_with_refiner"]
@@ -82,6 +83,7 @@ def _check_pair(base: ModelFolder, refiner: ModelFolder, refiner_start: float) -
 
 def generate_with_refiner(
     prompt: str | None,
+    options: RunOptions,
     *,
     model: str | Path | ModelFolder | None,
     refiner: str | Path | ModelFolder,
@@ -92,29 +94,21 @@ def generate_with_refiner(
     seed: int = 0,
     width: int | None = None,
     height: int | None = None,
-    dtype: str = "fp32",
-    device: str | torch.device | None = None,
-    budget="auto",
-    backend=None,
-    fallback: str | None = None,
-    progress: bool = True,
-    allow_pickle: bool = False,
 ) -> Generation:
-    """Base then refiner, staged (see the module doc). Same arguments as memfit.generate, plus the
-    refiner folder and the fraction of the denoising schedule the base runs (`refiner_start`)."""
+    """Base then refiner, staged (see the module doc), with the run's ``options`` (memfit.generate builds them).
+    The prompt and settings as memfit.generate's, plus the refiner folder and the fraction of the denoising
+    schedule the base runs (`refiner_start`)."""
     if model is None:
         raise MemfitError("--refiner needs an SDXL base model: pass --model BASE as well.")
-    base = open_model(model, allow_pickle=allow_pickle)
-    ref = open_model(refiner, allow_pickle=allow_pickle)
+    base = open_model(model, allow_pickle=options.allow_pickle)
+    ref = open_model(refiner, allow_pickle=options.allow_pickle)
     _check_pair(base, ref, refiner_start)
     refiner_start = float(refiner_start)
-    device = resolve_device(device)
     settings = base.adapter.resolve(prompt, negative_prompt, steps, guidance, seed, width, height, base.defaults)
     guided = base.adapter.uses_guidance(settings.guidance)
-    report = RunReport(device=str(device), dtype=dtype, model=str(base.path),
+    report = RunReport(device=str(options.device), dtype=options.dtype, model=str(base.path),
                        settings={**settings.__dict__, "refiner": str(ref.path), "refiner_start": refiner_start})
-    runner = StageRunner(report=report, settings=settings, guided=guided, dtype=dtype, device=device, budget=budget,
-                         backend=backend, fallback=fallback, progress=progress)
+    runner = StageRunner(options, report=report, settings=settings, guided=guided)
     # One generator through both denoising calls, as in diffusers' documented workflow.
     generator = torch.Generator(device="cpu").manual_seed(settings.seed)
 
@@ -131,6 +125,6 @@ def generate_with_refiner(
                       run=refiner_run, label="refiner."),
         decode_stage(ref, settings, generator, latents_from="refine"),
     ])["decode"]
-    metadata = png_metadata(settings, base, dtype)
+    metadata = png_metadata(settings, base, options.dtype)
     metadata.update(refiner=str(ref.path), refiner_start=str(refiner_start))
     return Generation(images, settings, report, metadata, timeline=runner.timeline)

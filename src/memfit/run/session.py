@@ -2,8 +2,8 @@
 stages kept loaded (fitted and compiled) between runs while the budget allows it.
 
 memfit.generate loads, fits, runs and releases each stage per call. A session runs the very same
-stages through the same runner (memfit.run.generate with ``session=``); the only difference is the
-runner's pool (WarmPool): a stage hands its fitted pipeline to the pool instead of dropping it, and
+stages through the same runner (memfit.generate with ``pool=``); the only difference is the run's
+pool (WarmPool, a memfit.run.options.StagePool): a stage hands its fitted pipeline to the pool instead of dropping it, and
 the next run's stage takes it back instead of loading, planning and compiling again. The images
 are the same as memfit.generate's, bit for bit (tests/test_serve.py holds the server to that).
 
@@ -13,7 +13,7 @@ kept warm only while every stage fits fully resident that way; the first stage t
 stream weights because others are kept makes the pool release them and plan that stage as a one-shot
 run would, and from then on the session runs like memfit.generate (releasing every stage), which
 the pool's ``gave_up`` says and the session's ``warm_state`` reports. A stage that cannot be planned
-at all beside the kept ones (memfit.run.runner.StageDoesNotFit) is handled the same way.
+at all beside the kept ones (memfit.plan.budget.StageDoesNotFit) is handled the same way.
 
 Compiled models (OpenVINO) also keep their intermediate buffers between calls, so that the next image
 need not allocate and fault them in again (SDXL's decode at 1024x1024: 1.0 s). Under a budget the pool
@@ -39,7 +39,8 @@ import torch
 from memfit.compile.entry_points import release_buffers
 from memfit.run.generate import generate
 from memfit.run.memory import release_freed_memory
-from memfit.run.runner import default_device, resident_bytes
+from memfit.run.options import default_device
+from memfit.run.runner import resident_bytes
 from memfit.run.stages import Generation, open_model
 
 __all__ = ["Interrupted", "Session", "WarmPool"]
@@ -130,7 +131,6 @@ class Session:
         self.backend = backend
         self.fallback = fallback
         self.pool = WarmPool() if warm else None
-        self.on_step: Callable[[str, int, int], None] | None = None
         self._lock = threading.Lock()
 
     def generate(self, prompt: str, *, on_step: Callable[[str, int, int], None] | None = None, **settings) -> Generation:
@@ -138,12 +138,9 @@ class Session:
         (negative_prompt, steps, guidance, seed, width, height, sampler, ...). ``on_step(stage, done,
         total)`` is called as the denoising loop advances; raising Interrupted from it stops the run."""
         with self._lock:
-            self.on_step = on_step
-            try:
-                return generate(prompt, model=self.folder, dtype=self.dtype, device=self.device, budget=self.budget,
-                                backend=self.backend, fallback=self.fallback, progress=False, session=self, **settings)
-            finally:
-                self.on_step = None
+            return generate(prompt, model=self.folder, dtype=self.dtype, device=self.device, budget=self.budget,
+                            backend=self.backend, fallback=self.fallback, progress=False, pool=self.pool,
+                            on_step=on_step, **settings)
 
     def warm_state(self) -> dict[str, Any]:
         """What is kept loaded, for reports: components, their weight bytes, and why not, where not."""

@@ -20,6 +20,7 @@ import torch
 from memfit.errors import MemfitError, MemfitWarning
 from memfit.models.families import Conditioning, Settings
 from memfit.models.folder import ModelFolder
+from memfit.plan.activations import StrategyKind
 from memfit.run.media import IMAGE_SUFFIXES, VIDEO_SUFFIXES, save_png, save_video
 from memfit.run.runner import Stage, StageContext
 
@@ -126,7 +127,7 @@ def encode_stage(folders: list[tuple[str, ModelFolder]], settings: Settings, wit
                 text_fingerprint = combine_fingerprints([text_fingerprint, *lora_fingerprint(loras)])
             cache = PromptCache(embeddings_key(
                 text_fingerprint, folder.class_name, settings.prompt, settings.negative_prompt, with_negative,
-                runner.torch_dtype, text_backend_label(runner.backend, names)))
+                runner.options.torch_dtype, text_backend_label(runner.options.backend, names)))
             found = cache.lookup()  # a hit never loads a text encoder
             if found is not None:
                 tensors[label] = {k: v.to(runner.device) for k, v in found.items()}
@@ -178,8 +179,8 @@ def denoise_stage(folder: ModelFolder, settings: Settings, embeddings: Callable[
         external = {"controlnet": Path(conditioning.controlnet)} if conditioning.controlnet else None
         pipe = context.load(folder, adapter.task_denoise_components(task), plan_as="denoise", label=label,
                             pipeline_class=adapter.pipeline_class(task), external=external, loras=conditioning.loras)
-        chunked = context.strategy == "chunked"
-        split = context.strategy == "split"
+        chunked = context.strategy == StrategyKind.CHUNKED
+        split = context.strategy == StrategyKind.SPLIT
         inputs = conditioning.pipeline_inputs()
         with torch.inference_mode(), sampler_scheduler(pipe, sampler), _chunked_if(chunked, pipe):
             if run is None:

@@ -1,0 +1,133 @@
+"""What compiled models cost a stage, and which of them a budget can keep: numbers in, a choice out.
+
+A backend that holds its own copy of the weights (OpenVINO) turns a component into a compiled model
+that cannot be streamed: it is resident whole, or it is not compiled whole. Pure, like the planner:
+no torch, no devices, no files; memfit.run.fit measures and carries the choice out.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Collection, Mapping
+
+from memfit.plan.budget import StageDoesNotFit
+from memfit.sizes import format_bytes
+
+__all__ = ["COMPILED_BLOCK_BUILD", "COMPILED_BLOCK_OVERHEAD", "COMPILED_WHOLE_BUILD", "CompiledChoice",
+           "choose_compiled", "compiled_blocks_extra", "round_up_mib"]
+
+# What a block compiled as a model of its own holds beyond its weights, as a share of them: the runtime's
+# structures and buffers, intermediate buffers freed after each call (measured with openvino on the SD 1.5
+# UNet's blocks in bf16: 0.35; benchmarks/openvino_budget.py, docs/openvino_budget.md).
+COMPILED_BLOCK_OVERHEAD = 0.4
+# What building a block that is not stored yet peaks at beyond it, as a multiple of its weights: torch.export,
+# the converted and the compiled model alive together, and the torch weights it reads (mapped pages of the
+# files, which a tight budget cannot leave out). Same benchmark.
+COMPILED_BLOCK_BUILD = 3
+# What building a whole compiled model that is not stored yet needs beyond the model itself, as a multiple of
+# it: with openvino on the SD 1.5 UNet in bf16 (1.60 GiB), 1.1x of anonymous memory (3.93 GiB peak, 0.53 GiB
+# before), mostly the exported stream. The torch weights it reads are mapped pages of the files on top, which a
+# memory cap reclaims (under a 4 GiB cgroup cap the same build completed). Files in another dtype than the
+# run's are read as a converted copy that the compiled model holds until the build ends, counted on top by the
+# caller (SD 1.5 UNet fp32 from bf16 files: 10.3 GiB peak; docs/openvino_vs_optimum_avx2.md, "cold" row).
+COMPILED_WHOLE_BUILD = 1.25
+
+
+@dataclasses.dataclass(frozen=True)
+class CompiledChoice:
+    """How a stage's compiled models meet its budget.
+
+    kept:      {component: bytes} compiled whole and resident (fixed costs for the plan of the rest);
+    in_blocks: components compiled block by block instead, their blocks planned like eager weights;
+    dropped:   components run eagerly instead (only with --fallback eager);
+    notes:     what the report says about the choice.
+    """
+
+    kept: Mapping[str, int]
+    in_blocks: tuple[str, ...] = ()
+    dropped: tuple[str, ...] = ()
+    notes: tuple[str, ...] = ()
+
+
+def round_up_mib(size: int) -> int:
+    """``size`` bytes in whole MiB, rounded up: what a message tells a user to pass as --budget."""
+    return -(-int(size) // (1 << 20))
+
+
+def compiled_blocks_extra(block_bytes: Collection[int]) -> int:
+    """Bytes compiled blocks of these weight sizes need beyond their weights, a build of the largest included."""
+    if not block_bytes:
+        return 0
+    return int(COMPILED_BLOCK_OVERHEAD * sum(block_bytes) + COMPILED_BLOCK_BUILD * max(block_bytes))
+
+
+def choose_compiled(*, stage: str, budget_bytes: int | None, already_used: int, compiled: Mapping[str, int],
+                    stored: Collection[str] = (), converted: Mapping[str, int] | None = None,
+                    blockable: Collection[str] = (), fallback_eager: bool = False) -> CompiledChoice:
+    """The compiled models a stage keeps whole, those it compiles block by block, and those it runs eagerly.
+
+    ``budget_bytes``: the stage's device budget (None: no limit); ``already_used``: what the process holds plus
+    the stage's activations; ``compiled``: {component: bytes of its compiled model}; ``stored``: the components
+    whose compiled model memfit's store holds already (the others are built on their first call, which costs
+    COMPILED_WHOLE_BUILD x the model more, plus ``converted``: bytes of the torch weights a build reads as a
+    converted copy); ``blockable``: components whose forward can be compiled block by block (denoisers and text
+    encoders, on the CPU).
+
+    All whole where they fit with the build of the largest one not stored yet; else the largest blockable ones
+    are compiled in blocks until the rest fit; else, with ``fallback_eager``, the largest run eagerly; else
+    StageDoesNotFit naming the budget needed.
+    """
+    converted = converted or {}
+
+    def needed(kept: Mapping[str, int]) -> int:
+        builds = [COMPILED_WHOLE_BUILD * size + converted.get(name, 0) for name, size in kept.items()
+                  if name not in stored]
+        return already_used + sum(kept.values()) + int(max(builds, default=0))
+
+    def fits(kept: Mapping[str, int]) -> bool:
+        return budget_bytes is None or needed(kept) <= budget_bytes
+
+    if fits(compiled):
+        return CompiledChoice(dict(compiled))
+    kept, in_blocks, dropped, notes = dict(compiled), [], [], []
+    for name in sorted(compiled, key=compiled.get, reverse=True):
+        if fits(kept):
+            break
+        if name in blockable:
+            in_blocks.append(name)
+            kept.pop(name)
+    parts = ", ".join(f"{name} {format_bytes(size)}" for name, size in kept.items())
+    building = [name for name in kept if name not in stored]
+    build_note = (f" (with {COMPILED_WHOLE_BUILD}x the largest of {', '.join(building)} more while it is built"
+                  + (", and its torch weights converted to the run dtype" if any(n in converted for n in building) else "")
+                  + ": memfit's store does not hold it yet)") if building else ""
+    if not fits(kept) and not fallback_eager:
+        raise StageDoesNotFit(
+            f"The {stage} stage's compiled models ({parts}) hold their own weights, which cannot be streamed: with the "
+            f"{format_bytes(already_used)} that this process and the stage's activations take, they need "
+            f"{format_bytes(needed(kept))}{build_note}, over the budget of "
+            f"{format_bytes(budget_bytes)}. Give --budget {round_up_mib(needed(kept))}MiB or more, a narrower "
+            "--precision, --fallback eager to run what does not fit eagerly, or compile fewer components (e.g. "
+            "--backend unet=eager,*=openvino)."
+        )
+    for name in sorted(kept, key=kept.get, reverse=True):
+        if fits(kept):
+            break
+        dropped.append(name)
+        kept.pop(name)
+    if dropped:
+        notes.append(
+            f"{stage}: {', '.join(dropped)} run eagerly, not compiled: the compiled models ({parts}) do not fit the "
+            f"budget of {format_bytes(budget_bytes)} with the {format_bytes(already_used)} that this process and the "
+            f"stage's activations take{build_note} (--fallback eager)"
+        )
+    cold_blocks = [name for name in in_blocks
+                   if name not in stored and already_used + sum(compiled.values()) <= budget_bytes]
+    if cold_blocks:
+        notes.append(
+            f"{stage}: {', '.join(cold_blocks)} compiled in blocks: compiled whole, it fits the budget, but building it "
+            f"whole needs about {COMPILED_WHOLE_BUILD}x its size more (and its torch weights in the run dtype, where "
+            "its files hold another), and memfit's store does not hold it yet. A run with "
+            f"--budget {round_up_mib(needed(compiled))}MiB (or none) stores it; later runs under this budget use it whole"
+        )
+    return CompiledChoice(kept, tuple(in_blocks), tuple(dropped), tuple(notes))

@@ -1,0 +1,355 @@
+"""Fitting one loaded stage to its budget: plan its weights and activations, carry the plan out, compile.
+
+    fit = fit_stage(pipe, folder, options, stage="denoise", plan_as="denoise", budget=budget,
+                    already_used=in_use, converting=[...], settings=settings, guided=True)
+
+``fit`` is a StageFit value (strategy, planned peak, streamed bytes, compile records, report notes);
+the stage runner (memfit.run.runner) records it. What it does, in order:
+
+1. Compiled models. A backend that holds its own copy of the weights (OpenVINO) makes a component a
+   compiled model that cannot be streamed: memfit.plan.compiled chooses which are kept whole (fixed
+   costs for the plan), compiled block by block, or (with --fallback eager) run eagerly.
+2. The plan. The budget left once the process's own memory is counted (memfit.plan.budget.stage_budget)
+   is planned for the stage's components together with the activations of each strategy the family
+   allows (memfit.plan.activations), and the first strategy that keeps every weight resident wins (else
+   the cheap one that keeps the most). On a CPU-only machine host RAM *is* the device, so what does not
+   fit stays memory-mapped from the model's own safetensors files (the disk tier), never a second copy.
+   Compiled blocks cost more than the weights they replace: that reserve is set aside and the stage planned
+   again, the least reserve that holds kept.
+3. The plan carried out (memfit.run.executor.optimize), then the compiled blocks and the whole compiled
+   models built or loaded from memfit's store.
+
+Before any stage runs, ``check_budget_floor`` refuses a budget below the smallest that can work for the
+whole run, naming the budget to give.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Collection, Mapping, Sequence
+from typing import Any
+
+import torch
+
+from memfit.compile.entry_points import (compile_blocks, compile_stage, compiled_in_store, compiled_weight_bytes,
+                                        entry_points, served_by_own_weights, without_components)
+from memfit.devices import DeviceRuntime
+from memfit.errors import MemfitError
+from memfit.models.families import Settings
+from memfit.models.folder import ModelFolder
+from memfit.plan.activations import StrategyKind, choose, stage_strategies
+from memfit.plan.budget import Budget, StageDoesNotFit, stage_budget
+from memfit.plan.compiled import (COMPILED_BLOCK_BUILD, COMPILED_BLOCK_OVERHEAD, choose_compiled, compiled_blocks_extra,
+                                  round_up_mib)
+from memfit.run.executor import blocks_not_run, live_blocks, optimize, plan_stage, reads_in_place
+from memfit.run.memory import return_large_frees_to_os
+from memfit.run.options import RunOptions
+from memfit.sizes import format_bytes
+
+__all__ = ["DEVICE_ACTIVATION_MARGIN", "PROCESS_GROWTH_DIVISOR", "StageFit", "check_budget_floor", "fit_stage",
+           "place_whole"]
+
+# The activation estimates (memfit.plan.activations) are calibrated on CPU RSS. On a GPU the caching
+# allocator rounds each block up (512 B, and 2 MiB segments for large ones) and keeps freed blocks
+# that do not fit the next request, so the same tensors take more; this margin on the activations
+# covers that. It is not measured on a GPU yet: the CUDA context and library workspaces are the
+# detection reserve's (memfit.plan.budget.device_reserve), not this margin's.
+DEVICE_ACTIVATION_MARGIN = 1.25
+
+# What the process gains before the last stage starts (the pipeline's modules imported, tokenizers,
+# allocator pools), as a share of what it holds at the start: ~11% (40 MiB) on the tiny SD model.
+PROCESS_GROWTH_DIVISOR = 8
+
+
+@dataclasses.dataclass(frozen=True)
+class StageFit:
+    """What fitting one load of a stage decided and did.
+
+    strategy:       how the stage holds its activations ("" where nothing was planned);
+    planned_peak:   the peak the plan predicts for the process (None where nothing was planned);
+    streamed_bytes: weights the plan left off the device (streamed);
+    compiled:       the compile records of the load (they fill in as entries compile during the stage);
+    notes:          what the run report says about it, in order.
+    """
+
+    strategy: StrategyKind | str = ""
+    planned_peak: int | None = None
+    streamed_bytes: int = 0
+    compiled: tuple = ()
+    notes: tuple[str, ...] = ()
+
+
+def fit_stage(pipe, folder: ModelFolder, names: Sequence[str], options: RunOptions, *, stage: str, plan_as: str,
+              budget: Budget | None, already_used: int, converting: Collection[str], settings: Settings,
+              guided: bool, auto_budget: bool = True, shared: Mapping[str, Any] | None = None) -> StageFit:
+    """Fit the freshly loaded ``pipe`` (``names``: the components of ``folder`` this load of ``stage`` loaded) to
+    ``budget``.
+
+    ``plan_as`` names the activation rules to plan with; ``already_used`` is what the process holds now;
+    ``converting`` the components loaded in their files' dtype, converted to the run's as planned;
+    ``auto_budget``: the budget was detected (a run that keeps every weight then changes no allocator
+    setting); ``shared`` modules another load of this run fitted and compiled are registered before the
+    stage compiles (they are reused, not compiled again). Raises StageDoesNotFit when no plan fits.
+    """
+    notes: list[str] = []
+    backend, in_blocks = options.backend, ()
+    # A component compiled by a backend with its own copy of the weights costs that copy, not its torch
+    # weights (memory-mapped once compiled: memfit.compile.weights), and is planned as such.
+    compiled = compiled_weight_bytes(pipe, names, backend, options.torch_dtype) if budget is not None else {}
+    if compiled:
+        choice = _choose_compiled(pipe, folder, options, stage, plan_as, budget, already_used, compiled, settings,
+                                  guided)
+        compiled, in_blocks = dict(choice.kept), choice.in_blocks
+        backend = without_components(backend, [*choice.dropped, *in_blocks])
+        notes += choice.notes
+    for name, size in compiled.items():
+        notes.append(f"{stage}: planned {name} as its compiled model, {format_bytes(size)} "
+                     "resident (its torch weights memory-mapped, not counted)")
+    records: list = []
+    fit = StageFit()
+    if budget is not None and _has_weights(pipe, [name for name in names if name not in compiled]):
+        fit = _plan_and_place(pipe, folder, options, stage=stage, plan_as=plan_as, budget=budget,
+                              already_used=already_used + sum(compiled.values()), compiled=compiled,
+                              in_blocks=in_blocks, dtype=options.torch_dtype if converting else None,
+                              settings=settings, guided=guided, auto_budget=auto_budget, records=records)
+    else:
+        place_whole(pipe, options.runtime)  # nothing to plan: the whole stage goes where it runs
+    if shared:
+        pipe.register_modules(**shared)
+    # Those the budget left uncompiled were converted by the plan like any other component.
+    served = [name for name in converting if budget is None or name in compiled]
+    compile_stage(pipe, folder.path, backend, options.fallback, records, folder.component_fingerprint,
+                  run_dtypes=dict.fromkeys(served, options.torch_dtype) if backend is not None else None)
+    return dataclasses.replace(fit, compiled=tuple(records), notes=(*notes, *fit.notes))
+
+
+def _choose_compiled(pipe, folder: ModelFolder, options: RunOptions, stage: str, plan_as: str, budget: Budget,
+                     already_used: int, compiled: dict[str, int], settings: Settings, guided: bool):
+    # A compiled graph runs the stage's own way (no chunked attention, no banded decode): its activations.
+    activations = stage_strategies(folder.adapter, plan_as, settings, guided, options.dtype)[0].activation_bytes
+    served = served_by_own_weights(folder.components, list(compiled), options.backend)
+    stored = compiled_in_store({name: folder.component_fingerprint(name) for name in compiled}, served)
+    # A build reads the torch weights in the run dtype: from files in another dtype that is a converted copy
+    # in memory, which the compiled model holds on to until the build ends. A stored model is not built.
+    converted = {name: sum(p.numel() for p in getattr(pipe, name).parameters()) * options.torch_dtype.itemsize
+                 for name in compiled if name not in stored and folder.file_dtype(name) != options.torch_dtype}
+    # Only on the CPU are blocks planned (and compiled) like weights; a forward of blocks is what splits.
+    blockable = () if options.runtime.separate_memory else \
+        [name for name in compiled if entry_points(name, getattr(pipe, name, None)) == ("forward",)]
+    return choose_compiled(stage=stage, budget_bytes=budget.device, already_used=already_used + activations,
+                           compiled=compiled, stored=stored, converted=converted, blockable=blockable,
+                           fallback_eager=options.fallback == "eager")
+
+
+def _plan_and_place(pipe, folder: ModelFolder, options: RunOptions, *, stage: str, plan_as: str, budget: Budget,
+                    already_used: int, compiled: Mapping[str, int], in_blocks: Sequence[str],
+                    dtype: torch.dtype | None, settings: Settings, guided: bool, auto_budget: bool,
+                    records: list) -> StageFit:
+    """Plan the stage's eager weights and activations (compiled models as fixed costs), carry the plan out and
+    compile the blocks ``in_blocks`` components keep resident; the whole compiled models are the caller's."""
+    runtime = options.runtime
+    adapter = folder.adapter
+    choices = stage_strategies(adapter, plan_as, settings, guided, options.dtype)
+    parts = adapter.stage_parts.get(plan_as)
+    margin = DEVICE_ACTIVATION_MARGIN if runtime.separate_memory else 1.0
+    stream_from = None if runtime.separate_memory else str(folder.path)
+
+    # A compiled model too large for the budget whole runs in blocks: those the plan keeps resident compiled
+    # (each a model of its own), the others streamed eagerly. The block models cost more than the weights
+    # they replace (compiled_blocks_extra), so that is set aside and the stage planned again: less room keeps
+    # fewer blocks, which need less set aside; the least reserve that holds is kept.
+    def plan_with(extra: int):
+        room = stage_budget(budget, runtime, already_used=already_used + extra, stream_from=stream_from)
+        try:
+            strategy, plan = choose(choices, lambda activations: plan_stage(
+                pipe, room, stage, int(activations * margin), parts, skip=compiled, dtype=dtype))
+        except MemfitError as exc:
+            raise StageDoesNotFit(
+                f"{exc} These figures leave out the {format_bytes(already_used + extra)} this process already "
+                "holds (Python, torch and the libraries loaded"
+                + (", and what its compiled blocks need beyond their weights" if extra else "")
+                + "): add that to any budget named above."
+            ) from exc
+        found = {name: _compilable_blocks(getattr(pipe, name), name, plan.stages[0].resident, dtype)
+                 for name in in_blocks}
+        keys = {key for blocks in found.values() for key in blocks}
+        extra_needed = compiled_blocks_extra(
+            [p.bytes for p in plan.stages[0].placements if f"{p.component}/{p.block}" in keys])
+        return strategy, plan, found, extra_needed
+
+    # The reserve a plan needs shrinks as the reserve grows (less room, fewer blocks): the least reserve
+    # that covers what its own plan needs is found by bisection. held: (reserve, the plan made with it).
+    first = plan_with(0)
+    held = (0, first) if first[3] == 0 else None
+    low, high = 0, first[3]
+    while low < high and (held is None or high - low > high // 32):
+        extra = high if held is None else (low + high) // 2
+        try:
+            candidate = plan_with(extra)
+        except StageDoesNotFit:
+            break  # even this reserve leaves too little room: no compiled block is affordable
+        if candidate[3] <= extra:
+            held, high = (extra, candidate), extra
+        else:
+            low = extra + 1
+    if held is None:  # no reserve holds: the blocks run eagerly, as the plan without one streams them
+        strategy, plan, _, _ = first
+        blocks_compiled, extra = {name: {} for name in in_blocks}, 0
+    else:
+        extra, (strategy, plan, blocks_compiled, _) = held
+    stage_plan = plan.stages[0]
+    already_used += extra
+    notes: list[str] = []
+    if runtime.can_stream:
+        # On the CPU a compiled component's torch weights stay as loaded (memory-mapped once compiled); on
+        # a GPU they move with the plan, so that the pipeline places its inputs where the rest runs.
+        skip = () if runtime.separate_memory else {*compiled, *(key for found in blocks_compiled.values()
+                                                               for key in found)}
+        optimize(pipe, plan=plan, model_dir=folder.path, device=runtime, parts=parts, dtype=dtype, skip=skip)
+    else:
+        _refuse_streaming(stage_plan, stage, runtime)
+        place_whole(pipe, runtime)
+    if strategy.name == StrategyKind.BANDED:
+        from memfit.run.banded_decode import enable_banded_decode
+
+        enable_banded_decode(pipe.vae)
+    unrun = blocks_not_run(pipe)
+    if unrun:
+        notes.append(
+            f"{stage}: {format_bytes(sum(b.bytes for b in unrun))} of weights the stage does not run "
+            f"({', '.join(sorted({b.component + '/' + b.name.split('.')[0] for b in unrun}))}) left memory-mapped "
+            "on disk, outside the plan"
+        )
+    block_paths = {name: [path for paths in found.values() for path in paths] for name, found in blocks_compiled.items()}
+    notes += _compile_blocks(pipe, folder, options, stage, block_paths, dtype, records)
+    streamed = stage_plan.streamed_from_host_bytes + stage_plan.streamed_from_disk_bytes
+    if not auto_budget or strategy is not choices[0] or streamed:
+        # Freed activations then leave RSS at once, so the stage stays within its plan. Not set
+        # while an automatic budget holds everything: that run then costs nothing a plain one does not.
+        return_large_frees_to_os()
+    # The plan fits the read-ahead into the budget (a cgroup cap charges the page cache), but read in
+    # place it is mapped into this process only once its block runs: the predicted peak RSS leaves it out.
+    read_ahead = stage_plan.stream_window_bytes - stage_plan.largest_streamed_bytes if reads_in_place(pipe) else 0
+    if read_ahead:
+        notes.append(f"{stage}: {format_bytes(read_ahead)} read ahead into the page cache, "
+                     "outside this process's memory until its block runs")
+    if strategy is not choices[0]:
+        notes.append(
+            f"{stage}: {strategy.name} (activations {format_bytes(strategy.activation_bytes)} instead of "
+            f"{format_bytes(choices[0].activation_bytes)} for {choices[0].name}), so more weights stay resident"
+        )
+    for planned_stage in plan.stages:
+        notes.append(
+            f"plan {planned_stage.name}: {format_bytes(planned_stage.resident_bytes)} resident, "
+            f"{format_bytes(planned_stage.streamed_from_host_bytes)} streamed from host, "
+            f"{format_bytes(planned_stage.streamed_from_disk_bytes)} streamed from disk (memory-mapped), "
+            f"activations {format_bytes(planned_stage.activation_bytes)}"
+        )
+    return StageFit(strategy=strategy.name, planned_peak=already_used + stage_plan.peak_bytes - read_ahead,
+                    streamed_bytes=streamed, notes=tuple(notes))
+
+
+def _compile_blocks(pipe, folder: ModelFolder, options: RunOptions, stage: str, block_paths: dict[str, list[str]],
+                    dtype: torch.dtype | None, records: list) -> list[str]:
+    """Compile the resident blocks ``block_paths`` ({component: module paths}) as models of their own; the notes."""
+    notes = []
+    served = served_by_own_weights(folder.components, list(block_paths), options.backend)
+    for name, paths in block_paths.items():
+        module = getattr(pipe, name)
+        if not paths:
+            notes.append(
+                f"{stage}: {name}'s compiled model does not fit the budget whole, and no block of it fits "
+                f"compiled (a block model needs about {1 + COMPILED_BLOCK_OVERHEAD:.1f}x its weights, and "
+                f"{COMPILED_BLOCK_BUILD}x while it is built): {name} runs eagerly as planned")
+            continue
+        records += compile_blocks(module, name, paths, served[name], fallback=options.fallback,
+                                  fingerprint=folder.component_fingerprint(name), source=folder.path / name,
+                                  run_dtype=dtype)
+        total = sum(b.numel() for p in paths for b in module.get_submodule(p).parameters())
+        notes.append(
+            f"{stage}: {name}'s compiled model does not fit the budget whole: {len(paths)} of its blocks "
+            f"({total / 1e6:.0f}M parameters of {sum(p.numel() for p in module.parameters()) / 1e6:.0f}M) run "
+            f"compiled with {served[name].name}, each a model of its own, the rest eagerly as planned")
+    return notes
+
+
+def _compilable_blocks(module: torch.nn.Module, component: str, resident: tuple[str, ...], dtype) -> dict[str, list[str]]:
+    """{block key: module paths} for ``component``'s resident blocks that compile as models of their own:
+    every unit a whole submodule (not some tensors of one), none holding the anchor module.dtype reads."""
+    keys = set(resident)
+    paths = {id(sub): path for path, sub in module.named_modules()}
+    anchor = next(module.parameters(), None)
+    found = {}
+    for block in live_blocks(component, module, dtype):
+        if block.key not in keys or block.fixed_bytes:
+            continue
+        units = [hooked for hooked, tensors in block.units
+                 if paths.get(id(hooked)) and sum(1 for _ in hooked.parameters()) == sum(1 for t in tensors if t[3])
+                 and not any(p is anchor for p in hooked.parameters())]
+        if units and len(units) == len(block.units):
+            found[block.key] = [paths[id(hooked)] for hooked in units]
+    return found
+
+
+def place_whole(pipe, runtime: DeviceRuntime) -> None:
+    """Move every torch module of ``pipe`` whole onto ``runtime``'s device: a stage with no plan (no budget,
+    nothing to fit, or a device memfit cannot stream to) after loading on the host."""
+    if not runtime.separate_memory:
+        return  # on the CPU the host is the device
+    for module in pipe.components.values():
+        if isinstance(module, torch.nn.Module):
+            for tensor in [*module.parameters(), *module.buffers()]:
+                if not runtime.owns(tensor):
+                    tensor.data = runtime.to_device(tensor.data)
+    runtime.synchronize()
+
+
+def check_budget_floor(folder: ModelFolder, settings: Settings, dtype: str, budget: Budget | None,
+                       runtime: DeviceRuntime) -> None:
+    """Refuse, before any stage runs, a budget below the smallest that can work for the whole run.
+
+    Each stage's floor (its cheapest activation strategy with every block streamed) comes from the
+    configs alone (memfit.plan.stages, meta-device sizing); the process's own memory is added. One
+    message names the budget to give, instead of one stage's shortfall after another.
+    """
+    from memfit.plan.planner import minimum_device_bytes
+    from memfit.plan.stages import stage_options
+
+    if budget is None or budget.device is None:
+        return
+    try:
+        options = stage_options(folder.adapter, dtype=dtype, width=settings.width, height=settings.height,
+                                steps=settings.steps)
+    except MemfitError:
+        return  # a class the planner cannot size: each stage's own check still applies
+    floors = {opts[0][1].name: min(minimum_device_bytes(stage) for _, stage in opts) for opts in options}
+    worst = max(floors, key=floors.get)
+    already = runtime.memory_in_use()
+    if budget.device >= already + floors[worst]:
+        return  # it may still fall short at a later stage, which then says so itself
+    if not runtime.separate_memory:
+        # Counted in the budget this names, not in the refusal: only a budget that cannot work is refused.
+        # A GPU starts empty.
+        already += already // PROCESS_GROWTH_DIVISOR
+    needed = already + floors[worst]
+    raise MemfitError(
+        f"The budget of {format_bytes(budget.device)} is below the smallest that can work for this run, about "
+        f"{format_bytes(needed)} ({format_bytes(already)} for this process, Python, torch and the "
+        f"libraries, plus {format_bytes(floors[worst])} for the {worst} stage with every weight streamed): "
+        f"the smallest device budget that works is {needed} bytes; give --budget {round_up_mib(needed)}MiB or more."
+    )
+
+
+def _refuse_streaming(stage_plan, stage: str, runtime: DeviceRuntime) -> None:
+    """A device memfit cannot stream to (mps, xpu) runs a stage only when its plan keeps every weight resident."""
+    streamed = stage_plan.streamed_from_host_bytes + stage_plan.streamed_from_disk_bytes
+    if streamed:
+        raise StageDoesNotFit(
+            f"The {stage} stage would stream {format_bytes(streamed)} of weights to fit the budget, and memfit "
+            f"streams weights only on cuda and cpu devices, not {runtime.name}: give a larger --budget (or --budget "
+            "none to load every weight whole), or run with --device cpu."
+        )
+
+
+def _has_weights(pipe, names) -> bool:
+    return any(isinstance(getattr(pipe, name, None), torch.nn.Module) for name in names)
