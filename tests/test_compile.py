@@ -29,7 +29,7 @@ SETTINGS = dict(steps=2, guidance=3.0, seed=3, width=32, height=32)
 class _Broken(Backend):
     name = "test-broken"
 
-    def compile(self, fn, example_inputs, options=None, cache=None, weights_fingerprint=None):
+    def compile(self, request):
         raise RuntimeError("this backend cannot compile anything")
 
 

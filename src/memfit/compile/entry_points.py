@@ -46,7 +46,7 @@ from typing import Any, Callable, Mapping, Union
 import torch
 
 from memfit.cache import CacheMode
-from memfit.compile.backends import Backend, get_backend
+from memfit.compile.backends import Backend, CompileRequest, get_backend
 from memfit.compile.precision import with_precision
 from memfit.compile.weights import FileWeights
 from memfit.dtypes import DTYPES, dtype_name
@@ -494,16 +494,17 @@ class _Entry:
         try:
             if self.weights is None:
                 fingerprint = self._entry_fingerprint(leaves, tensor_positions, spec) if self.cache is not None else None
-                run = self.backend.compile(fn, tensors, self.options, cache=cache, weights_fingerprint=fingerprint)
+                run = self.backend.compile(CompileRequest(fn, tensors, self.options, cache, fingerprint))
             else:
                 # A cold build reads them, so they are brought in when it starts; a stored artifact does not.
                 with self.weights.held(until_needed=True) as bring_in:
                     if self.fingerprint is None:
                         bring_in()  # the key then hashes the weights as the module runs them
                     fingerprint = self._entry_fingerprint(leaves, tensor_positions, spec) if self.cache is not None else None
-                    run = self.backend.compile(fn, tensors, self.options, cache=cache,
-                                               weights_fingerprint=fingerprint, before_load=self.weights.drop,
-                                               on_build=lambda: (built.append(True), bring_in()))
+                    run = self.backend.compile(CompileRequest(
+                        fn, tensors, self.options, cache, fingerprint,
+                        on_build=lambda: (built.append(True), bring_in()), before_load=self.weights.drop,
+                    ))
         except Exception as exc:
             if isinstance(exc, MemfitError) and "MEMFIT_CACHE=require" in str(exc):
                 raise
