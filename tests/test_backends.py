@@ -26,7 +26,8 @@ from memfit.compile.backends import registry
 from memfit.cache import CacheStore
 from memfit.errors import MemfitError
 
-SRC_DIR = str(Path(backends.__file__).resolve().parents[2])
+# The folder holding this memfit package (src/), so that subprocesses import this copy, not an installed one.
+SRC_DIR = str(Path(backends.__file__).resolve().parents[3])
 
 
 def tiny_conv_model() -> nn.Module:

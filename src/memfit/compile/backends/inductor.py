@@ -87,9 +87,8 @@ class InductorBackend(Backend):
             run = returning_plain_tensors(compiled, settings=preserved_torch_settings)
             # Artifacts are keyed by input signature, so only tensor inputs (what memfit.compile.entry_points
             # passes) go through the store; anything else compiles as before.
-            if uses_store(request.cache, request.weights_fingerprint) and all(
-                isinstance(v, torch.Tensor) for v in example_inputs
-            ):
+            tensors_only = all(isinstance(v, torch.Tensor) for v in example_inputs)
+            if tensors_only and uses_store(request.cache, request.weights_fingerprint):
                 signature = tensor_signature(self.name, example_inputs)
                 key = _cache_key(request.weights_fingerprint, graph_id(fn), signature, opts)
                 _first_call_through_store(run, example_inputs, request.cache, key)
