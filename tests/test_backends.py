@@ -19,12 +19,15 @@ import torch
 from torch import nn
 
 import memfit.compile.backends as backends
-from memfit.compile.backends import Backend, get_backend, list_backends, plain_outputs, snapshot_torch_settings
+from memfit.compile.backends import (
+    Backend, CompileRequest, get_backend, list_backends, plain_outputs, snapshot_torch_settings,
+)
 from memfit.compile.backends import registry
 from memfit.cache import CacheStore
 from memfit.errors import MemfitError
 
-SRC_DIR = str(Path(backends.__file__).resolve().parents[2])
+# The folder holding this memfit package (src/), so that subprocesses import this copy, not an installed one.
+SRC_DIR = str(Path(backends.__file__).resolve().parents[3])
 
 
 def tiny_conv_model() -> nn.Module:
@@ -99,15 +102,15 @@ def test_missing_dependency_is_reported_with_the_install_command(monkeypatch):
         "openvino is not installed: pip install memfit[openvino]",
     )
     with pytest.raises(MemfitError, match=r"pip install memfit\[openvino\]"):
-        get_backend("openvino").compile(tiny_conv_model(), (torch.randn(1, 4, 8, 8),))
+        get_backend("openvino").compile(CompileRequest(tiny_conv_model(), (torch.randn(1, 4, 8, 8),)))
 
 
 def test_register_backend_at_run_time():
     class NullBackend(Backend):
         name = "null"
 
-        def compile(self, fn, example_inputs, options=None, cache=None, weights_fingerprint=None):
-            return fn
+        def compile(self, request):
+            return request.fn
 
     registry.register_backend("null", NullBackend)
     try:
@@ -119,6 +122,25 @@ def test_register_backend_at_run_time():
     finally:
         registry.unregister_backend("null")
     assert "null" not in list_backends()
+
+
+def test_a_backend_written_for_the_earlier_compile_signature_is_refused_when_chosen():
+    class EarlierStyle(Backend):
+        name = "earlier-style"
+
+        def compile(self, fn, example_inputs, options=None, cache=None, weights_fingerprint=None):
+            return fn
+
+    registry.register_backend("earlier-style", EarlierStyle)
+    try:
+        with pytest.raises(MemfitError, match=r"'earlier-style' .*EarlierStyle\) defines compile\(fn, example_inputs"
+                                              r".*one memfit.compile.backends.CompileRequest"):
+            get_backend("earlier-style")
+        assert backends.available_backends()["earlier-style"].ok is False
+        with pytest.raises(MemfitError, match="update that backend's compile method"):
+            get_backend(EarlierStyle())
+    finally:
+        registry.unregister_backend("earlier-style")
 
 
 def test_out_of_tree_backend_through_entry_points(monkeypatch):
@@ -179,7 +201,7 @@ def test_plain_outputs_refuses_tensors_without_data():
 def test_eager_is_exact_plain_and_leaves_settings_alone(model_and_inputs):
     model, inputs, expected = model_and_inputs
     before = snapshot_torch_settings()
-    run = get_backend("eager").compile(model, inputs)
+    run = get_backend("eager").compile(CompileRequest(model, inputs))
     with torch.no_grad():
         out = run(*inputs)
     assert_plain_and_close(out, expected, tolerance=0.0)
@@ -192,7 +214,7 @@ def inductor_run(model_and_inputs):
     if not get_backend("inductor").available().ok:
         pytest.skip(get_backend("inductor").available().reason)
     before = snapshot_torch_settings()
-    run = get_backend("inductor").compile(model, inputs)  # the slow part: compile once per module
+    run = get_backend("inductor").compile(CompileRequest(model, inputs))  # the slow part: compile once per module
     return run, before
 
 
@@ -221,12 +243,13 @@ _INDUCTOR_START = """
 import json
 import torch
 from torch._dynamo.utils import counters
-from memfit.compile.backends import get_backend
+from memfit.compile.backends import CompileRequest, get_backend
 from memfit.cache import open_store
 
 model = tiny_conv_model()
 x = torch.randn(1, 4, 8, 8, generator=torch.Generator().manual_seed(1))
-run = get_backend("inductor").compile(model, (x,), cache=open_store(), weights_fingerprint="tiny-conv-seed0")
+request = CompileRequest(model, (x,), cache=open_store(), weights_fingerprint="tiny-conv-seed0")
+run = get_backend("inductor").compile(request)
 with torch.no_grad():
     expected = model(x)
     outputs = [run(x) for _ in range(3)]
@@ -282,9 +305,9 @@ def test_inductor_under_cache_require_raises_instead_of_compiling(model_and_inpu
         pytest.skip(get_backend("inductor").available().reason)
     monkeypatch.setattr(torch, "compile", lambda *a, **k: lambda *args: pytest.fail("compiled under require"))
     with pytest.raises(MemfitError, match="MEMFIT_CACHE=require"):
-        get_backend("inductor").compile(
+        get_backend("inductor").compile(CompileRequest(
             model, inputs, cache=CacheStore(tmp_path, mode="require"), weights_fingerprint="tiny-conv-seed0"
-        )
+        ))
 
 
 def test_settings_guard_restores_a_changed_setting():
@@ -305,7 +328,7 @@ def test_openvino_matches_eager_every_run_and_contains_its_global_setting(model_
     model, inputs, expected = model_and_inputs
     before = snapshot_torch_settings()
     inline_before = torch._dynamo.config.inline_inbuilt_nn_modules
-    run = get_backend("openvino").compile(model, inputs)  # imports openvino.torch on first use
+    run = get_backend("openvino").compile(CompileRequest(model, inputs))  # imports openvino.torch on first use
     assert torch._dynamo.config.inline_inbuilt_nn_modules == inline_before
     with torch.no_grad():
         outputs = [run(*inputs) for _ in range(3)]  # failure 5 struck on the second generation
@@ -322,7 +345,7 @@ def test_openvino_refuses_its_own_caching(model_and_inputs, own_cache):
     skip_unless_available("openvino")
     model, inputs, _ = model_and_inputs
     with pytest.raises(MemfitError, match=f"{next(iter(own_cache))} is not supported"):
-        get_backend("openvino").compile(model, inputs, options={"config": own_cache})
+        get_backend("openvino").compile(CompileRequest(model, inputs, options={"config": own_cache}))
 
 
 # -- openvino, stored in memfit's cache -------------------------------------------------------------
@@ -343,7 +366,7 @@ def test_openvino_stores_its_compiled_model_and_loads_it_without_converting(
     model, inputs, expected = model_and_inputs
     store = CacheStore(tmp_path, mode="on")
     backend = get_backend("openvino")
-    run = backend.compile(model, inputs, cache=store, weights_fingerprint="tiny-conv-seed0")
+    run = backend.compile(CompileRequest(model, inputs, cache=store, weights_fingerprint="tiny-conv-seed0"))
     first = run(*inputs)
     assert_plain_and_close(first, expected, backend.float32_tolerance)
     [entry] = store.ls()
@@ -352,7 +375,7 @@ def test_openvino_stores_its_compiled_model_and_loads_it_without_converting(
     assert sorted(p.name for p in (entry.path / "data").iterdir()) == ["model.blob", "outputs.json"]
 
     monkeypatch.setattr(openvino_backend_module, "_convert", lambda *a, **k: pytest.fail("converted again"))
-    again = backend.compile(model, inputs, cache=store, weights_fingerprint="tiny-conv-seed0")
+    again = backend.compile(CompileRequest(model, inputs, cache=store, weights_fingerprint="tiny-conv-seed0"))
     # fp32 stays fp32 after an import too (the CPU plugin would pick bf16 without the hint).
     assert str(again.compiled_model.get_property("INFERENCE_PRECISION_HINT")) == "<Type: 'float32'>"
     assert torch.equal(again(*inputs), first)
@@ -368,7 +391,7 @@ def test_openvino_entry_with_a_flipped_byte_is_rebuilt_never_loaded(
     model, inputs, expected = model_and_inputs
     store = CacheStore(tmp_path, mode="on")
     backend = get_backend("openvino")
-    backend.compile(model, inputs, cache=store, weights_fingerprint="tiny-conv-seed0")
+    backend.compile(CompileRequest(model, inputs, cache=store, weights_fingerprint="tiny-conv-seed0"))
     [entry] = store.ls()
     blob = entry.path / "data" / openvino_backend_module.MODEL_FILE
     damaged = bytearray(blob.read_bytes())
@@ -383,7 +406,7 @@ def test_openvino_entry_with_a_flipped_byte_is_rebuilt_never_loaded(
 
     monkeypatch.setattr(openvino_backend_module, "_load_entry", load_checked)
     with pytest.warns(CacheCorruptionWarning, match="model.blob fails its sha256"):
-        run = backend.compile(model, inputs, cache=store, weights_fingerprint="tiny-conv-seed0")
+        run = backend.compile(CompileRequest(model, inputs, cache=store, weights_fingerprint="tiny-conv-seed0"))
     assert_plain_and_close(run(*inputs), expected, backend.float32_tolerance)
     assert blob.read_bytes() != bytes(damaged) and store.verify() == []
 
@@ -394,16 +417,17 @@ def test_openvino_under_cache_require_raises_instead_of_compiling(
     model, inputs, _ = model_and_inputs
     monkeypatch.setattr(openvino_backend_module, "_convert", lambda *a, **k: pytest.fail("converted under require"))
     with pytest.raises(MemfitError, match="MEMFIT_CACHE=require"):
-        get_backend("openvino").compile(
+        get_backend("openvino").compile(CompileRequest(
             model, inputs, cache=CacheStore(tmp_path, mode="require"), weights_fingerprint="tiny-conv-seed0"
-        )
+        ))
 
 
 def test_openvino_with_the_cache_off_compiles_in_memory_and_writes_nothing(model_and_inputs, tmp_path):
     skip_unless_available("openvino")
     model, inputs, expected = model_and_inputs
     backend = get_backend("openvino")
-    run = backend.compile(model, inputs, cache=CacheStore(tmp_path, mode="off"), weights_fingerprint="tiny-conv-seed0")
+    store = CacheStore(tmp_path, mode="off")
+    run = backend.compile(CompileRequest(model, inputs, cache=store, weights_fingerprint="tiny-conv-seed0"))
     assert_plain_and_close(run(*inputs), expected, backend.float32_tolerance)
     assert list(tmp_path.iterdir()) == []
     with pytest.raises(MemfitError, match="compile again"):
@@ -432,7 +456,7 @@ def test_openvino_returns_a_tensor_the_module_returns_twice_from_one_output(tmp_
     store = CacheStore(tmp_path, mode="on")
     backend = get_backend("openvino")
     for _ in range(2):  # compiled, then loaded from the store with its stored layout
-        run = backend.compile(model, (x,), cache=store, weights_fingerprint="twice-seed0")
+        run = backend.compile(CompileRequest(model, (x,), cache=store, weights_fingerprint="twice-seed0"))
         assert len(run.compiled_model.outputs) == 2
         out_hidden, (out_residual, out_again) = run(x)
         assert out_again is out_hidden
@@ -453,7 +477,7 @@ def test_onnxruntime_matches_eager_and_is_served_from_the_cache(model_and_inputs
     store = CacheStore(tmp_path, mode="on")
     before = snapshot_torch_settings()
     backend = get_backend("onnxruntime")
-    run = backend.compile(model, inputs, cache=store, weights_fingerprint="tiny-conv-seed0")
+    run = backend.compile(CompileRequest(model, inputs, cache=store, weights_fingerprint="tiny-conv-seed0"))
     with torch.no_grad():
         out = run(*inputs)
     assert_plain_and_close(out, expected, backend.float32_tolerance)
@@ -463,7 +487,7 @@ def test_onnxruntime_matches_eager_and_is_served_from_the_cache(model_and_inputs
 
     # Second start: loads the stored graph, never exports (a shared component is exported once).
     monkeypatch.setattr(ort_backend, "_export", lambda *a, **k: pytest.fail("exported again"))
-    again = backend.compile(model, inputs, cache=store, weights_fingerprint="tiny-conv-seed0")
+    again = backend.compile(CompileRequest(model, inputs, cache=store, weights_fingerprint="tiny-conv-seed0"))
     assert torch.equal(again(*inputs), out)
     assert store.verify() == []
 
@@ -472,6 +496,6 @@ def test_onnxruntime_matches_eager_and_is_served_from_the_cache(model_and_inputs
 def test_onnxruntime_says_shapes_are_static(model_and_inputs):
     skip_unless_available("onnxruntime")
     model, inputs, _ = model_and_inputs
-    run = get_backend("onnxruntime").compile(model, inputs)
+    run = get_backend("onnxruntime").compile(CompileRequest(model, inputs))
     with pytest.raises(MemfitError, match="compile again"):
         run(torch.randn(2, 4, 8, 8))

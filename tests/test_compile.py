@@ -29,7 +29,7 @@ SETTINGS = dict(steps=2, guidance=3.0, seed=3, width=32, height=32)
 class _Broken(Backend):
     name = "test-broken"
 
-    def compile(self, fn, example_inputs, options=None, cache=None, weights_fingerprint=None):
+    def compile(self, request):
         raise RuntimeError("this backend cannot compile anything")
 
 
@@ -113,6 +113,52 @@ def test_fallback_is_reported_and_gives_eager_bits(tiny_models, broken_backends)
     assert "unet.forward fell back from test-broken to eager" in notes
     assert "vae.decode fell back from test-missing to eager" in notes
     assert "fell back" in ours.report.table()
+
+
+def test_records_say_in_json_notes_and_text_what_they_said_before_statuses_were_an_enum():
+    """The strings memfit wrote for records before CompileStatus and weights_mapped existed, literally."""
+    from memfit.compile.entry_points import CompileRecord, CompileStatus, report_records
+    from memfit.run.report import RunReport, StageReport
+
+    mapped = "torch weights (1.0 KiB) memory-mapped from /m/unet, not in memory"
+    records = [
+        CompileRecord("unet", "forward", "openvino", "openvino", CompileStatus.COMPILED, "", 1.5, 1, True, mapped,
+                      weights_mapped=True),
+        CompileRecord("vae", "decode", "openvino", "eager", CompileStatus.FALLBACK, "RuntimeError: no"),
+        CompileRecord("vae", "encode", "openvino", "openvino"),
+        CompileRecord("text_encoder", "forward", "eager", "eager", CompileStatus.SHARED),
+        CompileRecord("unet/down.0", "forward", "openvino", "openvino", CompileStatus.COMPILED, "", 1.0, 1, True,
+                      mapped, weights_mapped=True),
+        CompileRecord("unet/up.0", "forward", "openvino", "openvino", CompileStatus.COMPILED, "", 2.0, 1, False,
+                      mapped, weights_mapped=True),
+    ]
+    report = RunReport("cpu", "float32", "m", [StageReport("denoise", ["unet"], 1.0, 1, 0, 1, "rss")])
+    report_records(report, records)
+    assert json.dumps(report.to_dict()["stages"][0]["compiled"][:4]) == (
+        '[{"component": "unet", "entry": "forward", "backend": "openvino", "backend_used": "openvino", '
+        '"status": "compiled", "reason": "", "compile_seconds": 1.5, "signatures": 1, "cold": true, '
+        '"weights": "torch weights (1.0 KiB) memory-mapped from /m/unet, not in memory"}, '
+        '{"component": "vae", "entry": "decode", "backend": "openvino", "backend_used": "eager", '
+        '"status": "fallback", "reason": "RuntimeError: no", "compile_seconds": 0.0, "signatures": 0, "cold": false, '
+        '"weights": ""}, '
+        '{"component": "vae", "entry": "encode", "backend": "openvino", "backend_used": "openvino", '
+        '"status": "pending", "reason": "", "compile_seconds": 0.0, "signatures": 0, "cold": false, "weights": ""}, '
+        '{"component": "text_encoder", "entry": "forward", "backend": "eager", "backend_used": "eager", '
+        '"status": "shared", "reason": "", "compile_seconds": 0.0, "signatures": 0, "cold": false, "weights": ""}]'
+    )
+    assert all(type(record["status"]) is str for record in report.to_dict()["stages"][0]["compiled"])
+    assert report.notes[0].startswith("denoise: unet.forward compiled with openvino in 1.50 s, built (no stored")
+    assert report.notes[0].endswith("; torch weights (1.0 KiB) memory-mapped from /m/unet, not in memory")
+    assert report.notes[1:] == [
+        "denoise: vae.decode fell back from openvino to eager: RuntimeError: no",
+        "denoise: 2 blocks of unet compiled with openvino in 3.00 s, 1 loaded from memfit's store, 1 built; "
+        "their torch weights memory-mapped, not in memory",
+    ]
+    assert [str(record) for record in records[:4]] == [
+        "unet.forward: openvino compiled in 1.50 s", "vae.decode: openvino failed, ran eager (RuntimeError: no)",
+        "vae.encode: openvino pending", "text_encoder.forward: eager shared",
+    ]
+    assert f"{CompileStatus.SHARED}" == str(CompileStatus.SHARED) == "shared"
 
 
 def test_uncompile_restores_exactly():

@@ -184,7 +184,7 @@ def test_openvino_component_runs_from_mapped_weights_and_uncompiles_whole(tiny_m
     pipe.set_progress_bar_config(disable=True)
     before = {name: p.detach().clone() for name, p in pipe.unet.named_parameters()}
     records = compile_components(pipe, {"unet": "openvino"})
-    assert "memory-mapped" in records[0].weights, records[0].weights
+    assert "memory-mapped" in records[0].weights and records[0].weights_mapped, records[0].weights
     assert all(p.dtype == torch.float32 for p in list(pipe.unet.parameters())[1:])
     pipe("a red circle", num_inference_steps=2, width=32, height=32, generator=torch.Generator().manual_seed(0))
     assert records[0].status == "compiled" and records[0].cold

@@ -36,6 +36,7 @@ pipelines maps to one cache entry.
 
 from __future__ import annotations
 
+import enum
 import hashlib
 import json
 import time
@@ -46,15 +47,16 @@ from typing import Any, Callable, Mapping, Union
 import torch
 
 from memfit.cache import CacheMode
-from memfit.compile.backends import Backend, get_backend
+from memfit.compile.backends import Backend, CompileRequest, get_backend
 from memfit.compile.precision import with_precision
 from memfit.compile.weights import FileWeights
 from memfit.dtypes import DTYPES, dtype_name
 from memfit.errors import MemfitError
 from memfit.sizes import format_bytes as _size
 
-__all__ = ["CompileRecord", "compile_blocks", "compile_components", "compiled_in_store", "compiled_weight_bytes",
-           "entry_points", "is_compiled", "release_buffers", "uncompile", "module_fingerprint", "served_by_own_weights"]
+__all__ = ["CompileRecord", "CompileStatus", "compile_blocks", "compile_components", "compiled_in_store",
+           "compiled_weight_bytes", "entry_points", "is_compiled", "release_buffers", "uncompile", "module_fingerprint",
+           "served_by_own_weights"]
 
 BackendSpec = Union[str, Backend, Mapping[str, Union[str, Backend]]]
 
@@ -80,34 +82,54 @@ def entry_points(name: str, module: torch.nn.Module) -> tuple[str, ...]:
     return ()
 
 
+class CompileStatus(str, enum.Enum):
+    """What became of an entry point; its value is what a record's JSON says."""
+
+    PENDING = "pending"  # compiles on its first call
+    COMPILED = "compiled"
+    FALLBACK = "fallback"  # ran with ``backend_used`` instead; the record's ``reason`` says why
+    SHARED = "shared"  # already compiled through another pipeline holding the same module object
+
+    # As enum.StrEnum (Python 3.11+) has them: str() and f-strings give the value, not "CompileStatus.COMPILED".
+    __str__ = str.__str__
+    __format__ = str.__format__
+
+
 @dataclass
 class CompileRecord:
-    """What happened to one entry point. ``status``: pending (compiles on first call), compiled,
-    fallback (ran with ``backend_used`` instead; ``reason`` says why), shared (already compiled
-    through another pipeline holding the same module object)."""
+    """What happened to one entry point (``status``: see CompileStatus)."""
 
     component: str
     entry: str
     backend: str
     backend_used: str
-    status: str = "pending"
+    status: CompileStatus = CompileStatus.PENDING
     reason: str = ""
     compile_seconds: float = 0.0
     signatures: int = 0
     cold: bool = False  # built the artifact here (no stored one): the expensive path
-    weights: str = ""  # where the torch weights are while the compiled model serves the component
+    weights: str = ""  # where the torch weights are while the compiled model serves the component, in words
+    # Whether those torch weights are memory-mapped from the component's files (not in memory). Not in to_dict(),
+    # whose JSON keeps the fields it always had; ``weights`` says the same in words there.
+    weights_mapped: bool = False
+
+    def __post_init__(self) -> None:
+        self.status = CompileStatus(self.status)
 
     def to_dict(self) -> dict:
-        return asdict(self)
+        data = asdict(self)
+        data["status"] = self.status.value
+        del data["weights_mapped"]
+        return data
 
     def __str__(self) -> str:
         text = f"{self.component}.{self.entry}: {self.backend}"
-        if self.status == "fallback":
+        if self.status is CompileStatus.FALLBACK:
             text += f" failed, ran {self.backend_used} ({self.reason})"
-        elif self.status == "compiled":
+        elif self.status is CompileStatus.COMPILED:
             text += f" compiled in {self.compile_seconds:.2f} s"
         else:
-            text += f" {self.status}"
+            text += f" {self.status.value}"
         return text
 
 
@@ -223,14 +245,14 @@ def _install(module, name, methods, be, fallback_backend, cache, fingerprint, op
                     f"{name}.{method} is already compiled with backend {existing.backend.name!r} (the module is "
                     f"shared with another pipeline); call memfit.compile.entry_points.uncompile on it before choosing {be.name!r}."
                 )
-            records.append(CompileRecord(name, method, be.name, existing.record.backend_used, "shared"))
+            records.append(CompileRecord(name, method, be.name, existing.record.backend_used, CompileStatus.SHARED))
             continue
         record = CompileRecord(name, method, be.name, be.name)
         if not ok:
             reason = f"backend {be.name!r} is not available: {why}"
             if fallback_backend is None:
                 raise MemfitError(f"Cannot compile {name}.{method}: {reason}. Pass fallback='eager' (--fallback eager) or choose another backend for {name}.")
-            record.status, record.backend_used, record.reason = "fallback", fallback_backend.name, reason
+            record.status, record.backend_used, record.reason = CompileStatus.FALLBACK, fallback_backend.name, reason
             be_used = fallback_backend
         else:
             be_used = be
@@ -243,13 +265,14 @@ def _install(module, name, methods, be, fallback_backend, cache, fingerprint, op
         vars(module).pop(ENTRIES_ATTR, None)
     if weights is not None and any(e.weights is weights for e in installed.values()):
         # From now on only a compile or an eager fallback reads them (under weights.held()).
-        if not weights.release():
+        mapped = weights.release()
+        if not mapped:
             where = f"torch weights kept in memory: {weights.kept_because}"
         else:
             where = f"torch weights ({_size(weights.released_bytes)}) memory-mapped from {weights.folder}, not in memory"
         for record in records:
-            if record.status != "shared":
-                record.weights = where
+            if record.status is not CompileStatus.SHARED:
+                record.weights, record.weights_mapped = where, mapped
     return records
 
 
@@ -401,7 +424,7 @@ class _Entry:
         self.previous = vars(module).get(method, _MISSING)
         self.original = getattr(module, method)  # bound method (or an earlier instance override)
         self.compiled: dict[Any, tuple[Callable, Any, list]] = {}
-        self.failed = record.status == "fallback"
+        self.failed = record.status is CompileStatus.FALLBACK
         self.weights = weights  # FileWeights: the torch weights mapped from disk while compiled code runs
 
     # install / uninstall -----------------------------------------------------------------------
@@ -494,16 +517,17 @@ class _Entry:
         try:
             if self.weights is None:
                 fingerprint = self._entry_fingerprint(leaves, tensor_positions, spec) if self.cache is not None else None
-                run = self.backend.compile(fn, tensors, self.options, cache=cache, weights_fingerprint=fingerprint)
+                run = self.backend.compile(CompileRequest(fn, tensors, self.options, cache, fingerprint))
             else:
                 # A cold build reads them, so they are brought in when it starts; a stored artifact does not.
                 with self.weights.held(until_needed=True) as bring_in:
                     if self.fingerprint is None:
                         bring_in()  # the key then hashes the weights as the module runs them
                     fingerprint = self._entry_fingerprint(leaves, tensor_positions, spec) if self.cache is not None else None
-                    run = self.backend.compile(fn, tensors, self.options, cache=cache,
-                                               weights_fingerprint=fingerprint, before_load=self.weights.drop,
-                                               on_build=lambda: (built.append(True), bring_in()))
+                    run = self.backend.compile(CompileRequest(
+                        fn, tensors, self.options, cache, fingerprint,
+                        on_build=lambda: (built.append(True), bring_in()), before_load=self.weights.drop,
+                    ))
         except Exception as exc:
             if isinstance(exc, MemfitError) and "MEMFIT_CACHE=require" in str(exc):
                 raise
@@ -512,8 +536,8 @@ class _Entry:
         self.record.compile_seconds += time.perf_counter() - started
         self.record.signatures += 1
         self.record.cold = self.record.cold or bool(built)
-        if self.record.status == "pending":
-            self.record.status = "compiled"
+        if self.record.status is CompileStatus.PENDING:
+            self.record.status = CompileStatus.COMPILED
         # Keep baked-in objects alive so their ids (in the signature) are never reused.
         return run, [leaf for i, leaf in enumerate(leaves) if i not in set(tensor_positions)]
 
@@ -531,8 +555,8 @@ class _Entry:
         self.compiled.clear()
         if self.weights is not None:
             self.weights.restore()  # every call now runs eagerly: the weights belong in memory
-            self.record.weights = "torch weights in memory (eager fallback)"
-        self.record.status = "fallback"
+            self.record.weights, self.record.weights_mapped = "torch weights in memory (eager fallback)", False
+        self.record.status = CompileStatus.FALLBACK
         self.record.backend_used = "eager"
         self.record.reason = reason
 
@@ -543,7 +567,8 @@ class _Entry:
         return self._eager(args, kwargs)
 
     def __repr__(self) -> str:
-        return f"<memfit compiled {self.component}.{self.method} backend={self.backend.name!r} status={self.record.status}>"
+        return (f"<memfit compiled {self.component}.{self.method} backend={self.backend.name!r} "
+                f"status={self.record.status.value}>")
 
 
 # --- used by the staged runner (memfit.run.generate) ------------------------------------------------
@@ -652,15 +677,15 @@ def report_records(report, records: list) -> None:
     stage.compiled = [record.to_dict() for record in records]
     blocks: dict[str, list[CompileRecord]] = {}  # a component's blocks (compile_blocks) get one note
     for record in records:
-        if "/" in record.component and record.status == "compiled" and record.backend != "eager":
+        if "/" in record.component and record.status is CompileStatus.COMPILED and record.backend != "eager":
             blocks.setdefault(record.component.split("/")[0], []).append(record)
             continue
-        if record.status == "fallback":
+        if record.status is CompileStatus.FALLBACK:
             report.notes.append(
                 f"{stage.stage}: {record.component}.{record.entry} fell back from {record.backend} to "
                 f"{record.backend_used}: {record.reason}"
             )
-        elif record.status == "compiled" and record.backend != "eager":
+        elif record.status is CompileStatus.COMPILED and record.backend != "eager":
             how = "loaded from memfit's store"
             if record.cold:
                 # A budget counts the build (memfit.run.runner): the note is for runs without one, whose user may
@@ -674,7 +699,7 @@ def report_records(report, records: list) -> None:
             )
     for component, done in blocks.items():
         built = sum(record.cold for record in done)
-        mapped = all("memory-mapped" in record.weights for record in done)
+        mapped = all(record.weights_mapped for record in done)
         report.notes.append(
             f"{stage.stage}: {len(done)} blocks of {component} compiled with {done[0].backend} in "
             f"{sum(record.compile_seconds for record in done):.2f} s, {len(done) - built} loaded from memfit's store, "

@@ -1,11 +1,11 @@
 """Execution backends: eager, inductor (torch.compile), openvino, onnxruntime, and out-of-tree ones.
 
-    from memfit.compile.backends import get_backend
-    run = get_backend("inductor").compile(module, example_inputs)
+    from memfit.compile.backends import CompileRequest, get_backend
+    run = get_backend("inductor").compile(CompileRequest(module, example_inputs))
     output = run(*inputs)   # plain torch.Tensor outputs, torch's global settings untouched
 """
 
-from memfit.compile.backends.base import Availability, Backend
+from memfit.compile.backends.base import Availability, Backend, CompileRequest
 from memfit.compile.backends.outputs import plain_outputs
 from memfit.compile.backends.registry import (
     ENTRY_POINT_GROUP,
@@ -21,6 +21,7 @@ __all__ = [
     "ENTRY_POINT_GROUP",
     "Availability",
     "Backend",
+    "CompileRequest",
     "available_backends",
     "get_backend",
     "list_backends",

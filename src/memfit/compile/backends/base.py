@@ -2,9 +2,9 @@
 
 A backend's contract, tested for every backend in tests/test_backends.py:
 
-* ``compile(fn, example_inputs, options=None, cache=None, weights_fingerprint=None)`` returns a
-  callable with the same positional signature whose outputs are PLAIN ``torch.Tensor`` objects
-  (never subclasses or fake tensors), equal to eager within the backend's
+* ``compile(request)``, given a ``CompileRequest`` (the function, its example inputs, and how to
+  compile it), returns a callable with the function's positional signature whose outputs are PLAIN
+  ``torch.Tensor`` objects (never subclasses or fake tensors), equal to eager within the backend's
   stated tolerance, on every call, not just the first.
 * Compiling or running never leaves torch's global settings changed (see ``torch_settings``).
 * ``available()`` says, without side effects, whether the backend can run here and, if not,
@@ -15,6 +15,7 @@ A backend's contract, tested for every backend in tests/test_backends.py:
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any, Callable, Mapping, NamedTuple, Sequence
 
 from memfit.errors import MemfitError
@@ -27,6 +28,46 @@ class Availability(NamedTuple):
     reason: str
 
 
+# eq=False: requests compare by identity; comparing them field by field would compare tensors.
+@dataclass(frozen=True, eq=False)
+class CompileRequest:
+    """What ``Backend.compile`` compiles, and how: ``backend.compile(CompileRequest(module, example_inputs))``.
+
+    fn:                  the module or function to compile.
+    example_inputs:      the positional inputs it is compiled for; compile() runs it on them once.
+    options:             the backend's options (``Backend.default_options`` names them); None: the defaults.
+    cache:               a memfit CacheStore to key, load and save the compiled artifact through; None: none.
+    weights_fingerprint: what identifies ``fn``'s weights in the store's key; without one nothing is stored.
+
+    For a backend that ``holds_own_weights`` (its compiled artifact carries its own copy of the weights,
+    so the torch module's go unused), two hooks let the caller keep those torch weights out of memory
+    (memfit.compile.weights); other backends never call them:
+
+    on_build:            called when no stored artifact was found and one is built (the expensive path,
+                         which reads the torch weights), before building starts.
+    before_load:         called once the artifact is built or found, before it is loaded, so the caller
+                         can let the torch weights go before the artifact's own copy comes in.
+    """
+
+    fn: Callable[..., Any]
+    example_inputs: Sequence[Any]
+    options: Mapping[str, Any] | None = None
+    cache: Any = None
+    weights_fingerprint: str | None = None
+    on_build: Callable[[], None] | None = None
+    before_load: Callable[[], None] | None = None
+
+    def notify_build(self) -> None:
+        """A backend that holds its own weights calls this when it starts building its artifact."""
+        if self.on_build is not None:
+            self.on_build()
+
+    def notify_load(self) -> None:
+        """A backend that holds its own weights calls this just before it loads its artifact."""
+        if self.before_load is not None:
+            self.before_load()
+
+
 class Backend:
     """Base class of every backend; subclasses set ``name`` and implement ``compile``."""
 
@@ -36,9 +77,8 @@ class Backend:
     # Every option a backend understands, with its default; unknown options are an error.
     default_options: Mapping[str, Any] = {}
     # True when the compiled artifact carries its own copy of the weights (the torch module's are then
-    # unused): compile() takes ``before_load`` (called once the artifact is built, before it is loaded,
-    # so the caller can let the torch weights go) and ``on_build`` (called when no stored artifact was
-    # found and one is built: the expensive path). memfit.compile.weights keeps them out of memory.
+    # unused): compile() calls the request's on_build and before_load hooks (see CompileRequest), through
+    # which memfit.compile.weights keeps the torch weights out of memory.
     holds_own_weights: bool = False
     # True when the backend computes in a precision of its own, set by ``configured(precision)``
     # (memfit.compile.precision); otherwise it computes in the weights' dtype.
@@ -54,14 +94,8 @@ class Backend:
 
         return torch.__version__
 
-    def compile(
-        self,
-        fn: Callable[..., Any],
-        example_inputs: Sequence[Any],
-        options: Mapping[str, Any] | None = None,
-        cache: Any = None,
-        weights_fingerprint: str | None = None,
-    ) -> Callable[..., Any]:
+    def compile(self, request: CompileRequest) -> Callable[..., Any]:
+        """``request.fn`` compiled for ``request.example_inputs``; see the module doc for the contract."""
         raise NotImplementedError
 
     def resolve_options(self, options: Mapping[str, Any] | None) -> dict[str, Any]:

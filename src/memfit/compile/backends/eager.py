@@ -2,23 +2,16 @@
 
 from __future__ import annotations
 
-from typing import Any, Callable, Mapping, Sequence
+from typing import Any, Callable
 
 from memfit.compile.backends._common import returning_plain_tensors
-from memfit.compile.backends.base import Backend
+from memfit.compile.backends.base import Backend, CompileRequest
 
 
 class EagerBackend(Backend):
     name = "eager"
     float32_tolerance = 0.0
 
-    def compile(
-        self,
-        fn: Callable[..., Any],
-        example_inputs: Sequence[Any],
-        options: Mapping[str, Any] | None = None,
-        cache: Any = None,
-        weights_fingerprint: str | None = None,
-    ) -> Callable[..., Any]:
-        self.resolve_options(options)
-        return returning_plain_tensors(fn)
+    def compile(self, request: CompileRequest) -> Callable[..., Any]:
+        self.resolve_options(request.options)
+        return returning_plain_tensors(request.fn)

@@ -39,7 +39,7 @@ from pathlib import Path
 from typing import Any, Callable, Mapping, Sequence
 
 from memfit.compile.backends._common import graph_id, returning_plain_tensors, tensor_signature, uses_store, warm_up
-from memfit.compile.backends.base import Availability, Backend
+from memfit.compile.backends.base import Availability, Backend, CompileRequest
 from memfit.compile.backends.torch_settings import preserved_torch_settings
 from memfit.errors import MemfitError
 
@@ -72,18 +72,12 @@ class InductorBackend(Backend):
             )
         return Availability(True, "inductor is available")
 
-    def compile(
-        self,
-        fn: Callable[..., Any],
-        example_inputs: Sequence[Any],
-        options: Mapping[str, Any] | None = None,
-        cache: Any = None,
-        weights_fingerprint: str | None = None,
-    ) -> Callable[..., Any]:
+    def compile(self, request: CompileRequest) -> Callable[..., Any]:
         import torch
 
-        opts = self.resolve_options(options)
+        opts = self.resolve_options(request.options)
         self.require_available()
+        fn, example_inputs = request.fn, request.example_inputs
         with preserved_torch_settings():
             # torch.compile refuses mode and options together; pass whichever was asked for.
             tuning = {"options": dict(opts["inductor_config"])} if opts["inductor_config"] else {"mode": opts["mode"]}
@@ -93,9 +87,11 @@ class InductorBackend(Backend):
             run = returning_plain_tensors(compiled, settings=preserved_torch_settings)
             # Artifacts are keyed by input signature, so only tensor inputs (what memfit.compile.entry_points
             # passes) go through the store; anything else compiles as before.
-            if uses_store(cache, weights_fingerprint) and all(isinstance(v, torch.Tensor) for v in example_inputs):
-                key = _cache_key(weights_fingerprint, graph_id(fn), tensor_signature(self.name, example_inputs), opts)
-                _first_call_through_store(run, example_inputs, cache, key)
+            tensors_only = all(isinstance(v, torch.Tensor) for v in example_inputs)
+            if tensors_only and uses_store(request.cache, request.weights_fingerprint):
+                signature = tensor_signature(self.name, example_inputs)
+                key = _cache_key(request.weights_fingerprint, graph_id(fn), signature, opts)
+                _first_call_through_store(run, example_inputs, request.cache, key)
             else:
                 warm_up(run, example_inputs)
         return run

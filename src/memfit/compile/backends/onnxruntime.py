@@ -21,7 +21,7 @@ from typing import Any, Callable, Mapping, Sequence
 import torch
 
 from memfit.compile.backends._common import graph_id, tensor_signature
-from memfit.compile.backends.base import Availability, Backend
+from memfit.compile.backends.base import Availability, Backend, CompileRequest
 from memfit.compile.backends.output_layout import LAYOUT_FILE, FlatOutputs, OutputLayout, name_of
 from memfit.compile.backends.outputs import plain_outputs
 from memfit.compile.backends.torch_settings import preserved_torch_settings
@@ -61,43 +61,32 @@ class ONNXRuntimeBackend(Backend):
         except metadata.PackageNotFoundError:
             return "absent"
 
-    def compile(
-        self,
-        fn: Callable[..., Any],
-        example_inputs: Sequence[Any],
-        options: Mapping[str, Any] | None = None,
-        cache: Any = None,
-        weights_fingerprint: str | None = None,
-        before_load: Callable[[], None] | None = None,
-        on_build: Callable[[], None] | None = None,
-    ) -> Callable[..., Any]:
-        opts = self.resolve_options(options)
+    def compile(self, request: CompileRequest) -> Callable[..., Any]:
+        opts = self.resolve_options(request.options)
         self.require_available()
-        signature = _input_signature(example_inputs)
+        signature = _input_signature(request.example_inputs)
 
         def build(out_dir: Path) -> dict[str, Any]:
-            if on_build is not None:
-                on_build()
-            return _export(fn, example_inputs, out_dir, opts["opset"])
+            request.notify_build()
+            return _export(request.fn, request.example_inputs, out_dir, opts["opset"])
 
         def load(model_dir: Path) -> Callable[..., Any]:
-            if before_load is not None:
-                before_load()  # the torch weights go before the session reads its own copy
+            request.notify_load()  # the torch weights go before the session reads its own copy
             return _load(model_dir, signature, opts)
 
-        if cache is not None and weights_fingerprint:
+        if request.cache is not None and request.weights_fingerprint:
             from memfit.cache import compile_key
 
             key = compile_key(
-                weights_fingerprint=weights_fingerprint,
-                graph=graph_id(fn),
+                weights_fingerprint=request.weights_fingerprint,
+                graph=graph_id(request.fn),
                 input_signature=signature,
                 backend=self.name,
                 # providers act at load, not in the file
                 backend_options={"opset": opts["opset"], "entry_format": _ENTRY_FORMAT},
                 backend_distributions=_REQUIRED_MODULES,
             )
-            return load(cache.get_or_build(key, build))
+            return load(request.cache.get_or_build(key, build))
         with tempfile.TemporaryDirectory(prefix="memfit-onnx-") as tmp:
             build(Path(tmp))
             # The session reads the whole model (external weights included) at creation, so the

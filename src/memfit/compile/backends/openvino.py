@@ -51,7 +51,7 @@ from typing import Any, Callable, Iterator, Mapping, Sequence
 import torch
 
 from memfit.compile.backends._common import check_signature, graph_id, run_dtype, tensor_signature, uses_store
-from memfit.compile.backends.base import Availability, Backend
+from memfit.compile.backends.base import Availability, Backend, CompileRequest
 from memfit.compile.backends.outputs import plain_outputs
 from memfit.compile.backends.output_layout import LAYOUT_FILE, FlatOutputs, OutputLayout, name_of
 from memfit.compile.backends.torch_settings import preserved_torch_settings
@@ -107,44 +107,32 @@ class OpenVINOBackend(Backend):
             return wanted
         return "fp32"
 
-    def compile(
-        self,
-        fn: Callable[..., Any],
-        example_inputs: Sequence[Any],
-        options: Mapping[str, Any] | None = None,
-        cache: Any = None,
-        weights_fingerprint: str | None = None,
-        before_load: Callable[[], None] | None = None,
-        on_build: Callable[[], None] | None = None,
-    ) -> Callable[..., Any]:
-        opts = self.resolve_options(options)
+    def compile(self, request: CompileRequest) -> Callable[..., Any]:
+        opts = self.resolve_options(request.options)
         self.require_available()
         _refuse_own_caching(opts["config"])
+        fn, example_inputs = request.fn, request.example_inputs
         signature = tensor_signature(self.name, example_inputs)
         device = opts["device"]
         hint = _PRECISION_HINTS[self.precision] if self.precision else _precision_hint(example_inputs)
         ov_config = {"INFERENCE_PRECISION_HINT": hint, **opts["config"]}
 
-        if not uses_store(cache, weights_fingerprint):
-            if on_build is not None:
-                on_build()
+        if not uses_store(request.cache, request.weights_fingerprint):
+            request.notify_build()
             model, layout = _convert(fn, example_inputs)
             compiled = _compile_model(model, device, ov_config)
             del model
-            if before_load is not None:
-                before_load()
+            request.notify_load()
             return _runner(compiled, layout, signature, release_memory=opts["release_memory"])
 
-        key = _cache_key(weights_fingerprint, graph_id(fn), signature, device, ov_config)
+        key = _cache_key(request.weights_fingerprint, graph_id(fn), signature, device, ov_config)
 
         def build(out_dir: Path) -> dict[str, Any]:
-            if on_build is not None:
-                on_build()
+            request.notify_build()
             return _build_entry(fn, example_inputs, device, ov_config, out_dir)
 
-        entry = cache.get_or_build(key, build)  # raises on a miss under MEMFIT_CACHE=require
-        if before_load is not None:
-            before_load()  # the torch weights go before the compiled model's own copy comes in
+        entry = request.cache.get_or_build(key, build)  # raises on a miss under MEMFIT_CACHE=require
+        request.notify_load()  # the torch weights go before the compiled model's own copy comes in
         compiled, layout, blob = _load_entry(entry, device, ov_config)
         return _runner(compiled, layout, signature, keep_alive=blob, release_memory=opts["release_memory"])
 

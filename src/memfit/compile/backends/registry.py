@@ -9,6 +9,7 @@ run time with ``register_backend``.
 from __future__ import annotations
 
 import importlib
+import inspect
 import warnings
 from importlib import metadata
 from typing import Callable, Union
@@ -67,6 +68,7 @@ def list_backends() -> list[str]:
 def get_backend(name: Union[str, Backend]) -> Backend:
     """A backend instance for ``name`` (a Backend instance is returned as it is)."""
     if isinstance(name, Backend):
+        _check_compile_signature(name.name, name)
         return name
     if not isinstance(name, str):
         raise MemfitError(f"A backend is a name or a memfit Backend instance; got {type(name).__name__}.")
@@ -84,6 +86,7 @@ def get_backend(name: Union[str, Backend]) -> Backend:
             f"Backend {name!r} was built by {factory!r} but is a {type(backend).__name__}, not a "
             "memfit.compile.backends.Backend; fix that package's memfit.compile.backends entry point."
         )
+    _check_compile_signature(name, backend)
     return backend
 
 
@@ -106,6 +109,25 @@ def _loaded_entry_point(entry_point: metadata.EntryPoint) -> Callable[[], Backen
             f"The out-of-tree backend {entry_point.name!r} ({entry_point.value}) failed to import: "
             f"{type(exc).__name__}: {exc}. Reinstall the package that provides it."
         ) from exc
+
+
+def _check_compile_signature(name: str, backend: Backend) -> None:
+    """Refuse, when it is chosen, a backend whose compile() cannot take one CompileRequest (one written for
+    the earlier compile(fn, example_inputs, options, cache, weights_fingerprint)), rather than let its first
+    compile fail in the middle of a generation."""
+    try:
+        signature = inspect.signature(backend.compile)
+    except (TypeError, ValueError):  # no signature to read (a builtin): its first call will tell
+        return
+    try:
+        signature.bind(None)
+    except TypeError:
+        cls = type(backend)
+        raise MemfitError(
+            f"Backend {name!r} ({cls.__module__}.{cls.__qualname__}) defines compile{signature}, but memfit "
+            "calls compile(request) with one memfit.compile.backends.CompileRequest (request.fn, "
+            "request.example_inputs, request.options, ...); update that backend's compile method."
+        ) from None
 
 
 def _build(name: str, factory: Factory) -> Backend:
