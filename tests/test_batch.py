@@ -144,7 +144,7 @@ def test_a_job_failing_twice_is_recorded_and_the_batch_goes_on(tiny_models, tmp_
 
     def flaky(prompt, **kwargs):
         if prompt == "boom":
-            tries.append(kwargs["session"] is not None)
+            tries.append(kwargs["pool"] is not None)
             raise MemfitError("the budget is too small for this job")
         return real(prompt, **kwargs)
 
