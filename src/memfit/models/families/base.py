@@ -326,7 +326,8 @@ class PipelineAdapter:
         Families that batch [uncond, cond] into one call (splits_guidance) run the two passes
         apart whenever the embeddings' lengths differ, since the batch cannot hold both; the others
         take unequal lengths their own way (fit_lengths).
-        inputs: the task pipeline's image arguments (Conditioning.pipeline_inputs), passed as they are.
+        inputs: further __call__ arguments, passed as they are: the task pipeline's images
+        (Conditioning.pipeline_inputs), the refiner's latents and start (StableDiffusionXLImg2ImgAdapter.refine).
 
         Families change what happens here through the hooks it calls (fit_lengths, pad_to_longest,
         split_passes, denoise_call, after_loop), never by overriding it: its arguments are the

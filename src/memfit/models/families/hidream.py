@@ -90,7 +90,8 @@ class HiDreamImageAdapter(PipelineAdapter):
             max_sequence_length=self.call_defaults()["max_sequence_length"],
         )
         return paired_embeddings(with_negative, prompt_embeds_t5=(t5, negative_t5),
-                                 prompt_embeds_llama3=(llama, negative_llama), pooled_prompt_embeds=(pooled, negative_pooled))
+                                 prompt_embeds_llama3=(llama, negative_llama),
+                                 pooled_prompt_embeds=(pooled, negative_pooled))
 
     def split_passes(self, pipe, lengths):
         return split_guidance_passes(pipe.transformer, lengths)

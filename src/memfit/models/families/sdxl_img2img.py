@@ -41,7 +41,8 @@ class StableDiffusionXLImg2ImgAdapter(StableDiffusionXLAdapter):
                denoising_start: float, generator, split: bool = False) -> torch.Tensor:
         """Continue the base's latents from `denoising_start`; returns the final latents.
 
-        split: run the two guidance passes one after the other (as PipelineAdapter.denoise, which runs it).
+        split: run the two guidance passes one after the other; this is PipelineAdapter.denoise on
+        the img2img pipeline, so its rules for split and unequal lengths are SD's.
         """
         if pipe.vae is None:
             # The denoise stage loads no VAE, but prepare_latents reads vae.config (latents mean and
