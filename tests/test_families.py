@@ -148,6 +148,7 @@ def test_flux_unequal_lengths(tiny_models, kind, monkeypatch):
     """Flux's passes are separate; the padding memfit adds for the pipeline's shape check never
     reaches the transformer: padding with noise instead of zeros gives the same image, and the
     trimming path with nothing to trim is the pipeline's own path."""
+    import memfit.models.families.base as families_base
     import memfit.models.families.flux as flux
 
     model = tiny_models(kind)
@@ -169,7 +170,7 @@ def test_flux_unequal_lengths(tiny_models, kind, monkeypatch):
         shape[dim] = length - tensor.shape[dim]
         return torch.cat([tensor, 100 * torch.randn(shape)], dim=dim) if shape[dim] > 0 else tensor
 
-    monkeypatch.setattr(flux, "pad_to_length", noisy_pad)
+    monkeypatch.setattr(families_base, "pad_to_length", noisy_pad)  # the padding PipelineAdapter.pad_to_longest does
     second = memfit.generate(model=model, embeddings=_embeddings(model, short), progress=False, **settings)
     assert max_pixel_difference(first.images, second.images) == 0
 
@@ -349,6 +350,7 @@ def test_hidream_unequal_lengths_split_passes(tiny_models, monkeypatch):
     import numpy as np
     import diffusers
 
+    import memfit.models.families.base as families_base
     import memfit.models.families.hidream as hidream
 
     model = tiny_models("hidream")
@@ -369,7 +371,7 @@ def test_hidream_unequal_lengths_split_passes(tiny_models, monkeypatch):
         return torch.cat([tensor, 100 * torch.randn(shape)], dim=dim) if shape[dim] > 0 else tensor
 
     with monkeypatch.context() as patch:
-        patch.setattr(hidream, "pad_to_length", noisy_pad)
+        patch.setattr(families_base, "pad_to_length", noisy_pad)  # the padding PipelineAdapter.pad_to_longest does
         second = memfit.generate(model=model, embeddings=_embeddings(model, short), progress=False, **settings)
     assert max_pixel_difference(first.images, second.images) == 0
 

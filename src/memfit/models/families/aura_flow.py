@@ -40,11 +40,12 @@ class AuraFlowAdapter(PipelineAdapter):
         )
         return masked_embeddings(positive, positive_mask, negative, negative_mask, with_negative)
 
-    def split_passes(self, pipe, negative_length, positive_length):
-        return split_transformer_passes(pipe.transformer, negative_length, positive_length)
+    def split_passes(self, pipe, lengths):
+        return split_transformer_passes(pipe.transformer, *lengths["prompt_embeds"])
 
-    def pad_for_split(self, embeddings, length):
-        padded = super().pad_for_split(embeddings, length)
+    def pad_to_longest(self, embeddings, lengths):
+        padded = super().pad_to_longest(embeddings, lengths)
+        length = max(lengths["prompt_embeds"])
         for prefix in ("", "negative_"):
             mask = embeddings.get(f"{prefix}prompt_attention_mask")
             if mask is not None:  # encode_prompt's mask is the embedding's, flattened: [B, L * D]

@@ -106,6 +106,9 @@ class PipelineAdapter:
     max_text_tokens: ClassVar[int] = 77
     guidance_batch: ClassVar[int] = 2
     splits_guidance: ClassVar[bool] = False
+    # Whether the pipeline already runs the conditional and unconditional passes as two denoiser
+    # calls (Flux's true CFG, Chroma, QwenImage): there is no batch to split, and denoise says so.
+    separate_guidance_passes: ClassVar[bool] = False
     # The module paths of a component that a stage runs, where it runs only part of it (as in
     # memfit.models.archs): the plan places only these; the rest stays memory-mapped on the disk tier.
     # The VAE's encoder half runs in the denoise stage of img2img and inpaint (the init image's latents).
@@ -321,45 +324,78 @@ class PipelineAdapter:
 
         split: run the two guidance passes one after the other (only where splits_guidance).
         Families that batch [uncond, cond] into one call (splits_guidance) run the two passes
-        apart whenever the embeddings' lengths differ, since the batch cannot hold both.
-        inputs: the task pipeline's image arguments (Conditioning.pipeline_inputs), passed as they are.
+        apart whenever the embeddings' lengths differ, since the batch cannot hold both; the others
+        take unequal lengths their own way (fit_lengths).
+        inputs: further __call__ arguments, passed as they are: the task pipeline's images
+        (Conditioning.pipeline_inputs), the refiner's latents and start (StableDiffusionXLImg2ImgAdapter.refine).
+
+        Families change what happens here through the hooks it calls (fit_lengths, pad_to_longest,
+        split_passes, denoise_call, after_loop), never by overriding it: its arguments are the
+        runner's, the same for every family.
         """
-        inputs = inputs or {}
         if split and not self.splits_guidance:
+            if self.separate_guidance_passes:
+                raise MemfitError(f"{self.class_name} already runs its guidance passes separately; "
+                                  "plan it without 'split'.")
             raise MemfitError(f"{self.class_name} cannot split its guidance passes; plan it without 'split'.")
-        guided = self.guided(settings)
-        positive = embeddings.get("prompt_embeds")
-        negative = embeddings.get("negative_prompt_embeds")
-        if (self.splits_guidance and guided and negative is not None
-                and (split or negative.shape[1] != positive.shape[1])):
+        lengths = self.guidance_lengths(embeddings, settings)
+        unequal = any(negative != positive for negative, positive in lengths.values())
+        context = contextlib.nullcontext()
+        if self.splits_guidance and lengths and (split or unequal):
             if getattr(pipe, "controlnet", None) is not None:
                 # The ControlNet sees the same batched embeddings; cutting them per pass is not done yet.
                 raise MemfitError(
                     "A ControlNet run cannot split its guidance passes yet (positive and negative prompt embeddings "
                     "of different lengths, or a budget too small for the batched pass); use prompts of one length "
                     "(memfit encode shows them) or a larger --budget.")
-            padded = self.pad_for_split(embeddings, max(positive.shape[1], negative.shape[1]))
-            with self.split_passes(pipe, negative.shape[1], positive.shape[1]):
-                return self.denoise_call(pipe, padded, settings, generator, **inputs)
-        return self.denoise_call(pipe, embeddings, settings, generator, **inputs)
+            embeddings, context = self.pad_to_longest(embeddings, lengths), self.split_passes(pipe, lengths)
+        elif unequal:
+            embeddings, context = self.fit_lengths(pipe, embeddings, lengths)
+        with context:
+            latents = self.denoise_call(pipe, embeddings, settings, generator, **(inputs or {}))
+        return self.after_loop(pipe, latents, settings)
+
+    def guidance_lengths(self, embeddings: dict[str, torch.Tensor], settings: Settings) -> dict[str, tuple[int, int]]:
+        """{name: (negative length, positive length)} of each text sequence (text_sequences) of a
+        guided run; empty without guidance or without negative embeddings."""
+        if not self.guided(settings) or any(f"negative_{name}" not in embeddings for name, _ in self.text_sequences):
+            return {}
+        return {name: (embeddings[f"negative_{name}"].shape[dim], embeddings[name].shape[dim])
+                for name, dim in self.text_sequences}
+
+    def fit_lengths(self, pipe, embeddings: dict[str, torch.Tensor], lengths: dict[str, tuple[int, int]]):
+        """(embeddings, context): how a family that does not split its guidance batch runs positive
+        and negative embeddings of unequal ``lengths`` (guidance_lengths): the embeddings to pass and
+        a context the pipeline call runs in. Here: as they are, for pipelines that take them natively."""
+        return embeddings, contextlib.nullcontext()
 
     def denoise_call(self, pipe, embeddings: dict[str, torch.Tensor], settings: Settings, generator,
                      **inputs) -> torch.Tensor:
-        """The pipeline's own __call__ up to the final latents."""
+        """The pipeline's own __call__ up to the final latents (a video pipeline's: its frames' latents)."""
         kwargs = self.embedding_kwargs(embeddings, self.guided(settings))
-        return pipe(**kwargs, **self.call_kwargs(settings), **inputs, generator=generator, output_type="latent").images
+        output = pipe(**kwargs, **self.call_kwargs(settings), **inputs, generator=generator, output_type="latent")
+        return output.frames if self.makes_video else output.images
 
-    def pad_for_split(self, embeddings: dict[str, torch.Tensor], length: int) -> dict[str, torch.Tensor]:
-        """The embeddings with both prompt embeddings padded to ``length``, so the pipeline's own
-        checks and torch.cat pass; split_passes cuts each pass back to its true length."""
+    def after_loop(self, pipe, latents: torch.Tensor, settings: Settings) -> torch.Tensor:
+        """The latents the denoise stage hands over, from the pipeline's output latents: where the
+        pipeline's post-loop code starts with a step that needs the denoise stage (the image size,
+        a packed layout), the family does that step here. Here: the latents as they are."""
+        return latents
+
+    def pad_to_longest(self, embeddings: dict[str, torch.Tensor],
+                       lengths: dict[str, tuple[int, int]]) -> dict[str, torch.Tensor]:
+        """The embeddings with each text sequence and its negative padded to the longer of the two
+        (``lengths``, guidance_lengths), so the pipeline's own checks and torch.cat pass; the family
+        cuts each back to its true length inside the denoiser call (split_passes, fit_lengths)."""
         padded = dict(embeddings)
-        for name in ("prompt_embeds", "negative_prompt_embeds"):
-            padded[name] = pad_to_length(embeddings[name], length)
+        for name, dim in self.text_sequences:
+            for prefix in ("", "negative_"):
+                padded[prefix + name] = pad_to_length(embeddings[prefix + name], max(lengths[name]), dim=dim)
         return padded
 
-    def split_passes(self, pipe, negative_length: int, positive_length: int):
+    def split_passes(self, pipe, lengths: dict[str, tuple[int, int]]):
         """A context in which the denoiser's batched [uncond, cond] call runs as two calls on the
-        unpadded embeddings (families with splits_guidance)."""
+        unpadded embeddings of ``lengths`` (guidance_lengths; families with splits_guidance)."""
         raise NotImplementedError
 
     def embedding_kwargs(self, embeddings: dict[str, torch.Tensor], guided: bool) -> dict[str, torch.Tensor]:
@@ -384,13 +420,19 @@ def embeddings_needed(embeddings: dict[str, torch.Tensor], negative: bool) -> li
     return [f"negative_{name}" for name in positives] if negative else positives
 
 
+def paired_embeddings(with_negative: bool, **pairs: tuple[torch.Tensor, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The embeddings dict from encode_prompt's outputs, ``name=(positive, negative)``: each positive
+    under its name, then, where with_negative, each negative under negative_<name>."""
+    embeddings = {name: positive for name, (positive, _) in pairs.items()}
+    if with_negative:
+        embeddings.update({f"negative_{name}": negative for name, (_, negative) in pairs.items()})
+    return embeddings
+
+
 def masked_embeddings(positive, positive_mask, negative, negative_mask, with_negative: bool) -> dict[str, torch.Tensor]:
     """The embeddings dict of a pipeline whose encode_prompt returns embeddings with attention masks."""
-    embeddings = {"prompt_embeds": positive, "prompt_attention_mask": positive_mask}
-    if with_negative:
-        embeddings["negative_prompt_embeds"] = negative
-        embeddings["negative_prompt_attention_mask"] = negative_mask
-    return embeddings
+    return paired_embeddings(with_negative, prompt_embeds=(positive, negative),
+                             prompt_attention_mask=(positive_mask, negative_mask))
 
 
 def pad_masked(embeddings: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:

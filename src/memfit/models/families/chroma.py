@@ -6,18 +6,17 @@ separate transformer calls per step, each with its own embedding, attention mask
 Unequal lengths: native. check_inputs compares no shapes and each pass builds its mask and text ids
 from its own embedding, so embeddings of different lengths go through unchanged.
 
-The denoise stage hands over latents unpacked into the VAE's layout [B, C, H/8, W/8] (the
-pipeline's _unpack_latents, which needs the image size); decode copies the rest of the
-pipeline's post-loop code.
+Latents are packed in 2x2 patches (memfit.models.families.packed_latents): the denoise stage
+hands them over unpacked into the VAE's layout; decode copies the rest of the pipeline's post-loop code.
 """
 
 from __future__ import annotations
 
-from memfit.errors import MemfitError
-from memfit.models.families.base import PipelineAdapter, masked_embeddings
+from memfit.models.families.base import masked_embeddings
+from memfit.models.families.packed_latents import PackedLatentsAdapter
 
 
-class ChromaAdapter(PipelineAdapter):
+class ChromaAdapter(PackedLatentsAdapter):
     class_name = "ChromaPipeline"
     encode_components = ("tokenizer", "text_encoder")
     denoise_components = ("transformer", "scheduler")
@@ -25,12 +24,7 @@ class ChromaAdapter(PipelineAdapter):
     unequal_lengths = "native: the pipeline runs the two guidance passes separately, each with its own mask"
     max_text_tokens = 512
     guidance_batch = 1  # the negative pass is a separate transformer call
-
-    def size_multiple(self) -> int:
-        return self.vae_scale_factor() * 2  # latents are packed in 2x2 patches
-
-    def default_size(self) -> int:
-        return 128 * self.vae_scale_factor()  # ChromaPipeline.default_sample_size
+    separate_guidance_passes = True
 
     def encode(self, pipe, settings, with_negative):
         positive, _, positive_mask, negative, _, negative_mask = pipe.encode_prompt(
@@ -41,13 +35,6 @@ class ChromaAdapter(PipelineAdapter):
             do_classifier_free_guidance=with_negative,
         )
         return masked_embeddings(positive, positive_mask, negative, negative_mask, with_negative)
-
-    def denoise(self, pipe, embeddings, settings, generator, split=False):
-        if split:
-            raise MemfitError(f"{self.class_name} already runs its guidance passes separately; plan it without 'split'.")
-        latents = self.denoise_call(pipe, embeddings, settings, generator)
-        # As ChromaPipeline.__call__ does first after its loop: unpack into the VAE's layout.
-        return pipe._unpack_latents(latents, settings.height, settings.width, pipe.vae_scale_factor)
 
     def decode(self, pipe, latents, settings, generator):
         # Copied from ChromaPipeline.__call__ after its denoising loop (_unpack_latents ran in denoise).

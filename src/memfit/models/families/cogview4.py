@@ -7,7 +7,7 @@ case reported from the field) need nothing from memfit: the embeddings go throug
 
 from __future__ import annotations
 
-from memfit.models.families.base import PipelineAdapter
+from memfit.models.families.base import PipelineAdapter, paired_embeddings
 
 
 class CogView4Adapter(PipelineAdapter):
@@ -18,6 +18,7 @@ class CogView4Adapter(PipelineAdapter):
     unequal_lengths = "native: the pipeline runs the two guidance passes separately"
     max_text_tokens = 1024
     guidance_batch = 1  # the pipeline runs the two guidance passes separately
+    separate_guidance_passes = True
 
     def size_multiple(self) -> int:
         return 16
@@ -33,10 +34,7 @@ class CogView4Adapter(PipelineAdapter):
             num_images_per_prompt=1,
             device=pipe._execution_device,
         )
-        embeddings = {"prompt_embeds": positive}
-        if with_negative:
-            embeddings["negative_prompt_embeds"] = negative
-        return embeddings
+        return paired_embeddings(with_negative, prompt_embeds=(positive, negative))
 
     def decode(self, pipe, latents, settings, generator):
         # Copied from CogView4Pipeline.__call__ after its denoising loop.

@@ -13,19 +13,16 @@ zeros to pass that check and, while the pipeline runs, cuts the padded tensor (a
 back to its true length inside the transformer call that receives it: each pass sees exactly its
 unpadded embedding, as the pipeline's own separate passes would.
 
-The denoise stage hands over latents unpacked into the VAE's layout [B, C, H/8, W/8] (the
-pipeline's _unpack_latents, which needs the image size); decode copies the rest of the
-pipeline's post-loop code.
+Latents are packed in 2x2 patches (memfit.models.families.packed_latents): the denoise stage
+hands them over unpacked into the VAE's layout; decode copies the rest of the pipeline's post-loop code.
 """
 
 from __future__ import annotations
 
-import contextlib
-
 import torch
 
-from memfit.errors import MemfitError
-from memfit.models.families.base import PipelineAdapter, pad_to_length, replaced_forward
+from memfit.models.families.base import replaced_forward
+from memfit.models.families.packed_latents import PackedLatentsAdapter
 
 
 def trim_padded_text(transformer: torch.nn.Module, padded: dict[int, int]):
@@ -44,7 +41,7 @@ def trim_padded_text(transformer: torch.nn.Module, padded: dict[int, int]):
     return replaced_forward(transformer, forward)
 
 
-class FluxAdapter(PipelineAdapter):
+class FluxAdapter(PackedLatentsAdapter):
     class_name = "FluxPipeline"
     encode_components = ("tokenizer", "tokenizer_2", "text_encoder", "text_encoder_2")
     denoise_components = ("transformer", "scheduler")
@@ -52,13 +49,8 @@ class FluxAdapter(PipelineAdapter):
     unequal_lengths = "separate passes: the shorter embedding is padded for the pipeline's shape check and cut back inside its own transformer call"
     max_text_tokens = 512
     guidance_batch = 1  # true CFG runs the negative pass as a separate transformer call
+    separate_guidance_passes = True
     options = ("true_cfg_scale",)
-
-    def size_multiple(self) -> int:
-        return self.vae_scale_factor() * 2  # latents are packed in 2x2 patches
-
-    def default_size(self) -> int:
-        return 128 * self.vae_scale_factor()  # FluxPipeline.default_sample_size
 
     def guided(self, settings) -> bool:
         # FluxPipeline: do_true_cfg = true_cfg_scale > 1 and has_neg_prompt.
@@ -80,23 +72,12 @@ class FluxAdapter(PipelineAdapter):
             embeddings["negative_pooled_prompt_embeds"] = negative_pooled
         return embeddings
 
-    def denoise(self, pipe, embeddings, settings, generator, split=False):
-        if split:
-            raise MemfitError(f"{self.class_name} already runs its guidance passes separately; plan it without 'split'.")
-        guided = self.guided(settings)
-        kwargs = self.embedding_kwargs(embeddings, guided)
-        padded: dict[int, int] = {}
-        if guided and kwargs["negative_prompt_embeds"].shape[1] != kwargs["prompt_embeds"].shape[1]:
-            length = max(kwargs["negative_prompt_embeds"].shape[1], kwargs["prompt_embeds"].shape[1])
-            for name in ("prompt_embeds", "negative_prompt_embeds"):
-                if kwargs[name].shape[1] < length:
-                    true_length = kwargs[name].shape[1]
-                    kwargs[name] = pad_to_length(kwargs[name], length)
-                    padded[id(kwargs[name])] = true_length
-        with trim_padded_text(pipe.transformer, padded) if padded else contextlib.nullcontext():
-            latents = pipe(**kwargs, **self.call_kwargs(settings), generator=generator, output_type="latent").images
-        # As FluxPipeline.__call__ does first after its loop: unpack into the VAE's layout.
-        return pipe._unpack_latents(latents, settings.height, settings.width, pipe.vae_scale_factor)
+    def fit_lengths(self, pipe, embeddings, lengths):
+        padded = self.pad_to_longest(embeddings, lengths)
+        longest = max(lengths["prompt_embeds"])
+        true_lengths = {id(padded[prefix + "prompt_embeds"]): length
+                        for prefix, length in zip(("negative_", ""), lengths["prompt_embeds"]) if length < longest}
+        return padded, trim_padded_text(pipe.transformer, true_lengths)
 
     def decode(self, pipe, latents, settings, generator):
         # Copied from FluxPipeline.__call__ after its denoising loop (_unpack_latents ran in denoise).

@@ -7,10 +7,11 @@ hidden states of every Llama layer), and their negative_ counterparts.
 Like SD, HiDream batches the unconditional and conditional passes into one transformer call
 (torch.cat of negative and positive embeddings), and its check_inputs refuses embeddings of
 different shapes. Its transformer takes no text mask, so padding cannot be masked: memfit runs the
-two passes separately, as StableDiffusionAdapter does for the UNet. `split_guidance_passes` pads
-the shorter T5 and Llama embeddings so the pipeline's check and torch.cat pass, and swaps in a
-transformer forward that cuts each half back to its true lengths and calls the transformer once per
-half. With equal lengths nothing is changed, so the pipeline's own batched path runs.
+two passes separately, as StableDiffusionAdapter does for the UNet: it pads the shorter T5 and
+Llama embeddings (text_sequences) so the pipeline's check and torch.cat pass, and
+`split_guidance_passes` swaps in a transformer forward that cuts each half back to its true lengths
+and calls the transformer once per half. With equal lengths nothing is changed, so the pipeline's
+own batched path runs.
 
 Size: HiDreamImagePipeline rescales every requested size to the area of its default size,
 (128 x VAE scale)^2 (1024 x 1024 for the released models), keeping the aspect ratio. memfit passes
@@ -22,7 +23,7 @@ from __future__ import annotations
 
 import torch
 
-from memfit.models.families.base import PipelineAdapter, pad_to_length, replaced_forward
+from memfit.models.families.base import PipelineAdapter, paired_embeddings, replaced_forward
 
 
 
@@ -88,27 +89,12 @@ class HiDreamImageAdapter(PipelineAdapter):
             negative_prompt=settings.negative_prompt,
             max_sequence_length=self.call_defaults()["max_sequence_length"],
         )
-        embeddings = {"prompt_embeds_t5": t5, "prompt_embeds_llama3": llama, "pooled_prompt_embeds": pooled}
-        if with_negative:
-            embeddings["negative_prompt_embeds_t5"] = negative_t5
-            embeddings["negative_prompt_embeds_llama3"] = negative_llama
-            embeddings["negative_pooled_prompt_embeds"] = negative_pooled
-        return embeddings
+        return paired_embeddings(with_negative, prompt_embeds_t5=(t5, negative_t5),
+                                 prompt_embeds_llama3=(llama, negative_llama),
+                                 pooled_prompt_embeds=(pooled, negative_pooled))
 
-    def denoise(self, pipe, embeddings, settings, generator, split=False):
-        guided = self.uses_guidance(settings.guidance)
-        if not guided or "negative_prompt_embeds_t5" not in embeddings:
-            return self.denoise_call(pipe, embeddings, settings, generator)
-        lengths = {name: (embeddings[f"negative_{name}"].shape[dim], embeddings[name].shape[dim]) for name, dim in self.text_sequences}
-        if all(negative == positive for negative, positive in lengths.values()) and not split:
-            return self.denoise_call(pipe, embeddings, settings, generator)
-        padded = dict(embeddings)
-        for name, dim in self.text_sequences:
-            length = max(lengths[name])
-            for prefix in ("", "negative_"):
-                padded[prefix + name] = pad_to_length(embeddings[prefix + name], length, dim=dim)
-        with split_guidance_passes(pipe.transformer, lengths):
-            return self.denoise_call(pipe, padded, settings, generator)
+    def split_passes(self, pipe, lengths):
+        return split_guidance_passes(pipe.transformer, lengths)
 
     def decode(self, pipe, latents, settings, generator):
         # Copied from HiDreamImagePipeline.__call__ after its denoising loop.

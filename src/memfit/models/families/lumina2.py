@@ -8,7 +8,10 @@ out of attention: the same thing Lumina2's own tokenizer padding (to 256 tokens)
 
 from __future__ import annotations
 
+import contextlib
+
 from memfit.models.families.base import PipelineAdapter, masked_embeddings, pad_masked
+
 
 class Lumina2Adapter(PipelineAdapter):
     class_name = "Lumina2Pipeline"
@@ -17,6 +20,7 @@ class Lumina2Adapter(PipelineAdapter):
     text_encoders = ("text_encoder", "tokenizer")
     unequal_lengths = "pad the shorter embedding with masked zeros (attention mask 0)"
     max_text_tokens = 256
+    separate_guidance_passes = True
 
     def vae_scale_factor(self) -> int:
         return 8  # Lumina2Pipeline hard-codes it, whatever the VAE.
@@ -34,10 +38,8 @@ class Lumina2Adapter(PipelineAdapter):
         )
         return masked_embeddings(positive, positive_mask, negative, negative_mask, with_negative)
 
-    def denoise(self, pipe, embeddings, settings, generator, split=False):
-        if self.guided(settings):
-            embeddings = pad_masked(embeddings)
-        return super().denoise(pipe, embeddings, settings, generator, split)
+    def fit_lengths(self, pipe, embeddings, lengths):
+        return pad_masked(embeddings), contextlib.nullcontext()
 
     def decode(self, pipe, latents, settings, generator):
         # Copied from Lumina2Pipeline.__call__ after its denoising loop.

@@ -14,6 +14,8 @@ SanaPipeline works the same way (memfit.models.families.sana).
 
 from __future__ import annotations
 
+import contextlib
+
 from memfit.models.families.base import PipelineAdapter, masked_embeddings, pad_masked
 
 
@@ -42,16 +44,12 @@ class PixArtSigmaAdapter(PipelineAdapter):
         )
         return masked_embeddings(positive, positive_mask, negative, negative_mask, with_negative)
 
-    def denoise(self, pipe, embeddings, settings, generator, split=False):
-        if self.guided(settings):
-            embeddings = pad_masked(embeddings)
-        return super().denoise(pipe, embeddings, settings, generator, split)
+    def fit_lengths(self, pipe, embeddings, lengths):
+        return pad_masked(embeddings), contextlib.nullcontext()
 
-    def denoise_call(self, pipe, embeddings, settings, generator):
-        kwargs = self.embedding_kwargs(embeddings, self.guided(settings))
+    def denoise_call(self, pipe, embeddings, settings, generator, **inputs):
         # negative_prompt=None: __call__ defaults it to "", which check_inputs refuses next to negative embeddings.
-        return pipe(**kwargs, **self.call_kwargs(settings), negative_prompt=None, generator=generator,
-                    output_type="latent").images
+        return super().denoise_call(pipe, embeddings, settings, generator, negative_prompt=None, **inputs)
 
     def decode(self, pipe, latents, settings, generator):
         # Copied from PixArtSigmaPipeline.__call__ (and SanaPipeline's) after the denoising loop

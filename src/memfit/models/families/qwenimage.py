@@ -12,9 +12,8 @@ The masks are left exactly as encode_prompt returns them: None where every token
 the transformer attends without a mask), so a prompt's embedding tensors may come with or without
 a `*_mask` entry.
 
-The denoise stage hands over latents unpacked into the VAE's layout [B, C, 1, H/8, W/8] (the
-pipeline's _unpack_latents, which needs the image size); decode copies the rest of the
-pipeline's post-loop code.
+Latents are packed in 2x2 patches (memfit.models.families.packed_latents): the denoise stage
+hands them over unpacked into the VAE's layout; decode copies the rest of the pipeline's post-loop code.
 """
 
 from __future__ import annotations
@@ -22,10 +21,10 @@ from __future__ import annotations
 import torch
 
 from memfit.errors import MemfitError
-from memfit.models.families.base import PipelineAdapter
+from memfit.models.families.packed_latents import PackedLatentsAdapter
 
 
-class QwenImageAdapter(PipelineAdapter):
+class QwenImageAdapter(PackedLatentsAdapter):
     class_name = "QwenImagePipeline"
     encode_components = ("tokenizer", "text_encoder")
     denoise_components = ("transformer", "scheduler")
@@ -33,6 +32,7 @@ class QwenImageAdapter(PipelineAdapter):
     unequal_lengths = "native: the pipeline runs the two guidance passes separately, each with its own mask"
     max_text_tokens = 1024
     guidance_batch = 1  # the negative pass is a separate transformer call
+    separate_guidance_passes = True
 
     def __init__(self, configs, classes=None):
         super().__init__(configs, classes)
@@ -49,12 +49,6 @@ class QwenImageAdapter(PipelineAdapter):
 
     def vae_scale_factor(self) -> int:
         return 2 ** len(self.configs["vae"]["temperal_downsample"])
-
-    def size_multiple(self) -> int:
-        return self.vae_scale_factor() * 2  # latents are packed in 2x2 patches
-
-    def default_size(self) -> int:
-        return 128 * self.vae_scale_factor()  # QwenImagePipeline.default_sample_size
 
     def guided(self, settings) -> bool:
         # QwenImagePipeline: do_true_cfg = true_cfg_scale > 1 and has_neg_prompt.
@@ -85,13 +79,6 @@ class QwenImageAdapter(PipelineAdapter):
                 "memfit encode, or pass --guidance 1 to generate without guidance."
             )
         return dict(embeddings)
-
-    def denoise(self, pipe, embeddings, settings, generator, split=False):
-        if split:
-            raise MemfitError(f"{self.class_name} already runs its guidance passes separately; plan it without 'split'.")
-        latents = self.denoise_call(pipe, embeddings, settings, generator)
-        # As QwenImagePipeline.__call__ does first after its loop: unpack into the VAE's layout.
-        return pipe._unpack_latents(latents, settings.height, settings.width, pipe.vae_scale_factor)
 
     def decode(self, pipe, latents, settings, generator):
         # Copied from QwenImagePipeline.__call__ after its denoising loop (_unpack_latents ran in denoise).

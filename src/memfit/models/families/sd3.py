@@ -13,7 +13,7 @@ path runs. The SD3 transformer takes no text attention mask, so padding could no
 
 from __future__ import annotations
 
-from memfit.models.families.base import PipelineAdapter, split_transformer_passes
+from memfit.models.families.base import PipelineAdapter, paired_embeddings, split_transformer_passes
 
 
 class StableDiffusion3Adapter(PipelineAdapter):
@@ -38,14 +38,11 @@ class StableDiffusion3Adapter(PipelineAdapter):
             do_classifier_free_guidance=with_negative,
             negative_prompt=settings.negative_prompt,
         )
-        embeddings = {"prompt_embeds": positive, "pooled_prompt_embeds": pooled}
-        if with_negative:
-            embeddings["negative_prompt_embeds"] = negative
-            embeddings["negative_pooled_prompt_embeds"] = negative_pooled
-        return embeddings
+        return paired_embeddings(with_negative, prompt_embeds=(positive, negative),
+                                 pooled_prompt_embeds=(pooled, negative_pooled))
 
-    def split_passes(self, pipe, negative_length, positive_length):
-        return split_transformer_passes(pipe.transformer, negative_length, positive_length)
+    def split_passes(self, pipe, lengths):
+        return split_transformer_passes(pipe.transformer, *lengths["prompt_embeds"])
 
     def decode(self, pipe, latents, settings, generator):
         # Copied from StableDiffusion3Pipeline.__call__ after its denoising loop.

@@ -14,8 +14,7 @@ from __future__ import annotations
 import torch
 
 from memfit.errors import MemfitError
-from memfit.models.families.base import pad_to_length
-from memfit.models.families.stable_diffusion import StableDiffusionXLAdapter, split_guidance_passes
+from memfit.models.families.stable_diffusion import StableDiffusionXLAdapter
 
 
 class _ConfigOnly:
@@ -42,40 +41,22 @@ class StableDiffusionXLImg2ImgAdapter(StableDiffusionXLAdapter):
                denoising_start: float, generator, split: bool = False) -> torch.Tensor:
         """Continue the base's latents from `denoising_start`; returns the final latents.
 
-        split: run the two guidance passes one after the other (as StableDiffusionAdapter.denoise).
+        split: run the two guidance passes one after the other; this is PipelineAdapter.denoise on
+        the img2img pipeline, so its rules for split and unequal lengths are SD's.
         """
-        guided = self.uses_guidance(settings.guidance)
-        positive = embeddings["prompt_embeds"]
-        negative = embeddings.get("negative_prompt_embeds")
-        split = guided and negative is not None and (split or negative.shape[1] != positive.shape[1])
-        if split:  # as StableDiffusionAdapter.denoise: pad for the pipeline's torch.cat, run two passes
-            length = max(positive.shape[1], negative.shape[1])
-            embeddings = dict(embeddings)
-            embeddings["prompt_embeds"] = pad_to_length(positive, length)
-            embeddings["negative_prompt_embeds"] = pad_to_length(negative, length)
-
         if pipe.vae is None:
             # The denoise stage loads no VAE, but prepare_latents reads vae.config (latents mean and
             # std) even for latent input; the config from the folder is all it needs.
             from diffusers.configuration_utils import FrozenDict
 
             pipe.vae = _ConfigOnly(FrozenDict(self.configs["vae"]))
+        # The base's latents are the img2img pipeline's image: no noise added, no VAE encode.
+        return self.denoise(pipe, embeddings, settings, generator, split=split,
+                            inputs=dict(image=latents, denoising_start=denoising_start))
 
-        def call():
-            return pipe(
-                **self.embedding_kwargs(embeddings, guided),
-                image=latents,
-                num_inference_steps=settings.steps,
-                denoising_start=denoising_start,
-                guidance_scale=settings.guidance,
-                generator=generator,
-                output_type="latent",
-            ).images
-
-        if not split:
-            return call()
-        with split_guidance_passes(pipe.unet, negative.shape[1], positive.shape[1]):
-            return call()
+    def call_kwargs(self, settings):
+        # The pipeline draws at the size of its image (the base's latents): it takes no width or height.
+        return dict(num_inference_steps=settings.steps, guidance_scale=settings.guidance)
 
     # decode: StableDiffusionXLImg2ImgPipeline.__call__'s post-loop code is the same as
     # StableDiffusionXLPipeline's (upcast, latents mean/std, vae.decode, watermark, postprocess).

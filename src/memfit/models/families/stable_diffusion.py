@@ -2,16 +2,17 @@
 
 Both batch the unconditional and conditional passes into one UNet call (torch.cat of negative and
 positive embeddings), which cannot take embeddings of different lengths. memfit then runs the two
-passes separately: `split_guidance_passes` pads the shorter embedding so the pipeline's torch.cat
-works, and swaps in a UNet forward that cuts each half back to its true length and calls the UNet
-once per half. With equal lengths nothing is changed, so the pipeline's own batched path runs.
+passes separately (PipelineAdapter.denoise): it pads the shorter embedding so the pipeline's
+torch.cat works, and `split_guidance_passes` swaps in a UNet forward that cuts each half back to
+its true length and calls the UNet once per half. With equal lengths nothing is changed, so the
+pipeline's own batched path runs.
 """
 
 from __future__ import annotations
 
 import torch
 
-from memfit.models.families.base import PipelineAdapter, Settings, replaced_forward
+from memfit.models.families.base import PipelineAdapter, Settings, paired_embeddings, replaced_forward
 
 
 def split_guidance_passes(unet: torch.nn.Module, negative_length: int, positive_length: int):
@@ -68,13 +69,10 @@ class StableDiffusionAdapter(PipelineAdapter):
             with_negative,
             settings.negative_prompt,
         )
-        embeddings = {"prompt_embeds": positive}
-        if with_negative:
-            embeddings["negative_prompt_embeds"] = negative
-        return embeddings
+        return paired_embeddings(with_negative, prompt_embeds=(positive, negative))
 
-    def split_passes(self, pipe, negative_length, positive_length):
-        return split_guidance_passes(pipe.unet, negative_length, positive_length)
+    def split_passes(self, pipe, lengths):
+        return split_guidance_passes(pipe.unet, *lengths["prompt_embeds"])
 
     def decode(self, pipe, latents, settings, generator):
         # Copied from StableDiffusionPipeline.__call__ after its denoising loop (no safety checker:
@@ -104,11 +102,8 @@ class StableDiffusionXLAdapter(StableDiffusionAdapter):
             do_classifier_free_guidance=with_negative,
             negative_prompt=settings.negative_prompt,
         )
-        embeddings = {"prompt_embeds": positive, "pooled_prompt_embeds": pooled}
-        if with_negative:
-            embeddings["negative_prompt_embeds"] = negative
-            embeddings["negative_pooled_prompt_embeds"] = negative_pooled
-        return embeddings
+        return paired_embeddings(with_negative, prompt_embeds=(positive, negative),
+                                 pooled_prompt_embeds=(pooled, negative_pooled))
 
     def decode(self, pipe, latents, settings, generator):
         # Copied from StableDiffusionXLPipeline.__call__ after its denoising loop.

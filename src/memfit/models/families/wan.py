@@ -16,7 +16,7 @@ from __future__ import annotations
 import torch
 
 from memfit.errors import MemfitError
-from memfit.models.families.base import PipelineAdapter
+from memfit.models.families.base import PipelineAdapter, paired_embeddings
 
 
 class WanAdapter(PipelineAdapter):
@@ -27,6 +27,7 @@ class WanAdapter(PipelineAdapter):
     unequal_lengths = "native: the pipeline runs the two guidance passes separately"
     max_text_tokens = 512
     guidance_batch = 1  # the negative pass is a separate transformer call
+    separate_guidance_passes = True
     options = ("num_frames",)
 
     def vae_scale_factor(self) -> int:
@@ -71,19 +72,13 @@ class WanAdapter(PipelineAdapter):
             max_sequence_length=512,  # __call__'s default
             device=pipe._execution_device,
         )
-        embeddings = {"prompt_embeds": positive}
-        if with_negative:
-            embeddings["negative_prompt_embeds"] = negative
-        return embeddings
+        return paired_embeddings(with_negative, prompt_embeds=(positive, negative))
 
-    def denoise(self, pipe, embeddings, settings, generator, split=False):
-        if split:
-            raise MemfitError(f"{self.class_name} already runs its guidance passes separately; plan it without 'split'.")
+    def denoise_call(self, pipe, embeddings, settings, generator, **inputs):
         if pipe.vae is None:  # what WanPipeline.__init__ reads from the VAE it does not have in this stage
             pipe.vae_scale_factor_spatial = self.vae_scale_factor()
             pipe.vae_scale_factor_temporal = self.temporal_scale_factor()
-        kwargs = self.embedding_kwargs(embeddings, self.uses_guidance(settings.guidance))
-        return pipe(**kwargs, **self.call_kwargs(settings), generator=generator, output_type="latent").frames
+        return super().denoise_call(pipe, embeddings, settings, generator, **inputs)
 
     def decode(self, pipe, latents, settings, generator):
         # Copied from WanPipeline.__call__ after its denoising loop (output_type="pil"); the frames of the video.
