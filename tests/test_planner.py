@@ -204,4 +204,4 @@ def test_planner_module_imports_nothing_that_touches_devices_or_files():
             imported |= {alias.name for alias in node.names}
         elif isinstance(node, ast.ImportFrom):
             imported.add(node.module)
-    assert imported <= {"__future__", "dataclasses", "math", "typing", "memfit.plan.budget", "memfit.errors", "memfit.sizes"}
+    assert imported <= {"__future__", "dataclasses", "enum", "math", "typing", "memfit.plan.budget", "memfit.errors", "memfit.sizes"}

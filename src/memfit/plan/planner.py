@@ -21,6 +21,7 @@ Device peak of a stage = resident bytes + streaming window + activations.
 from __future__ import annotations
 
 import dataclasses
+import enum
 import math
 from typing import Iterable, Sequence
 
@@ -28,10 +29,22 @@ from memfit.plan.budget import Budget, BudgetLike
 from memfit.sizes import format_bytes
 from memfit.errors import MemfitError
 
-__all__ = ["BlockSpec", "Plan", "Placement", "StageInput", "StagePlan", "make_plan", "minimum_device_bytes",
+__all__ = ["BlockSpec", "Plan", "Placement", "StageInput", "StagePlan", "Tier", "make_plan", "minimum_device_bytes",
            "stage_input"]
 
-DEVICE, HOST, DISK = "device", "host", "disk"
+
+class Tier(str, enum.Enum):
+    """Where a block's weights are: resident on the device, or streamed from host RAM or from disk.
+
+    A str, and str() and JSON give the value ("device"), so plans read and print as plain text.
+    """
+
+    DEVICE = "device"
+    HOST = "host"
+    DISK = "disk"
+
+    def __str__(self) -> str:
+        return self.value
 
 
 @dataclasses.dataclass(frozen=True)
@@ -79,12 +92,12 @@ def stage_input(name: str, components: Iterable, activation_bytes: int, runs: in
 
 @dataclasses.dataclass(frozen=True)
 class Placement:
-    """Where one block executes from in one stage: "device" (resident), "host" or "disk" (streamed)."""
+    """Where one block executes from in one stage: Tier.DEVICE (resident), Tier.HOST or Tier.DISK (streamed)."""
 
     component: str
     block: str
     bytes: int
-    where: str
+    where: Tier
 
 
 @dataclasses.dataclass(frozen=True)
@@ -98,25 +111,25 @@ class StagePlan:
     stream_window_bytes: int
     peak_bytes: int
 
-    def blocks_at(self, where: str) -> tuple[str, ...]:
+    def blocks_at(self, where: Tier) -> tuple[str, ...]:
         return tuple(f"{p.component}/{p.block}" for p in self.placements if p.where == where)
 
     @property
     def resident(self) -> tuple[str, ...]:
-        return self.blocks_at(DEVICE)
+        return self.blocks_at(Tier.DEVICE)
 
     @property
     def from_host(self) -> tuple[str, ...]:
-        return self.blocks_at(HOST)
+        return self.blocks_at(Tier.HOST)
 
     @property
     def from_disk(self) -> tuple[str, ...]:
-        return self.blocks_at(DISK)
+        return self.blocks_at(Tier.DISK)
 
     @property
     def largest_streamed_bytes(self) -> int:
         """The biggest block streamed in this stage (0 if none): what one running block adds."""
-        return max((p.bytes for p in self.placements if p.where != DEVICE), default=0)
+        return max((p.bytes for p in self.placements if p.where != Tier.DEVICE), default=0)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -124,9 +137,9 @@ class Plan:
     budget: Budget
     prefetch: int
     stages: tuple[StagePlan, ...]
-    # (block key, "host" or "disk") for every block, in first-use order: where a block is read
+    # (block key, Tier.HOST or Tier.DISK) for every block, in first-use order: where a block is read
     # from when it streams or when its stage starts, and where it goes back when not in use.
-    homes: tuple[tuple[str, str], ...]
+    homes: tuple[tuple[str, Tier], ...]
     host_peak_bytes: int  # most host RAM the parked weights need at any stage
 
     @property
@@ -139,7 +152,7 @@ class Plan:
                 return stage
         raise MemfitError(f"The plan has no stage {name!r}; it has {[s.name for s in self.stages]}.")
 
-    def home_of(self, key: str) -> str:
+    def home_of(self, key: str) -> Tier:
         for block, home in self.homes:
             if block == key:
                 return home
@@ -188,7 +201,7 @@ def make_plan(stages: Sequence[StageInput], budget: BudgetLike, *, prefetch: int
     stage_plans = tuple(
         stage_plan(stage, resident, homes, prefetch) for stage, resident in zip(stages, resident_per_stage)
     )
-    host_keys = [key for key, home in homes.items() if home == HOST]
+    host_keys = [key for key, home in homes.items() if home == Tier.HOST]
     return Plan(
         budget=budget,
         prefetch=prefetch,
@@ -287,7 +300,7 @@ def host_need(host_keys: Iterable[str], sizes: dict[str, int], resident_per_stag
     return max((sum(sizes[k] for k in keys if k not in resident) for resident in resident_per_stage), default=0)
 
 
-def _choose_homes(stages, resident_per_stage, budget: Budget) -> dict[str, str]:
+def _choose_homes(stages, resident_per_stage, budget: Budget) -> dict[str, Tier]:
     sizes = _block_sizes(stages)
     reads = dict.fromkeys(sizes, 0)
     for stage, resident in zip(stages, resident_per_stage):
@@ -296,16 +309,16 @@ def _choose_homes(stages, resident_per_stage, budget: Budget) -> dict[str, str]:
     first_use = {key: index for index, key in enumerate(sizes)}
     capacity = math.inf if budget.host is None else budget.host
 
-    homes: dict[str, str] = {}
+    homes: dict[str, Tier] = {}
     on_host: list[str] = []
     for key in sorted(sizes, key=lambda k: (-reads[k], first_use[k])):
         if host_need(on_host + [key], sizes, resident_per_stage) <= capacity:
             on_host.append(key)
-            homes[key] = HOST
+            homes[key] = Tier.HOST
         else:
-            homes[key] = DISK
+            homes[key] = Tier.DISK
 
-    spilled = [k for k, home in homes.items() if home == DISK]
+    spilled = [k for k, home in homes.items() if home == Tier.DISK]
     if spilled and budget.disk is None:
         needed = host_need(sizes, sizes, resident_per_stage)
         raise MemfitError(
@@ -317,24 +330,25 @@ def _choose_homes(stages, resident_per_stage, budget: Budget) -> dict[str, str]:
     return {key: homes[key] for key in sizes}  # first-use order, for stable output
 
 
-def stage_plan(stage: StageInput, resident: frozenset[str], homes: dict[str, str], prefetch: int) -> StagePlan:
+def stage_plan(stage: StageInput, resident: frozenset[str], homes: dict[str, Tier], prefetch: int) -> StagePlan:
     placements = tuple(
-        Placement(b.component, b.name, b.bytes, DEVICE if b.key in resident else homes[b.key]) for b in stage.blocks
+        Placement(b.component, b.name, b.bytes, Tier.DEVICE if b.key in resident else homes[b.key])
+        for b in stage.blocks
     )
-    by_where = {DEVICE: 0, HOST: 0, DISK: 0}
+    by_where = dict.fromkeys(Tier, 0)
     for block, p in zip(stage.blocks, placements):
         by_where[p.where] += block.movable_bytes
-        by_where[DEVICE] += block.fixed_bytes  # resident whatever the block's tier
-    window = _window((b.movable_bytes for b, p in zip(stage.blocks, placements) if p.where != DEVICE), prefetch)
+        by_where[Tier.DEVICE] += block.fixed_bytes  # resident whatever the block's tier
+    window = _window((b.movable_bytes for b, p in zip(stage.blocks, placements) if p.where != Tier.DEVICE), prefetch)
     return StagePlan(
         name=stage.name,
         placements=placements,
         activation_bytes=stage.activation_bytes,
-        resident_bytes=by_where[DEVICE],
-        streamed_from_host_bytes=by_where[HOST],
-        streamed_from_disk_bytes=by_where[DISK],
+        resident_bytes=by_where[Tier.DEVICE],
+        streamed_from_host_bytes=by_where[Tier.HOST],
+        streamed_from_disk_bytes=by_where[Tier.DISK],
         stream_window_bytes=window,
-        peak_bytes=by_where[DEVICE] + window + stage.activation_bytes,
+        peak_bytes=by_where[Tier.DEVICE] + window + stage.activation_bytes,
     )
 
 
@@ -357,7 +371,7 @@ def _render_table(plan: Plan) -> str:
     for stage in plan.stages:
         for component in dict.fromkeys(p.component for p in stage.placements):
             cells = [stage.name, component]
-            for where in (DEVICE, HOST, DISK):
+            for where in Tier:
                 chosen = [p for p in stage.placements if p.component == component and p.where == where]
                 total = sum(p.bytes for p in stage.placements if p.component == component)
                 cells.append(_cell(chosen, total))
