@@ -23,14 +23,17 @@ from __future__ import annotations
 import dataclasses
 import enum
 import math
-from typing import Iterable, Sequence
+from typing import Any, Iterable, Mapping, Sequence
 
 from memfit.plan.budget import Budget, BudgetLike
 from memfit.sizes import format_bytes
 from memfit.errors import MemfitError
 
-__all__ = ["BlockSpec", "Plan", "Placement", "StageInput", "StagePlan", "Tier", "make_plan", "minimum_device_bytes",
-           "stage_input"]
+__all__ = ["PLAN_FORMAT", "BlockSpec", "Plan", "Placement", "StageInput", "StagePlan", "Tier", "make_plan",
+           "minimum_device_bytes", "stage_input"]
+
+#: The format version Plan.to_dict writes and Plan.from_dict reads; a change to the fields makes a new one.
+PLAN_FORMAT = "memfit-plan/1"
 
 
 class Tier(str, enum.Enum):
@@ -159,13 +162,111 @@ class Plan:
         raise MemfitError(f"The plan has no block {key!r}; keys look like 'unet/down_blocks.0'.")
 
     def to_dict(self) -> dict:
-        """Plain JSON-serializable data (ints, strings, lists, dicts)."""
-        data = dataclasses.asdict(self)
+        """Plain JSON-serializable data (ints, strings, lists, dicts), with its "format" (PLAN_FORMAT)."""
+        data = {"format": PLAN_FORMAT, **dataclasses.asdict(self)}
         data["peak_bytes"] = self.peak_bytes
         return data
 
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> "Plan":
+        """The Plan that ``to_dict`` wrote ``data`` from (also after a JSON round trip), or the one in a
+        ``memfit plan --json`` report (its "plan"). Raises MemfitError for a plan of another format
+        version, and for a missing key or a value of the wrong type, naming the key."""
+        if isinstance(data, Mapping) and "format" not in data and isinstance(data.get("plan"), Mapping):
+            data = data["plan"]
+        saved = _Saved(data, "")
+        found = data.get("format")
+        if found != PLAN_FORMAT:
+            written = f"format {found!r}" if found is not None else 'no "format" key (an older memfit wrote it)'
+            raise MemfitError(
+                f"This plan has {written}, but this memfit reads plans of format {PLAN_FORMAT!r}; make the plan "
+                "again with this memfit: `memfit plan ... --json`."
+            )
+        budget = saved.object("budget")
+        stages = tuple(
+            _read(StagePlan, stage, placements=tuple(_read(Placement, p) for p in stage.objects("placements")))
+            for stage in saved.objects("stages")
+        )
+        return _read(cls, saved, stages=stages, homes=saved.pairs("homes"),
+                     budget=Budget(device=budget.get("device", int, optional=True),
+                                   host=budget.get("host", int, optional=True),
+                                   disk=budget.get("disk", str, optional=True)))
+
     def table(self) -> str:
         return _render_table(self)
+
+
+# --- reading a saved plan ---------------------------------------------------------------------
+
+
+class _Saved:
+    """One JSON object of a saved plan. Every read names the key (``stages[0].placements[2].where``)
+    when it is missing or holds a value of the wrong type, instead of a KeyError or TypeError."""
+
+    def __init__(self, data: Any, path: str):
+        if not isinstance(data, Mapping):
+            if not path:
+                raise MemfitError(f"A saved plan is a JSON object (as Plan.to_dict or `memfit plan --json` writes it), "
+                                  f"not {_shown(data)}.")
+            raise _malformed(path, f"is {_shown(data)}, not a JSON object")
+        self.data = data
+        self.path = path
+
+    def key(self, key: str) -> str:
+        return f"{self.path}.{key}" if self.path else key
+
+    def get(self, key: str, kind: type, *, optional: bool = False) -> Any:
+        if key not in self.data:
+            raise _malformed(self.key(key), "is missing")
+        return _checked(self.data[key], kind, self.key(key), optional)
+
+    def object(self, key: str) -> "_Saved":
+        return _Saved(self.get(key, object), self.key(key))  # _Saved says if it is no object
+
+    def objects(self, key: str) -> list["_Saved"]:
+        return [_Saved(item, f"{self.key(key)}[{i}]") for i, item in enumerate(self.get(key, list))]
+
+    def pairs(self, key: str) -> tuple[tuple[str, Tier], ...]:
+        """``[[block key, tier], ...]`` (Plan.homes) as a tuple of pairs."""
+        pairs = []
+        for i, pair in enumerate(self.get(key, list)):
+            path = f"{self.key(key)}[{i}]"
+            if not isinstance(pair, (list, tuple)) or len(pair) != 2:
+                raise _malformed(path, f"is {_shown(pair)}, not a [block, tier] pair")
+            pairs.append((_checked(pair[0], str, f"{path}[0]"), _checked(pair[1], Tier, f"{path}[1]")))
+        return tuple(pairs)
+
+
+_TIER_VALUES = [tier.value for tier in Tier]
+_KINDS = {int: "an integer", str: "a string", list: "a list", Tier: "one of " + ", ".join(map(repr, _TIER_VALUES))}
+
+
+def _checked(value: Any, kind: type, path: str, optional: bool = False) -> Any:
+    if value is None and optional:
+        return None
+    if kind is Tier:
+        if isinstance(value, str) and value in _TIER_VALUES:
+            return Tier(value)
+    elif isinstance(value, kind) and not (kind is int and isinstance(value, bool)):
+        return value
+    raise _malformed(path, f"is {_shown(value)}, not {_KINDS[kind]}" + (" or null" if optional else ""))
+
+
+def _shown(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
+def _read(cls, saved: _Saved, **given):
+    """An instance of the dataclass ``cls``: the fields in ``given`` as given, the others (int, str and
+    Tier fields) read from ``saved`` by name."""
+    kinds = {"int": int, "str": str, "Tier": Tier}
+    return cls(**{field.name: given[field.name] if field.name in given else saved.get(field.name, kinds[field.type])
+                  for field in dataclasses.fields(cls)})
+
+
+def _malformed(path: str, what: str) -> MemfitError:
+    return MemfitError(f"The plan's {path!r} {what}; make the plan again with `memfit plan ... --json`.")
 
 
 # --- planning ---------------------------------------------------------------------------------

@@ -46,6 +46,8 @@ from __future__ import annotations
 
 import dataclasses
 import fnmatch
+import json
+import os
 import weakref
 from pathlib import Path
 from typing import Collection, Mapping
@@ -119,7 +121,7 @@ def optimize(
     pipe,
     budget: BudgetLike | None = AUTO,
     *,
-    plan: Plan | None = None,
+    plan: Plan | Mapping | str | os.PathLike | None = None,
     force_tiers: Mapping[str, str] | None = None,
     model_dir: str | Path | None = None,
     device: str | torch.device | None = None,
@@ -138,7 +140,9 @@ def optimize(
     budget:      "auto" (default; None alike) detects what is free now (memfit.plan.budget.resolve_budget);
                  bytes, "6GiB", or Budget(device=, host=, disk=), refused above the container's or
                  device's total; "none" places nothing (only ``backend`` then has work to do).
-    plan:        an explicit Plan (e.g. from ``memfit plan``) instead of planning here.
+    plan:        an explicit plan instead of planning here, made for this pipeline: a Plan, a dict as
+                 Plan.to_dict() or ``memfit plan --json`` writes it (the report, or its "plan"), or the
+                 path of a .json file holding either (memfit.plan.planner.Plan.from_dict reads it).
     force_tiers: {pattern: "device"|"host"|"disk"}, patterns matched (fnmatch) against block keys
                  ("unet/down_blocks.0", "text_encoder/*", or a bare component name); later patterns
                  win; blocks matched by none stay on the device. For tests and experiments.
@@ -164,6 +168,7 @@ def optimize(
                  plan (those a compiled model serves; a given plan may still place them: it counts their
                  compiled models as it would their weights).
     """
+    plan = _saved_plan(plan)
     no_budget = isinstance(budget, str) and budget.strip().lower() == NONE
     if plan is not None or force_tiers is not None:
         if not _is_auto(budget) and not no_budget:
@@ -433,6 +438,30 @@ def _first_param(module):
 
 
 # --- plans --------------------------------------------------------------------------------------
+
+
+def _saved_plan(plan) -> Plan | None:
+    """optimize's ``plan=`` as a Plan (None stays None)."""
+    if plan is None or isinstance(plan, Plan):
+        return plan
+    if isinstance(plan, Mapping):
+        return Plan.from_dict(plan)
+    if not isinstance(plan, (str, os.PathLike)):
+        raise MemfitError(f"plan= takes a memfit Plan, a dict as `memfit plan --json` writes it, or the path of such "
+                          f"a .json file; got a {type(plan).__name__}.")
+    path = Path(plan)
+    try:
+        data = json.loads(path.read_text())
+    except OSError as exc:
+        raise MemfitError(f"Cannot read the plan {path}: {exc.strerror or exc}; give the .json file that "
+                          "`memfit plan ... --json` wrote.") from None
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise MemfitError(f"The plan {path} is not JSON ({exc}); give the file that `memfit plan ... --json` "
+                          "wrote.") from None
+    try:
+        return Plan.from_dict(data)
+    except MemfitError as exc:
+        raise MemfitError(f"{path}: {exc}") from None
 
 
 def _forced_plan(stages: list[StageInput], force_tiers: Mapping[str, str]) -> Plan:
