@@ -29,8 +29,8 @@ from memfit.plan.budget import Budget, BudgetLike
 from memfit.sizes import format_bytes
 from memfit.errors import MemfitError
 
-__all__ = ["PLAN_FORMAT", "BlockSpec", "Plan", "Placement", "StageInput", "StagePlan", "Tier", "make_plan",
-           "minimum_device_bytes", "stage_input"]
+__all__ = ["PLAN_FORMAT", "BlockSpec", "Plan", "Placement", "StageInput", "StagePlan", "Tier", "host_need", "make_plan",
+           "minimum_device_bytes", "stage_input", "stage_plan"]
 
 #: The format version Plan.to_dict writes and Plan.from_dict reads; a change to the fields makes a new one.
 PLAN_FORMAT = "memfit-plan/1"

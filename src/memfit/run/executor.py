@@ -63,7 +63,7 @@ from memfit.safetensors_header import same_samples
 from memfit.plan.planner import BlockSpec, Plan, StageInput, Tier, make_plan
 
 __all__ = ["optimize", "restore", "is_optimized", "live_blocks", "plan_stage", "unrun_blocks", "blocks_not_run",
-           "refuse_cuda_graphs_while_streaming"]
+           "reads_in_place", "refuse_cuda_graphs_while_streaming"]
 
 STATE_ATTR = "_memfit_state"
 PLAN_ATTR = "_memfit_plan"

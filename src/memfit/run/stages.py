@@ -295,7 +295,7 @@ def run_result(output: list, settings: Settings, report, folder: ModelFolder, dt
 
 def png_metadata(settings: Settings, folder: ModelFolder, dtype: str) -> dict[str, str]:
     """What an output file records about its run, enough to make it again."""
-    from memfit import __version__
+    from memfit.version import __version__
 
     metadata = {
         "prompt": settings.prompt,
