@@ -13,8 +13,8 @@ SRC = Path(__file__).resolve().parents[1] / "src"
 # which import neither each other nor the layers above them. "api" is the package root: it re-exports
 # the public API from every layer, so nothing inside memfit imports it.
 LAYERS = ["api", "testing", "cli", ("serve", "batch"), "run", "models", "plan", "compile", "cache", "base"]
-BASE = {"memfit.errors", "memfit.devices", "memfit.sizes", "memfit.dtypes", "memfit.atomic", "memfit.safetensors_header",
-        "memfit.demo", "memfit.demo.shapes", "memfit.version"}
+BASE = {"memfit.errors", "memfit.devices", "memfit.sizes", "memfit.dtypes", "memfit.atomic",
+        "memfit.safetensors_header", "memfit.demo", "memfit.demo.shapes", "memfit.version"}
 
 
 def _modules() -> dict[str, Path]:

@@ -53,9 +53,10 @@ from memfit.dtypes import DTYPES, dtype_name
 from memfit.errors import MemfitError
 from memfit.sizes import format_bytes as _size
 
-__all__ = ["ENTRIES_ATTR", "CompileRecord", "compile_blocks", "compile_components", "compile_stage", "compiled_in_store",
-           "compiled_weight_bytes", "entry_points", "is_compiled", "module_fingerprint", "parse_backend_arg",
-           "release_buffers", "report_records", "served_by_own_weights", "uncompile", "without_components"]
+__all__ = ["ENTRIES_ATTR", "CompileRecord", "compile_blocks", "compile_components", "compile_stage",
+           "compiled_in_store", "compiled_weight_bytes", "entry_points", "is_compiled", "module_fingerprint",
+           "parse_backend_arg", "release_buffers", "report_records", "served_by_own_weights", "uncompile",
+           "without_components"]
 
 BackendSpec = Union[str, Backend, Mapping[str, Union[str, Backend]]]
 
