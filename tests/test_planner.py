@@ -189,7 +189,8 @@ def test_a_plan_of_another_format_version_is_refused_saying_what_to_do(written, 
     with pytest.raises(MemfitError) as info:
         Plan.from_dict(data)
     message = str(info.value)
-    assert says in message and f"reads plans of format {PLAN_FORMAT!r}" in message and "memfit plan ... --json" in message
+    assert says in message and f"reads plans of format {PLAN_FORMAT!r}" in message
+    assert "memfit plan ... --json" in message
 
 
 MISSING = object()

@@ -58,7 +58,8 @@ from memfit.devices import runtime_for
 from memfit.models.checkpoint_keys import loaded_names
 from memfit.plan.budget import AUTO, NONE, Budget, BudgetLike, resolve_budget
 from memfit.errors import MemfitError
-from memfit.run.offload import HookRegistry, MappedSafetensors, Runtime, Shared, Slot, SlotKind, StagingRing, SwapHook, aligned
+from memfit.run.offload import (HookRegistry, MappedSafetensors, Runtime, Shared, Slot, SlotKind, StagingRing, SwapHook,
+                                aligned)
 from memfit.safetensors_header import same_samples
 from memfit.plan.planner import BlockSpec, Plan, StageInput, Tier, make_plan
 
@@ -559,7 +560,8 @@ def _apply_component(name, module, component_blocks, tiers, state: _State, model
                     tier_of_tensor = Tier.HOST  # a LoRA's own tensor is in no model file: it stays in memory
                 else:
                     tier_of_tensor = tier
-                if tier_of_tensor == Tier.DEVICE or tensor is anchor or (not separate and (tier_of_tensor == Tier.HOST or not is_param)):
+                if tier_of_tensor == Tier.DEVICE or tensor is anchor or (
+                        not separate and (tier_of_tensor == Tier.HOST or not is_param)):
                     # On the CPU host RAM is the device: the tensor stays where it is (module.dtype and
                     # module.device read the anchor: see the module docstring), in its run dtype.
                     if run_dtype != tensor.dtype or (state.own_resident and is_param):
