@@ -221,7 +221,7 @@ class _Saved:
         return _checked(self.data[key], kind, self.key(key), optional)
 
     def object(self, key: str) -> "_Saved":
-        return _Saved(self.get(key, object), self.key(key))  # _Saved says if it is no object
+        return _Saved(self.get(key, object), self.key(key))  # which refuses a non-object, naming the key
 
     def objects(self, key: str) -> list["_Saved"]:
         return [_Saved(item, f"{self.key(key)}[{i}]") for i, item in enumerate(self.get(key, list))]

@@ -449,7 +449,7 @@ def _saved_plan(plan) -> Plan | None:
         return Plan.from_dict(plan)
     if not isinstance(plan, (str, os.PathLike)):
         raise MemfitError(f"plan= takes a memfit Plan, a dict as `memfit plan --json` writes it, or the path of such "
-                          f"a .json file; got a {type(plan).__name__}.")
+                          f"a .json file; got {type(plan).__name__} {plan!r}.")
     path = Path(plan)
     try:
         data = json.loads(path.read_text())
