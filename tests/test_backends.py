@@ -160,6 +160,27 @@ def test_out_of_tree_backend_through_entry_points(monkeypatch):
     assert backends.available_backends()["broken"].ok is False
 
 
+def test_the_cli_help_lists_every_registered_backend(monkeypatch, capsys):
+    from memfit.cli.app import build_parser
+
+    plugin = metadata.EntryPoint(
+        name="plugin", value="memfit.compile.backends.eager:EagerBackend", group=registry.ENTRY_POINT_GROUP
+    )
+    monkeypatch.setattr(registry.metadata, "entry_points",
+                        lambda group: [plugin] if group == registry.ENTRY_POINT_GROUP else [])
+    registry.register_backend("null", Backend)  # listed by name: never built here
+    try:
+        names = list_backends()
+        assert {"eager", "inductor", "openvino", "onnxruntime", "plugin", "null"} <= set(names)
+        for command in ("generate", "serve", "batch"):
+            with pytest.raises(SystemExit):
+                build_parser().parse_args([command, "--help"])
+            assert f"--backend BACKEND compile with a backend: NAME ({', '.join(names)})" in " ".join(
+                capsys.readouterr().out.split())
+    finally:
+        registry.unregister_backend("null")
+
+
 @pytest.mark.slow
 def test_importing_backends_and_listing_them_stays_lean():
     code = (

@@ -58,3 +58,35 @@ def test_legacy_format_pickles_pass_the_weights_only_check(tmp_path):
     folder = ModelFolder.open(tmp_path)
     folder.allow_pickle = True
     folder.check_weights(["text_encoder"])  # torch's mmap cannot read the legacy format; the check must still pass
+
+
+def test_batch_refuses_a_pickle_checkpoint_up_front_and_loads_it_with_allow_pickle(tiny_models, tmp_path, capsys):
+    model = _pickled_copy(tiny_models, tmp_path)
+    jobs = tmp_path / "jobs.jsonl"
+    jobs.write_text('{"id": "a", "prompt": "a red circle"}\n')
+    batch = ["batch", str(jobs), "--model", str(model), "--steps", "1", "--width", "32", "--height", "32", "--quiet"]
+    assert main([*batch, "--out", str(tmp_path / "refused")]) == 2
+    assert "--allow-pickle" in capsys.readouterr().err and not (tmp_path / "refused").exists()
+    assert main([*batch, "--out", str(tmp_path / "out"), "--allow-pickle"]) == 0
+    assert main(["generate", "--model", tiny_models("sd"), *RUN, "--seed", "0", "--out", str(tmp_path / "s.png")]) == 0
+    assert Image.open(tmp_path / "out" / "a.png").tobytes() == Image.open(tmp_path / "s.png").tobytes()
+
+
+def test_serve_refuses_a_pickle_checkpoint_before_serving_and_loads_it_with_allow_pickle(tiny_models, tmp_path,
+                                                                                        capsys, monkeypatch):
+    import uvicorn
+    from fastapi.testclient import TestClient
+
+    answers = []
+
+    def serve_one_request(server):  # instead of listening: one txt2img request through the app
+        with TestClient(server.config.app) as client:
+            answers.append(client.post("/sdapi/v1/txt2img", json={"prompt": "a red circle", "steps": 1, "width": 32,
+                                                                  "height": 32}))
+
+    monkeypatch.setattr(uvicorn.Server, "run", serve_one_request)
+    model = _pickled_copy(tiny_models, tmp_path)
+    assert main(["serve", "--model", str(model), "--budget", "none"]) == 2
+    assert "--allow-pickle" in capsys.readouterr().err and not answers
+    assert main(["serve", "--model", str(model), "--budget", "none", "--allow-pickle"]) == 0
+    assert [answer.status_code for answer in answers] == [200], answers[0].text

@@ -212,3 +212,36 @@ def test_host_and_disk_flags_reach_the_planner(capsys):
     assert plan["budget"] == {"device": 8 * 2**30, "host": parse_size("16GiB"), "disk": "/var/tmp/mf"}
     assert plan["host_peak_bytes"] <= 16 * 2**30
     assert any(home == "disk" for _key, home in plan["homes"])
+
+
+def test_the_json_plan_replays_through_optimize_with_plain_diffusers_bits(tiny_models, tmp_path, capsys):
+    """What `memfit plan --json` prints, as a dict and as a file, is a plan optimize carries out."""
+    from test_executor import assert_same_bits, generate, load
+
+    from memfit.plan.planner import Plan
+    from memfit.run.executor import optimize, restore
+
+    model = tiny_models("sd")
+    size = ["--model", model, "--width", "32", "--height", "32", "--steps", "2"]
+    roomy = {s["name"]: s for s in run_json([*size, "--budget", "1GiB"], capsys)["plan"]["stages"]}["denoise"]
+    # Half the UNet fits beside the denoise activations; a tenth of it on the host, the rest on disk.
+    weights = roomy["resident_bytes"]
+    report = run_json([*size, "--budget", str(roomy["activation_bytes"] + weights // 2), "--host", str(weights // 10),
+                       "--disk", str(tmp_path)], capsys)
+    assert {p["where"] for s in report["plan"]["stages"] for p in s["placements"]} == {"device", "host", "disk"}
+    saved = tmp_path / "plan.json"
+    saved.write_text(json.dumps(report))
+
+    pipe = load(model)
+    plain = generate(pipe)
+    for plan in (report, str(saved)):
+        optimize(pipe, plan=plan)
+        assert pipe._memfit_plan == Plan.from_dict(report["plan"])
+        assert_same_bits(generate(pipe), plain)
+        restore(pipe)
+    saved.write_text(json.dumps({key: value for key, value in report["plan"].items() if key != "stages"}))
+    with pytest.raises(MemfitError, match=r"plan\.json: The plan's 'stages' is missing"):
+        optimize(pipe, plan=saved)
+    saved.write_text("{")
+    with pytest.raises(MemfitError, match=r"plan\.json is not JSON"):
+        optimize(pipe, plan=saved)

@@ -11,7 +11,7 @@ import pytest
 
 from memfit.plan.budget import Budget
 from memfit.errors import MemfitError
-from memfit.plan.planner import BlockSpec, Plan, StageInput, make_plan, stage_input
+from memfit.plan.planner import PLAN_FORMAT, BlockSpec, Plan, StageInput, Tier, make_plan, stage_input
 
 
 def stage(name, sizes, activations=0, component="m", runs=1):
@@ -160,6 +160,70 @@ def test_to_dict_is_json_and_table_names_stages_and_components():
         assert word in table
 
 
+def saved_plan() -> Plan:
+    """A plan with a block on every tier, a shared block and a budget of every kind."""
+    encode = stage("encode", [50, 50], component="te")
+    denoise = stage("denoise", [50, 50, 50], component="unet", runs=30)
+    return make_plan([encode, denoise], Budget(device=110, host=60, disk="/var/tmp/memfit"))
+
+
+def test_from_dict_reads_back_what_to_dict_wrote_through_json():
+    plan = saved_plan()
+    assert {p.where for s in plan.stages for p in s.placements} == set(Tier)
+    data = json.loads(json.dumps(plan.to_dict()))
+    assert data["format"] == PLAN_FORMAT
+    again = Plan.from_dict(data)
+    assert again == plan and again.to_dict() == plan.to_dict()
+    assert all(isinstance(p.where, Tier) for s in again.stages for p in s.placements)
+    assert Plan.from_dict({"arch": "x", "plan": data}) == plan  # a `memfit plan --json` report
+
+
+@pytest.mark.parametrize("written, says", [("memfit-plan/0", "format 'memfit-plan/0'"),
+                                           (None, 'no "format" key')])
+def test_a_plan_of_another_format_version_is_refused_saying_what_to_do(written, says):
+    data = saved_plan().to_dict()
+    if written is None:
+        del data["format"]
+    else:
+        data["format"] = written
+    with pytest.raises(MemfitError) as info:
+        Plan.from_dict(data)
+    message = str(info.value)
+    assert says in message and f"reads plans of format {PLAN_FORMAT!r}" in message
+    assert "memfit plan ... --json" in message
+
+
+MISSING = object()
+
+
+@pytest.mark.parametrize("path, value, says", [
+    (("stages", 1, "placements", 2, "where"), MISSING, "'stages[1].placements[2].where' is missing"),
+    (("budget",), MISSING, "'budget' is missing"),
+    (("stages", 0, "peak_bytes"), "12", "'stages[0].peak_bytes' is '12', not an integer"),
+    (("prefetch",), True, "'prefetch' is True, not an integer"),
+    (("stages", 0, "placements", 0, "where"), "gpu", "is 'gpu', not one of 'device', 'host', 'disk'"),
+    (("homes", 0), ["te/b0"], "'homes[0]' is ['te/b0'], not a [block, tier] pair"),
+    (("stages",), {}, "'stages' is {}, not a list"),
+    (("stages", 0, "placements"), [1], "'stages[0].placements[0]' is 1, not a JSON object"),
+    (("budget", "host"), "60", "'budget.host' is '60', not an integer or null"),
+])
+def test_malformed_plans_are_refused_naming_the_key(path, value, says):
+    data = json.loads(json.dumps(saved_plan().to_dict()))
+    *parents, last = path
+    inner = data
+    for key in parents:
+        inner = inner[key]
+    if value is MISSING:
+        del inner[last]
+    else:
+        inner[last] = value
+    with pytest.raises(MemfitError) as info:
+        Plan.from_dict(data)
+    assert says in str(info.value) and "memfit plan ... --json" in str(info.value)
+    with pytest.raises(MemfitError, match="A saved plan is a JSON object"):
+        Plan.from_dict([data])
+
+
 def test_stage_input_reads_measured_components():
     class Block:
         def __init__(self, name, size):
@@ -204,4 +268,5 @@ def test_planner_module_imports_nothing_that_touches_devices_or_files():
             imported |= {alias.name for alias in node.names}
         elif isinstance(node, ast.ImportFrom):
             imported.add(node.module)
-    assert imported <= {"__future__", "dataclasses", "math", "typing", "memfit.plan.budget", "memfit.errors", "memfit.sizes"}
+    assert imported <= {"__future__", "dataclasses", "math", "typing", "memfit.plan.budget", "memfit.errors", "memfit.sizes",
+                        "memfit.text_enum"}

@@ -1,7 +1,6 @@
 """memfit: run diffusers pipelines inside a memory budget, fast, on whatever hardware you have."""
 
-__version__ = "0.1.0"
-
+from memfit.version import __version__
 from memfit.plan.budget import Budget
 from memfit.sizes import parse_size
 from memfit.run.embeddings import Embeddings

@@ -28,7 +28,7 @@ def remove_stale_temporaries(folder: str | Path) -> list[Path]:
         return removed
     for name in names:
         match = _OURS.match(name)
-        if match is None or _alive(int(match.group(1))):
+        if match is None or process_alive(int(match.group(1))):
             continue
         path = Path(folder) / name
         try:
@@ -39,7 +39,8 @@ def remove_stale_temporaries(folder: str | Path) -> list[Path]:
     return removed
 
 
-def _alive(pid: int) -> bool:
+def process_alive(pid: int) -> bool:
+    """Whether a process ``pid`` exists on this machine (this one included; another user's counts too)."""
     if pid == os.getpid():
         return True
     try:

@@ -22,10 +22,13 @@ __all__ = ["check_jobs", "run_batch", "still_to_run"]
 
 def check_jobs(jobs_path, options: BatchOptions, summary: BatchSummary) -> list[Job]:
     """The good jobs. Bad lines (unreadable, or settings the model refuses) are refused under
-    ``strict`` before anything runs or is written, else reported and skipped."""
+    ``strict`` before anything runs or is written, else reported and skipped. A checkpoint memfit
+    refuses (pickle without allow_pickle, a truncated file) refuses the whole batch, here."""
+    from memfit.plan.stages import planned_models
     from memfit.run.stages import open_model
 
-    folder = open_model(options.model)
+    folder = open_model(options.model, allow_pickle=options.allow_pickle)
+    folder.check_weights(planned_models(folder.adapter))
     jobs, bad = read_jobs(jobs_path, options.defaults, model=str(folder.path.resolve()), dtype=options.dtype)
     checked = []
     for job in jobs:

@@ -29,10 +29,11 @@ class BatchOptions:
     strict: bool = False
     retry_failed: bool = False
     progress: bool = True
+    allow_pickle: bool = False
 
     def worker_kwargs(self) -> dict:
         return {"dtype": self.dtype, "device": self.device, "budget": self.budget, "backend": self.backend,
-                "fallback": self.fallback}
+                "fallback": self.fallback, "allow_pickle": self.allow_pickle}
 
 
 @dataclass

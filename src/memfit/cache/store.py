@@ -39,6 +39,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Mapping, Union
 
+from memfit.atomic import process_alive
 from memfit.cache.key import CacheKey, summarize_parts
 from memfit.cache.locking import fcntl, key_lock
 from memfit.cache.manifest import (
@@ -574,13 +575,4 @@ def _writer_is_gone(staging: Path) -> bool:
     if host != _host() or not pid_text.isdigit():
         # Another machine sharing this cache: we cannot see its processes; trust only age.
         return age > 24 * 3600
-    pid = int(pid_text)
-    if pid == os.getpid():
-        return False
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return True
-    except PermissionError:
-        return False  # alive, owned by another user
-    return False
+    return not process_alive(int(pid_text))

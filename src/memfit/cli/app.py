@@ -15,11 +15,10 @@ import warnings
 from memfit.cli import batch, cache, generate, plan, serve
 from memfit.errors import MemfitError
 from memfit.run.libraries import quiet_libraries
+from memfit.version import __version__
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from memfit import __version__
-
     parser = argparse.ArgumentParser(prog="memfit", description="Run diffusers pipelines inside a memory budget.")
     parser.add_argument("--version", action="version", version=f"memfit {__version__}")
     parser.add_argument("--debug", action="store_true", help="show full tracebacks")

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 
+from memfit.cli.run_args import add_run_args, run_options
 from memfit.errors import MemfitError
 
 __all__ = ["register"]
@@ -17,14 +18,8 @@ def register(commands: argparse._SubParsersAction) -> None:
                     '"steps": ..., "guidance": ..., "width": ..., "height": ...}; missing fields take the flags below. '
                     "Writes OUT/<id>.png and OUT/results.jsonl; running it again skips finished jobs.")
     cmd.add_argument("jobs", metavar="JOBS.jsonl", help="one JSON job per line")
-    cmd.add_argument("--model", help="diffusers model folder (default: memfit's built-in demo model)")
+    add_run_args(cmd, budget_note="each worker's, auto detected on the worker's own machine")
     cmd.add_argument("--out", required=True, help="folder for <id>.png and results.jsonl")
-    cmd.add_argument("--dtype", choices=("fp32", "bf16", "fp16"), default="fp32", help="run dtype (default fp32)")
-    cmd.add_argument("--device", help="torch device (default: cuda if available); in Ray mode, each worker's")
-    cmd.add_argument("--budget", default="auto", help="memory budget per worker: auto (default: what the worker's "
-                     "node has free), none, or a size such as 6GiB")
-    cmd.add_argument("--backend", help="compile with a backend, as for memfit generate")
-    cmd.add_argument("--fallback", choices=("eager",), help="if a backend fails on a component, run it eagerly")
     cmd.add_argument("--negative-prompt", help="default negative prompt of the jobs")
     cmd.add_argument("--steps", type=int, help="default denoising steps (default: the model's or pipeline's)")
     cmd.add_argument("--guidance", type=float, help="default guidance scale (default: the model's or pipeline's)")
@@ -36,7 +31,8 @@ def register(commands: argparse._SubParsersAction) -> None:
     cmd.add_argument("--retry-failed", action="store_true", help="run again the jobs an earlier run recorded as failed")
     cmd.add_argument("--ray", nargs="?", const="local", metavar="ADDRESS",
                      help="run on Ray: alone, start a local Ray cluster; with ADDRESS, join one started with "
-                          "`ray start --head` (needs pip install 'memfit[ray]')")
+                          "`ray start --head` (needs pip install 'memfit[ray]'); --device and --budget are each "
+                          "worker's")
     cmd.add_argument("--workers", type=int, help="Ray workers (default: one per GPU of the cluster, else 1)")
     cmd.add_argument("--cpus-per-worker", type=float, default=1.0, help="CPUs each Ray worker reserves (default 1)")
     cmd.add_argument("--quiet", action="store_true", help="no progress bar")
@@ -45,15 +41,13 @@ def register(commands: argparse._SubParsersAction) -> None:
 
 def _batch(args) -> int:
     from memfit.batch import BatchOptions, JobDefaults, run_batch
-    from memfit.compile.entry_points import parse_backend_arg
 
     if args.workers is not None and args.workers < 1:
         raise MemfitError(f"--workers {args.workers}: give at least 1.")
     if args.cpus_per_worker <= 0:
         raise MemfitError(f"--cpus-per-worker {args.cpus_per_worker}: give a positive number of CPUs.")
     options = BatchOptions(
-        model=args.model, out=args.out, dtype=args.dtype, device=args.device, budget=args.budget,
-        backend=parse_backend_arg(args.backend) if args.backend else None, fallback=args.fallback,
+        **run_options(args), out=args.out,
         defaults=JobDefaults(negative_prompt=args.negative_prompt, seed=args.seed, steps=args.steps,
                              guidance=args.guidance, width=args.width, height=args.height),
         strict=args.strict, retry_failed=args.retry_failed, progress=not args.quiet,

@@ -6,24 +6,16 @@ import argparse
 from pathlib import Path
 
 from memfit.atomic import check_writable
+from memfit.cli.run_args import add_model_args, add_run_args, run_options
 from memfit.errors import MemfitError
 
 __all__ = ["register"]
 
 
-def _add_model_args(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--model", help="diffusers model folder (default: memfit's built-in demo model)")
-    parser.add_argument("--dtype", choices=("fp32", "bf16", "fp16"), default="fp32", help="run dtype (default fp32)")
-    parser.add_argument("--device", help="torch device, e.g. cpu or cuda:0 (default: cuda if available)")
-    parser.add_argument("--allow-pickle", action="store_true",
-                        help="load pickle checkpoints (.bin, .pt, .pth, .ckpt) with torch's weights_only loader; "
-                        "refused by default (convert them to safetensors instead)")
-
-
 def register(commands: argparse._SubParsersAction) -> None:
     """Add the ``generate`` and ``encode`` subcommands."""
     gen = commands.add_parser("generate", help="generate an image (encode, denoise, decode as separate stages)")
-    _add_model_args(gen)
+    add_run_args(gen)
     gen.add_argument("--prompt", help="what to draw")
     gen.add_argument("--negative-prompt", help="what to steer away from (needs --guidance > 1)")
     gen.add_argument("--embeddings", help="prompt embeddings from `memfit encode` (skips the text encoders)")
@@ -37,18 +29,12 @@ def register(commands: argparse._SubParsersAction) -> None:
     gen.add_argument("--seed", type=int, default=0)
     gen.add_argument("--width", type=int)
     gen.add_argument("--height", type=int)
-    gen.add_argument("--budget", default="auto", help="memory budget for each stage (the process, weights and activations): "
-                     "auto (default: what this machine, container or GPU can spare now), none (no planning), or a size "
-                     "such as 2GiB or 6GB (=6*10^9 bytes)")
     gen.add_argument("--timeline", help="write the run's memory timeline (weight movements, memory sampled over time): "
                      "PATH.json for the events, PATH.png for a plot")
-    gen.add_argument("--backend", help="compile with a backend: NAME (eager, inductor, openvino, onnxruntime) or per "
-                     "component, e.g. unet=openvino,vae=eager")
     gen.add_argument("--precision", metavar="{fp32,bf16,fp16}",
                      help="compute precision of the backend (default: --dtype): OpenVINO computes in it whatever the "
                      "weights' --dtype (e.g. fp32 weights, bf16 kernels); eager PyTorch and the other backends compute "
                      "in --dtype, so for them it must equal --dtype")
-    gen.add_argument("--fallback", choices=("eager",), help="if a backend fails on a component, run it eagerly (reported)")
     gen.add_argument("--refiner", help="SDXL refiner folder: the base (--model) denoises up to --refiner-start, "
                      "the refiner finishes (diffusers' base + refiner workflow)")
     gen.add_argument("--refiner-start", type=float, help="fraction of the schedule the base runs before the refiner "
@@ -70,7 +56,7 @@ def register(commands: argparse._SubParsersAction) -> None:
     gen.set_defaults(func=_generate)
 
     enc = commands.add_parser("encode", help="run only the text encoders and save the prompt embeddings")
-    _add_model_args(enc)
+    add_model_args(enc)
     enc.add_argument("--prompt", required=True)
     enc.add_argument("--negative-prompt")
     enc.add_argument("--out", required=True, help="embeddings file to write (.safetensors)")
@@ -118,7 +104,6 @@ def _output_path(args) -> Path:
 
 
 def _generate(args) -> int:
-    from memfit.compile.entry_points import parse_backend_arg
     from memfit.run.generate import generate
 
     if args.timeline and Path(args.timeline).suffix.lower() not in (".json", ".png"):
@@ -132,7 +117,7 @@ def _generate(args) -> int:
         check_writable(args.report, "--report")
     result = generate(
         args.prompt,
-        model=args.model,
+        **run_options(args),
         embeddings=args.embeddings,
         negative_prompt=args.negative_prompt,
         steps=args.steps,
@@ -140,17 +125,11 @@ def _generate(args) -> int:
         seed=args.seed,
         width=args.width,
         height=args.height,
-        dtype=args.dtype,
-        device=args.device,
-        budget=args.budget,
-        backend=parse_backend_arg(args.backend) if args.backend else None,
-        fallback=args.fallback,
         progress=not args.quiet,
         refiner=args.refiner,
         refiner_start=args.refiner_start,
         true_cfg_scale=args.true_cfg,
         num_frames=args.frames,
-        allow_pickle=args.allow_pickle,
         image=args.image,
         strength=args.strength,
         mask=args.mask,

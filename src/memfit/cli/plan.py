@@ -25,7 +25,7 @@ from memfit.errors import MemfitError
 from memfit.models.archs import ARCHS, get_arch
 from memfit.plan.budget import Budget
 from memfit.plan.planner import Plan, make_plan
-from memfit.plan.stages import DEFAULT_STEPS, choose_strategies, planned_components, stage_options
+from memfit.plan.stages import DEFAULT_STEPS, choose_strategies, planned_models, stage_options
 from memfit.sizes import format_bytes
 
 __all__ = ["register", "run_plan"]
@@ -127,7 +127,7 @@ def _source(args: argparse.Namespace):
 
     folder = ModelFolder.open(args.model)
     adapter = folder.adapter
-    planned = {name for names in planned_components(adapter).values() for name in names}
+    planned = set(planned_models(adapter))
     folder.require_configs(planned)
     description = f"{folder.class_name} from {folder.path}"
     left_out = _models_left_out(adapter, planned)

@@ -10,6 +10,7 @@ import argparse
 import ipaddress
 import signal
 
+from memfit.cli.run_args import add_run_args, run_options
 from memfit.errors import MemfitError
 
 __all__ = ["register"]
@@ -18,13 +19,7 @@ __all__ = ["register"]
 def register(commands: argparse._SubParsersAction) -> None:
     """Add the ``serve`` subcommand."""
     srv = commands.add_parser("serve", help="serve an AUTOMATIC1111-compatible HTTP API and a web page, model kept warm")
-    srv.add_argument("--model", help="diffusers model folder (default: memfit's built-in demo model)")
-    srv.add_argument("--dtype", choices=("fp32", "bf16", "fp16"), default="fp32", help="run dtype (default fp32)")
-    srv.add_argument("--device", help="torch device, e.g. cpu or cuda:0 (default: cuda if available)")
-    srv.add_argument("--budget", default="auto", help="memory budget for each stage, as for generate (default auto); "
-                     "stages stay loaded between requests only while all of them fit it together")
-    srv.add_argument("--backend", help="compile with a backend, as for generate")
-    srv.add_argument("--fallback", choices=("eager",), help="if a backend fails on a component, run it eagerly")
+    add_run_args(srv, budget_note="stages stay loaded between requests only while all of them fit it together")
     srv.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1; any other needs --api-auth)")
     srv.add_argument("--port", type=int, default=7861, help="port (default 7861)")
     srv.add_argument("--api-auth", metavar="USER:PASSWORD", help="require HTTP basic auth (as AUTOMATIC1111's --api-auth)")
@@ -57,12 +52,13 @@ def _serve(args) -> int:
     except ImportError as exc:
         raise MemfitError(f"memfit serve needs its optional dependencies ({exc.name} is missing): "
                           "pip install 'memfit[serve]'.") from exc
-    from memfit.compile.entry_points import parse_backend_arg
+    from memfit.plan.stages import planned_models
     from memfit.run.session import Session
 
-    session = Session(args.model, dtype=args.dtype, device=args.device, budget=args.budget,
-                      backend=parse_backend_arg(args.backend) if args.backend else None, fallback=args.fallback,
-                      warm=not args.no_warm)
+    session = Session(**run_options(args), warm=not args.no_warm)
+    # A checkpoint memfit refuses (pickle without --allow-pickle, a truncated file) stops the server
+    # here, with the message memfit generate gives, not at every request.
+    session.folder.check_weights(planned_models(session.folder.adapter))
     app = create_app(session, limits=Limits(args.max_steps, args.max_pixels, args.max_images), auth=args.api_auth)
 
     class Server(uvicorn.Server):

@@ -36,7 +36,6 @@ pipelines maps to one cache entry.
 
 from __future__ import annotations
 
-import enum
 import hashlib
 import json
 import time
@@ -52,11 +51,13 @@ from memfit.compile.precision import with_precision
 from memfit.compile.weights import FileWeights
 from memfit.dtypes import DTYPES, dtype_name
 from memfit.errors import MemfitError
+from memfit.text_enum import TextEnum
 from memfit.sizes import format_bytes as _size
 
-__all__ = ["CompileRecord", "CompileStatus", "compile_blocks", "compile_components", "compiled_in_store",
-           "compiled_weight_bytes", "entry_points", "is_compiled", "release_buffers", "uncompile", "module_fingerprint",
-           "served_by_own_weights"]
+__all__ = ["ENTRIES_ATTR", "CompileRecord", "CompileStatus", "compile_blocks", "compile_components", "compile_stage",
+           "compiled_in_store", "compiled_weight_bytes", "entry_points", "is_compiled", "module_fingerprint",
+           "parse_backend_arg", "release_buffers", "report_records", "served_by_own_weights", "uncompile",
+           "without_components"]
 
 BackendSpec = Union[str, Backend, Mapping[str, Union[str, Backend]]]
 
@@ -82,17 +83,13 @@ def entry_points(name: str, module: torch.nn.Module) -> tuple[str, ...]:
     return ()
 
 
-class CompileStatus(str, enum.Enum):
+class CompileStatus(TextEnum):
     """What became of an entry point; its value is what a record's JSON says."""
 
     PENDING = "pending"  # compiles on its first call
     COMPILED = "compiled"
     FALLBACK = "fallback"  # ran with ``backend_used`` instead; the record's ``reason`` says why
     SHARED = "shared"  # already compiled through another pipeline holding the same module object
-
-    # As enum.StrEnum (Python 3.11+) has them: str() and f-strings give the value, not "CompileStatus.COMPILED".
-    __str__ = str.__str__
-    __format__ = str.__format__
 
 
 @dataclass

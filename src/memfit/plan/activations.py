@@ -29,16 +29,16 @@ computes the same image (within float rounding):
 from __future__ import annotations
 
 import dataclasses
-import enum
 from typing import Callable
 
 from memfit.errors import MemfitError
+from memfit.text_enum import TextEnum
 
 __all__ = ["Strategy", "StrategyKind", "banded_decode_unsupported", "choose", "stage_strategies",
            "vae_execution_dtype"]
 
 
-class StrategyKind(str, enum.Enum):
+class StrategyKind(TextEnum):
     """How a stage holds its activations (see the module doc); its text is what reports and JSON show."""
 
     PLAIN = "plain"
@@ -47,8 +47,6 @@ class StrategyKind(str, enum.Enum):
     SPLIT = "split"
     BANDED = "banded"
 
-    def __str__(self) -> str:
-        return self.value
 
 
 @dataclasses.dataclass(frozen=True)

@@ -33,11 +33,15 @@ from memfit.errors import MemfitError
 __all__ = [
     "BlockSize",
     "ComponentSize",
+    "DEFAULT_MAX_BLOCK_FRACTION",
     "DTYPE_BYTES",
+    "DirectTensors",
     "activation_estimate",
     "dtype_bytes",
     "is_model_class",
+    "is_under",
     "measure_component",
+    "split_blocks",
 ]
 
 DTYPE_BYTES = {"fp32": 4, "float32": 4, "bf16": 2, "bfloat16": 2, "fp16": 2, "float16": 2}

@@ -22,16 +22,27 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Iterable, Sequence
+from typing import Any, Iterable, Mapping, Sequence
 
 from memfit.plan.budget import Budget, BudgetLike
 from memfit.sizes import format_bytes
 from memfit.errors import MemfitError
+from memfit.text_enum import TextEnum
 
-__all__ = ["BlockSpec", "Plan", "Placement", "StageInput", "StagePlan", "make_plan", "minimum_device_bytes",
-           "stage_input"]
+__all__ = ["PLAN_FORMAT", "BlockSpec", "Plan", "Placement", "StageInput", "StagePlan", "Tier", "host_need", "make_plan",
+           "minimum_device_bytes", "stage_input", "stage_plan"]
 
-DEVICE, HOST, DISK = "device", "host", "disk"
+#: The format version Plan.to_dict writes and Plan.from_dict reads; a change to the fields makes a new one.
+PLAN_FORMAT = "memfit-plan/1"
+
+
+class Tier(TextEnum):
+    """Where a block's weights are: resident on the device, or streamed from host RAM or from disk."""
+
+    DEVICE = "device"
+    HOST = "host"
+    DISK = "disk"
+
 
 
 @dataclasses.dataclass(frozen=True)
@@ -79,12 +90,12 @@ def stage_input(name: str, components: Iterable, activation_bytes: int, runs: in
 
 @dataclasses.dataclass(frozen=True)
 class Placement:
-    """Where one block executes from in one stage: "device" (resident), "host" or "disk" (streamed)."""
+    """Where one block executes from in one stage: Tier.DEVICE (resident), Tier.HOST or Tier.DISK (streamed)."""
 
     component: str
     block: str
     bytes: int
-    where: str
+    where: Tier
 
 
 @dataclasses.dataclass(frozen=True)
@@ -98,25 +109,25 @@ class StagePlan:
     stream_window_bytes: int
     peak_bytes: int
 
-    def blocks_at(self, where: str) -> tuple[str, ...]:
+    def blocks_at(self, where: Tier) -> tuple[str, ...]:
         return tuple(f"{p.component}/{p.block}" for p in self.placements if p.where == where)
 
     @property
     def resident(self) -> tuple[str, ...]:
-        return self.blocks_at(DEVICE)
+        return self.blocks_at(Tier.DEVICE)
 
     @property
     def from_host(self) -> tuple[str, ...]:
-        return self.blocks_at(HOST)
+        return self.blocks_at(Tier.HOST)
 
     @property
     def from_disk(self) -> tuple[str, ...]:
-        return self.blocks_at(DISK)
+        return self.blocks_at(Tier.DISK)
 
     @property
     def largest_streamed_bytes(self) -> int:
         """The biggest block streamed in this stage (0 if none): what one running block adds."""
-        return max((p.bytes for p in self.placements if p.where != DEVICE), default=0)
+        return max((p.bytes for p in self.placements if p.where != Tier.DEVICE), default=0)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -124,9 +135,9 @@ class Plan:
     budget: Budget
     prefetch: int
     stages: tuple[StagePlan, ...]
-    # (block key, "host" or "disk") for every block, in first-use order: where a block is read
+    # (block key, Tier.HOST or Tier.DISK) for every block, in first-use order: where a block is read
     # from when it streams or when its stage starts, and where it goes back when not in use.
-    homes: tuple[tuple[str, str], ...]
+    homes: tuple[tuple[str, Tier], ...]
     host_peak_bytes: int  # most host RAM the parked weights need at any stage
 
     @property
@@ -139,20 +150,118 @@ class Plan:
                 return stage
         raise MemfitError(f"The plan has no stage {name!r}; it has {[s.name for s in self.stages]}.")
 
-    def home_of(self, key: str) -> str:
+    def home_of(self, key: str) -> Tier:
         for block, home in self.homes:
             if block == key:
                 return home
         raise MemfitError(f"The plan has no block {key!r}; keys look like 'unet/down_blocks.0'.")
 
     def to_dict(self) -> dict:
-        """Plain JSON-serializable data (ints, strings, lists, dicts)."""
-        data = dataclasses.asdict(self)
+        """Plain JSON-serializable data (ints, strings, lists, dicts), with its "format" (PLAN_FORMAT)."""
+        data = {"format": PLAN_FORMAT, **dataclasses.asdict(self)}
         data["peak_bytes"] = self.peak_bytes
         return data
 
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> "Plan":
+        """The Plan that ``to_dict`` wrote ``data`` from (also after a JSON round trip), or the one in a
+        ``memfit plan --json`` report (its "plan"). Raises MemfitError for a plan of another format
+        version, and for a missing key or a value of the wrong type, naming the key."""
+        if isinstance(data, Mapping) and "format" not in data and isinstance(data.get("plan"), Mapping):
+            data = data["plan"]
+        saved = _Saved(data, "")
+        found = data.get("format")
+        if found != PLAN_FORMAT:
+            written = f"format {found!r}" if found is not None else 'no "format" key (an older memfit wrote it)'
+            raise MemfitError(
+                f"This plan has {written}, but this memfit reads plans of format {PLAN_FORMAT!r}; make the plan "
+                "again with this memfit: `memfit plan ... --json`."
+            )
+        budget = saved.object("budget")
+        stages = tuple(
+            _read(StagePlan, stage, placements=tuple(_read(Placement, p) for p in stage.objects("placements")))
+            for stage in saved.objects("stages")
+        )
+        return _read(cls, saved, stages=stages, homes=saved.pairs("homes"),
+                     budget=Budget(device=budget.get("device", int, optional=True),
+                                   host=budget.get("host", int, optional=True),
+                                   disk=budget.get("disk", str, optional=True)))
+
     def table(self) -> str:
         return _render_table(self)
+
+
+# --- reading a saved plan ---------------------------------------------------------------------
+
+
+class _Saved:
+    """One JSON object of a saved plan. Every read names the key (``stages[0].placements[2].where``)
+    when it is missing or holds a value of the wrong type, instead of a KeyError or TypeError."""
+
+    def __init__(self, data: Any, path: str):
+        if not isinstance(data, Mapping):
+            if not path:
+                raise MemfitError(f"A saved plan is a JSON object (as Plan.to_dict or `memfit plan --json` writes it), "
+                                  f"not {_shown(data)}.")
+            raise _malformed(path, f"is {_shown(data)}, not a JSON object")
+        self.data = data
+        self.path = path
+
+    def key(self, key: str) -> str:
+        return f"{self.path}.{key}" if self.path else key
+
+    def get(self, key: str, kind: type, *, optional: bool = False) -> Any:
+        if key not in self.data:
+            raise _malformed(self.key(key), "is missing")
+        return _checked(self.data[key], kind, self.key(key), optional)
+
+    def object(self, key: str) -> "_Saved":
+        return _Saved(self.get(key, object), self.key(key))  # which refuses a non-object, naming the key
+
+    def objects(self, key: str) -> list["_Saved"]:
+        return [_Saved(item, f"{self.key(key)}[{i}]") for i, item in enumerate(self.get(key, list))]
+
+    def pairs(self, key: str) -> tuple[tuple[str, Tier], ...]:
+        """``[[block key, tier], ...]`` (Plan.homes) as a tuple of pairs."""
+        pairs = []
+        for i, pair in enumerate(self.get(key, list)):
+            path = f"{self.key(key)}[{i}]"
+            if not isinstance(pair, (list, tuple)) or len(pair) != 2:
+                raise _malformed(path, f"is {_shown(pair)}, not a [block, tier] pair")
+            pairs.append((_checked(pair[0], str, f"{path}[0]"), _checked(pair[1], Tier, f"{path}[1]")))
+        return tuple(pairs)
+
+
+_TIER_VALUES = [tier.value for tier in Tier]
+_KINDS = {int: "an integer", str: "a string", list: "a list", Tier: "one of " + ", ".join(map(repr, _TIER_VALUES))}
+
+
+def _checked(value: Any, kind: type, path: str, optional: bool = False) -> Any:
+    if value is None and optional:
+        return None
+    if kind is Tier:
+        if isinstance(value, str) and value in _TIER_VALUES:
+            return Tier(value)
+    elif isinstance(value, kind) and not (kind is int and isinstance(value, bool)):
+        return value
+    raise _malformed(path, f"is {_shown(value)}, not {_KINDS[kind]}" + (" or null" if optional else ""))
+
+
+def _shown(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
+def _read(cls, saved: _Saved, **given):
+    """An instance of the dataclass ``cls``: the fields in ``given`` as given, the others (int, str and
+    Tier fields) read from ``saved`` by name."""
+    kinds = {"int": int, "str": str, "Tier": Tier}
+    return cls(**{field.name: given[field.name] if field.name in given else saved.get(field.name, kinds[field.type])
+                  for field in dataclasses.fields(cls)})
+
+
+def _malformed(path: str, what: str) -> MemfitError:
+    return MemfitError(f"The plan's {path!r} {what}; make the plan again with `memfit plan ... --json`.")
 
 
 # --- planning ---------------------------------------------------------------------------------
@@ -188,7 +297,7 @@ def make_plan(stages: Sequence[StageInput], budget: BudgetLike, *, prefetch: int
     stage_plans = tuple(
         stage_plan(stage, resident, homes, prefetch) for stage, resident in zip(stages, resident_per_stage)
     )
-    host_keys = [key for key, home in homes.items() if home == HOST]
+    host_keys = [key for key, home in homes.items() if home == Tier.HOST]
     return Plan(
         budget=budget,
         prefetch=prefetch,
@@ -287,7 +396,7 @@ def host_need(host_keys: Iterable[str], sizes: dict[str, int], resident_per_stag
     return max((sum(sizes[k] for k in keys if k not in resident) for resident in resident_per_stage), default=0)
 
 
-def _choose_homes(stages, resident_per_stage, budget: Budget) -> dict[str, str]:
+def _choose_homes(stages, resident_per_stage, budget: Budget) -> dict[str, Tier]:
     sizes = _block_sizes(stages)
     reads = dict.fromkeys(sizes, 0)
     for stage, resident in zip(stages, resident_per_stage):
@@ -296,16 +405,16 @@ def _choose_homes(stages, resident_per_stage, budget: Budget) -> dict[str, str]:
     first_use = {key: index for index, key in enumerate(sizes)}
     capacity = math.inf if budget.host is None else budget.host
 
-    homes: dict[str, str] = {}
+    homes: dict[str, Tier] = {}
     on_host: list[str] = []
     for key in sorted(sizes, key=lambda k: (-reads[k], first_use[k])):
         if host_need(on_host + [key], sizes, resident_per_stage) <= capacity:
             on_host.append(key)
-            homes[key] = HOST
+            homes[key] = Tier.HOST
         else:
-            homes[key] = DISK
+            homes[key] = Tier.DISK
 
-    spilled = [k for k, home in homes.items() if home == DISK]
+    spilled = [k for k, home in homes.items() if home == Tier.DISK]
     if spilled and budget.disk is None:
         needed = host_need(sizes, sizes, resident_per_stage)
         raise MemfitError(
@@ -317,24 +426,25 @@ def _choose_homes(stages, resident_per_stage, budget: Budget) -> dict[str, str]:
     return {key: homes[key] for key in sizes}  # first-use order, for stable output
 
 
-def stage_plan(stage: StageInput, resident: frozenset[str], homes: dict[str, str], prefetch: int) -> StagePlan:
+def stage_plan(stage: StageInput, resident: frozenset[str], homes: dict[str, Tier], prefetch: int) -> StagePlan:
     placements = tuple(
-        Placement(b.component, b.name, b.bytes, DEVICE if b.key in resident else homes[b.key]) for b in stage.blocks
+        Placement(b.component, b.name, b.bytes, Tier.DEVICE if b.key in resident else homes[b.key])
+        for b in stage.blocks
     )
-    by_where = {DEVICE: 0, HOST: 0, DISK: 0}
+    by_where = dict.fromkeys(Tier, 0)
     for block, p in zip(stage.blocks, placements):
         by_where[p.where] += block.movable_bytes
-        by_where[DEVICE] += block.fixed_bytes  # resident whatever the block's tier
-    window = _window((b.movable_bytes for b, p in zip(stage.blocks, placements) if p.where != DEVICE), prefetch)
+        by_where[Tier.DEVICE] += block.fixed_bytes  # resident whatever the block's tier
+    window = _window((b.movable_bytes for b, p in zip(stage.blocks, placements) if p.where != Tier.DEVICE), prefetch)
     return StagePlan(
         name=stage.name,
         placements=placements,
         activation_bytes=stage.activation_bytes,
-        resident_bytes=by_where[DEVICE],
-        streamed_from_host_bytes=by_where[HOST],
-        streamed_from_disk_bytes=by_where[DISK],
+        resident_bytes=by_where[Tier.DEVICE],
+        streamed_from_host_bytes=by_where[Tier.HOST],
+        streamed_from_disk_bytes=by_where[Tier.DISK],
         stream_window_bytes=window,
-        peak_bytes=by_where[DEVICE] + window + stage.activation_bytes,
+        peak_bytes=by_where[Tier.DEVICE] + window + stage.activation_bytes,
     )
 
 
@@ -357,7 +467,7 @@ def _render_table(plan: Plan) -> str:
     for stage in plan.stages:
         for component in dict.fromkeys(p.component for p in stage.placements):
             cells = [stage.name, component]
-            for where in (DEVICE, HOST, DISK):
+            for where in Tier:
                 chosen = [p for p in stage.placements if p.component == component and p.where == where]
                 total = sum(p.bytes for p in stage.placements if p.component == component)
                 cells.append(_cell(chosen, total))

@@ -15,7 +15,7 @@ from memfit.plan.activations import Strategy, choose, stage_strategies, vae_exec
 from memfit.plan.budget import Budget
 from memfit.plan.planner import StageInput, make_plan, stage_input
 
-__all__ = ["DEFAULT_STEPS", "STAGES", "choose_strategies", "planned_components", "stage_options"]
+__all__ = ["DEFAULT_STEPS", "STAGES", "choose_strategies", "planned_components", "planned_models", "stage_options"]
 
 DEFAULT_STEPS = 30
 STAGES = ("encode", "denoise", "decode")
@@ -28,6 +28,11 @@ def planned_components(adapter) -> dict[str, list[str]]:
     return {stage: [name for name in adapter.stage_components(stage)
                     if name in adapter.classes and is_model_class(*adapter.classes[name])]
             for stage in STAGES}
+
+
+def planned_models(adapter) -> list[str]:
+    """Every component that some stage of ``adapter`` places (planned_components), once each."""
+    return list(dict.fromkeys(name for names in planned_components(adapter).values() for name in names))
 
 
 def stage_options(adapter, *, dtype: str, width: int, height: int,

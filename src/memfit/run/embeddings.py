@@ -17,6 +17,7 @@ import torch
 from memfit.atomic import write_atomically
 from memfit.errors import MemfitError
 from memfit.models.folder import check_safetensors
+from memfit.version import __version__
 
 FORMAT = "memfit-embeddings/1"
 
@@ -35,8 +36,6 @@ class Embeddings:
         return any(name.startswith("negative_") for name in self.tensors)
 
     def metadata(self) -> dict[str, str]:
-        from memfit import __version__
-
         return {
             "format": FORMAT,
             "memfit_version": __version__,

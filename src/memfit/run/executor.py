@@ -46,6 +46,8 @@ from __future__ import annotations
 
 import dataclasses
 import fnmatch
+import json
+import os
 import weakref
 from pathlib import Path
 from typing import Collection, Mapping
@@ -56,17 +58,17 @@ from memfit.devices import runtime_for
 from memfit.models.checkpoint_keys import loaded_names
 from memfit.plan.budget import AUTO, NONE, Budget, BudgetLike, resolve_budget, stage_budget
 from memfit.errors import MemfitError
-from memfit.run.offload import HookRegistry, MappedSafetensors, Runtime, Shared, Slot, StagingRing, SwapHook, aligned
+from memfit.run.offload import (HookRegistry, MappedSafetensors, Runtime, Shared, Slot, SlotKind, StagingRing, SwapHook,
+                                aligned)
 from memfit.safetensors_header import same_samples
-from memfit.plan.planner import DEVICE, DISK, HOST, BlockSpec, Plan, StageInput, make_plan
+from memfit.plan.planner import BlockSpec, Plan, StageInput, Tier, make_plan
 
-__all__ = ["optimize", "restore", "is_optimized", "live_blocks", "plan_stage", "reads_in_place", "unrun_blocks",
-           "blocks_not_run", "refuse_cuda_graphs_while_streaming"]
+__all__ = ["optimize", "restore", "is_optimized", "live_blocks", "plan_stage", "unrun_blocks", "blocks_not_run",
+           "reads_in_place", "refuse_cuda_graphs_while_streaming"]
 
 STATE_ATTR = "_memfit_state"
 PLAN_ATTR = "_memfit_plan"
 COMPILE_RECORDS_ATTR = "_memfit_compile_records"
-TIERS = (DEVICE, HOST, DISK)
 
 
 @dataclasses.dataclass
@@ -112,7 +114,7 @@ def reads_in_place(pipe) -> bool:
     process only while it runs, instead of being a copy in the process's memory."""
     state = vars(pipe).get(STATE_ATTR)
     return state is not None and not state.runtime.separate_memory and all(
-        slot.home_tensor().dtype == slot.dtype for slot in state.slots if slot.kind == "mmap"
+        slot.home_tensor().dtype == slot.dtype for slot in state.slots if slot.kind == SlotKind.MMAP
     )
 
 
@@ -120,7 +122,7 @@ def optimize(
     pipe,
     budget: BudgetLike | None = AUTO,
     *,
-    plan: Plan | None = None,
+    plan: Plan | Mapping | str | os.PathLike | None = None,
     force_tiers: Mapping[str, str] | None = None,
     model_dir: str | Path | None = None,
     device: str | torch.device | None = None,
@@ -139,7 +141,9 @@ def optimize(
     budget:      "auto" (default; None alike) detects what is free now (memfit.plan.budget.resolve_budget);
                  bytes, "6GiB", or Budget(device=, host=, disk=), refused above the container's or
                  device's total; "none" places nothing (only ``backend`` then has work to do).
-    plan:        an explicit Plan (e.g. from ``memfit plan``) instead of planning here.
+    plan:        an explicit plan instead of planning here, made for this pipeline: a Plan, a dict as
+                 Plan.to_dict() or ``memfit plan --json`` writes it (the report, or its "plan"), or the
+                 path of a .json file holding either (memfit.plan.planner.Plan.from_dict reads it).
     force_tiers: {pattern: "device"|"host"|"disk"}, patterns matched (fnmatch) against block keys
                  ("unet/down_blocks.0", "text_encoder/*", or a bare component name); later patterns
                  win; blocks matched by none stay on the device. For tests and experiments.
@@ -165,6 +169,7 @@ def optimize(
                  plan (those a compiled model serves; a given plan may still place them: it counts their
                  compiled models as it would their weights).
     """
+    plan = _saved_plan(plan)
     no_budget = isinstance(budget, str) and budget.strip().lower() == NONE
     if plan is not None or force_tiers is not None:
         if not _is_auto(budget) and not no_budget:
@@ -210,13 +215,13 @@ def optimize(
         # an automatic budget's host tier takes the place of the weights in host RAM now.
         plan = make_plan(stages, stage_budget(resolved.budget, device, loaded=auto, host_in_use=on_host if auto else 0))
     tiers = _tiers_from_plan(plan, all_blocks)
-    tiers.update((block.key, DISK) for block in unrun)
+    tiers.update((block.key, Tier.DISK) for block in unrun)
 
     # The hooks' shared state, around the device runtime: at most the plan's window of streamed
     # blocks on the device at once (the one running and those copied in ahead of it).
     runtime = Runtime(device, prefetch=prefetch, window=1 + plan.prefetch if prefetch else 1)
     unrun_keys = {block.key for block in unrun}
-    streams_from_disk = any(tier == DISK for key, tier in tiers.items() if key not in unrun_keys)
+    streams_from_disk = any(tier == Tier.DISK for key, tier in tiers.items() if key not in unrun_keys)
     state = _State(runtime=runtime, slots=[], hooked=[], dtype=dtype, unrun=unrun,
                    own_resident=streams_from_disk and not device.separate_memory)
     # A pipeline dropped without restore (a staged run's finished stage) gives its pinned memory
@@ -416,27 +421,54 @@ def _first_param(module):
 # --- plans --------------------------------------------------------------------------------------
 
 
+def _saved_plan(plan) -> Plan | None:
+    """optimize's ``plan=`` as a Plan (None stays None)."""
+    if plan is None or isinstance(plan, Plan):
+        return plan
+    if isinstance(plan, Mapping):
+        return Plan.from_dict(plan)
+    if not isinstance(plan, (str, os.PathLike)):
+        raise MemfitError(f"plan= takes a memfit Plan, a dict as `memfit plan --json` writes it, or the path of such "
+                          f"a .json file; got {type(plan).__name__} {plan!r}.")
+    path = Path(plan)
+    try:
+        data = json.loads(path.read_text())
+    except OSError as exc:
+        raise MemfitError(f"Cannot read the plan {path}: {exc.strerror or exc}; give the .json file that "
+                          "`memfit plan ... --json` wrote.") from None
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise MemfitError(f"The plan {path} is not JSON ({exc}); give the file that `memfit plan ... --json` "
+                          "wrote.") from None
+    try:
+        return Plan.from_dict(data)
+    except MemfitError as exc:
+        raise MemfitError(f"{path}: {exc}") from None
+
+
 def _forced_plan(stages: list[StageInput], force_tiers: Mapping[str, str]) -> Plan:
     from memfit.plan.planner import host_need, stage_plan
 
+    forced: dict[str, Tier] = {}
     for pattern, tier in force_tiers.items():
-        if tier not in TIERS:
-            raise MemfitError(f"force_tiers[{pattern!r}] is {tier!r}; use one of {', '.join(TIERS)}.")
-    wanted: dict[str, str] = {}
+        try:
+            forced[pattern] = Tier(tier)
+        except ValueError:
+            raise MemfitError(f"force_tiers[{pattern!r}] is {tier!r}; use one of {', '.join(Tier)}.") from None
+    wanted: dict[str, Tier] = {}
     for stage in stages:
         for block in stage.blocks:
-            wanted[block.key] = DEVICE
-            for pattern, tier in force_tiers.items():
+            wanted[block.key] = Tier.DEVICE
+            for pattern, tier in forced.items():
                 if fnmatch.fnmatchcase(block.key, pattern) or block.component == pattern:
                     wanted[block.key] = tier
     unmatched = [p for p in force_tiers if not any(fnmatch.fnmatchcase(k, p) or k.split("/")[0] == p for k in wanted)]
     if unmatched:
         raise MemfitError(f"force_tiers pattern(s) {unmatched} match no block; keys look like {next(iter(wanted))!r}.")
-    resident = [frozenset(b.key for b in s.blocks if wanted[b.key] == DEVICE) for s in stages]
-    homes = {key: (DISK if tier == DISK else HOST) for key, tier in wanted.items()}
+    resident = [frozenset(b.key for b in s.blocks if wanted[b.key] == Tier.DEVICE) for s in stages]
+    homes = {key: (Tier.DISK if tier == Tier.DISK else Tier.HOST) for key, tier in wanted.items()}
     stage_plans = tuple(stage_plan(s, r, homes, 1) for s, r in zip(stages, resident))
     sizes = {b.key: b.bytes for s in stages for b in s.blocks}
-    host_keys = [k for k, h in homes.items() if h == HOST]
+    host_keys = [k for k, h in homes.items() if h == Tier.HOST]
     return Plan(
         budget=Budget(),
         prefetch=1,
@@ -446,18 +478,18 @@ def _forced_plan(stages: list[StageInput], force_tiers: Mapping[str, str]) -> Pl
     )
 
 
-def _tiers_from_plan(plan: Plan, blocks: dict[str, list[LiveBlock]]) -> dict[str, str]:
-    """One tier per block: "device" where any stage keeps it resident, else its home."""
+def _tiers_from_plan(plan: Plan, blocks: dict[str, list[LiveBlock]]) -> dict[str, Tier]:
+    """One tier per block: Tier.DEVICE where any stage keeps it resident, else its home."""
     live = {b.key for component_blocks in blocks.values() for b in component_blocks}
-    tiers: dict[str, str] = {}
+    tiers: dict[str, Tier] = {}
     unknown = []
     for stage in plan.stages:
         for p in stage.placements:
             key = f"{p.component}/{p.block}"
             if key not in live:
                 unknown.append(key)
-            elif p.where == DEVICE or tiers.get(key) == DEVICE:
-                tiers[key] = DEVICE
+            elif p.where == Tier.DEVICE or tiers.get(key) == Tier.DEVICE:
+                tiers[key] = Tier.DEVICE
             else:
                 tiers[key] = p.where
     if unknown:
@@ -493,31 +525,32 @@ def _apply_component(name, module, component_blocks, tiers, state: _State, model
         return opened[0]
 
     for block in component_blocks:
-        tier = tiers.get(block.key, DEVICE)
+        tier = tiers.get(block.key, Tier.DEVICE)
         for hooked, tensors in block.units:
             slots = []
             for owner, attr, tensor, is_param, full_name in tensors:
                 separate = runtime.separate_memory
                 run_dtype = _run_dtype(tensor, state.dtype)
-                if separate and (tier == DEVICE or tensor is anchor) and not runtime.device_runtime.owns(tensor):
-                    slot = Slot(owner, attr, tensor, home=None, kind="device")
+                if separate and (tier == Tier.DEVICE or tensor is anchor) and not runtime.device_runtime.owns(tensor):
+                    slot = Slot(owner, attr, tensor, home=None, kind=SlotKind.DEVICE)
                     tensor.data = runtime.device_runtime.to_device(tensor.data)
                     state.slots.append(slot)
                     continue
-                if tier == DISK and is_param and is_adapter_weight(full_name):
-                    tier_of_tensor = HOST  # a LoRA's own tensor is in no model file: it stays in memory
+                if tier == Tier.DISK and is_param and is_adapter_weight(full_name):
+                    tier_of_tensor = Tier.HOST  # a LoRA's own tensor is in no model file: it stays in memory
                 else:
                     tier_of_tensor = tier
-                if tier_of_tensor == DEVICE or tensor is anchor or (not separate and (tier_of_tensor == HOST or not is_param)):
+                if tier_of_tensor == Tier.DEVICE or tensor is anchor or (
+                        not separate and (tier_of_tensor == Tier.HOST or not is_param)):
                     # On the CPU host RAM is the device: the tensor stays where it is (module.dtype and
                     # module.device read the anchor: see the module docstring), in its run dtype.
                     if run_dtype != tensor.dtype or (state.own_resident and is_param):
                         _own_memory(tensor, run_dtype, full_name, module, *source_files(required=False))
                     continue
-                if tier_of_tensor == DISK and is_param:
+                if tier_of_tensor == Tier.DISK and is_param:
                     files, file_keys = source_files(required=True)
                     mapped = _checked_mapping(files, name, full_name, tensor, module, file_keys)
-                    slot = Slot(owner, attr, tensor, home=mapped, kind="mmap", dtype=run_dtype)
+                    slot = Slot(owner, attr, tensor, home=mapped, kind=SlotKind.MMAP, dtype=run_dtype)
                     state.slots.append(slot)
                     # The hook converts / copies it for each forward, or (same dtype, CPU) reads it
                     # ahead and drops its pages from this process after the block ran.
@@ -529,7 +562,7 @@ def _apply_component(name, module, component_blocks, tiers, state: _State, model
                 # host tier on a GPU (or a buffer of a disk block): its home is a place in the stage's
                 # pinned arena, filled by _place_host_tier once every such tensor is known.
                 files, file_keys = source_files(required=False)
-                slot = Slot(owner, attr, tensor, home=None, kind="host")
+                slot = Slot(owner, attr, tensor, home=None, kind=SlotKind.HOST)
                 source = None
                 if files is not None and not is_adapter_weight(full_name):
                     source = _file_view(files, full_name, tensor, module, file_keys)
@@ -602,7 +635,7 @@ def _make_staging_ring(state: _State) -> None:
     largest = 0
     for module in state.hooked:
         hook = HookRegistry.get(module).hooks[SwapHook.name]
-        homes = [slot.home_tensor() for slot in hook.slots if slot.kind == "mmap"]
+        homes = [slot.home_tensor() for slot in hook.slots if slot.kind == SlotKind.MMAP]
         largest = max(largest, sum(aligned(h.numel() * h.element_size()) for h in homes))
     if largest:
         runtime.ring = StagingRing(runtime.device_runtime, largest, runtime.window)
@@ -675,13 +708,13 @@ def _undo(state: _State) -> None:
     state.runtime.device_runtime.synchronize()  # no copy may still read an arena given back below
     for slot in reversed(state.slots):
         kind = slot.kind
-        if kind == "device":
+        if kind == SlotKind.DEVICE:
             data = slot.tensor.data.to(slot.device, copy=True)
-        elif kind == "host":
+        elif kind == SlotKind.HOST:
             data = slot.home_tensor().to(device=slot.device, dtype=slot.dtype, copy=True)  # out of the arena
         else:
             data = slot.home_tensor().to(device=slot.device, dtype=slot.dtype)
-            if kind == "mmap" and data.data_ptr() == slot.home_tensor().data_ptr():
+            if kind == SlotKind.MMAP and data.data_ptr() == slot.home_tensor().data_ptr():
                 data = data.clone()  # restore an owned tensor, not a view of the mapped file
         slot.tensor.data = data
     state.slots.clear()

@@ -34,7 +34,7 @@ from memfit.run.stages import (
     run_result,
 )
 
-__all__ = ["Generation", "encode", "generate"]
+__all__ = ["Generation", "check_conditioning", "encode", "generate"]
 
 
 @collects_only_its_own_garbage

@@ -40,14 +40,14 @@ import torch
 
 from memfit.devices import DeviceRuntime
 from memfit.errors import MemfitError
+from memfit.text_enum import TextEnum
 from memfit.run.timeline import record_move
 from memfit.safetensors_header import TORCH_DTYPES, read_header
 
 __all__ = ["ALIGNMENT", "HookRegistry", "MappedSafetensors", "ModuleHook", "MappedPages", "Runtime", "Shared", "Slot",
-           "StagingRing", "SwapHook", "aligned", "weights_ready"]
+           "SlotKind", "StagingRing", "SwapHook", "aligned", "weights_ready"]
 
 REGISTRY_ATTR = "_memfit_hooks"
-_TIER_OF_KIND = {"mmap": "disk", "host": "host", "device": "device"}
 #: Offsets inside a pinned arena are multiples of this (the device allocator's own granularity), so
 #: every tensor view is aligned for its dtype and for the copy engine.
 ALIGNMENT = 256
@@ -122,10 +122,6 @@ class HookRegistry:
             self.module._forward_hooks_always_called.pop(self._post_id, None)
             self._pre_id = self._post_id = None
             self.module.__dict__.pop(REGISTRY_ATTR, None)
-
-    def remove_all(self) -> None:
-        for name in reversed(list(self.hooks)):
-            self.remove(name)
 
     # Hook dispatch swaps tensors, waits on events and starts threads: nothing a compiled graph can
     # hold. Disabled for the compiler, each call is one clean boundary instead of a trace that
@@ -262,14 +258,28 @@ class MappedSafetensors:
 # --- swapping -------------------------------------------------------------------------------------
 
 
+class SlotKind(TextEnum):
+    """Where a Slot's home is: a memory-mapped view of the model's file, a host tensor, or nowhere
+    (the tensor itself was moved to the device)."""
+
+    MMAP = "mmap"
+    HOST = "host"
+    DEVICE = "device"
+
+    @property
+    def tier(self) -> str:
+        """The plan tier a block of this kind is copied in from, as the timeline names it."""
+        return "disk" if self is SlotKind.MMAP else self.value
+
+
 class Slot:
     """One tensor memfit placed: where it lives outside a forward (``home``) and what to restore
     (its original dtype and device; the values come back from the home, which equals them)."""
 
-    def __init__(self, owner: torch.nn.Module, name: str, tensor: torch.Tensor, home, kind: str,
+    def __init__(self, owner: torch.nn.Module, name: str, tensor: torch.Tensor, home, kind: SlotKind,
                  dtype: torch.dtype | None = None):
         self.owner = owner
-        self.kind = kind  # "mmap" (home is a mapped view), "host" (home is a host tensor), "device" (moved)
+        self.kind = kind
         self.name = name
         self.tensor = tensor  # the Parameter / buffer object itself (never replaced)
         self.home = home  # Shared (mmap view) or a host tensor
@@ -430,7 +440,7 @@ class SwapHook(ModuleHook):
 
     @property
     def reads_files(self) -> bool:
-        return any(slot.kind == "mmap" for slot in self.slots)
+        return any(slot.kind == SlotKind.MMAP for slot in self.slots)
 
     def _materialize(self) -> list[torch.Tensor]:
         """The run form of every slot; on a GPU queued on the current stream."""
@@ -438,10 +448,10 @@ class SwapHook(ModuleHook):
         device = self.runtime.device_runtime
         ring = self.runtime.ring
         if device.separate_memory:
-            mapped = [slot for slot in self.slots if slot.kind == "mmap"] if ring is not None else []
+            mapped = [slot for slot in self.slots if slot.kind == SlotKind.MMAP] if ring is not None else []
             staged = iter(ring.copy_in(mapped)) if mapped else iter(())
-            out = [next(staged) if mapped and slot.kind == "mmap" else device.to_device(slot.home_tensor(), slot.dtype)
-                   for slot in self.slots]
+            out = [next(staged) if mapped and slot.kind == SlotKind.MMAP
+                   else device.to_device(slot.home_tensor(), slot.dtype) for slot in self.slots]
         else:
             for slot in self.slots:
                 if slot.pages is not None:
@@ -456,7 +466,7 @@ class SwapHook(ModuleHook):
                     slot.pages.release()  # converted: the mapped pages are not needed any more
         # On a GPU the end is when the copies were queued (they run on the side stream); on the CPU
         # a block used in place is only read ahead here, so the end is when the kernel was asked.
-        record_move(self.block, _TIER_OF_KIND.get(self.slots[0].kind, "host") if self.slots else "host",
+        record_move(self.block, self.slots[0].kind.tier if self.slots else "host",
                     "device", sum(t.numel() * t.element_size() for t in out), started, time.perf_counter())
         return out
 

@@ -123,8 +123,9 @@ class Session:
     """
 
     def __init__(self, model: str | Path | None = None, *, dtype: str = "fp32", device: str | torch.device | None = None,
-                 budget="auto", backend=None, fallback: str | None = None, warm: bool = True):
-        self.folder = open_model(model)
+                 budget="auto", backend=None, fallback: str | None = None, warm: bool = True,
+                 allow_pickle: bool = False):
+        self.folder = open_model(model, allow_pickle=allow_pickle)
         self.dtype = dtype
         self.device = torch.device(device) if device is not None else default_device()
         self.budget = budget

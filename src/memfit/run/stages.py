@@ -24,8 +24,8 @@ from memfit.plan.activations import StrategyKind
 from memfit.run.media import IMAGE_SUFFIXES, VIDEO_SUFFIXES, save_png, save_video
 from memfit.run.runner import Stage, StageContext
 
-__all__ = ["Generation", "decode_stage", "denoise_stage", "encode_stage", "open_model", "pipeline_stage", "png_metadata",
-           "run_result"]
+__all__ = ["Generation", "check_embeddings", "decode_stage", "denoise_stage", "encode_stage", "open_model",
+           "pipeline_stage", "png_metadata", "run_result"]
 
 
 def open_model(model: str | Path | ModelFolder | None, *, allow_pickle: bool = False) -> ModelFolder:
@@ -296,7 +296,7 @@ def run_result(output: list, settings: Settings, report, folder: ModelFolder, dt
 
 def png_metadata(settings: Settings, folder: ModelFolder, dtype: str) -> dict[str, str]:
     """What an output file records about its run, enough to make it again."""
-    from memfit import __version__
+    from memfit.version import __version__
 
     metadata = {
         "prompt": settings.prompt,

@@ -34,6 +34,7 @@ from memfit.run.generate import check_conditioning
 from memfit.run.samplers import SAMPLERS, resolve_sampler, sampler_names
 from memfit.run.session import Session
 from memfit.serve.jobs import Job, JobQueue
+from memfit.version import __version__
 
 __all__ = ["Img2ImgRequest", "Limits", "Txt2ImgRequest", "create_app"]
 
@@ -116,7 +117,7 @@ def create_app(session: Session, *, limits: Limits = Limits(), auth: str | None 
         yield
         await asyncio.to_thread(queue.stop)  # waiting jobs cancelled; the running one finishes first
 
-    app = FastAPI(title="memfit serve", version=_version(), lifespan=lifespan)
+    app = FastAPI(title="memfit serve", version=__version__, lifespan=lifespan)
     app.state.queue = queue
     app.state.session = session
 
@@ -175,7 +176,7 @@ def create_app(session: Session, *, limits: Limits = Limits(), auth: str | None 
             "seed_resize_from_w": -1, "seed_resize_from_h": -1, "denoising_strength": first.get("strength"),
             "restore_faces": False, "clip_skip": None, "job_timestamp": time.strftime("%Y%m%d%H%M%S"),
             "infotexts": [_infotext(body.prompt, body.negative_prompt, run, sampler, title) for run in runs[:len(job.images)]],
-            "version": f"memfit {_version()}",
+            "version": f"memfit {__version__}",
             "memfit": {"job": job.id, "state": job.state, "report": f"/memfit/v1/report/{job.id}",
                        "interrupted": job.state == "interrupted", "ignored_fields": _ignored(body, conditioning),
                        "seconds": round((job.finished or time.time()) - job.started, 3) if job.started else None},
@@ -381,9 +382,3 @@ def _infotext(prompt: str, negative: str | None, run: dict, sampler: str | None,
                  f"Seed: {run['seed']}, Size: {run['width']}x{run['height']}, Model: {title}"
                  + (f", Denoising strength: {run['strength']}" if run.get("strength") is not None else ""))
     return "\n".join(lines)
-
-
-def _version() -> str:
-    from memfit import __version__
-
-    return __version__

@@ -74,5 +74,5 @@ def supporting(task: str) -> list[str]:
                   if task == TEXT2IMG or task in adapter.tasks) if task else sorted(ADAPTERS)
 
 
-__all__ = ["ADAPTERS", "DENOISER_NAMES", "DENOISE_COMPANIONS", "Conditioning", "GenericAdapter", "PipelineAdapter",
-           "Settings", "adapter_for", "run_together", "supporting"]
+__all__ = ["ADAPTERS", "DENOISER_NAMES", "DENOISE_COMPANIONS", "TEXT2IMG", "Conditioning", "GenericAdapter",
+           "PipelineAdapter", "Settings", "adapter_for", "run_together", "supporting"]

@@ -1,0 +1,43 @@
+"""The arguments ``memfit generate``, ``memfit serve`` and ``memfit batch`` share: the model, how it
+loads, and how it runs (budget, backend). One definition, so the three commands take the same flags."""
+
+from __future__ import annotations
+
+import argparse
+
+from memfit.compile.backends.registry import list_backends
+
+__all__ = ["add_model_args", "add_run_args", "run_options"]
+
+BUDGET_HELP = ("memory budget for each stage (the process, weights and activations): auto (default: what this machine, "
+               "container or GPU can spare now), none (no planning), or a size such as 2GiB or 6GB (=6*10^9 bytes)")
+
+
+def add_model_args(parser: argparse.ArgumentParser) -> None:
+    """--model, --dtype, --device and --allow-pickle: which model, and how it loads."""
+    parser.add_argument("--model", help="diffusers model folder (default: memfit's built-in demo model)")
+    parser.add_argument("--dtype", choices=("fp32", "bf16", "fp16"), default="fp32", help="run dtype (default fp32)")
+    parser.add_argument("--device", help="torch device, e.g. cpu or cuda:0 (default: cuda if available)")
+    parser.add_argument("--allow-pickle", action="store_true",
+                        help="load pickle checkpoints (.bin, .pt, .pth, .ckpt) with torch's weights_only loader; "
+                        "refused by default (convert them to safetensors instead)")
+
+
+def add_run_args(parser: argparse.ArgumentParser, *, budget_note: str = "") -> None:
+    """add_model_args, then --budget (``budget_note`` says what the command does with it), --backend
+    (the backends the registry knows, built-in and installed) and --fallback."""
+    add_model_args(parser)
+    parser.add_argument("--budget", default="auto", help=BUDGET_HELP + (f"; {budget_note}" if budget_note else ""))
+    parser.add_argument("--backend", help=f"compile with a backend: NAME ({', '.join(list_backends())}) or per "
+                        "component, e.g. unet=openvino,vae=eager")
+    parser.add_argument("--fallback", choices=("eager",), help="if a backend fails on a component, run it eagerly "
+                        "(reported)")
+
+
+def run_options(args: argparse.Namespace) -> dict:
+    """The keyword arguments of add_run_args' flags, as memfit.generate, Session and BatchOptions take them."""
+    from memfit.compile.entry_points import parse_backend_arg
+
+    return {"model": args.model, "dtype": args.dtype, "device": args.device, "allow_pickle": args.allow_pickle,
+            "budget": args.budget, "backend": parse_backend_arg(args.backend) if args.backend else None,
+            "fallback": args.fallback}
