@@ -49,21 +49,6 @@ BASE_CLASS = "StableDiffusionXLPipeline"
 REFINER_CLASS = "StableDiffusionXLImg2ImgPipeline"
 
 
-class _CallWith:
-    """A pipeline whose __call__ gets extra keyword arguments (the base's denoising_end), so the
-    base adapter's own denoise code runs unchanged; every attribute is the pipeline's."""
-
-    def __init__(self, pipe, **kwargs):
-        self._pipe = pipe
-        self._kwargs = kwargs
-
-    def __getattr__(self, name):
-        return getattr(self._pipe, name)
-
-    def __call__(self, *args, **kwargs):
-        return self._pipe(*args, **kwargs, **self._kwargs)
-
-
 def _check_pair(base: ModelFolder, refiner: ModelFolder, refiner_start: float) -> None:
     if base.class_name != BASE_CLASS:
         raise MemfitError(
@@ -113,7 +98,8 @@ def generate_with_refiner(
     generator = torch.Generator(device="cpu").manual_seed(settings.seed)
 
     def base_run(adapter, pipe, embeddings, results, split):
-        return adapter.denoise(_CallWith(pipe, denoising_end=refiner_start), embeddings, settings, generator, split=split)
+        return adapter.denoise(pipe, embeddings, settings, generator, split=split,
+                               inputs={"denoising_end": refiner_start})
 
     def refiner_run(adapter, pipe, embeddings, results, split):
         return adapter.refine(pipe, embeddings, settings, results.pop("denoise"), refiner_start, generator, split=split)

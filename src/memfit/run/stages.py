@@ -184,8 +184,7 @@ def denoise_stage(folder: ModelFolder, settings: Settings, embeddings: Callable[
         inputs = conditioning.pipeline_inputs()
         with torch.inference_mode(), sampler_scheduler(pipe, sampler), _chunked_if(chunked, pipe):
             if run is None:
-                extra = {"inputs": inputs} if inputs else {}
-                latents = adapter.denoise(pipe, embeddings(results), settings, generator, split=split, **extra)
+                latents = adapter.denoise(pipe, embeddings(results), settings, generator, split=split, inputs=inputs)
             else:
                 latents = run(adapter, pipe, embeddings(results), results, split)
         check_finite(latents, name, folder, [c for c in adapter.denoise_components if c in folder.components])
