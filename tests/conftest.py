@@ -36,6 +36,48 @@ def tiny_models(tmp_path_factory):
     return get
 
 
+@pytest.fixture(scope="session")
+def memfit_server():
+    """``with memfit_server(model, *flags) as (process, url):`` runs `memfit serve --model MODEL` on a
+    free loopback port, answering at ``url``, until the block ends (killed if it still runs)."""
+    import contextlib
+    import socket
+    import subprocess
+    import sys
+    import time
+
+    import httpx
+
+    @contextlib.contextmanager
+    def serve(model: str, *flags: str):
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        # Its output goes to a file: a pipe nobody reads would stall a server that runs for a whole module.
+        with tempfile.TemporaryFile("w+") as log:
+            process = subprocess.Popen([sys.executable, "-m", "memfit", "serve", "--model", model, "--port", str(port),
+                                        *flags], stdout=log, stderr=subprocess.STDOUT, text=True)
+            url = f"http://127.0.0.1:{port}"
+            try:
+                deadline = time.time() + 120
+                while time.time() < deadline and process.poll() is None:
+                    try:
+                        if httpx.get(url + "/sdapi/v1/options", timeout=2).status_code == 200:
+                            break
+                    except httpx.TransportError:
+                        time.sleep(0.2)
+                else:
+                    log.seek(0)
+                    pytest.fail("server did not start: " + log.read())
+                yield process, url
+            finally:
+                if process.poll() is None:
+                    process.kill()
+                    process.wait(30)
+
+    return serve
+
+
 def pytest_sessionfinish(session, exitstatus):
     import shutil
 

@@ -4,7 +4,6 @@ images, a client killed mid-request does not stall the queue, SIGTERM drains the
 import base64
 import json
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -19,32 +18,10 @@ pytestmark = pytest.mark.slow  # starts a server process and runs a few dozen ge
 BASE = {"prompt": "a red circle", "negative_prompt": "blurry", "steps": 2, "cfg_scale": 3.5, "width": 32, "height": 32}
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture
-def server(tiny_models):
-    port = free_port()
-    process = subprocess.Popen([sys.executable, "-m", "memfit", "serve", "--model", tiny_models("sd"), "--port", str(port)],
-                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.time() + 120
-    while time.time() < deadline:
-        try:
-            if httpx.get(url + "/sdapi/v1/options", timeout=2).status_code == 200:
-                break
-        except httpx.TransportError:
-            time.sleep(0.2)
-    else:
-        process.kill()
-        pytest.fail("server did not start: " + process.stdout.read())
-    yield process, url
-    if process.poll() is None:
-        process.kill()
-        process.wait(30)
+def server(tiny_models, memfit_server):
+    with memfit_server(tiny_models("sd")) as running:
+        yield running
 
 
 def post(url, body, timeout=300):
