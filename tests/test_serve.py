@@ -80,7 +80,7 @@ def test_a_mapped_sampler_equals_memfit_generate_with_it(served, tmp_path):
     assert png == generated_png(model, tmp_path, *cli_args(3), "--sampler", "Euler a")
     assert Image.open(io.BytesIO(png)).text["sampler"] == "Euler a"
     assert png != generated_png(model, tmp_path, *cli_args(3)), "the sampler changed nothing"
-    karras = client.post("/sdapi/v1/txt2img", json={**BASE, "seed": 3, "sampler_name": "DPM++ 2M", "scheduler": "Karras"})
+    karras = client.post("/sdapi/v1/txt2img", json={**BASE, "seed": 3, "sampler_name": "DPM++ 2M", "scheduler": "karras"})
     assert json.loads(karras.json()["info"])["sampler_name"] == "DPM++ 2M Karras"
 
 
@@ -98,7 +98,11 @@ def test_seed_minus_one_is_random_and_reported(served):
 
 @pytest.mark.parametrize("body, says", [
     ({"sampler_name": "DPM fast"}, "no diffusers equivalent"),
-    ({"sampler_name": "Euler", "scheduler": "Exponential"}, "Automatic or Karras"),
+    ({"sampler_name": "Euler", "scheduler": "Polyexponential"}, "not a schedule type memfit can follow; use one of: "
+                                                               "automatic, karras, exponential"),
+    ({"sampler_name": "Euler a", "scheduler": "karras"}, "cannot follow the Karras schedule type on this model; "
+                                                        "use one of: Automatic, SGM Uniform, Simple"),
+    ({"sampler_name": "k_euler_a", "scheduler": "beta"}, "'Euler a' cannot follow the Beta schedule type"),
     ({"width": 36}, "multiple of 8"),
     ({"steps": 41}, "at most 40"),
     ({"width": 128, "height": 64}, "pixels"),
@@ -144,6 +148,30 @@ def test_models_options_samplers_and_progress_when_idle(served):
     assert progress["progress"] == 0 and progress["state"]["job_count"] == 0 and progress["memfit"]["queue_length"] == 0
     page = client.get("/")
     assert page.status_code == 200 and 'id="prompt"' in page.text and "/sdapi/v1/txt2img" in page.text
+
+
+def test_memory_in_a1111s_shape_on_a_gpu_and_without_one(served):
+    from memfit.testing.fake_cuda import DEFAULT_TOTAL, fake_cuda
+
+    _, _, model = served
+    with TestClient(create_app(Session(model, device="cpu"))) as cpu:
+        on_cpu = cpu.get("/sdapi/v1/memory").json()
+    assert on_cpu["cuda"] == {"error": "unavailable: this server runs on cpu"}
+    assert on_cpu["ram"]["total"] >= on_cpu["ram"]["used"] > 0
+    with fake_cuda(), TestClient(create_app(Session(model, device="cuda"))) as gpu:
+        cuda = gpu.get("/sdapi/v1/memory").json()["cuda"]
+    assert cuda["system"] == {"free": DEFAULT_TOTAL, "used": 0, "total": DEFAULT_TOTAL}
+    assert set(cuda) == {"system", "allocated", "reserved", "events"}
+
+
+def test_extras_past_the_pixel_limit_or_with_face_restoration_get_422(served):
+    client, _, _ = served
+    image = b64_png(Image.new("RGB", (32, 32)))
+    too_big = client.post("/sdapi/v1/extra-single-image", json={"image": image, "upscaler_1": "Lanczos",
+                                                                "upscaling_resize": 4})
+    assert too_big.status_code == 422 and "16384 pixels, more than the 4096" in too_big.json()["detail"]
+    faces = client.post("/sdapi/v1/extra-single-image", json={"image": image, "gfpgan_visibility": 1})
+    assert faces.status_code == 422 and "no face restorers" in faces.json()["detail"]
 
 
 def test_progress_then_interrupt_stops_the_running_request(served):

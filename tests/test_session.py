@@ -93,6 +93,33 @@ def test_a_sampler_without_an_equivalent_is_refused_before_anything_loads(tiny_m
     assert resolve_sampler("DPM++ 2M Karras", "PNDMScheduler") == ("DPMSolverMultistepScheduler", {"use_karras_sigmas": True})
 
 
+def test_a1111_schedule_types_and_aliases_are_read_as_a1111_reads_them():
+    import diffusers
+
+    from memfit.errors import MemfitError
+    from memfit.run.samplers import resolve_sampler, sampler_label, schedules_for, split_sampler
+
+    def label(name, scheduler=None):
+        return sampler_label(*split_sampler(name, scheduler, "PNDMScheduler"))
+
+    # a schedule type's name or label; one in the sampler's name wins, as in A1111
+    assert label("DPM++ 2M", "karras") == label("DPM++ 2M", "Karras") == label("DPM++ 2M Karras", "exponential") \
+        == "DPM++ 2M Karras"
+    assert label("k_euler_a", "automatic") == label("Euler a", "") == "Euler a"
+    assert label("DPM++ 2M SDE", "sgm_uniform") == label("DPM++ 2M SDE SGMUniform") == "DPM++ 2M SDE SGM Uniform"
+    cls, overrides = resolve_sampler("Euler SGM Uniform", "PNDMScheduler")
+    built = getattr(diffusers, cls).from_config(diffusers.PNDMScheduler().config, **overrides)
+    assert built.config.timestep_spacing == "trailing"
+    # EulerAncestral takes no Karras sigmas: from_config would drop them without a word, so it is refused
+    assert [s.name for s in schedules_for("PNDMScheduler", "Euler a")] == ["automatic", "sgm_uniform", "simple"]
+    with pytest.raises(MemfitError, match="cannot follow the Karras schedule type on this model; use one of: "
+                                          "Automatic, SGM Uniform, Simple"):
+        resolve_sampler("Euler a Karras", "PNDMScheduler")
+    with pytest.raises(MemfitError, match="'Align Your Steps' is not a schedule type memfit can follow"):
+        split_sampler("Euler", "Align Your Steps", "PNDMScheduler")
+    assert [s.name for s in schedules_for("FlowMatchEulerDiscreteScheduler")] == ["automatic"]
+
+
 def _pixels(result):
     return np.asarray(result.images[0])
 

@@ -34,13 +34,16 @@ def check_bind(host: str, auth: str | None) -> None:
     """Refuse to serve beyond this machine without a password, and a malformed --api-auth."""
     if auth is not None and (":" not in auth or not auth.split(":", 1)[0] or not auth.split(":", 1)[1]):
         raise MemfitError("--api-auth takes USER:PASSWORD, both non-empty.")
-    try:
-        loopback = host == "localhost" or ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        loopback = False
-    if not loopback and auth is None:
+    if not _loopback(host) and auth is None:
         raise MemfitError(f"--host {host} lets other machines reach the server; add --api-auth USER:PASSWORD, "
                           "or bind 127.0.0.1.")
+
+
+def _loopback(host: str) -> bool:
+    try:
+        return host == "localhost" or ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
 
 
 def _serve(args) -> int:
@@ -59,7 +62,11 @@ def _serve(args) -> int:
     # A checkpoint memfit refuses (pickle without --allow-pickle, a truncated file) stops the server
     # here, with the message memfit generate gives, not at every request.
     session.folder.check_weights(planned_models(session.folder.adapter))
-    app = create_app(session, limits=Limits(args.max_steps, args.max_pixels, args.max_images), auth=args.api_auth)
+    # /sdapi/v1/cmd-flags: A1111's own names where the meaning is the same (port, listen), memfit's otherwise.
+    flags = {"host": args.host, "port": args.port, "listen": not _loopback(args.host), "backend": args.backend,
+             "fallback": args.fallback, "allow_pickle": args.allow_pickle}
+    app = create_app(session, limits=Limits(args.max_steps, args.max_pixels, args.max_images), auth=args.api_auth,
+                     flags=flags)
 
     class Server(uvicorn.Server):
         def handle_exit(self, sig, frame):

@@ -9,6 +9,11 @@ changing nothing. Each image is one memfit.generate run with seed, seed+1, ... (
 batch), so every image equals what `memfit generate` writes for its seed, PNG metadata included.
 /sdapi/v1/img2img is the same request with an init image (and a mask to inpaint): the same job path,
 each image equal to what `memfit generate --image --strength [--mask]` writes.
+
+The other routes A1111's clients call answer in A1111's shapes: samplers and schedulers (what this
+model can take), png-info, the model and extra-network lists (memfit serves one model folder, and
+no LoRA, VAE or embedding folders), the refresh calls (nothing to rescan), cmd-flags, memory, and
+extras upscaling with the upscalers that need no model (memfit.serve.upscale).
 """
 
 from __future__ import annotations
@@ -16,13 +21,14 @@ from __future__ import annotations
 import asyncio
 import base64
 import binascii
+import html
 import io
 import json
 import secrets
 import time
 from dataclasses import dataclass
 from importlib import resources
-from typing import Any
+from typing import Any, Literal
 
 from fastapi import FastAPI, HTTPException, Request
 from fastapi.responses import HTMLResponse, JSONResponse
@@ -31,12 +37,15 @@ from pydantic import BaseModel, ConfigDict
 from memfit.errors import MemfitError
 from memfit.models.families import Conditioning
 from memfit.run.generate import check_conditioning
-from memfit.run.samplers import SAMPLERS, resolve_sampler, sampler_names
+from memfit.run.media import png_bytes
+from memfit.run.samplers import SAMPLERS, resolve_sampler, sampler_label, sampler_names, schedules_for, split_sampler
 from memfit.run.session import Session
+from memfit.serve.infotext import image_text, infotext, read_parameters
 from memfit.serve.jobs import Job, JobQueue
+from memfit.serve.upscale import UPSCALERS, Upscale, upscale
 from memfit.version import __version__
 
-__all__ = ["Img2ImgRequest", "Limits", "Txt2ImgRequest", "create_app"]
+__all__ = ["ExtrasSingleImageRequest", "Img2ImgRequest", "Limits", "Txt2ImgRequest", "create_app"]
 
 MAX_SEED = 2**32 - 1  # A1111 draws random seeds below 2**32
 
@@ -66,7 +75,7 @@ class Txt2ImgRequest(BaseModel):
     n_iter: int = 1
     sampler_name: str | None = None
     sampler_index: str | None = None  # A1111's older name for sampler_name
-    scheduler: str | None = None  # A1111 1.9+: "Automatic" or "Karras" (appended to the sampler's name)
+    scheduler: str | None = None  # A1111 1.9+: a schedule type's name or label ("karras", "Karras"); None: automatic
     force_task_id: str | None = None  # the id /progress?id_task= and /memfit/v1/report/ know the job by
     send_images: bool = True
     save_images: bool = False
@@ -81,33 +90,69 @@ class Img2ImgRequest(Txt2ImgRequest):
     mask: str | None = None  # base64; white is repainted, black kept
 
 
-# Fields A1111 clients send with their defaults; only a value other than these is reported as ignored.
-HARMLESS_DEFAULTS = {"styles": [], "subseed": -1, "subseed_strength": 0, "seed_resize_from_h": -1,
-                     "seed_resize_from_w": -1, "restore_faces": False, "tiling": False, "do_not_save_samples": False,
-                     "do_not_save_grid": False, "enable_hr": False, "denoising_strength": None, "eta": None,
-                     "s_churn": None, "s_tmax": None, "s_tmin": None, "s_noise": None, "override_settings": {},
-                     "override_settings_restore_afterwards": True, "script_args": [], "script_name": None,
-                     "alwayson_scripts": {}, "comments": {}, "infotext": None, "firstpass_image": None,
-                     "refiner_checkpoint": None, "refiner_switch_at": None, "disable_extra_networks": False,
-                     "hr_scale": 2, "hr_upscaler": None, "hr_second_pass_steps": 0, "hr_resize_x": 0,
-                     "hr_resize_y": 0, "hr_checkpoint_name": None, "hr_sampler_name": None, "hr_scheduler": None,
-                     "hr_prompt": "", "hr_negative_prompt": "", "clip_skip": None, "clip_skip_1": None}
+class PngInfoRequest(BaseModel):
+    """POST /sdapi/v1/png-info."""
+
+    image: str  # base64, with or without a "data:image/...;base64," prefix
+
+
+class ExtrasSingleImageRequest(BaseModel):
+    """POST /sdapi/v1/extra-single-image, as AUTOMATIC1111's ExtrasSingleImageRequest names it."""
+
+    model_config = ConfigDict(extra="allow")
+
+    image: str
+    resize_mode: Literal[0, 1] = 0  # 0: scale by upscaling_resize; 1: scale to upscaling_resize_w x _h
+    show_extras_results: bool = True
+    gfpgan_visibility: float = 0
+    codeformer_visibility: float = 0
+    codeformer_weight: float = 0
+    upscaling_resize: float = 2
+    upscaling_resize_w: int = 512
+    upscaling_resize_h: int = 512
+    upscaling_crop: bool = True
+    upscaler_1: str = "None"
+    upscaler_2: str = "None"
+    extras_upscaler_2_visibility: float = 0
+    upscale_first: bool = False
+
+
+# Fields A1111 clients send that memfit does not act on, with the values that change nothing in A1111
+# either (its own defaults, and what its settings make of None); only another value is reported as
+# ignored. Those in HIRES_ONLY act only with enable_hr, so without it any value is harmless.
+HARMLESS = {"styles": ([],), "subseed": (-1,), "subseed_strength": (0,), "seed_resize_from_h": (-1, 0),
+            "seed_resize_from_w": (-1, 0), "restore_faces": (False, None), "tiling": (False, None),
+            "do_not_save_samples": (False,), "do_not_save_grid": (False,), "enable_hr": (False,),
+            "s_churn": (None, 0), "s_tmax": (None, 0), "s_tmin": (None, 0), "s_noise": (None, 1),
+            "override_settings": ({}, None), "override_settings_restore_afterwards": (True,), "script_args": ([],),
+            "script_name": (None,), "alwayson_scripts": ({},), "comments": ({},), "infotext": (None,),
+            "refiner_checkpoint": (None,), "refiner_switch_at": (None,), "disable_extra_networks": (False,),
+            "clip_skip": (None,), "clip_skip_1": (None,)}
+HIRES_ONLY = {"denoising_strength", "firstphase_width", "firstphase_height", "firstpass_image", "hr_scale",
+              "hr_upscaler", "hr_second_pass_steps", "hr_resize_x", "hr_resize_y", "hr_checkpoint_name",
+              "hr_sampler_name", "hr_scheduler", "hr_prompt", "hr_negative_prompt", "hr_cfg"}
+# A1111's eta when a request leaves it out: eta_ddim (0) for DDIM, eta_ancestral (1) for the others
+# (the samplers without noise of their own take no eta at all).
+ETA_DEFAULT = {"DDIM": 0}
 
 # img2img fields memfit does not act on, with the values that change nothing in A1111 either; any other
 # value is reported as ignored (None, A1111's "not set", never is). Those in MASK_ONLY act only on
 # inpainting, so without a mask any value is harmless. inpainting_fill has no harmless value: diffusers'
 # inpaint pipeline fills the masked area its own way.
-IMG2IMG_HARMLESS = {"resize_mode": 0, "include_init_images": False, "mask_blur": 0, "mask_blur_x": 0,
-                    "mask_blur_y": 0, "inpainting_fill": object(), "inpaint_full_res": False,
-                    "inpaint_full_res_padding": 0, "inpainting_mask_invert": 0, "initial_noise_multiplier": None,
-                    "image_cfg_scale": None, "latent_mask": None, "mask_round": True}
+IMG2IMG_HARMLESS = {"resize_mode": (0,), "include_init_images": (False,), "mask_blur": (0,), "mask_blur_x": (0,),
+                    "mask_blur_y": (0,), "inpainting_fill": (), "inpaint_full_res": (False,),
+                    "inpaint_full_res_padding": (0,), "inpainting_mask_invert": (0,),
+                    "initial_noise_multiplier": (1,), "image_cfg_scale": (1.5,), "latent_mask": (),
+                    "mask_round": (True,)}
 MASK_ONLY = {"mask_blur", "mask_blur_x", "mask_blur_y", "inpainting_fill", "inpaint_full_res",
              "inpaint_full_res_padding", "inpainting_mask_invert", "latent_mask", "mask_round"}
 
 
-def create_app(session: Session, *, limits: Limits = Limits(), auth: str | None = None) -> FastAPI:
+def create_app(session: Session, *, limits: Limits = Limits(), auth: str | None = None,
+               flags: dict[str, Any] | None = None) -> FastAPI:
     """The app serving ``session``'s model. ``auth`` ("user:password") turns on HTTP basic auth for
-    every route, as A1111's --api-auth does."""
+    every route, as A1111's --api-auth does. ``flags``: what only the command line knows (where it
+    listens, how it loads), added to /sdapi/v1/cmd-flags."""
     queue = JobQueue(session)
     folder = session.folder
     title = folder.path.name or str(folder.path)
@@ -166,6 +211,7 @@ def create_app(session: Session, *, limits: Limits = Limits(), auth: str | None 
         if job.state == "cancelled":
             raise HTTPException(503, job.error or "The request was cancelled before it ran.")
         first = runs[0]
+        base_sampler = split_sampler(sampler, None, own_scheduler)[0] if sampler else None
         info = {
             "prompt": body.prompt, "all_prompts": [body.prompt] * len(job.images),
             "negative_prompt": body.negative_prompt, "all_negative_prompts": [body.negative_prompt] * len(job.images),
@@ -175,10 +221,10 @@ def create_app(session: Session, *, limits: Limits = Limits(), auth: str | None 
             "batch_size": body.batch_size, "n_iter": body.n_iter, "sd_model_name": title, "sd_model_hash": None,
             "seed_resize_from_w": -1, "seed_resize_from_h": -1, "denoising_strength": first.get("strength"),
             "restore_faces": False, "clip_skip": None, "job_timestamp": time.strftime("%Y%m%d%H%M%S"),
-            "infotexts": [_infotext(body.prompt, body.negative_prompt, run, sampler, title) for run in runs[:len(job.images)]],
+            "infotexts": [infotext(body.prompt, body.negative_prompt, run, sampler, title) for run in runs[:len(job.images)]],
             "version": f"memfit {__version__}",
             "memfit": {"job": job.id, "state": job.state, "report": f"/memfit/v1/report/{job.id}",
-                       "interrupted": job.state == "interrupted", "ignored_fields": _ignored(body, conditioning),
+                       "interrupted": job.state == "interrupted", "ignored_fields": _ignored(body, conditioning, base_sampler),
                        "seconds": round((job.finished or time.time()) - job.started, 3) if job.started else None},
         }
         images = [base64.b64encode(png).decode() for png in job.images] if body.send_images else []
@@ -222,7 +268,75 @@ def create_app(session: Session, *, limits: Limits = Limits(), auth: str | None 
 
     @app.get("/sdapi/v1/samplers")
     async def samplers():
-        return [{"name": name, "aliases": [], "options": {}} for name in sampler_names(own_scheduler)]
+        return [{"name": name, "aliases": list(SAMPLERS[name][2]),
+                 "options": {"memfit_scheduler": resolve_sampler(name, own_scheduler)[0]}}
+                for name in sampler_names(own_scheduler)]
+
+    @app.get("/sdapi/v1/schedulers")
+    async def schedulers():
+        return [{"name": s.name, "label": s.label, "aliases": list(s.aliases) or None, "default_rho": s.default_rho,
+                 "need_inner_model": s.need_inner_model} for s in schedules_for(own_scheduler)]
+
+    @app.get("/sdapi/v1/upscalers")
+    async def upscalers():
+        return [{"name": name, "model_name": None, "model_path": None, "model_url": None, "scale": 4}
+                for name in UPSCALERS]
+
+    @app.post("/sdapi/v1/png-info")
+    async def png_info(body: PngInfoRequest):
+        text, items, parameters = read_parameters(_decode_image(body.image, "image", None))
+        return {"info": text, "items": items, "parameters": parameters}
+
+    @app.post("/sdapi/v1/extra-single-image")
+    async def extra_single_image(body: ExtrasSingleImageRequest):
+        if body.gfpgan_visibility > 0 or body.codeformer_visibility > 0:
+            raise HTTPException(422, "memfit has no face restorers (GET /sdapi/v1/face-restorers lists none); send "
+                                     "gfpgan_visibility and codeformer_visibility 0.")
+        image = _decode_image(body.image, "image", None)
+        job = Upscale(body.upscaler_1, body.resize_mode, body.upscaling_resize, body.upscaling_resize_w,
+                      body.upscaling_resize_h, body.upscaling_crop, body.upscaler_2, body.extras_upscaler_2_visibility)
+        try:
+            job.check(image.size, limits.max_pixels)
+        except MemfitError as exc:
+            raise HTTPException(422, str(exc)) from exc
+        result, notes = await asyncio.to_thread(upscale, image, job)
+        text = ", ".join(f"{key}: {value}" for key, value in notes.items())
+        # The PNG keeps the input's own text (its parameters, memfit's chunks) and says what was done, as A1111's.
+        png = png_bytes(result, {**image_text(image), "postprocessing": text})
+        return {"image": base64.b64encode(png).decode(), "html_info": f"<p>{html.escape(text)}</p>"}
+
+    @app.get("/sdapi/v1/cmd-flags")
+    async def cmd_flags():
+        return {"api": True, "nowebui": False, "model": str(folder.path), "dtype": session.dtype,
+                "device": str(session.device), "budget": None if session.budget is None else str(session.budget),
+                "no_warm": session.pool is None, "max_steps": limits.max_steps, "max_pixels": limits.max_pixels,
+                "max_images": limits.max_images, "api_auth": None if auth is None else "<set>", **(flags or {})}
+
+    @app.get("/sdapi/v1/memory")
+    async def memory():
+        return {"ram": _host_memory(), "cuda": _device_memory(session.device)}
+
+    @app.get("/sdapi/v1/scripts")
+    async def scripts():
+        return {"txt2img": [], "img2img": []}
+
+    @app.get("/sdapi/v1/embeddings")
+    async def embeddings():
+        return {"loaded": {}, "skipped": {}}
+
+    # memfit serves the one model folder it was started with: there are no folders of LoRAs, VAEs,
+    # embeddings, styles or upscaler models to list, nor to rescan.
+    async def nothing_listed():
+        return []
+
+    async def nothing_to_refresh():
+        return None
+
+    for path in ("loras", "sd-vae", "hypernetworks", "face-restorers", "realesrgan-models", "prompt-styles",
+                 "latent-upscale-modes", "script-info"):
+        app.add_api_route(f"/sdapi/v1/{path}", nothing_listed, methods=["GET"])
+    for path in ("refresh-checkpoints", "refresh-loras", "refresh-vae", "refresh-embeddings"):
+        app.add_api_route(f"/sdapi/v1/{path}", nothing_to_refresh, methods=["POST"])
 
     @app.get("/sdapi/v1/options")
     async def get_options():
@@ -296,22 +410,18 @@ def create_app(session: Session, *, limits: Limits = Limits(), auth: str | None 
         return runs, seeds, sampler
 
     def _sampler(body: Txt2ImgRequest) -> str | None:
+        """memfit's name for the request's sampler and schedule type (None: the model's own scheduler)."""
         name = body.sampler_name or body.sampler_index
         if name in (None, "", "Default"):
-            if body.scheduler not in (None, "", "Automatic"):
+            if body.scheduler not in (None, "", "automatic", "Automatic"):
                 raise HTTPException(422, f"scheduler {body.scheduler!r} needs a sampler_name; name one (GET /sdapi/v1/samplers).")
             return None
-        if body.scheduler == "Karras" and not name.endswith(" Karras"):
-            if f"{name} Karras" not in SAMPLERS:
-                raise HTTPException(422, f"The sampler {name!r} has no Karras schedule here; use scheduler Automatic.")
-            name = f"{name} Karras"
-        elif body.scheduler not in (None, "", "Automatic", "Karras"):
-            raise HTTPException(422, f"scheduler {body.scheduler!r} is not supported; use Automatic or Karras.")
         try:
-            resolve_sampler(name, own_scheduler)
+            label = sampler_label(*split_sampler(name, body.scheduler, own_scheduler))
+            resolve_sampler(label, own_scheduler)
         except MemfitError as exc:
             raise HTTPException(422, str(exc)) from exc
-        return name
+        return label
 
     return app
 
@@ -324,6 +434,39 @@ async def _wait(job: Job, request: Request) -> None:
             queue.cancel(job)
             return
         await asyncio.sleep(0.05)
+
+
+def _host_memory() -> dict:
+    """A1111's "ram" entry from what memfit plans with: ``used`` is this process's resident memory,
+    ``free`` what it could still allocate (the container's limit counted), ``total`` the most it could have."""
+    import psutil
+
+    from memfit.plan.budget import read_host_memory
+
+    try:
+        host = read_host_memory()
+        used = psutil.Process().memory_info().rss
+    except (OSError, MemfitError) as exc:
+        return {"error": str(exc)}
+    return {"free": host.available, "used": used, "total": host.total or host.available + used}
+
+
+def _device_memory(device) -> dict:
+    """A1111's "cuda" entry for the server's device: its memory and what the process's allocator holds,
+    or an "error" entry where the server does not run on a GPU, as A1111 gives without one."""
+    from memfit.devices import runtime_for
+
+    if device.type != "cuda":
+        return {"error": f"unavailable: this server runs on {device}"}
+    try:
+        runtime = runtime_for(device)
+        free, total = runtime.mem_get_info()
+        return {"system": {"free": free, "used": total - free, "total": total},
+                "allocated": {"current": runtime.memory_allocated(), "peak": runtime.max_memory_allocated()},
+                "reserved": {"current": runtime.memory_reserved(), "peak": runtime.max_memory_reserved()},
+                "events": {"retries": runtime.alloc_retries()}}
+    except (RuntimeError, MemfitError) as exc:
+        return {"error": str(exc)}
 
 
 async def _json_object(request: Request) -> dict:
@@ -357,28 +500,24 @@ def _decode_image(data: str, field: str, mode: str | None):
                                  "base64-encoded.") from None
 
 
-def _ignored(body: Txt2ImgRequest, conditioning: Conditioning | None = None) -> list[str]:
+def _ignored(body: Txt2ImgRequest, conditioning: Conditioning | None, sampler: str | None) -> list[str]:
+    """The fields of ``body`` memfit did not act on whose value would have changed A1111's image
+    (``sampler``: the A1111 sampler it ran with, schedule type left out; None: the model's own)."""
     extra = dict(body.model_extra or {})
-    if isinstance(body, Img2ImgRequest):
-        masked = conditioning is not None and conditioning.mask_image is not None
-        for name in list(extra):
-            harmless = name in IMG2IMG_HARMLESS and (not masked and name in MASK_ONLY
-                                                     or IMG2IMG_HARMLESS[name] == extra[name])
-            if harmless or (name in IMG2IMG_HARMLESS and extra[name] is None):
-                del extra[name]
-    ignored = [name for name, value in extra.items()
-               if name in IMG2IMG_HARMLESS or HARMLESS_DEFAULTS.get(name, object()) != value]
+    masked = conditioning is not None and conditioning.mask_image is not None
+    img2img = isinstance(body, Img2ImgRequest)
+    ignored = []
+    for name, value in extra.items():
+        if name in HIRES_ONLY and not extra.get("enable_hr") or name in MASK_ONLY and img2img and not masked:
+            continue
+        if name == "eta":
+            harmless = (None, ETA_DEFAULT.get(sampler, 1)) if sampler else (None,)
+        elif name in IMG2IMG_HARMLESS:  # on txt2img an img2img field is never harmless: it asks for what is not there
+            harmless = (None, *IMG2IMG_HARMLESS[name]) if img2img else ()
+        else:
+            harmless = HARMLESS.get(name, ())
+        if value not in harmless:
+            ignored.append(name)
     if body.save_images:
         ignored.append("save_images")  # the server writes no files; the client gets the images
     return sorted(ignored)
-
-
-def _infotext(prompt: str, negative: str | None, run: dict, sampler: str | None, title: str) -> str:
-    """A1111's one-line parameters text (what it writes into its PNGs' "parameters")."""
-    lines = [prompt]
-    if negative:
-        lines.append(f"Negative prompt: {negative}")
-    lines.append(f"Steps: {run['steps']}, Sampler: {sampler or 'Default'}, CFG scale: {run['guidance']}, "
-                 f"Seed: {run['seed']}, Size: {run['width']}x{run['height']}, Model: {title}"
-                 + (f", Denoising strength: {run['strength']}" if run.get("strength") is not None else ""))
-    return "\n".join(lines)
