@@ -46,7 +46,7 @@ class Upscale:
         if self.mode == 1 and (self.width < 1 or self.height < 1):
             raise MemfitError("upscaling_resize_w and upscaling_resize_h must be positive, got "
                               f"{self.width}x{self.height}.")
-        scale = self._scale(*image_size)
+        scale = self.scale_for(*image_size)
         first, final = _sizes(*image_size, scale)
         if final[0] < 1 or final[1] < 1:
             raise MemfitError(f"Scaling {image_size[0]}x{image_size[1]} by {scale:g} leaves no pixels (the result is "
@@ -60,7 +60,8 @@ class Upscale:
     def crops(self) -> bool:
         return self.mode == 1 and self.crop
 
-    def _scale(self, width: int, height: int) -> float:
+    def scale_for(self, width: int, height: int) -> float:
+        """The factor an image of ``width`` x ``height`` is scaled by."""
         return max(self.width / width, self.height / height) if self.mode == 1 else self.by
 
 
@@ -78,11 +79,11 @@ def _resized(image: Image.Image, resample, scale: float) -> Image.Image:
 
 
 def upscale(image: Image.Image, job: Upscale) -> tuple[Image.Image, dict[str, str]]:
-    """``image`` upscaled as ``job`` says (checked first), and A1111's "Postprocess ..." notes of it."""
+    """``image`` upscaled as ``job`` (which passed ``job.check``) says, and A1111's "Postprocess ..." notes."""
     image = image if image.mode in ("RGB", "RGBA") else image.convert("RGB")
     if job.upscaler == "None":
         return image, {}
-    scale = job._scale(image.width, image.height)
+    scale = job.scale_for(image.width, image.height)
     notes = {"Postprocess upscale to": f"{job.width}x{job.height}"} if job.mode == 1 else \
         {"Postprocess upscale by": str(job.by)}
 
