@@ -30,6 +30,12 @@ def checkpoint(tiny_models, tmp_path_factory):
     return folder, save_single_file(folder, tmp_path_factory.mktemp("single-file") / "tiny-sd.safetensors")
 
 
+@pytest.fixture(scope="module")
+def folder_image(checkpoint):
+    """The image memfit draws with SETTINGS from the same model as a folder."""
+    return _pixels(memfit.generate(model=checkpoint[0], budget="none", progress=False, **SETTINGS))
+
+
 def _pixels(result):
     return np.asarray(result.images[0], dtype=np.int16)
 
@@ -46,17 +52,16 @@ def _diffusers_single_file_image(path, config):
     return np.asarray(image, dtype=np.int16)
 
 
-def test_equals_diffusers_single_file_and_the_folder(checkpoint):
+def test_equals_diffusers_single_file_and_the_folder(checkpoint, folder_image):
     folder, path = checkpoint
     ours = memfit.generate(model=path, config=folder, budget="none", progress=False, **SETTINGS)
     assert np.array_equal(_pixels(ours), _diffusers_single_file_image(path, folder))
-    assert np.array_equal(_pixels(ours), _pixels(memfit.generate(model=folder, budget="none", progress=False,
-                                                                  **SETTINGS)))
+    assert np.array_equal(_pixels(ours), folder_image)
     assert ours.metadata["model"] == str(path)
     assert ours.report.notes[0].endswith(f"configs and tokenizers from --config {folder}")
 
 
-def test_a_budget_streams_from_the_file_and_keeps_the_image(checkpoint, streamed_plans, tmp_path, monkeypatch):
+def test_a_budget_streams_from_the_file_and_keeps_the_image(checkpoint, folder_image, streamed_plans):
     from conftest import smallest_budget
 
     folder, path = checkpoint
@@ -66,8 +71,33 @@ def test_a_budget_streams_from_the_file_and_keeps_the_image(checkpoint, streamed
     ours = memfit.generate(model=path, config=folder, budget=budget, progress=False, **SETTINGS)
     streamed = {plan.stages[0].name: plan.stages[0].streamed_from_disk_bytes for plan in streamed_plans}
     assert set(streamed) == {"encode", "denoise", "decode"} and streamed["denoise"] > 0, streamed
+    assert np.array_equal(_pixels(ours), folder_image)
+
+
+def test_a_half_precision_file_streams_converted_block_by_block(tmp_path, streamed_plans):
+    """Published files are fp16: run at fp32 under a budget, each weight is read from the file and converted
+    block by block (loaded in the file's dtype), as a folder's are; the image is the folder's."""
+    from memfit.testing import save_pipeline
+
+    folder = save_pipeline("sd", tmp_path / "sd-fp16", dtype=torch.float16)
+    path = save_single_file(folder, tmp_path / "sd-fp16.safetensors")
+    ours = memfit.generate(model=path, config=folder, budget=400_000, progress=False, **SETTINGS)
+    assert {plan.stages[0].name: plan.stages[0].streamed_from_disk_bytes for plan in streamed_plans}["denoise"] > 0
     assert np.array_equal(_pixels(ours), _pixels(memfit.generate(model=folder, budget="none", progress=False,
                                                                   **SETTINGS)))
+
+
+def test_encode_then_a_session_on_the_file(checkpoint, folder_image):
+    """memfit encode and a Session take the file as memfit.generate does; embeddings made from it fit it."""
+    from memfit.run.session import Session
+
+    folder, path = checkpoint
+    embeddings, report = memfit.encode(SETTINGS["prompt"], model=path, config=folder,
+                                       negative_prompt=SETTINGS["negative_prompt"], budget="none")
+    assert report.notes[0].startswith("model: tiny-sd.safetensors, a Stable Diffusion 1.x single-file checkpoint")
+    session = Session(path, config=folder, budget="none")
+    settings = {key: value for key, value in SETTINGS.items() if key not in ("prompt", "negative_prompt")}
+    assert np.array_equal(_pixels(session.generate(None, embeddings=embeddings, **settings)), folder_image)
 
 
 def test_loaded_weights_are_views_of_the_file(checkpoint):
@@ -116,7 +146,7 @@ def test_plan_sizes_the_file_from_its_header_as_the_folder(checkpoint, capsys):
     assert plans[0] == plans[1]
 
 
-def test_configs_from_the_hugging_face_cache(checkpoint, tmp_path, monkeypatch):
+def test_configs_from_the_hugging_face_cache(checkpoint, folder_image, tmp_path, monkeypatch):
     """No --config: the family's default repository in the Hugging Face cache, configs only (no weights)."""
     from memfit.models.single_file_configs import default_repository
 
@@ -128,12 +158,13 @@ def test_configs_from_the_hugging_face_cache(checkpoint, tmp_path, monkeypatch):
     (cache / "refs").mkdir()
     (cache / "refs" / "main").write_text(snapshot.name)
     monkeypatch.setenv("HF_HOME", str(tmp_path / "hf"))
-    model = SingleFileModel.open_file(path)
-    assert model.config_dir == snapshot
-    assert repository in model.describe_source()
+    ours = memfit.generate(model=path, budget="none", progress=False, **SETTINGS)
+    assert ours.report.notes[0].endswith(f"configs and tokenizers from the Hugging Face cache's snapshot of "
+                                         f"{repository} ({snapshot})")
+    assert np.array_equal(_pixels(ours), folder_image)
 
 
-def test_a_pickle_checkpoint_loads_only_with_allow_pickle(checkpoint, tmp_path):
+def test_a_pickle_checkpoint_loads_only_with_allow_pickle(checkpoint, folder_image, tmp_path):
     from safetensors.torch import load_file
 
     folder, path = checkpoint
@@ -142,4 +173,4 @@ def test_a_pickle_checkpoint_loads_only_with_allow_pickle(checkpoint, tmp_path):
     with pytest.raises(MemfitError, match="is a pickle checkpoint"):
         memfit.generate(model=ckpt, config=folder, budget="none", progress=False, **SETTINGS)
     ours = memfit.generate(model=ckpt, config=folder, budget="none", progress=False, allow_pickle=True, **SETTINGS)
-    assert np.array_equal(_pixels(ours), _diffusers_single_file_image(path, folder))
+    assert np.array_equal(_pixels(ours), folder_image)
