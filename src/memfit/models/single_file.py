@@ -288,14 +288,18 @@ class SingleFileModel(ModelFolder):
                 f"({family.pipeline_class}); give --config a diffusers folder of the same family.")
         # The models the file does not hold (a safety checker, an image encoder) are left out, as
         # diffusers' single-file loading leaves them.
-        kept = {name: value for name, value in configs.components.items()
-                if name in family.parts or not is_model_class(*value)}
-        configs.components = kept
+        listed = tuple(configs.components)
+        missing = [name for name in family.parts if name not in listed]
+        if missing:
+            raise MemfitError(f"{config_dir / 'model_index.json'} lists no {', '.join(missing)}, which a {family.label} "
+                              "checkpoint holds; give --config the diffusers folder of a complete pipeline.")
+        configs.components = {name: value for name, value in configs.components.items()
+                              if name in family.parts or not is_model_class(*value)}
         configs.check_layout()
         configs.require_configs(family.parts)
-        return cls(path, configs.class_name, kept, configs.configs, configs.defaults, allow_pickle=allow_pickle,
-                   family=family, config_dir=config_dir, config_source=source,
-                   config_components=tuple(ModelFolder.open(config_dir).components), _checkpoint=checkpoint)
+        return cls(path, configs.class_name, configs.components, configs.configs, configs.defaults,
+                   allow_pickle=allow_pickle, family=family, config_dir=config_dir, config_source=source,
+                   config_components=listed, _checkpoint=checkpoint)
 
     def describe_source(self) -> str:
         return (f"model: {self.path.name}, a {self.family.label} single-file checkpoint ({self.class_name}); "
@@ -351,7 +355,6 @@ class SingleFileModel(ModelFolder):
             if name in self.family.parts and name not in external:
                 modules[name] = self._load_model(name, None if name in in_file_dtype else dtype)
         skipped = {name: None for name in self.config_components if name not in names or name not in self.components}
-        skipped.update({name: None for name in self.family.parts if name not in modules})
         try:
             pipe = getattr(diffusers, pipeline_class or self.class_name).from_pretrained(
                 self.config_dir, **skipped, **modules)
@@ -379,7 +382,7 @@ class SingleFileModel(ModelFolder):
         state = {}
         for key, tensor in converted.items():
             if dtype is not None and tensor.is_floating_point():
-                tensor = tensor.to(torch.float32 if any(part in keep for part in key.split(".")) else dtype)
+                tensor = tensor.to(torch.float32 if any(word in keep for word in key.split(".")) else dtype)
             state[key] = tensor
         try:
             module.load_state_dict(state, strict=False, assign=True)

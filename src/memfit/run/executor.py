@@ -663,7 +663,7 @@ def _checked_mapping(files: WeightSource, component: str, full_name: str, tensor
     mapped = files.find(full_name)
     if mapped is None:
         raise MemfitError(
-            f"{component}.{full_name} is not in {files.where}'s safetensors files, so it cannot be read "
+            f"{component}.{full_name} is not in the safetensors of {files.where}, so it cannot be read "
             "from disk; keep this block on the host tier or save the pipeline again."
         )
     view = mapped.tensor
