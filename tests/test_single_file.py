@@ -31,6 +31,16 @@ def checkpoint(tiny_models, tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
+def xl_checkpoint(tmp_path_factory):
+    """(a tiny SDXL folder, the same model as one LDM .safetensors file: OpenCLIP layout for its bigG encoder)."""
+    from memfit.testing import save_pipeline
+
+    root = tmp_path_factory.mktemp("single-file-xl")
+    folder = save_pipeline("sdxl_single_file", root / "sdxl")
+    return folder, save_single_file(folder, root / "tiny-sdxl.safetensors")
+
+
+@pytest.fixture(scope="module")
 def folder_image(checkpoint):
     """The image memfit draws with SETTINGS from the same model as a folder."""
     return _pixels(memfit.generate(model=checkpoint[0], budget="none", progress=False, **SETTINGS))
@@ -40,11 +50,11 @@ def _pixels(result):
     return np.asarray(result.images[0], dtype=np.int16)
 
 
-def _diffusers_single_file_image(path, config):
+def _diffusers_single_file_image(path, config, pipeline_class="StableDiffusionPipeline"):
     """What diffusers' own single-file loading draws with SETTINGS (CPU, fp32)."""
     import diffusers
 
-    pipe = diffusers.StableDiffusionPipeline.from_single_file(str(path), config=str(config), local_files_only=True)
+    pipe = getattr(diffusers, pipeline_class).from_single_file(str(path), config=str(config), local_files_only=True)
     pipe.set_progress_bar_config(disable=True)
     generator = torch.Generator(device="cpu").manual_seed(SETTINGS["seed"])
     image = pipe(prompt=SETTINGS["prompt"], negative_prompt=SETTINGS["negative_prompt"], width=32, height=32,
@@ -98,6 +108,41 @@ def test_encode_then_a_session_on_the_file(checkpoint, folder_image):
     session = Session(path, config=folder, budget="none")
     settings = {key: value for key, value in SETTINGS.items() if key not in ("prompt", "negative_prompt")}
     assert np.array_equal(_pixels(session.generate(None, embeddings=embeddings, **settings)), folder_image)
+
+
+def test_sdxl_equals_diffusers_single_file_and_the_folder(xl_checkpoint):
+    folder, path = xl_checkpoint
+    ours = memfit.generate(model=path, config=folder, budget="none", progress=False, **SETTINGS)
+    assert ours.report.notes[0].startswith("model: tiny-sdxl.safetensors, a Stable Diffusion XL single-file checkpoint")
+    assert np.array_equal(_pixels(ours), _diffusers_single_file_image(path, folder, "StableDiffusionXLPipeline"))
+    assert np.array_equal(_pixels(ours), _pixels(memfit.generate(model=folder, budget="none", progress=False,
+                                                                  **SETTINGS)))
+
+
+def test_sdxl_streams_from_the_file_keeping_the_projection_it_computed(xl_checkpoint, streamed_plans):
+    """The bigG encoder's q, k and v are row slices of its fused in_proj (views that stream); its projection
+    is stored transposed, so it alone is computed, kept in memory and counted as resident."""
+    from conftest import smallest_budget
+
+    from memfit.run.executor import live_blocks
+
+    folder, path = xl_checkpoint
+    model = SingleFileModel.open_file(path, config=folder)
+    encoder = model.load_stage(["text_encoder_2"], torch.float32, in_file_dtype=["text_encoder_2"]).text_encoder_2
+    places = file_places(encoder)
+    assert places.materialized == {"text_projection.weight"}
+    assert places.places["text_model.encoder.layers.9.self_attn.k_proj.weight"].key == \
+        "conditioner.embedders.1.model.transformer.resblocks.9.attn.in_proj_weight"
+    budget = smallest_budget(model=path, config=folder, **dict(SETTINGS, steps=1))
+    streamed_plans.clear()
+    ours = memfit.generate(model=path, config=folder, budget=budget, progress=False, **SETTINGS)
+    encode = next(plan.stages[0] for plan in streamed_plans if plan.stages[0].name == "encode")
+    assert encode.streamed_from_disk_bytes > 0
+    # Planned like the component's first weight: resident whatever its block's tier.
+    fixed = sum(block.fixed_bytes for block in live_blocks("text_encoder_2", encoder))
+    assert fixed == (next(encoder.parameters()).numel() + encoder.text_projection.weight.numel()) * 4
+    assert np.array_equal(_pixels(ours), _pixels(memfit.generate(model=folder, budget="none", progress=False,
+                                                                  **SETTINGS)))
 
 
 def test_loaded_weights_are_views_of_the_file(checkpoint):

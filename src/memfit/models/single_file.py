@@ -37,34 +37,67 @@ __all__ = ["FAMILIES", "Family", "FilePlaces", "SingleFileModel", "TensorPlace",
 PLACES_ATTR = "_memfit_file_places"
 
 
-def _convert_unet(tensors: dict, config: dict, module) -> dict:
+def _convert_unet(tensors: dict, prefix: str, config: dict, module) -> dict:
     from diffusers.loaders.single_file_utils import convert_ldm_unet_checkpoint
 
     return convert_ldm_unet_checkpoint(tensors, config)
 
 
-def _convert_vae(tensors: dict, config: dict, module) -> dict:
+def _convert_vae(tensors: dict, prefix: str, config: dict, module) -> dict:
     from diffusers.loaders.single_file_utils import convert_ldm_vae_checkpoint
 
     return convert_ldm_vae_checkpoint(tensors, config)
 
 
-def _convert_clip(tensors: dict, config: dict, module) -> dict:
+def _convert_clip(tensors: dict, prefix: str, config: dict, module) -> dict:
     from diffusers.loaders.single_file_utils import convert_ldm_clip_checkpoint
 
-    converted = convert_ldm_clip_checkpoint(tensors)
+    converted = convert_ldm_clip_checkpoint(tensors, remove_prefix=prefix)
     if hasattr(module, "text_model"):
         return converted
     # transformers 5.6 flattened CLIPTextModel: its names no longer start with text_model.
     return {key.removeprefix("text_model."): value for key, value in converted.items()}
 
 
+def _convert_open_clip(tensors: dict, prefix: str, config: dict, module) -> dict:
+    """OpenCLIP's layout (SDXL's bigG encoder) in diffusers' names, by diffusers' own rename tables.
+
+    As diffusers' convert_open_clip_checkpoint, except that q, k and v are row slices of the fused
+    in_proj (views of the file, where diffusers copies them); the projection is stored transposed and
+    so is the one tensor materialized.
+    """
+    from diffusers.loaders.single_file_utils import DIFFUSERS_TO_LDM_MAPPING
+
+    tables = DIFFUSERS_TO_LDM_MAPPING["openclip"]
+    converted = {}
+    for new, old in tables["layers"].items():
+        if prefix + old in tensors:
+            value = tensors[prefix + old]
+            converted[new] = value.T.contiguous() if old == "text_projection" else value
+    hidden = module.config.hidden_size
+    stack = prefix + "transformer."
+    for key, value in tensors.items():
+        if not key.startswith(stack):
+            continue
+        name = key.removeprefix(stack)
+        for new, old in tables["transformer"].items():
+            name = name.replace(old, new)
+        base, fused, kind = name.rpartition(".in_proj_")
+        if not fused:
+            converted[name] = value
+            continue
+        for index, projection in enumerate(("q_proj", "k_proj", "v_proj")):
+            converted[f"{base}.{projection}.{kind}"] = value[index * hidden:(index + 1) * hidden]
+    return converted
+
+
 @dataclass(frozen=True)
 class Part:
-    """One model of a family's file: the prefix its tensors share, and diffusers' converter for them."""
+    """One model of a family's file: the prefix its tensors share, and the converter of them to diffusers'
+    names, ``convert(tensors, prefix, config, empty module)`` (diffusers' own, or as diffusers does it)."""
 
     prefix: str
-    convert: Callable[[dict, dict, torch.nn.Module], dict]
+    convert: Callable[[dict, str, dict, torch.nn.Module], dict]
 
 
 @dataclass(frozen=True)
@@ -89,6 +122,12 @@ FAMILIES = {
                   "vae": Part("first_stage_model.", _convert_vae),
                   "text_encoder": Part("cond_stage_model.transformer.", _convert_clip)},
                  ("scheduler", "tokenizer")),
+    "xl_base": Family("xl_base", "Stable Diffusion XL", "StableDiffusionXLPipeline",
+                      {"unet": Part("model.diffusion_model.", _convert_unet),
+                       "vae": Part("first_stage_model.", _convert_vae),
+                       "text_encoder": Part("conditioner.embedders.0.transformer.", _convert_clip),
+                       "text_encoder_2": Part("conditioner.embedders.1.model.", _convert_open_clip)},
+                      ("scheduler", "tokenizer", "tokenizer_2")),
 }
 
 
@@ -374,7 +413,7 @@ class SingleFileModel(ModelFolder):
         config = self.configs[name]
         module = _empty_model(library, class_name, config, self.config_dir / name)
         source = self._checkpoint.tensors(part.prefix)
-        converted = part.convert(source, config, module)
+        converted = part.convert(source, part.prefix, config, module)
         places = self._checkpoint.places(source, converted)
         entries = {key: (str(tensor.dtype).removeprefix("torch."), list(tensor.shape), self.path)
                    for key, tensor in converted.items()}

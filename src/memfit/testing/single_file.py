@@ -2,7 +2,9 @@
 
 A1111, Forge and ComfyUI keep a Stable Diffusion model as one ``.safetensors`` file in the original
 (LDM) key layout: the UNet under ``model.diffusion_model.``, the VAE under ``first_stage_model.``,
-the CLIP text encoder under ``cond_stage_model.transformer.``. ``save_single_file`` writes a tiny
+the CLIP text encoder under ``cond_stage_model.transformer.`` (SDXL: its two text encoders under
+``conditioner.embedders.0.transformer.`` and, in OpenCLIP's layout, ``conditioner.embedders.1.model.``;
+build the tiny SDXL as kind "sdxl_single_file" for diffusers to read it back). ``save_single_file`` writes a tiny
 pipeline's weights that way, by the inverse of diffusers' own converters
 (diffusers.loaders.single_file_utils), and checks the round trip: diffusers' converters turn the
 file back into exactly the folder's tensors.
@@ -89,8 +91,35 @@ def _vae_tensor(key: str, tensor: torch.Tensor, config: dict) -> tuple[str, torc
     return key, tensor  # conv_in, conv_out, quant_conv, post_quant_conv keep their names
 
 
+def _open_clip_state(encoder) -> dict[str, torch.Tensor]:
+    """A CLIPTextModelWithProjection's tensors in OpenCLIP's layout (SDXL's second text encoder): q, k and v
+    fused into one in_proj, the projection transposed."""
+    from diffusers.loaders.single_file_utils import DIFFUSERS_TO_LDM_MAPPING
+
+    tables = DIFFUSERS_TO_LDM_MAPPING["openclip"]
+    state = encoder.state_dict()
+    out = {old: state[new].T if old == "text_projection" else state[new] for new, old in tables["layers"].items()}
+    fused: dict[str, list] = {}
+    for key, tensor in state.items():
+        if not key.startswith("text_model.encoder.layers."):
+            continue
+        name = key
+        for new, old in tables["transformer"].items():
+            name = name.replace(new, old)
+        for projection in ("q_proj", "k_proj", "v_proj"):
+            if f".{projection}." in name:
+                base, kind = name.split(f".{projection}.")
+                fused.setdefault(f"transformer.{base}.in_proj_{kind}", [None] * 3)[("q_proj", "k_proj", "v_proj").index(
+                    projection)] = tensor
+                break
+        else:
+            out["transformer." + name] = tensor
+    out.update({key: torch.cat(parts) for key, parts in fused.items()})
+    return out
+
+
 def ldm_state_dict(pipe) -> dict[str, torch.Tensor]:
-    """An SD 1.x pipeline's UNet, VAE and CLIP text encoder as one state dict in the LDM key layout."""
+    """An SD 1.x or SDXL pipeline's UNet, VAE and text encoders as one state dict in the LDM key layout."""
     out = {}
     unet_config = dict(pipe.unet.config)
     for key, tensor in pipe.unet.state_dict().items():
@@ -99,16 +128,21 @@ def ldm_state_dict(pipe) -> dict[str, torch.Tensor]:
     for key, tensor in pipe.vae.state_dict().items():
         name, value = _vae_tensor(key, tensor, vae_config)
         out["first_stage_model." + name] = value
+    xl = getattr(pipe, "text_encoder_2", None) is not None
+    clip = "conditioner.embedders.0.transformer." if xl else "cond_stage_model.transformer."
     for key, tensor in pipe.text_encoder.state_dict().items():
-        out["cond_stage_model.transformer." + ("" if key.startswith("text_model.") else "text_model.") + key] = tensor
+        out[clip + ("" if key.startswith("text_model.") else "text_model.") + key] = tensor
     positions = pipe.text_encoder.config.max_position_embeddings
-    out["cond_stage_model.transformer.text_model.embeddings.position_ids"] = torch.arange(positions)[None]
+    out[clip + "text_model.embeddings.position_ids"] = torch.arange(positions)[None]
+    if xl:
+        out.update({"conditioner.embedders.1.model." + key: value
+                    for key, value in _open_clip_state(pipe.text_encoder_2).items()})
     return out
 
 
 def save_single_file(folder: str | Path, path: str | Path, *, dtype: torch.dtype | None = None,
                      extras: bool = True) -> Path:
-    """Write the SD 1.x diffusers folder ``folder`` as an all-in-one LDM checkpoint at ``path``.
+    """Write the SD 1.x or SDXL diffusers folder ``folder`` as an all-in-one LDM checkpoint at ``path``.
 
     ``dtype`` stores the floating tensors in that dtype (published files are fp16); ``extras`` adds
     tensors real files carry beside the models. Raises AssertionError unless diffusers' converters
@@ -118,7 +152,7 @@ def save_single_file(folder: str | Path, path: str | Path, *, dtype: torch.dtype
     from safetensors.torch import save_file
 
     folder, path = Path(folder), Path(path)
-    pipe = diffusers.StableDiffusionPipeline.from_pretrained(folder, safety_checker=None)
+    pipe = diffusers.DiffusionPipeline.from_pretrained(folder)
     if dtype is not None:
         pipe.to(dtype)
     state = ldm_state_dict(pipe)
@@ -132,14 +166,17 @@ def save_single_file(folder: str | Path, path: str | Path, *, dtype: torch.dtype
 
 def _check_round_trip(pipe, state: dict[str, torch.Tensor]) -> None:
     from diffusers.loaders.single_file_utils import (convert_ldm_clip_checkpoint, convert_ldm_unet_checkpoint,
-                                                     convert_ldm_vae_checkpoint)
+                                                     convert_ldm_vae_checkpoint, convert_open_clip_checkpoint)
 
     clip = {key.removeprefix("text_model."): value for key, value in convert_ldm_clip_checkpoint(state).items()}
-    for name, converted in (("unet", convert_ldm_unet_checkpoint(state, dict(pipe.unet.config))),
-                            ("vae", convert_ldm_vae_checkpoint(state, dict(pipe.vae.config))),
-                            ("text_encoder", clip)):
+    converted = {"unet": convert_ldm_unet_checkpoint(state, dict(pipe.unet.config)),
+                 "vae": convert_ldm_vae_checkpoint(state, dict(pipe.vae.config)), "text_encoder": clip}
+    if getattr(pipe, "text_encoder_2", None) is not None:
+        converted["text_encoder_2"] = convert_open_clip_checkpoint(pipe.text_encoder_2, state,
+                                                                   prefix="conditioner.embedders.1.model.")
+    for name, tensors in converted.items():
         original = getattr(pipe, name).state_dict()
-        converted = {key: value for key, value in converted.items() if key in original or not key.endswith("position_ids")}
-        assert converted.keys() == original.keys(), (name, sorted(converted.keys() ^ original.keys())[:5])
+        tensors = {key: value for key, value in tensors.items() if key in original or not key.endswith("position_ids")}
+        assert tensors.keys() == original.keys(), (name, sorted(tensors.keys() ^ original.keys())[:5])
         for key, value in original.items():
-            assert torch.equal(converted[key], value), (name, key)
+            assert torch.equal(tensors[key], value), (name, key)
