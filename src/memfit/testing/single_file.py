@@ -19,9 +19,9 @@ import torch
 
 __all__ = ["ldm_state_dict", "save_single_file"]
 
-# A few of the tensors real SD 1.x files carry beside the three models (the training schedule, the
+# A few of the tensors real SD files carry beside the models (the training schedule, the
 # text encoder's position ids): a loader must leave them alone.
-_SD1_EXTRAS = {"alphas_cumprod": torch.linspace(0.99, 0.01, 1000), "model_ema.decay": torch.tensor(0.9999)}
+_EXTRAS = {"alphas_cumprod": torch.linspace(0.99, 0.01, 1000), "model_ema.decay": torch.tensor(0.9999)}
 
 _RESNET = (("norm1", "in_layers.0"), ("conv1", "in_layers.2"), ("norm2", "out_layers.0"), ("conv2", "out_layers.3"),
            ("time_emb_proj", "emb_layers.1"), ("conv_shortcut", "skip_connection"))
@@ -30,7 +30,7 @@ _VAE_ATTENTION = (("group_norm", "norm"), ("to_q", "q"), ("to_k", "k"), ("to_v",
 
 def _rename(key: str, pairs) -> str:
     for new, old in pairs:
-        key = key.replace(f".{new}.", f".{old}.") if f".{new}." in key else key
+        key = key.replace(f".{new}.", f".{old}.")
     return key
 
 
@@ -46,9 +46,7 @@ def _unet_key(key: str, config: dict) -> str:
         return key.replace(head, fixed[head], 1)
     if parts[0] == "mid_block":
         index = {"resnets.0": 0, "attentions.0": 1, "resnets.1": 2}[".".join(parts[1:3])]
-        rest = ".".join(parts[3:])
-        return _rename(f"middle_block.{index}.{rest}" if parts[1] == "attentions" else f"middle_block.{index}.{rest}",
-                       _RESNET if parts[1] == "resnets" else ())
+        return _rename(f"middle_block.{index}.{'.'.join(parts[3:])}", _RESNET if parts[1] == "resnets" else ())
     block, kind, rest = int(parts[1]), parts[2], parts[3:]
     if parts[0] == "down_blocks":
         if kind == "downsamplers":  # down_blocks.i.downsamplers.0.conv.w
@@ -158,7 +156,7 @@ def save_single_file(folder: str | Path, path: str | Path, *, dtype: torch.dtype
     state = ldm_state_dict(pipe)
     _check_round_trip(pipe, state)
     if extras:
-        state.update(_SD1_EXTRAS)
+        state.update(_EXTRAS)
     state = {key: tensor.contiguous() for key, tensor in state.items()}
     save_file(state, path, metadata={"format": "pt", "memfit.testing": json.dumps({"source": folder.name})})
     return path
