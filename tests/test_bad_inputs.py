@@ -4,8 +4,8 @@ no output file, and nothing else changed on disk (issue 17).
 One table, one row per fault: folder faults, parameter faults, cache faults and output faults.
 Extend it whenever a new flag or file format appears. A row is (id, make, expected): ``make(model,
 tmp)`` gets a private copy of the tiny SD folder and a scratch folder, damages what it needs and
-returns the extra CLI arguments (and environment) of the run; ``expected`` must appear in the one
-line on stderr.
+returns the extra CLI arguments (and environment, and another --model) of the run; ``expected`` must
+appear in the one line on stderr.
 """
 
 from __future__ import annotations
@@ -114,6 +114,46 @@ def nan_weights(component, suffix):
     return make
 
 
+# -- single-file checkpoint faults: the run names the file as --model --------------------------
+
+def single_file(damage=None, *, config=True, env=None):
+    """The tiny SD model as an all-in-one LDM checkpoint in ``tmp``, damaged by ``damage(path)`` (which may
+    return another path to run); its configs from the folder unless ``config`` is False."""
+    def make(model, tmp):
+        from memfit.testing.single_file import save_single_file
+
+        path = save_single_file(model, tmp / "tiny-sd.safetensors")
+        path = (damage(path) if damage else None) or path
+        return {"model": path, "args": ["--prompt", "a red circle", *(["--config", str(model)] if config else [])],
+                "env": env or {}}
+
+    return make
+
+
+def _truncate(path):
+    with path.open("r+b") as handle:
+        handle.truncate(path.stat().st_size - 100)
+
+
+def _unknown_layout(path):
+    save_file({"double_stream.0.mod.weight": torch.zeros(4, 4), "img_proj.bias": torch.zeros(4)}, path)
+
+
+def _as_ckpt(path):
+    ckpt = path.with_suffix(".ckpt")
+    torch.save({"state_dict": load_file(path)}, ckpt)
+    path.unlink()
+    return ckpt
+
+
+def _config_of_another_size(model, tmp):
+    made = single_file()(model, tmp)
+    config = json.loads((model / "unet" / "config.json").read_text())
+    config["block_out_channels"] = [n * 2 for n in config["block_out_channels"]]
+    (model / "unet" / "config.json").write_text(json.dumps(config))
+    return made
+
+
 # -- parameter faults ---------------------------------------------------------------------------
 
 def args(*extra, env=None):
@@ -163,6 +203,13 @@ CASES = [
     ("nan-unet-weights", nan_weights("unet", "conv_out.weight"), "denoise stage produced non-finite values"),
     ("nan-text-weights", nan_weights("text_encoder", "final_layer_norm.weight"), "encode stage produced non-finite"),
     ("nan-vae-weights", nan_weights("vae", "decoder.conv_out.weight"), "decode stage produced non-finite values"),
+    ("single-file-unknown-layout", single_file(_unknown_layout), "in a layout memfit does not recognise"),
+    ("single-file-truncated", single_file(_truncate), "is truncated"),
+    ("single-file-ckpt-without-allow-pickle", single_file(_as_ckpt), "is a pickle checkpoint"),
+    ("single-file-no-configs-offline", single_file(config=False, env={"HF_HUB_OFFLINE": "1", "HF_HOME": "/nonexistent"}),
+     "pass --config DIR"),
+    ("single-file-config-of-another-size", _config_of_another_size, "the configs are for another model"),
+    ("config-for-a-folder", args("--config", "/tmp"), "--config is for a single-file checkpoint"),
     ("seed-too-large", args("--seed", str(2**70)), "--seed"),
     ("width-huge", args("--width", "1000000"), "larger than memfit takes"),
     ("steps-huge", args("--steps", "100000000"), "more than memfit takes"),
@@ -211,7 +258,7 @@ def bad_run(tiny_models, tmp_path, monkeypatch, capsys):
         before = _snapshot(tmp_path)
         capsys.readouterr()
         run_args = RUN if command == "generate" else ["--quiet"]
-        code = main([command, "--model", str(model), *run_args, *args, "--out", str(out)])
+        code = main([command, "--model", str(extra.get("model", model)), *run_args, *args, "--out", str(out)])
         err = capsys.readouterr().err
         after = _snapshot(tmp_path)
         # The store may have gained a whole, valid entry from a stage that ran before the fault was

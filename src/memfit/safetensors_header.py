@@ -2,12 +2,14 @@
 
 A safetensors file is an 8-byte little-endian header length, a JSON header naming every tensor's
 dtype, shape and byte range, then the data. Validation (models.folder), content fingerprints
-(cache.fingerprint) and memory-mapped weights (run.offload) all read it here.
+(cache.fingerprint) and memory-mapped weights (run.offload, models.single_file) all read it here;
+``MappedFile`` is the one memory map of a file's tensors.
 """
 
 from __future__ import annotations
 
 import json
+import mmap
 import struct
 from dataclasses import dataclass
 from pathlib import Path
@@ -16,7 +18,7 @@ import torch
 
 from memfit.errors import MemfitError
 
-__all__ = ["TORCH_DTYPES", "SafetensorsHeader", "check_complete", "read_header", "same_samples"]
+__all__ = ["TORCH_DTYPES", "MappedFile", "SafetensorsHeader", "check_complete", "read_header", "same_samples"]
 
 #: The torch dtype of each safetensors dtype name memfit maps into memory.
 TORCH_DTYPES = {
@@ -76,6 +78,53 @@ def check_complete(path: str | Path) -> SafetensorsHeader:
     if header.size < header.data_end:
         raise MemfitError(f"{path} is truncated: {header.size} bytes where its header needs {header.data_end}; {_FIX}.")
     return header
+
+
+class MappedFile:
+    """One safetensors file, memory-mapped once; ``tensor(key)`` is a zero-copy view of its bytes.
+
+    The mapping is private copy-on-write (``ACCESS_COPY``): pages are the page cache's own, the
+    kernel may drop and re-read them under pressure, and an accidental in-place write to a weight
+    makes a private page instead of corrupting the model file (or crashing on a read-only page).
+    It is opened on the first ``tensor`` call, so reading the header alone maps nothing.
+    """
+
+    def __init__(self, path: str | Path, header: SafetensorsHeader | None = None):
+        self.path = Path(path)
+        self.header = header if header is not None else read_header(self.path)
+        self._mapping: mmap.mmap | None = None
+
+    @property
+    def entries(self) -> dict[str, dict]:
+        return self.header.entries
+
+    @property
+    def mapping(self) -> mmap.mmap:
+        if self._mapping is None:
+            with self.path.open("rb") as handle:
+                self._mapping = mmap.mmap(handle.fileno(), 0, access=mmap.ACCESS_COPY)
+        return self._mapping
+
+    def byte_range(self, key: str) -> tuple[int, int]:
+        """Where ``key``'s bytes lie in the file (absolute offsets, end excluded)."""
+        begin, end = self.entries[key]["data_offsets"]
+        return self.header.data_start + begin, self.header.data_start + end
+
+    def dtype(self, key: str) -> torch.dtype:
+        entry = self.entries[key]
+        dtype = TORCH_DTYPES.get(entry["dtype"])
+        if dtype is None:
+            raise MemfitError(f"{self.path} stores {key} as {entry['dtype']}, which memfit cannot memory-map.")
+        return dtype
+
+    def tensor(self, key: str) -> torch.Tensor:
+        """A view of ``key`` in the mapped file (a tensor of its own where it has no bytes)."""
+        dtype, shape = self.dtype(key), self.entries[key]["shape"]
+        begin, end = self.byte_range(key)
+        count = (end - begin) // dtype.itemsize
+        if count == 0:
+            return torch.empty(shape, dtype=dtype)
+        return torch.frombuffer(self.mapping, dtype=dtype, count=count, offset=begin).view(shape)
 
 
 def same_samples(view: torch.Tensor, loaded: torch.Tensor, count: int = 4096) -> bool:

@@ -30,10 +30,11 @@ class BatchOptions:
     retry_failed: bool = False
     progress: bool = True
     allow_pickle: bool = False
+    config: str | Path | None = None  # a checkpoint file's configs (memfit.generate's config)
 
     def worker_kwargs(self) -> dict:
         return {"dtype": self.dtype, "device": self.device, "budget": self.budget, "backend": self.backend,
-                "fallback": self.fallback, "allow_pickle": self.allow_pickle}
+                "fallback": self.fallback, "allow_pickle": self.allow_pickle, "config": self.config}
 
 
 @dataclass

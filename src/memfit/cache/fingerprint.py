@@ -73,6 +73,43 @@ def fingerprint_folder(folder: str | Path) -> str:
     return digest.hexdigest()
 
 
+def fingerprint_tensors(path: str | Path, keys, extra: bytes = b"") -> str:
+    """Hex digest over the tensors ``keys`` of the safetensors file ``path``: their names, dtypes, shapes and
+    bytes (all of them up to FULL_HASH_LIMIT in total, else SAMPLES evenly spaced blocks across them, in name
+    order), and ``extra`` (a config's text). The same tensors in another file, or in another order, digest
+    the same: what a component of an all-in-one checkpoint reads, not where the file keeps it."""
+    import bisect
+    import json
+
+    from memfit.safetensors_header import read_header
+
+    header = read_header(path)
+    digest = hashlib.sha256(f"memfit-tensors/{FINGERPRINT_VERSION}".encode() + extra)
+    ranges = []
+    for key in sorted(keys):
+        entry = header.entries[key]
+        digest.update(json.dumps([key, entry["dtype"], entry["shape"]]).encode())
+        begin, end = entry["data_offsets"]
+        ranges.append((header.data_start + begin, end - begin))
+    total = sum(length for _, length in ranges)
+    with Path(path).open("rb") as handle:
+        if total <= FULL_HASH_LIMIT:
+            for start, length in ranges:
+                handle.seek(start)
+                digest.update(handle.read(length))
+            return digest.hexdigest()
+        starts = [0]  # where each tensor begins in the tensors' bytes laid end to end
+        for _, length in ranges[:-1]:
+            starts.append(starts[-1] + length)
+        for index in range(SAMPLES + 1):
+            at = min(index * total // SAMPLES, total - 1)
+            which = bisect.bisect_right(starts, at) - 1
+            start, length = ranges[which]
+            handle.seek(start + at - starts[which])
+            digest.update(handle.read(min(SAMPLE_BYTES, length - (at - starts[which]))))
+    return digest.hexdigest()
+
+
 def combine_fingerprints(parts) -> str:
     """One digest over several component fingerprints, independent of the names they are stored under."""
     digest = hashlib.sha256(b"memfit-components")

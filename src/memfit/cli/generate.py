@@ -77,12 +77,11 @@ def _check_out_path(path: str, suffix: str) -> Path:
     return check_writable(out)
 
 
-def _output_path(args) -> Path:
+def _output_path(args, model) -> Path:
     """Where the result goes, checked before any work so a long run is never lost to a bad name."""
     from memfit.run.media import IMAGE_SUFFIXES, VIDEO_SUFFIXES, check_video_writer
-    from memfit.run.stages import open_model
 
-    video = open_model(args.model).adapter.makes_video
+    video = model.adapter.makes_video
     if args.out is None:
         if not video:
             return Path("memfit.png")
@@ -112,12 +111,16 @@ def _generate(args) -> int:
         raise MemfitError("Nothing to draw: pass --prompt TEXT, or --embeddings FILE from memfit encode.")
     if args.fps is not None and args.fps < 1:
         raise MemfitError(f"--fps must be at least 1, got {args.fps}.")
-    out = _output_path(args)
+    from memfit.run.stages import open_model
+
+    # Opened once: a checkpoint file's configs are found (and a pickle read) here, not again in generate.
+    model = open_model(args.model, allow_pickle=args.allow_pickle, config=args.config)
+    out = _output_path(args, model)
     if args.report:
         check_writable(args.report, "--report")
     result = generate(
         args.prompt,
-        **run_options(args),
+        **dict(run_options(args), model=model, config=None),
         embeddings=args.embeddings,
         negative_prompt=args.negative_prompt,
         steps=args.steps,
@@ -158,7 +161,7 @@ def _encode(args) -> int:
         check_writable(args.report, "--report")
     embeddings, report = encode(
         args.prompt, model=args.model, negative_prompt=args.negative_prompt, dtype=args.dtype, device=args.device,
-        budget=args.budget, allow_pickle=args.allow_pickle,
+        budget=args.budget, allow_pickle=args.allow_pickle, config=args.config,
     )
     embeddings.save(out)
     if args.report:

@@ -21,6 +21,7 @@ import argparse
 import json
 from typing import Any
 
+from memfit.cli.run_args import CONFIG_HELP
 from memfit.errors import MemfitError
 from memfit.models.archs import ARCHS, get_arch
 from memfit.plan.budget import Budget
@@ -43,7 +44,9 @@ def register(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
     )
     source = parser.add_mutually_exclusive_group(required=True)
     source.add_argument("--arch", choices=sorted(ARCHS), type=str.lower, help="a built-in architecture")
-    source.add_argument("--model", metavar="DIR", help="a diffusers pipeline folder (reads only JSON configs)")
+    source.add_argument("--model", metavar="PATH", help="a diffusers pipeline folder (reads only JSON configs), or an "
+                        "all-in-one checkpoint file (reads only its header and its configs)")
+    parser.add_argument("--config", metavar="DIR", help=CONFIG_HELP)
     parser.add_argument("--budget", default="auto", help="device memory budget, e.g. 4GiB, 6GB (=6*10^9), 512MiB; "
                         "auto (default): what this machine can spare now")
     parser.add_argument("--host", help="host RAM for weights parked off the device (default: unlimited)")
@@ -123,9 +126,11 @@ def _source(args: argparse.Namespace):
     if args.arch:
         arch = get_arch(args.arch)
         return arch.name, arch.description, arch.adapter()
-    from memfit.models.folder import ModelFolder
+    from memfit.models.model_path import open_model_path
 
-    folder = ModelFolder.open(args.model)
+    if args.config is not None and args.model is None:
+        raise MemfitError("--config is for a checkpoint file given as --model; --arch needs no configs.")
+    folder = open_model_path(args.model, config=args.config)
     adapter = folder.adapter
     planned = set(planned_models(adapter))
     folder.require_configs(planned)

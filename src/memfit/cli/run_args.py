@@ -7,15 +7,22 @@ import argparse
 
 from memfit.compile.backends.registry import list_backends
 
-__all__ = ["add_model_args", "add_run_args", "run_options"]
+__all__ = ["CONFIG_HELP", "add_model_args", "add_run_args", "run_options"]
 
 BUDGET_HELP = ("memory budget for each stage (the process, weights and activations): auto (default: what this machine, "
                "container or GPU can spare now), none (no planning), or a size such as 2GiB or 6GB (=6*10^9 bytes)")
 
 
+CONFIG_HELP = ("for a checkpoint file: a diffusers folder of its family to read configs, scheduler and tokenizers "
+               "from (never its weights); default: the Hugging Face cache's copy of the family's repository, or "
+               "those small files fetched once when online")
+
+
 def add_model_args(parser: argparse.ArgumentParser) -> None:
-    """--model, --dtype, --device and --allow-pickle: which model, and how it loads."""
-    parser.add_argument("--model", help="diffusers model folder (default: memfit's built-in demo model)")
+    """--model, --config, --dtype, --device and --allow-pickle: which model, and how it loads."""
+    parser.add_argument("--model", help="diffusers model folder, or an all-in-one checkpoint file (.safetensors, "
+                        "as AUTOMATIC1111 and ComfyUI keep them) (default: memfit's built-in demo model)")
+    parser.add_argument("--config", metavar="DIR", help=CONFIG_HELP)
     parser.add_argument("--dtype", choices=("fp32", "bf16", "fp16"), default="fp32", help="run dtype (default fp32)")
     parser.add_argument("--device", help="torch device, e.g. cpu or cuda:0 (default: cuda if available)")
     parser.add_argument("--allow-pickle", action="store_true",
@@ -38,6 +45,6 @@ def run_options(args: argparse.Namespace) -> dict:
     """The keyword arguments of add_run_args' flags, as memfit.generate, Session and BatchOptions take them."""
     from memfit.compile.entry_points import parse_backend_arg
 
-    return {"model": args.model, "dtype": args.dtype, "device": args.device, "allow_pickle": args.allow_pickle,
+    return {"model": args.model, "config": args.config, "dtype": args.dtype, "device": args.device, "allow_pickle": args.allow_pickle,
             "budget": args.budget, "backend": parse_backend_arg(args.backend) if args.backend else None,
             "fallback": args.fallback}

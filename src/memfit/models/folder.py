@@ -56,7 +56,7 @@ _CONVERT = ("convert it to safetensors: python -c \"import torch, safetensors.to
 _SAFETENSORS_NAMES = {"pytorch_model": "model", "diffusion_pytorch_model": "diffusion_pytorch_model"}
 
 
-def _load_pickle(path: Path):
+def load_pickle(path: Path):
     """``path`` through torch's weights_only loader: memory-mapped when it is torch's zip format,
     read whole when it is the legacy format (mmap cannot read that)."""
     try:
@@ -67,10 +67,17 @@ def _load_pickle(path: Path):
         return torch.load(path, map_location="cpu", weights_only=True)
 
 
-def _check_tensors_only(path: Path) -> None:
-    """Raise unless torch's weights_only loader reads ``path`` (tensors and plain containers, no code)."""
+def pickle_refused(src: Path, dst: Path) -> str:
+    """The sentence that refuses the pickle checkpoint ``src`` without allow_pickle, converting it to ``dst``."""
+    return (f"{src} is a pickle checkpoint, which memfit does not load by default (pickle can run code); "
+            + _CONVERT.format(src=src, dst=dst) + ", or pass --allow-pickle to load it with torch's weights_only loader.")
+
+
+def load_tensors_only(path: Path):
+    """What torch's weights_only loader reads from ``path`` (tensors and plain containers, no code); raises
+    naming the file when it holds anything else."""
     try:
-        _load_pickle(path)
+        return load_pickle(path)
     except Exception as exc:  # noqa: BLE001 - UnpicklingError, RuntimeError, ... all mean: not plain tensors
         reason = str(exc).strip().splitlines()[0][:200] if str(exc).strip() else type(exc).__name__
         raise MemfitError(
@@ -102,7 +109,7 @@ def _checkpoint_entries(files: list[Path]) -> dict[str, tuple[str, list[int], Pa
             for key, entry in read_header(path).entries.items():
                 entries[key] = (_SAFETENSORS_DTYPES.get(entry["dtype"], entry["dtype"]), list(entry["shape"]), path)
         else:  # pickle, only with allow_pickle; weights_only never runs code from the file
-            state = _load_pickle(path)
+            state = load_pickle(path)
             for key, tensor in state.items():
                 if isinstance(tensor, torch.Tensor):
                     entries[key] = (str(tensor.dtype).removeprefix("torch."), list(tensor.shape), path)
@@ -129,14 +136,19 @@ def check_loaded_weights(module: torch.nn.Module, name: str, folder: Path, files
     """
     if not files:
         return
-    stored = _checkpoint_entries(files)
+    check_weight_entries(module, name, folder, _checkpoint_entries(files), files[0] if len(files) == 1 else folder)
+
+
+def check_weight_entries(module: torch.nn.Module, name: str, folder: Path, stored: dict[str, tuple[str, list[int], Path]],
+                         where: Path, *, one_dtype: bool = True) -> None:
+    """check_loaded_weights for ``stored`` (tensor name -> (dtype, shape, file)); ``where`` names the weights
+    in messages, ``folder`` the component's config folder. ``one_dtype``: refuse a stray floating dtype."""
     names = loaded_names(module, stored)
     if names is None:
         entries, state = stored, None  # names not comparable: only the dtype check applies
     else:
         entries = {names[key]: value for key, value in stored.items()}
         state = module.state_dict(keep_vars=True)
-    where = files[0] if len(files) == 1 else folder
     cls = type(module).__name__
     by_tensor: dict[int, list[str]] = {}
     for key, tensor in (state or {}).items():
@@ -162,6 +174,8 @@ def check_loaded_weights(module: torch.nn.Module, name: str, folder: Path, files
             f"the weights are for another model or config: check {folder / 'config.json'} or re-download the model "
             "(MEMFIT_ALLOW_EXTRA_KEYS=1 loads it anyway)."
         )
+    if not one_dtype:
+        return
     keep_fp32 = getattr(module, "_keep_in_fp32_modules", None) or []
     counts: dict[str, int] = {}
     for dtype, _, _ in entries.values():
@@ -193,6 +207,19 @@ _DTYPE_KWARG = ""
 def _shape_of(text: str) -> list[int]:
     """[1, 2] from diffusers' "torch.Size([1, 2])"."""
     return [int(n) for n in re.findall(r"\d+", text)]
+
+
+def size_mismatch(exc: BaseException) -> tuple[str, list[int], list[int]] | None:
+    """(tensor name, stored shape, shape the config needs) when loading failed on a tensor of another shape."""
+    mismatch = _SIZE_MISMATCH.search(str(exc))
+    if mismatch:
+        key, stored, needed = mismatch.groups()
+    else:
+        meta_mismatch = _SIZE_MISMATCH_META.search(str(exc))
+        if not meta_mismatch:
+            return None
+        key, needed, stored = meta_mismatch.groups()
+    return key, _shape_of(stored), _shape_of(needed)
 
 
 @dataclass
@@ -246,6 +273,10 @@ class ModelFolder:
 
             self._fingerprints[name] = fingerprint_folder(self.path / name)
         return self._fingerprints[name]
+
+    def describe_source(self) -> str:
+        """Where the model's parts came from, for the run report; empty for a folder (it is all there)."""
+        return ""
 
     @cached_property
     def text_fingerprint(self) -> str:
@@ -311,14 +342,10 @@ class ModelFolder:
             pickles = sorted(p for p in folder.iterdir() if p.suffix in PICKLE_SUFFIXES)
             if pickles and not safetensors and not self.allow_pickle:
                 src = pickles[0]
-                raise MemfitError(
-                    f"{src} is a pickle checkpoint, which memfit does not load by default (pickle can run code); "
-                    + _CONVERT.format(src=src, dst=src.with_name(_SAFETENSORS_NAMES.get(src.stem, src.stem) + ".safetensors"))
-                    + ", or pass --allow-pickle to load it with torch's weights_only loader."
-                )
+                raise MemfitError(pickle_refused(src, src.with_name(_SAFETENSORS_NAMES.get(src.stem, src.stem) + ".safetensors")))
             if pickles and not safetensors:
                 for src in pickles:
-                    _check_tensors_only(src)
+                    load_tensors_only(src)
 
     def weight_files(self, name: str) -> list[Path]:
         """The checkpoint files of component ``name`` that loading it reads."""
@@ -388,20 +415,16 @@ class ModelFolder:
         except MemfitError:
             raise
         except Exception as exc:  # diffusers raises many types; name the folder and the stage
-            mismatch = _SIZE_MISMATCH.search(str(exc))
-            meta_mismatch = _SIZE_MISMATCH_META.search(str(exc))
-            if mismatch or meta_mismatch:
-                if mismatch:
-                    key, stored, needed = mismatch.groups()
-                else:
-                    key, needed, stored = meta_mismatch.groups()
+            mismatch = size_mismatch(exc)
+            if mismatch:
+                key, stored, needed = mismatch
                 # diffusers names the class ("... in loading state_dict for UNet2DConditionModel")
                 owners = [n for n in names if n in self.components and self.components[n][1] in str(exc)] or \
                     [n for n in names if n in self.components and self.weight_files(n)]
                 files = ", ".join(str(f) for n in owners for f in self.weight_files(n)) or str(self.path)
                 raise MemfitError(
-                    f"Tensor {key!r} in {files} has shape {_shape_of(stored)} where {owners[0] if owners else 'the model'}'s "
-                    f"config needs {_shape_of(needed)}; the weights do not belong to this config: re-download the model."
+                    f"Tensor {key!r} in {files} has shape {stored} where {owners[0] if owners else 'the model'}'s "
+                    f"config needs {needed}; the weights do not belong to this config: re-download the model."
                 ) from exc
             first_line = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
             raise MemfitError(
@@ -411,8 +434,11 @@ class ModelFolder:
             module = getattr(pipe, name, None)
             if isinstance(module, torch.nn.Module):
                 check_loaded_weights(module, name, self.path / name, self.weight_files(name))
+        return self._ready(pipe, names, device)
+
+    def _ready(self, pipe, names, device: torch.device | None):
+        """A freshly loaded stage's pipeline, quiet, with what it derives from components not loaded."""
         pipe.set_progress_bar_config(disable=True)
-        # Attributes the pipeline derives from components that are not loaded in this stage.
         if "vae" in self.configs and "vae" not in names:
             pipe.vae_scale_factor = self.adapter.vae_scale_factor()
         return pipe if device is None else pipe.to(device)

@@ -55,11 +55,10 @@ from typing import Collection, Mapping
 import torch
 
 from memfit.devices import runtime_for
-from memfit.models.checkpoint_keys import loaded_names
 from memfit.plan.budget import AUTO, NONE, Budget, BudgetLike, resolve_budget, stage_budget
 from memfit.errors import MemfitError
-from memfit.run.offload import (HookRegistry, MappedSafetensors, Runtime, Shared, Slot, SlotKind, StagingRing, SwapHook,
-                                aligned)
+from memfit.run.offload import HookRegistry, Runtime, Shared, Slot, SlotKind, StagingRing, SwapHook, aligned
+from memfit.run.weight_sources import WeightSource, in_memory_only, weight_source
 from memfit.safetensors_header import same_samples
 from memfit.plan.planner import BlockSpec, Plan, StageInput, Tier, make_plan
 
@@ -80,7 +79,8 @@ class LiveBlock:
     bytes: int
     # (module whose forward covers the tensors, [(owner module, attribute name, tensor, is_param, full name)])
     units: list
-    fixed_bytes: int = 0  # the component's anchor, if in this block: it stays on the device whatever the tier
+    # the component's anchor (and any tensor in no file), if in this block: it stays on the device whatever the tier
+    fixed_bytes: int = 0
 
     @property
     def key(self) -> str:
@@ -375,6 +375,7 @@ def live_blocks(component: str, module: torch.nn.Module, dtype: torch.dtype | No
     threshold = max(1, int(sum(p.numel() for p in module.parameters()) * DEFAULT_MAX_BLOCK_FRACTION))
     seen: set[int] = set()
     anchor = _first_param(module)
+    in_memory = in_memory_only(module)  # tensors in no file stay where they are, like the anchor: counted so
     out = []
     for block_name, members in split_blocks(module, "", threshold):
         units, size, fixed = [], 0, 0
@@ -396,8 +397,8 @@ def live_blocks(component: str, module: torch.nn.Module, dtype: torch.dtype | No
                 seen.add(id(tensor))
                 nbytes = tensor.numel() * _run_dtype(tensor, dtype).itemsize
                 size += nbytes
-                if tensor is anchor:
-                    fixed = nbytes
+                if tensor is anchor or names.get(id(tensor)) in in_memory:
+                    fixed += nbytes
                 tensors.append((owner, attr, tensor, is_param, names.get(id(tensor), attr)))
             if tensors:
                 units.append((hooked, tensors))
@@ -510,18 +511,18 @@ def _run_dtype(tensor: torch.Tensor, dtype: torch.dtype | None) -> torch.dtype:
 def _apply_component(name, module, component_blocks, tiers, state: _State, model_dir) -> None:
     runtime = state.runtime
     anchor = _first_param(module)
-    opened: list = []  # [(files or None, {live name: file key})] once the component's files were looked for
+    # Tensors a single-file conversion computed are in no file: like the anchor they stay where they are.
+    fixed = in_memory_only(module)
+    opened: list = []  # [WeightSource or None] once the component's files were looked for
 
-    def source_files(required: bool) -> tuple[MappedSafetensors | None, dict[str, str]]:
-        if not opened or (required and opened[0][0] is None):
+    def source_files(required: bool) -> WeightSource | None:
+        if not opened or (required and opened[0] is None):
             try:
-                files = _open_files(name, module, model_dir)
+                opened[:] = [weight_source(name, module, model_dir)]
             except MemfitError:
                 if required:
                     raise
-                files = None  # no files: the loaded tensors are the only source
-            keys = {live: key for key, live in (loaded_names(module, files.keys()) or {}).items()} if files else {}
-            opened[:] = [(files, keys)]
+                opened[:] = [None]  # no files: the loaded tensors are the only source
         return opened[0]
 
     for block in component_blocks:
@@ -531,7 +532,8 @@ def _apply_component(name, module, component_blocks, tiers, state: _State, model
             for owner, attr, tensor, is_param, full_name in tensors:
                 separate = runtime.separate_memory
                 run_dtype = _run_dtype(tensor, state.dtype)
-                if separate and (tier == Tier.DEVICE or tensor is anchor) and not runtime.device_runtime.owns(tensor):
+                kept = tensor is anchor or full_name in fixed
+                if separate and (tier == Tier.DEVICE or kept) and not runtime.device_runtime.owns(tensor):
                     slot = Slot(owner, attr, tensor, home=None, kind=SlotKind.DEVICE)
                     tensor.data = runtime.device_runtime.to_device(tensor.data)
                     state.slots.append(slot)
@@ -540,16 +542,15 @@ def _apply_component(name, module, component_blocks, tiers, state: _State, model
                     tier_of_tensor = Tier.HOST  # a LoRA's own tensor is in no model file: it stays in memory
                 else:
                     tier_of_tensor = tier
-                if tier_of_tensor == Tier.DEVICE or tensor is anchor or (
+                if tier_of_tensor == Tier.DEVICE or kept or (
                         not separate and (tier_of_tensor == Tier.HOST or not is_param)):
                     # On the CPU host RAM is the device: the tensor stays where it is (module.dtype and
                     # module.device read the anchor: see the module docstring), in its run dtype.
                     if run_dtype != tensor.dtype or (state.own_resident and is_param):
-                        _own_memory(tensor, run_dtype, full_name, module, *source_files(required=False))
+                        _own_memory(tensor, run_dtype, full_name, source_files(required=False))
                     continue
                 if tier_of_tensor == Tier.DISK and is_param:
-                    files, file_keys = source_files(required=True)
-                    mapped = _checked_mapping(files, name, full_name, tensor, module, file_keys)
+                    mapped = _checked_mapping(source_files(required=True), name, full_name, tensor)
                     slot = Slot(owner, attr, tensor, home=mapped, kind=SlotKind.MMAP, dtype=run_dtype)
                     state.slots.append(slot)
                     # The hook converts / copies it for each forward, or (same dtype, CPU) reads it
@@ -561,11 +562,11 @@ def _apply_component(name, module, component_blocks, tiers, state: _State, model
                     continue
                 # host tier on a GPU (or a buffer of a disk block): its home is a place in the stage's
                 # pinned arena, filled by _place_host_tier once every such tensor is known.
-                files, file_keys = source_files(required=False)
+                files = source_files(required=False)
                 slot = Slot(owner, attr, tensor, home=None, kind=SlotKind.HOST)
                 source = None
                 if files is not None and not is_adapter_weight(full_name):
-                    source = _file_view(files, full_name, tensor, module, file_keys)
+                    source = _file_view(files, full_name, tensor)
                 state.host_sources.append((slot, source))
                 state.slots.append(slot)
                 slots.append(slot)
@@ -574,8 +575,7 @@ def _apply_component(name, module, component_blocks, tiers, state: _State, model
                 state.hooked.append(hooked)
 
 
-def _own_memory(tensor: torch.Tensor, dtype: torch.dtype, full_name: str, module, files: MappedSafetensors | None,
-                file_keys: Mapping[str, str]) -> None:
+def _own_memory(tensor: torch.Tensor, dtype: torch.dtype, full_name: str, files: WeightSource | None) -> None:
     """Give a resident weight memory of its own in its run dtype, read from memfit's own mapping of its
     file where it is there, whose pages then leave this process.
 
@@ -587,7 +587,7 @@ def _own_memory(tensor: torch.Tensor, dtype: torch.dtype, full_name: str, module
     """
     source = None
     if files is not None and not is_adapter_weight(full_name):
-        source = _file_view(files, full_name, tensor, module, file_keys)
+        source = _file_view(files, full_name, tensor)
     if source is None:
         if dtype != tensor.dtype:
             tensor.data = tensor.data.to(dtype)
@@ -642,29 +642,12 @@ def _make_staging_ring(state: _State) -> None:
         state.arenas.append(runtime.ring.arena)
 
 
-def _file_view(files: MappedSafetensors, full_name: str, tensor, module, file_keys: Mapping[str, str]) -> Shared | None:
+def _file_view(files: WeightSource, full_name: str, tensor) -> Shared | None:
     """The mapped file's copy of ``tensor`` when the file holds exactly this weight, else None."""
     try:
-        return _checked_mapping(files, "", full_name, tensor, module, file_keys)
+        return _checked_mapping(files, "", full_name, tensor)
     except MemfitError:
         return None
-
-
-def _open_files(name: str, module, model_dir) -> MappedSafetensors:
-    candidates = []
-    if model_dir is not None:
-        candidates += [Path(model_dir) / name, Path(model_dir)]
-    source = getattr(getattr(module, "config", None), "_name_or_path", None) or getattr(module, "name_or_path", None)
-    if source:
-        candidates += [Path(source), Path(source) / name]
-    for folder in candidates:
-        if folder.is_dir() and any(folder.glob("*.safetensors")):
-            return MappedSafetensors(folder)
-    raise MemfitError(
-        f"Component {name!r} has no safetensors files to map for the disk tier (looked in "
-        f"{[str(c) for c in candidates] or 'nothing: its config has no _name_or_path'}). Load the pipeline "
-        "with from_pretrained from a saved folder, or pass model_dir= the pipeline folder."
-    )
 
 
 def is_adapter_weight(full_name: str) -> bool:
@@ -674,25 +657,19 @@ def is_adapter_weight(full_name: str) -> bool:
     return any(part in ADAPTER_PARAMETER_NAMES for part in full_name.split("."))
 
 
-def _checked_mapping(files: MappedSafetensors, component: str, full_name: str, tensor, module,
-                     file_keys: Mapping[str, str]) -> Shared:
-    prefix = getattr(module, "base_model_prefix", "") or ""
+def _checked_mapping(files: WeightSource, component: str, full_name: str, tensor) -> Shared:
     # A layer with a LoRA (PEFT) keeps the original layer as ``base_layer``; its weights are the file's.
     full_name = ".".join(part for part in full_name.split(".") if part != "base_layer")
-    saved = file_keys.get(full_name, full_name)
-    for key in (saved, f"{prefix}.{saved}", saved.removeprefix(prefix + ".")):
-        if key in files:
-            break
-    else:
+    mapped = files.find(full_name)
+    if mapped is None:
         raise MemfitError(
-            f"{component}.{full_name} is not in {files.folder}'s safetensors files, so it cannot be read "
+            f"{component}.{full_name} is not in the safetensors of {files.where}, so it cannot be read "
             "from disk; keep this block on the host tier or save the pipeline again."
         )
-    mapped = files.shared(key)
     view = mapped.tensor
     if tuple(view.shape) != tuple(tensor.shape) or not same_samples(view, tensor.data):
         raise MemfitError(
-            f"{component}.{full_name} differs from {key} in {files.folder} (was the model changed after "
+            f"{component}.{full_name} differs from its copy in {files.where} (was the model changed after "
             "loading, e.g. a fused LoRA?). The disk tier would run the file's weights; save the pipeline "
             "and load it again, or keep this block off the disk tier."
         )

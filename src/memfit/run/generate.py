@@ -32,6 +32,7 @@ from memfit.run.stages import (
     open_model,
     pipeline_stage,
     run_result,
+    source_notes,
 )
 
 __all__ = ["Generation", "check_conditioning", "encode", "generate"]
@@ -49,16 +50,18 @@ def encode(
     backend=None,
     fallback: str | None = None,
     allow_pickle: bool = False,
+    config: str | Path | None = None,
 ) -> tuple[Embeddings, RunReport]:
-    """Run only the encode stage; the embeddings carry both guidance branches."""
+    """Run only the encode stage; the embeddings carry both guidance branches. ``model`` and ``config`` as
+    memfit.generate's."""
     quiet_libraries()
-    folder = open_model(model, allow_pickle=allow_pickle)
+    folder = open_model(model, allow_pickle=allow_pickle, config=config)
     if not folder.adapter.staged:
         raise MemfitError(_not_staged(folder, "encode prompts on their own"))
     options = RunOptions.build(device=device, dtype=dtype, budget=budget, backend=backend, fallback=fallback,
                                progress=False, allow_pickle=allow_pickle)
     settings = folder.adapter.resolve(prompt, negative_prompt, 1, None, 0, None, None, folder.defaults)
-    report = RunReport(device=str(options.device), dtype=dtype, model=str(folder.path))
+    report = RunReport(device=str(options.device), dtype=dtype, model=str(folder.path), notes=source_notes(folder))
     runner = StageRunner(options, report=report, settings=settings, guided=True)
     tensors = runner.run([encode_stage([("base", folder)], settings, with_negative=True)])["encode"]["base"]
     embeddings = Embeddings(tensors, folder.class_name, folder.text_fingerprint, settings.prompt, settings.negative_prompt)
@@ -98,10 +101,15 @@ def generate(
     precision: str | None = None,
     pool: StagePool | None = None,
     on_step: Callable[[str, int, int], None] | None = None,
+    config: str | Path | None = None,
 ) -> Generation:
-    """Generate an image with a diffusers model folder, one stage resident at a time.
+    """Generate an image with a diffusers model folder or an all-in-one checkpoint file, one stage resident at a
+    time.
 
-    `model` defaults to memfit's built-in demo model. With `embeddings` (a file from
+    `model` defaults to memfit's built-in demo model. A checkpoint file (A1111's and ComfyUI's all-in-one
+    .safetensors) takes its configs and tokenizers from `config` (a diffusers folder of its family; only
+    those are read), else from the Hugging Face cache, else (online) fetched once (memfit.models.single_file_configs);
+    its weights stream from the file as a folder's do. With `embeddings` (a file from
     `memfit encode` or an Embeddings object) the encode stage is skipped entirely. `budget`
     ("auto", the default: what this machine, container or GPU can spare now; "none": no planning;
     bytes, "2GiB", or a Budget) bounds each stage's peak: the process's own memory, resident
@@ -143,6 +151,8 @@ def generate(
         raise MemfitError("--sampler and sessions do not combine with --refiner yet; leave them out.")
     options = RunOptions.build(device=device, dtype=dtype, budget=budget, backend=backend, fallback=fallback,
                                progress=progress, allow_pickle=allow_pickle, pool=pool, on_step=on_step)
+    if config is not None:
+        model = open_model(model, allow_pickle=allow_pickle, config=config)
     if refiner is not None:
         from memfit.run.refiner import DEFAULT_REFINER_START, generate_with_refiner
 
@@ -172,7 +182,8 @@ def generate(
                                true_cfg_scale=true_cfg_scale, num_frames=num_frames, conditioning=conditioning,
                                strength=strength)
     guided = adapter.guided(settings)
-    report = RunReport(device=str(options.device), dtype=dtype, model=str(folder.path), settings=settings.__dict__.copy())
+    report = RunReport(device=str(options.device), dtype=dtype, model=str(folder.path), settings=settings.__dict__.copy(),
+                       notes=source_notes(folder))
     runner = StageRunner(options, report=report, settings=settings, guided=guided)
     if runner.resolved.mode == "explicit":  # an automatic budget is what there is: nothing to name instead
         check_budget_floor(folder, settings, dtype, runner.budget, options.runtime)

@@ -42,10 +42,10 @@ from memfit.devices import DeviceRuntime
 from memfit.errors import MemfitError
 from memfit.text_enum import TextEnum
 from memfit.run.timeline import record_move
-from memfit.safetensors_header import TORCH_DTYPES, read_header
+from memfit.safetensors_header import MappedFile
 
 __all__ = ["ALIGNMENT", "HookRegistry", "MappedSafetensors", "ModuleHook", "MappedPages", "Runtime", "Shared", "Slot",
-           "SlotKind", "StagingRing", "SwapHook", "aligned", "weights_ready"]
+           "SlotKind", "StagingRing", "SwapHook", "aligned", "mapped_view", "weights_ready"]
 
 REGISTRY_ATTR = "_memfit_hooks"
 #: Offsets inside a pinned arena are multiples of this (the device allocator's own granularity), so
@@ -210,22 +210,17 @@ class MappedPages:
 
 
 class MappedSafetensors:
-    """The safetensors files of one folder, memory-mapped; ``tensor(key)`` is a zero-copy view.
-
-    The mapping is private copy-on-write (``ACCESS_COPY``): pages are the page cache's own, the
-    kernel may drop and re-read them under pressure, and an accidental in-place write to a weight
-    makes a private page instead of corrupting the model file (or crashing on a read-only page).
-    """
+    """The safetensors files of one folder, memory-mapped (memfit.safetensors_header.MappedFile);
+    ``tensor(key)`` is a zero-copy view."""
 
     def __init__(self, folder: str | os.PathLike):
         self.folder = Path(folder)
         self.files = sorted(self.folder.glob("*.safetensors"))
-        self._maps: dict[Path, mmap.mmap] = {}
-        self._entries: dict[str, tuple[Path, dict, int]] = {}
+        self._entries: dict[str, MappedFile] = {}
         for path in self.files:
-            header = read_header(path)
-            for key, entry in header.entries.items():
-                self._entries.setdefault(key, (path, entry, header.data_start))
+            mapped = MappedFile(path)
+            for key in mapped.entries:
+                self._entries.setdefault(key, mapped)
 
     def __contains__(self, key: str) -> bool:
         return key in self._entries
@@ -238,21 +233,20 @@ class MappedSafetensors:
 
     def shared(self, key: str) -> Shared:
         """A zero-copy view of ``key`` with its page range (for release/prefetch advice)."""
-        path, entry, data_start = self._entries[key]
-        if path not in self._maps:
-            with path.open("rb") as handle:
-                self._maps[path] = mmap.mmap(handle.fileno(), 0, access=mmap.ACCESS_COPY)
-        dtype = TORCH_DTYPES.get(entry["dtype"])
-        if dtype is None:
-            raise MemfitError(f"{path} stores {key} as {entry['dtype']}, which memfit cannot memory-map.")
-        begin, end = entry["data_offsets"]
-        shape = entry["shape"]
-        count = (end - begin) // torch.empty((), dtype=dtype).element_size()
-        if count == 0:
-            return Shared(torch.empty(shape, dtype=dtype))
-        mapping = self._maps[path]
-        flat = torch.frombuffer(mapping, dtype=dtype, count=count, offset=data_start + begin)
-        return Shared(flat.view(shape), MappedPages(mapping, data_start + begin, data_start + end))
+        return mapped_view(self._entries[key], key)
+
+
+def mapped_view(mapped: MappedFile, key: str, view: torch.Tensor | None = None) -> Shared:
+    """``key`` of ``mapped`` (or ``view``, a view of it) as a Shared with the page range it covers."""
+    tensor = mapped.tensor(key) if view is None else view
+    if tensor.numel() == 0:
+        return Shared(tensor)
+    begin, end = mapped.byte_range(key)
+    if view is not None:  # only the bytes the view spans (a row slice of a fused tensor covers part of it)
+        itemsize = view.element_size()
+        last = sum((size - 1) * stride for size, stride in zip(view.shape, view.stride()))
+        begin, end = begin + view.storage_offset() * itemsize, begin + (view.storage_offset() + last + 1) * itemsize
+    return Shared(tensor, MappedPages(mapped.mapping, begin, end))
 
 
 # --- swapping -------------------------------------------------------------------------------------

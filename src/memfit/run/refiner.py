@@ -40,7 +40,8 @@ from memfit.models.folder import ModelFolder
 from memfit.run.report import RunReport
 from memfit.run.options import RunOptions
 from memfit.run.runner import StageRunner
-from memfit.run.stages import Generation, decode_stage, denoise_stage, encode_stage, open_model, png_metadata
+from memfit.run.stages import (Generation, decode_stage, denoise_stage, encode_stage, open_model, png_metadata,
+                               source_notes)
 
 __all__ = ["DEFAULT_REFINER_START", "generate_with_refiner"]
 
@@ -92,7 +93,8 @@ def generate_with_refiner(
     settings = base.adapter.resolve(prompt, negative_prompt, steps, guidance, seed, width, height, base.defaults)
     guided = base.adapter.uses_guidance(settings.guidance)
     report = RunReport(device=str(options.device), dtype=options.dtype, model=str(base.path),
-                       settings={**settings.__dict__, "refiner": str(ref.path), "refiner_start": refiner_start})
+                       settings={**settings.__dict__, "refiner": str(ref.path), "refiner_start": refiner_start},
+                       notes=source_notes(base))
     runner = StageRunner(options, report=report, settings=settings, guided=guided)
     # One generator through both denoising calls, as in diffusers' documented workflow.
     generator = torch.Generator(device="cpu").manual_seed(settings.seed)

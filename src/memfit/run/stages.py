@@ -20,18 +20,22 @@ import torch
 from memfit.errors import MemfitError, MemfitWarning
 from memfit.models.families import Conditioning, Settings
 from memfit.models.folder import ModelFolder
+from memfit.models.model_path import open_model_path
 from memfit.plan.activations import StrategyKind
 from memfit.run.media import IMAGE_SUFFIXES, VIDEO_SUFFIXES, save_png, save_video
 from memfit.run.runner import Stage, StageContext
 
 __all__ = ["Generation", "check_embeddings", "decode_stage", "denoise_stage", "encode_stage", "open_model",
-           "pipeline_stage", "png_metadata", "run_result"]
+           "pipeline_stage", "png_metadata", "run_result", "source_notes"]
 
 
-def open_model(model: str | Path | ModelFolder | None, *, allow_pickle: bool = False) -> ModelFolder:
-    """A ModelFolder for a path, its layout checked (memfit.models.folder); None is memfit's built-in demo model.
+def open_model(model: str | Path | ModelFolder | None, *, allow_pickle: bool = False,
+               config: str | Path | None = None) -> ModelFolder:
+    """The model at a path, its layout checked: a diffusers folder, or an all-in-one single-file checkpoint with
+    its configs from ``config`` (a diffusers folder of its family) or where memfit finds them
+    (memfit.models.model_path); None is memfit's built-in demo model.
 
-    ``allow_pickle`` loads pickle checkpoints (.bin, .pt, ...) with torch's weights_only loader;
+    ``allow_pickle`` loads pickle checkpoints (.bin, .pt, .ckpt, ...) with torch's weights_only loader;
     without it they are refused.
     """
     if isinstance(model, ModelFolder):
@@ -41,11 +45,17 @@ def open_model(model: str | Path | ModelFolder | None, *, allow_pickle: bool = F
             from memfit.demo import model_dir
 
             model = model_dir()
-        folder = ModelFolder.open(model)
+        folder = open_model_path(model, config=config, allow_pickle=allow_pickle)
     folder.check_layout()
     if allow_pickle:
         folder.allow_pickle = True
     return folder
+
+
+def source_notes(folder: ModelFolder) -> list[str]:
+    """What a run report says first about where ``folder``'s parts came from (a single file's configs)."""
+    note = folder.describe_source()
+    return [note] if note else []
 
 
 def check_finite(tensors, stage: str, folder: ModelFolder, components) -> None:

@@ -140,6 +140,30 @@ def _sdxl(scale: int, text_layers: int):
     )
 
 
+def _sdxl_single_file(scale: int, text_layers: int):
+    """The tiny SDXL as an all-in-one checkpoint needs it for diffusers to read the file back: diffusers
+    finds SDXL by a tenth layer of the bigG encoder, and tells its two CLIP encoders apart by their width."""
+    from diffusers import EulerDiscreteScheduler, StableDiffusionXLPipeline
+
+    tokenizer = clip_tokenizer()
+    hidden, hidden_2, projection = 16 * scale, 24 * scale, 16 * scale
+    unet = sdxl_unet(scale, pooled_dim=projection, time_ids=6, cross_attention_dim=hidden + hidden_2)
+    scheduler = EulerDiscreteScheduler(
+        beta_start=0.00085, beta_end=0.012, beta_schedule="scaled_linear", timestep_spacing="leading", steps_offset=1
+    )
+    return StableDiffusionXLPipeline(
+        vae=_vae(scale, force_upcast=False),
+        text_encoder=_clip_text("CLIPTextModel", tokenizer, hidden, text_layers),
+        text_encoder_2=_clip_text("CLIPTextModelWithProjection", tokenizer, hidden_2, max(text_layers, 10),
+                                  projection_dim=projection),
+        tokenizer=tokenizer,
+        tokenizer_2=clip_tokenizer(),
+        unet=unet,
+        scheduler=scheduler,
+        force_zeros_for_empty_prompt=False,
+    )
+
+
 def _lumina2(scale: int, text_layers: int):
     from diffusers import FlowMatchEulerDiscreteScheduler, Lumina2Pipeline, Lumina2Transformer2DModel
 
@@ -630,7 +654,7 @@ def _sd_pag(scale: int, text_layers: int):
 _BUILDERS: dict[str, Callable[[int, int], object]] = {
     "sd": _sd, "sdxl": _sdxl, "lumina2": _lumina2, "cogview4": _cogview4,
     "flux": _flux, "flux_schnell": _flux_schnell, "sd3": _sd3, "qwenimage": _qwenimage, "wan": _wan, "chroma": _chroma, "sana": _sana, "pixart_sigma": _pixart_sigma, "aura_flow": _aura_flow, "hidream": _hidream,
-    "sd_pag": _sd_pag,
+    "sd_pag": _sd_pag, "sdxl_single_file": _sdxl_single_file,
 }
 
 # Sizes each tiny architecture accepts (multiples of what its VAE and patching need).

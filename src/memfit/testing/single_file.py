@@ -1,0 +1,180 @@
+"""All-in-one single-file checkpoints made from the tiny pipelines: diffusers' conversion run backwards.
+
+A1111, Forge and ComfyUI keep a Stable Diffusion model as one ``.safetensors`` file in the original
+(LDM) key layout: the UNet under ``model.diffusion_model.``, the VAE under ``first_stage_model.``,
+the CLIP text encoder under ``cond_stage_model.transformer.`` (SDXL: its two text encoders under
+``conditioner.embedders.0.transformer.`` and, in OpenCLIP's layout, ``conditioner.embedders.1.model.``;
+build the tiny SDXL as kind "sdxl_single_file" for diffusers to read it back). ``save_single_file`` writes a tiny
+pipeline's weights that way, by the inverse of diffusers' own converters
+(diffusers.loaders.single_file_utils), and checks the round trip: diffusers' converters turn the
+file back into exactly the folder's tensors.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+
+__all__ = ["ldm_state_dict", "save_single_file"]
+
+# A few of the tensors real SD files carry beside the models (the training schedule, the
+# text encoder's position ids): a loader must leave them alone.
+_EXTRAS = {"alphas_cumprod": torch.linspace(0.99, 0.01, 1000), "model_ema.decay": torch.tensor(0.9999)}
+
+_RESNET = (("norm1", "in_layers.0"), ("conv1", "in_layers.2"), ("norm2", "out_layers.0"), ("conv2", "out_layers.3"),
+           ("time_emb_proj", "emb_layers.1"), ("conv_shortcut", "skip_connection"))
+_VAE_ATTENTION = (("group_norm", "norm"), ("to_q", "q"), ("to_k", "k"), ("to_v", "v"), ("to_out.0", "proj_out"))
+
+
+def _rename(key: str, pairs) -> str:
+    for new, old in pairs:
+        key = key.replace(f".{new}.", f".{old}.")
+    return key
+
+
+def _unet_key(key: str, config: dict) -> str:
+    """The LDM name of a diffusers UNet2DConditionModel tensor."""
+    per_block = config["layers_per_block"] + 1
+    parts = key.split(".")
+    fixed = {"time_embedding.linear_1": "time_embed.0", "time_embedding.linear_2": "time_embed.2",
+             "conv_in": "input_blocks.0.0", "conv_norm_out": "out.0", "conv_out": "out.2",
+             "add_embedding.linear_1": "label_emb.0.0", "add_embedding.linear_2": "label_emb.0.2"}
+    head = ".".join(parts[:2]) if parts[0] in ("time_embedding", "add_embedding") else parts[0]
+    if head in fixed:
+        return key.replace(head, fixed[head], 1)
+    if parts[0] == "mid_block":
+        index = {"resnets.0": 0, "attentions.0": 1, "resnets.1": 2}[".".join(parts[1:3])]
+        return _rename(f"middle_block.{index}.{'.'.join(parts[3:])}", _RESNET if parts[1] == "resnets" else ())
+    block, kind, rest = int(parts[1]), parts[2], parts[3:]
+    if parts[0] == "down_blocks":
+        if kind == "downsamplers":  # down_blocks.i.downsamplers.0.conv.w
+            return f"input_blocks.{(block + 1) * per_block}.0.op.{'.'.join(rest[2:])}"
+        layer = 1 + block * per_block + int(rest[0])
+        name = f"input_blocks.{layer}.{0 if kind == 'resnets' else 1}.{'.'.join(rest[1:])}"
+        return _rename(name, _RESNET) if kind == "resnets" else name
+    # up blocks have one layer more than down blocks; an upsampler follows the block's attention, if any
+    if kind == "upsamplers":
+        has_attention = "CrossAttn" in config["up_block_types"][block]
+        return f"output_blocks.{block * per_block + per_block - 1}.{2 if has_attention else 1}.{'.'.join(rest[1:])}"
+    layer = block * per_block + int(rest[0])
+    name = f"output_blocks.{layer}.{0 if kind == 'resnets' else 1}.{'.'.join(rest[1:])}"
+    return _rename(name, _RESNET) if kind == "resnets" else name
+
+
+def _vae_tensor(key: str, tensor: torch.Tensor, config: dict) -> tuple[str, torch.Tensor]:
+    """The LDM name (and shape: attention projections are 1x1 convolutions there) of an AutoencoderKL tensor."""
+    levels = len(config["up_block_types"])
+    parts = key.split(".")
+    side = parts[0]
+    if parts[1] == "conv_norm_out":
+        return key.replace("conv_norm_out", "norm_out"), tensor
+    if parts[1] == "mid_block":
+        if parts[2] == "resnets":
+            rest = ".".join(parts[4:]).replace("conv_shortcut", "nin_shortcut")
+            return f"{side}.mid.block_{int(parts[3]) + 1}.{rest}", tensor
+        rest = _rename("." + ".".join(parts[4:]), _VAE_ATTENTION).lstrip(".")
+        if tensor.ndim == 2:
+            tensor = tensor[:, :, None, None]
+        return f"{side}.mid.attn_1.{rest}", tensor
+    if parts[1] in ("down_blocks", "up_blocks"):
+        block = int(parts[2])
+        level, word = (block, "down") if parts[1] == "down_blocks" else (levels - 1 - block, "up")
+        if parts[3] == "resnets":
+            rest = ".".join(parts[5:]).replace("conv_shortcut", "nin_shortcut")
+            return f"{side}.{word}.{level}.block.{parts[4]}.{rest}", tensor
+        sampler = "downsample" if word == "down" else "upsample"
+        return f"{side}.{word}.{level}.{sampler}.{'.'.join(parts[5:])}", tensor
+    return key, tensor  # conv_in, conv_out, quant_conv, post_quant_conv keep their names
+
+
+def _open_clip_state(encoder) -> dict[str, torch.Tensor]:
+    """A CLIPTextModelWithProjection's tensors in OpenCLIP's layout (SDXL's second text encoder): q, k and v
+    fused into one in_proj, the projection transposed."""
+    from diffusers.loaders.single_file_utils import DIFFUSERS_TO_LDM_MAPPING
+
+    tables = DIFFUSERS_TO_LDM_MAPPING["openclip"]
+    state = encoder.state_dict()
+    out = {old: state[new].T if old == "text_projection" else state[new] for new, old in tables["layers"].items()}
+    fused: dict[str, list] = {}
+    for key, tensor in state.items():
+        if not key.startswith("text_model.encoder.layers."):
+            continue
+        name = key
+        for new, old in tables["transformer"].items():
+            name = name.replace(new, old)
+        for projection in ("q_proj", "k_proj", "v_proj"):
+            if f".{projection}." in name:
+                base, kind = name.split(f".{projection}.")
+                fused.setdefault(f"transformer.{base}.in_proj_{kind}", [None] * 3)[("q_proj", "k_proj", "v_proj").index(
+                    projection)] = tensor
+                break
+        else:
+            out["transformer." + name] = tensor
+    out.update({key: torch.cat(parts) for key, parts in fused.items()})
+    return out
+
+
+def ldm_state_dict(pipe) -> dict[str, torch.Tensor]:
+    """An SD 1.x or SDXL pipeline's UNet, VAE and text encoders as one state dict in the LDM key layout."""
+    out = {}
+    unet_config = dict(pipe.unet.config)
+    for key, tensor in pipe.unet.state_dict().items():
+        out["model.diffusion_model." + _unet_key(key, unet_config)] = tensor
+    vae_config = dict(pipe.vae.config)
+    for key, tensor in pipe.vae.state_dict().items():
+        name, value = _vae_tensor(key, tensor, vae_config)
+        out["first_stage_model." + name] = value
+    xl = getattr(pipe, "text_encoder_2", None) is not None
+    clip = "conditioner.embedders.0.transformer." if xl else "cond_stage_model.transformer."
+    for key, tensor in pipe.text_encoder.state_dict().items():
+        out[clip + ("" if key.startswith("text_model.") else "text_model.") + key] = tensor
+    positions = pipe.text_encoder.config.max_position_embeddings
+    out[clip + "text_model.embeddings.position_ids"] = torch.arange(positions)[None]
+    if xl:
+        out.update({"conditioner.embedders.1.model." + key: value
+                    for key, value in _open_clip_state(pipe.text_encoder_2).items()})
+    return out
+
+
+def save_single_file(folder: str | Path, path: str | Path, *, dtype: torch.dtype | None = None,
+                     extras: bool = True) -> Path:
+    """Write the SD 1.x or SDXL diffusers folder ``folder`` as an all-in-one LDM checkpoint at ``path``.
+
+    ``dtype`` stores the floating tensors in that dtype (published files are fp16); ``extras`` adds
+    tensors real files carry beside the models. Raises AssertionError unless diffusers' converters
+    give the folder's tensors back.
+    """
+    import diffusers
+    from safetensors.torch import save_file
+
+    folder, path = Path(folder), Path(path)
+    pipe = diffusers.DiffusionPipeline.from_pretrained(folder)
+    if dtype is not None:
+        pipe.to(dtype)
+    state = ldm_state_dict(pipe)
+    _check_round_trip(pipe, state)
+    if extras:
+        state.update(_EXTRAS)
+    state = {key: tensor.contiguous() for key, tensor in state.items()}
+    save_file(state, path, metadata={"format": "pt", "memfit.testing": json.dumps({"source": folder.name})})
+    return path
+
+
+def _check_round_trip(pipe, state: dict[str, torch.Tensor]) -> None:
+    from diffusers.loaders.single_file_utils import (convert_ldm_clip_checkpoint, convert_ldm_unet_checkpoint,
+                                                     convert_ldm_vae_checkpoint, convert_open_clip_checkpoint)
+
+    clip = {key.removeprefix("text_model."): value for key, value in convert_ldm_clip_checkpoint(state).items()}
+    converted = {"unet": convert_ldm_unet_checkpoint(state, dict(pipe.unet.config)),
+                 "vae": convert_ldm_vae_checkpoint(state, dict(pipe.vae.config)), "text_encoder": clip}
+    if getattr(pipe, "text_encoder_2", None) is not None:
+        converted["text_encoder_2"] = convert_open_clip_checkpoint(pipe.text_encoder_2, state,
+                                                                   prefix="conditioner.embedders.1.model.")
+    for name, tensors in converted.items():
+        original = getattr(pipe, name).state_dict()
+        tensors = {key: value for key, value in tensors.items() if key in original or not key.endswith("position_ids")}
+        assert tensors.keys() == original.keys(), (name, sorted(tensors.keys() ^ original.keys())[:5])
+        for key, value in original.items():
+            assert torch.equal(tensors[key], value), (name, key)
