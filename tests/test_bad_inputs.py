@@ -154,6 +154,26 @@ def _config_of_another_size(model, tmp):
     return made
 
 
+# -- component file faults (--component NAME=FILE) ----------------------------------------------
+
+def component(name, make_file):
+    """``--component name=FILE`` with the file ``make_file(model, tmp)`` returns."""
+    return lambda model, tmp: {"args": ["--prompt", "a red circle", "--component", f"{name}={make_file(model, tmp)}"]}
+
+
+def _vae_with_latent_channels(channels):
+    def make(model, tmp):
+        from diffusers import AutoencoderKL
+
+        from memfit.testing.single_file import ldm_vae_state_dict
+
+        vae = AutoencoderKL.from_config({**AutoencoderKL.load_config(model / "vae"), "latent_channels": channels})
+        save_file({k: v.contiguous() for k, v in ldm_vae_state_dict(vae).items()}, tmp / "vae.safetensors")
+        return tmp / "vae.safetensors"
+
+    return make
+
+
 # -- parameter faults ---------------------------------------------------------------------------
 
 def args(*extra, env=None):
@@ -210,6 +230,15 @@ CASES = [
      "pass --config DIR"),
     ("single-file-config-of-another-size", _config_of_another_size, "the configs are for another model"),
     ("config-for-a-folder", args("--config", "/tmp"), "--config is for a single-file checkpoint"),
+    ("component-unknown-name", component("vea", lambda model, tmp: _weights(model, "vae")),
+     "has no component 'vea'; the components a file can replace are: "),
+    ("component-file-missing", component("vae", lambda model, tmp: tmp / "no-such-vae.safetensors"),
+     "no-such-vae.safetensors does not exist"),
+    ("component-no-equals", args("--component", "vae"), "give NAME=FILE"),
+    ("component-of-another-architecture", component("vae", lambda model, tmp: _weights(model, "unet")),
+     "holds no AutoencoderKL in a layout memfit reads"),
+    ("component-vae-of-another-family", component("vae", _vae_with_latent_channels(16)),
+     "has 16 latent channels where the model's has 4"),
     ("seed-too-large", args("--seed", str(2**70)), "--seed"),
     ("width-huge", args("--width", "1000000"), "larger than memfit takes"),
     ("steps-huge", args("--steps", "100000000"), "more than memfit takes"),

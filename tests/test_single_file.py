@@ -228,3 +228,95 @@ def test_a_pickle_checkpoint_loads_only_with_allow_pickle(checkpoint, folder_ima
         memfit.generate(model=ckpt, config=folder, budget="none", progress=False, **SETTINGS)
     ours = memfit.generate(model=ckpt, config=folder, budget="none", progress=False, allow_pickle=True, **SETTINGS)
     assert np.array_equal(_pixels(ours), folder_image)
+
+
+# -- one component from a file of its own (--component NAME=FILE) ---------------------------------
+
+@pytest.fixture(scope="module")
+def other_vae(tmp_path_factory):
+    """(another tiny SD's VAE folder, that VAE as an LDM-key file as A1111's models/VAE hold it)."""
+    from diffusers import AutoencoderKL
+    from safetensors.torch import save_file
+
+    from memfit.testing import save_pipeline
+    from memfit.testing.single_file import ldm_vae_state_dict
+
+    root = tmp_path_factory.mktemp("other-vae")
+    folder = save_pipeline("sd", root / "sd-seed-1", seed=1) / "vae"
+    path = root / "vae-ldm.safetensors"
+    save_file({key: value.contiguous() for key, value in ldm_vae_state_dict(AutoencoderKL.from_pretrained(folder)).items()},
+              path)
+    return folder, path
+
+
+def _diffusers_image(pipe):
+    pipe.set_progress_bar_config(disable=True)
+    generator = torch.Generator(device="cpu").manual_seed(SETTINGS["seed"])
+    image = pipe(prompt=SETTINGS["prompt"], negative_prompt=SETTINGS["negative_prompt"], width=32, height=32,
+                 num_inference_steps=SETTINGS["steps"], generator=generator).images[0]
+    return np.asarray(image, dtype=np.int16)
+
+
+@pytest.fixture(scope="module")
+def other_vae_image(checkpoint, other_vae):
+    """What plain diffusers draws with the tiny SD folder and the other VAE, read from its LDM file by diffusers."""
+    import diffusers
+
+    vae = diffusers.AutoencoderKL.from_single_file(str(other_vae[1]), config=str(checkpoint[0]), subfolder="vae",
+                                                   local_files_only=True)
+    return _diffusers_image(diffusers.StableDiffusionPipeline.from_pretrained(checkpoint[0], vae=vae))
+
+
+@pytest.mark.parametrize("layout", ["LDM", "diffusers"])
+def test_a_vae_file_replaces_the_folders_vae(checkpoint, other_vae, other_vae_image, folder_image, layout):
+    folder, _ = checkpoint
+    vae = other_vae[1] if layout == "LDM" else other_vae[0] / "diffusion_pytorch_model.safetensors"
+    ours = memfit.generate(model=folder, components={"vae": vae}, budget="none", progress=False, **SETTINGS)
+    assert np.array_equal(_pixels(ours), other_vae_image)
+    assert not np.array_equal(other_vae_image, folder_image)  # the file's VAE, not the folder's
+    assert ours.report.notes[0] == f"components from files of their own: vae from {vae} ({layout} layout)"
+
+
+def test_a_vae_file_streams_under_a_budget(checkpoint, other_vae, other_vae_image, streamed_plans):
+    from conftest import smallest_budget
+
+    from memfit.run.session import Session
+
+    folder, _ = checkpoint
+    components = {"vae": other_vae[1]}
+    budget = smallest_budget(model=folder, components=components, **dict(SETTINGS, steps=1))
+    streamed_plans.clear()
+    session = Session(folder, components=components, budget=budget, warm=False)
+    ours = session.generate(SETTINGS["prompt"], **{k: v for k, v in SETTINGS.items() if k != "prompt"})
+    streamed = {plan.stages[0].name: plan.stages[0].streamed_from_disk_bytes for plan in streamed_plans}
+    assert streamed["decode"] > 0, streamed
+    assert np.array_equal(_pixels(ours), other_vae_image)
+    vae = session.folder.load_stage(["vae"], torch.float32).vae
+    assert file_places(vae).path == other_vae[1] and not file_places(vae).materialized
+
+
+def test_a_checkpoints_vae_and_a_folders_bigg_encoder_from_files(checkpoint, other_vae, other_vae_image,
+                                                                 xl_checkpoint, capsys):
+    """An all-in-one checkpoint takes a VAE file as a folder does; a text encoder is found inside an SDXL
+    checkpoint given as its file (OpenCLIP layout, under its prefix there), which memfit tells from the
+    CLIP-L beside it by which one fits the component's config."""
+    from memfit.cli.app import main
+    from memfit.models.folder import ModelFolder
+
+    folder, path = checkpoint
+    ours = memfit.generate(model=path, config=folder, components={"vae": other_vae[1]}, budget="none", progress=False,
+                           **SETTINGS)
+    assert np.array_equal(_pixels(ours), other_vae_image)
+    xl_folder, xl_path = xl_checkpoint
+    model = SingleFileModel.with_components(ModelFolder.open(xl_folder), {"text_encoder_2": xl_path})
+    weights = model.weights["text_encoder_2"]
+    assert (weights.layout.name, weights.prefix) == ("OpenCLIP", "conditioner.embedders.1.model.")
+    loaded = model.load_stage(["text_encoder_2"], torch.float32).text_encoder_2.state_dict()
+    expected = ModelFolder.open(xl_folder).load_stage(["text_encoder_2"], torch.float32).text_encoder_2.state_dict()
+    assert loaded.keys() == expected.keys() and all(torch.equal(loaded[key], expected[key]) for key in expected)
+    assert model.component_fingerprint("text_encoder_2") != model.component_fingerprint("text_encoder")
+    plans = []
+    for extra in (["--component", f"vae={other_vae[1]}"], []):
+        assert main(["plan", "--model", str(folder), *extra, "--budget", "70MiB", "--json"]) == 0
+        plans.append(json.loads(capsys.readouterr().out)["plan"])
+    assert plans[0] == plans[1]

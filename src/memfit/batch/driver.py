@@ -27,7 +27,8 @@ def check_jobs(jobs_path, options: BatchOptions, summary: BatchSummary) -> list[
     from memfit.plan.stages import planned_models
     from memfit.run.stages import open_model
 
-    folder = open_model(options.model, allow_pickle=options.allow_pickle)
+    folder = open_model(options.model, allow_pickle=options.allow_pickle, config=options.config,
+                        components=options.components)
     folder.check_weights(planned_models(folder.adapter))
     jobs, bad = read_jobs(jobs_path, options.defaults, model=str(folder.path.resolve()), dtype=options.dtype)
     checked = []

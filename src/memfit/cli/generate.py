@@ -6,7 +6,7 @@ import argparse
 from pathlib import Path
 
 from memfit.atomic import check_writable
-from memfit.cli.run_args import add_model_args, add_run_args, run_options
+from memfit.cli.run_args import add_model_args, add_run_args, parse_components, run_options
 from memfit.errors import MemfitError
 
 __all__ = ["register"]
@@ -114,13 +114,14 @@ def _generate(args) -> int:
     from memfit.run.stages import open_model
 
     # Opened once: a checkpoint file's configs are found (and a pickle read) here, not again in generate.
-    model = open_model(args.model, allow_pickle=args.allow_pickle, config=args.config)
+    model = open_model(args.model, allow_pickle=args.allow_pickle, config=args.config,
+                       components=parse_components(args.component))
     out = _output_path(args, model)
     if args.report:
         check_writable(args.report, "--report")
     result = generate(
         args.prompt,
-        **dict(run_options(args), model=model, config=None),
+        **dict(run_options(args), model=model, config=None, components=None),
         embeddings=args.embeddings,
         negative_prompt=args.negative_prompt,
         steps=args.steps,
@@ -162,6 +163,7 @@ def _encode(args) -> int:
     embeddings, report = encode(
         args.prompt, model=args.model, negative_prompt=args.negative_prompt, dtype=args.dtype, device=args.device,
         budget=args.budget, allow_pickle=args.allow_pickle, config=args.config,
+        components=parse_components(args.component),
     )
     embeddings.save(out)
     if args.report:

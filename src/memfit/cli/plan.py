@@ -21,7 +21,7 @@ import argparse
 import json
 from typing import Any
 
-from memfit.cli.run_args import CONFIG_HELP
+from memfit.cli.run_args import COMPONENT_HELP, CONFIG_HELP, parse_components
 from memfit.errors import MemfitError
 from memfit.models.archs import ARCHS, get_arch
 from memfit.plan.budget import Budget
@@ -47,6 +47,7 @@ def register(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
     source.add_argument("--model", metavar="PATH", help="a diffusers pipeline folder (reads only JSON configs), or an "
                         "all-in-one checkpoint file (reads only its header and its configs)")
     parser.add_argument("--config", metavar="DIR", help=CONFIG_HELP)
+    parser.add_argument("--component", action="append", metavar="NAME=FILE", help=COMPONENT_HELP)
     parser.add_argument("--budget", default="auto", help="device memory budget, e.g. 4GiB, 6GB (=6*10^9), 512MiB; "
                         "auto (default): what this machine can spare now")
     parser.add_argument("--host", help="host RAM for weights parked off the device (default: unlimited)")
@@ -128,9 +129,9 @@ def _source(args: argparse.Namespace):
         return arch.name, arch.description, arch.adapter()
     from memfit.models.model_path import open_model_path
 
-    if args.config is not None and args.model is None:
-        raise MemfitError("--config is for a checkpoint file given as --model; --arch needs no configs.")
-    folder = open_model_path(args.model, config=args.config)
+    if (args.config is not None or args.component) and args.model is None:
+        raise MemfitError("--config and --component are for a model given as --model; --arch needs no files.")
+    folder = open_model_path(args.model, config=args.config, components=parse_components(args.component))
     adapter = folder.adapter
     planned = set(planned_models(adapter))
     folder.require_configs(planned)

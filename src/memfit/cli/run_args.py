@@ -7,7 +7,7 @@ import argparse
 
 from memfit.compile.backends.registry import list_backends
 
-__all__ = ["CONFIG_HELP", "add_model_args", "add_run_args", "run_options"]
+__all__ = ["COMPONENT_HELP", "CONFIG_HELP", "add_model_args", "add_run_args", "parse_components", "run_options"]
 
 BUDGET_HELP = ("memory budget for each stage (the process, weights and activations): auto (default: what this machine, "
                "container or GPU can spare now), none (no planning), or a size such as 2GiB or 6GB (=6*10^9 bytes)")
@@ -18,11 +18,33 @@ CONFIG_HELP = ("for a checkpoint file: a diffusers folder of its family to read 
                "those small files fetched once when online")
 
 
+COMPONENT_HELP = ("replace one component of the model by a single file of its own, e.g. vae=sdxl_vae.safetensors "
+                  "(a UNet, VAE or CLIP text encoder, in its original or diffusers layout); repeatable")
+
+
+def parse_components(values: list[str] | None) -> dict[str, str] | None:
+    """{name: file} from --component NAME=FILE flags; None when there are none."""
+    from memfit.errors import MemfitError
+
+    components: dict[str, str] = {}
+    for value in values or ():
+        name, equals, path = value.partition("=")
+        name = name.strip()
+        if not equals or not name or not path:
+            raise MemfitError(f"--component {value}: give NAME=FILE, e.g. --component vae=sdxl_vae.safetensors.")
+        if name in components:
+            raise MemfitError(f"--component {name} is given twice ({components[name]} and {path}); give each "
+                              "component once.")
+        components[name] = path
+    return components or None
+
+
 def add_model_args(parser: argparse.ArgumentParser) -> None:
-    """--model, --config, --dtype, --device and --allow-pickle: which model, and how it loads."""
+    """--model, --config, --component, --dtype, --device and --allow-pickle: which model, and how it loads."""
     parser.add_argument("--model", help="diffusers model folder, or an all-in-one checkpoint file (.safetensors, "
                         "as AUTOMATIC1111 and ComfyUI keep them) (default: memfit's built-in demo model)")
     parser.add_argument("--config", metavar="DIR", help=CONFIG_HELP)
+    parser.add_argument("--component", action="append", metavar="NAME=FILE", help=COMPONENT_HELP)
     parser.add_argument("--dtype", choices=("fp32", "bf16", "fp16"), default="fp32", help="run dtype (default fp32)")
     parser.add_argument("--device", help="torch device, e.g. cpu or cuda:0 (default: cuda if available)")
     parser.add_argument("--allow-pickle", action="store_true",
@@ -45,6 +67,7 @@ def run_options(args: argparse.Namespace) -> dict:
     """The keyword arguments of add_run_args' flags, as memfit.generate, Session and BatchOptions take them."""
     from memfit.compile.entry_points import parse_backend_arg
 
-    return {"model": args.model, "config": args.config, "dtype": args.dtype, "device": args.device, "allow_pickle": args.allow_pickle,
+    return {"model": args.model, "config": args.config, "components": parse_components(args.component),
+            "dtype": args.dtype, "device": args.device, "allow_pickle": args.allow_pickle,
             "budget": args.budget, "backend": parse_backend_arg(args.backend) if args.backend else None,
             "fallback": args.fallback}

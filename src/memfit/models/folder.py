@@ -266,12 +266,18 @@ class ModelFolder:
         defaults = _read_json(defaults_path) if defaults_path.is_file() else {}
         return cls(path, class_name, components, configs, defaults)
 
+    @property
+    def config_folder(self) -> Path:
+        """The diffusers folder whose model_index.json, configs, scheduler and tokenizers the model uses, and
+        whose component folders hold the weights of the components not loaded apart (see _load_apart)."""
+        return self.path
+
     def component_fingerprint(self, name: str) -> str:
         """Content fingerprint of one component's folder (memfit.cache.fingerprint): hashed once per folder object."""
         if name not in self._fingerprints:
             from memfit.cache.fingerprint import fingerprint_folder
 
-            self._fingerprints[name] = fingerprint_folder(self.path / name)
+            self._fingerprints[name] = fingerprint_folder(self.config_folder / name)
         return self._fingerprints[name]
 
     def describe_source(self) -> str:
@@ -294,7 +300,7 @@ class ModelFolder:
     def check_layout(self) -> None:
         """Raise, naming the file, if a listed component cannot be loaded: its folder or config.json
         is missing, or model_index.json names code to import rather than a diffusers or transformers class."""
-        index = self.path / "model_index.json"
+        index = self.config_folder / "model_index.json"
         for name, (library, class_name) in self.components.items():
             if library not in LIBRARIES:
                 raise MemfitError(
@@ -302,7 +308,7 @@ class ModelFolder:
                     f"model; memfit never runs code from a model folder, so use a model whose components are "
                     f"{' or '.join(LIBRARIES)} classes."
                 )
-            folder = self.path / name
+            folder = self.config_folder / name
             if not folder.is_dir():
                 raise MemfitError(
                     f"Component {name!r} is listed in model_index.json but {folder} is missing; "
@@ -325,13 +331,13 @@ class ModelFolder:
             if name not in self.configs:
                 library, class_name = self.components[name]
                 raise MemfitError(
-                    f"{self.path / name / 'config.json'} does not exist but model_index.json lists {name!r} as "
+                    f"{self.config_folder / name / 'config.json'} does not exist but model_index.json lists {name!r} as "
                     f"{library}.{class_name}; copy the component's config.json there (weights are not needed)."
                 )
 
     def check_weights(self, names) -> None:
         for name in names:
-            folder = self.path / name
+            folder = self.config_folder / name
             if name not in self.components:
                 continue
             if not folder.is_dir():
@@ -349,7 +355,7 @@ class ModelFolder:
 
     def weight_files(self, name: str) -> list[Path]:
         """The checkpoint files of component ``name`` that loading it reads."""
-        folder = self.path / name
+        folder = self.config_folder / name
         files = _weight_files(folder)
         if not files and self.allow_pickle:
             files = sorted(p for p in folder.iterdir() if p.suffix in PICKLE_SUFFIXES)
@@ -397,21 +403,25 @@ class ModelFolder:
         ``names`` to a model folder of its own (``--controlnet DIR``), loaded with its config's class.
         The components named in ``in_file_dtype`` load in the dtype their files store (see file_dtype):
         their weights stay views of the memory-mapped files, and memfit.run.executor.optimize converts
-        them to ``dtype`` block by block, so a conversion never holds the whole model twice.
+        them to ``dtype`` block by block, so a conversion never holds the whole model twice. Components
+        whose weights are single files are loaded by ``_load_apart`` and handed to diffusers as they are.
         """
         import diffusers
 
         global _DTYPE_KWARG
         _DTYPE_KWARG = _DTYPE_KWARG or dtype_keyword()
         external = {name: folder for name, folder in (external or {}).items() if name in names}
-        self.check_weights([name for name in names if name not in external])
+        apart = self._load_apart([name for name in names if name not in external], dtype, in_file_dtype)
+        own = [name for name in names if name not in external and name not in apart]
+        self.check_weights(own)
         pipeline_class = getattr(diffusers, pipeline_class or self.class_name)
-        skipped = {name: None for name in self.components if name not in names}
+        skipped = {name: None for name in self._index_components() if name not in names}
         try:
             modules = {name: load_component(folder, dtype) for name, folder in external.items()}
-            dtypes = {name: self.file_dtype(name) for name in in_file_dtype}
+            dtypes = {name: self.file_dtype(name) for name in in_file_dtype if name in own}
             load_dtype = {"default": dtype, **dtypes} if dtypes else dtype
-            pipe = pipeline_class.from_pretrained(self.path, **{_DTYPE_KWARG: load_dtype}, **skipped, **modules)
+            pipe = pipeline_class.from_pretrained(self.config_folder, **{_DTYPE_KWARG: load_dtype}, **skipped,
+                                                  **modules, **apart)
         except MemfitError:
             raise
         except Exception as exc:  # diffusers raises many types; name the folder and the stage
@@ -430,11 +440,20 @@ class ModelFolder:
             raise MemfitError(
                 f"Could not load {', '.join(names)} from {self.path}: {type(exc).__name__}: {first_line}"
             ) from exc
-        for name in names:
+        for name in own:
             module = getattr(pipe, name, None)
             if isinstance(module, torch.nn.Module):
-                check_loaded_weights(module, name, self.path / name, self.weight_files(name))
+                check_loaded_weights(module, name, self.config_folder / name, self.weight_files(name))
         return self._ready(pipe, names, device)
+
+    def _index_components(self):
+        """Every component model_index.json names: those a stage does not load are passed to diffusers as None."""
+        return self.components
+
+    def _load_apart(self, names, dtype: torch.dtype, in_file_dtype) -> dict[str, torch.nn.Module]:
+        """The components of ``names`` whose weights are not in the folder, loaded by the model itself (a
+        single-file checkpoint's; memfit.models.single_file): none for a folder."""
+        return {}
 
     def _ready(self, pipe, names, device: torch.device | None):
         """A freshly loaded stage's pipeline, quiet, with what it derives from components not loaded."""

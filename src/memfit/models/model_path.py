@@ -8,15 +8,32 @@ from memfit.errors import MemfitError
 from memfit.models.folder import ModelFolder
 from memfit.models.single_file import SingleFileModel, is_single_file
 
-__all__ = ["open_model_path"]
+__all__ = ["open_model_path", "with_components"]
 
 
-def open_model_path(path: str | Path, *, config: str | Path | None = None, allow_pickle: bool = False) -> ModelFolder:
+def open_model_path(path: str | Path, *, config: str | Path | None = None, allow_pickle: bool = False,
+                    components: dict[str, str | Path] | None = None) -> ModelFolder:
     """The model at ``path``: a ModelFolder, or for a checkpoint file a SingleFileModel with its configs from
-    ``config`` (a diffusers folder of its family) or where memfit finds them (memfit.models.single_file_configs)."""
+    ``config`` (a diffusers folder of its family) or where memfit finds them (memfit.models.single_file_configs).
+    ``components`` (name -> file) replaces those components by single files of their own (with_components)."""
     if is_single_file(path):
-        return SingleFileModel.open_file(path, config=config, allow_pickle=allow_pickle)
-    if config is not None:
+        model = SingleFileModel.open_file(path, config=config, allow_pickle=allow_pickle)
+    elif config is not None:
         raise MemfitError(f"--config is for a single-file checkpoint, but {path} is a diffusers model folder, which "
                           "holds its own configs; leave --config out.")
-    return ModelFolder.open(path)
+    else:
+        model = ModelFolder.open(path)
+    return with_components(model, components, allow_pickle=allow_pickle)
+
+
+def with_components(model: ModelFolder, components: dict[str, str | Path] | None, *,
+                    allow_pickle: bool = False) -> ModelFolder:
+    """``model`` with the components named in ``components`` read from the files given for them (SingleFileModel.
+    with_components); ``model`` itself when there are none."""
+    if not components:
+        return model
+    if not isinstance(components, dict):
+        raise MemfitError(f"components must map a component name to a file, e.g. {{'vae': 'vae.safetensors'}}; got "
+                          f"{components!r}.")
+    model.check_layout()
+    return SingleFileModel.with_components(model, components, allow_pickle=allow_pickle)

@@ -1,9 +1,14 @@
-"""An all-in-one single-file checkpoint (AUTOMATIC1111's and ComfyUI's ``checkpoints``), opened as a model.
+"""Models whose weights are single files: an all-in-one checkpoint (AUTOMATIC1111's and ComfyUI's ``checkpoints``),
+or a model's components replaced by files of their own (``--component vae=FILE``: ComfyUI's split layout,
+Forge's VAE / text encoder choice).
 
-The file holds the weights of a pipeline's models in their original (LDM) key layout, and nothing
-else: configs, scheduler and tokenizers come from a diffusers folder of the same family
-(memfit.models.single_file_configs). The family is found from the tensor names and shapes in the
-header alone, by diffusers' own ``infer_diffusers_model_type``.
+Either is a config folder plus one weight source per component (SingleFileModel): a diffusers folder
+gives the configs, scheduler and tokenizers (memfit.models.single_file_configs finds one for a
+checkpoint) and the weights of the components read from nowhere else; each other component is read
+from its file, in the key layout found there (memfit.models.weight_layouts: a UNet or VAE in its
+original LDM layout or diffusers', a CLIP encoder in transformers' or OpenCLIP's). A checkpoint's
+family is found from the tensor names and shapes in its header alone, by diffusers' own
+``infer_diffusers_model_type``.
 
 Streamed in place: a component's tensors are memory-mapped views of the file
 (memfit.safetensors_header.MappedFile), converted to diffusers' names by diffusers' own converters.
@@ -18,86 +23,32 @@ alone, recorded as such, and kept in memory.
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable
 
 import torch
 
 from memfit.errors import MemfitError
-from memfit.models.folder import (PICKLE_SUFFIXES, ModelFolder, check_weight_entries, load_component,
-                                  load_tensors_only, pickle_refused, size_mismatch)
+from memfit.models.folder import (PICKLE_SUFFIXES, ModelFolder, check_weight_entries, load_tensors_only,
+                                  pickle_refused, size_mismatch)
+from memfit.models.weight_layouts import LDM_UNET, LDM_VAE, OPEN_CLIP, TRANSFORMERS_CLIP, Layout, group_counts
 from memfit.plan.meta import is_model_class
 from memfit.safetensors_header import MappedFile, check_complete
 
-__all__ = ["FAMILIES", "Family", "FilePlaces", "SingleFileModel", "TensorPlace", "detect_family", "file_places",
+__all__ = ["FAMILIES", "ComponentWeights", "Family", "FilePlaces", "SingleFileModel", "TensorPlace", "detect_family", "file_places",
            "is_single_file", "record_places"]
 
 PLACES_ATTR = "_memfit_file_places"
 
 
-def _convert_unet(tensors: dict, prefix: str, config: dict, module) -> dict:
-    from diffusers.loaders.single_file_utils import convert_ldm_unet_checkpoint
-
-    return convert_ldm_unet_checkpoint(tensors, config)
-
-
-def _convert_vae(tensors: dict, prefix: str, config: dict, module) -> dict:
-    from diffusers.loaders.single_file_utils import convert_ldm_vae_checkpoint
-
-    return convert_ldm_vae_checkpoint(tensors, config)
-
-
-def _convert_clip(tensors: dict, prefix: str, config: dict, module) -> dict:
-    from diffusers.loaders.single_file_utils import convert_ldm_clip_checkpoint
-
-    converted = convert_ldm_clip_checkpoint(tensors, remove_prefix=prefix)
-    if hasattr(module, "text_model"):
-        return converted
-    # transformers 5.6 flattened CLIPTextModel: its names no longer start with text_model.
-    return {key.removeprefix("text_model."): value for key, value in converted.items()}
-
-
-def _convert_open_clip(tensors: dict, prefix: str, config: dict, module) -> dict:
-    """OpenCLIP's layout (SDXL's bigG encoder) in diffusers' names, by diffusers' own rename tables.
-
-    As diffusers' convert_open_clip_checkpoint, except that q, k and v are row slices of the fused
-    in_proj (views of the file, where diffusers copies them); the projection is stored transposed and
-    so is the one tensor materialized.
-    """
-    from diffusers.loaders.single_file_utils import DIFFUSERS_TO_LDM_MAPPING
-
-    tables = DIFFUSERS_TO_LDM_MAPPING["openclip"]
-    converted = {}
-    for new, old in tables["layers"].items():
-        if prefix + old in tensors:
-            value = tensors[prefix + old]
-            converted[new] = value.T.contiguous() if old == "text_projection" else value
-    hidden = module.config.hidden_size
-    stack = prefix + "transformer."
-    for key, value in tensors.items():
-        if not key.startswith(stack):
-            continue
-        name = key.removeprefix(stack)
-        for new, old in tables["transformer"].items():
-            name = name.replace(old, new)
-        base, fused, kind = name.rpartition(".in_proj_")
-        if not fused:
-            converted[name] = value
-            continue
-        for index, projection in enumerate(("q_proj", "k_proj", "v_proj")):
-            converted[f"{base}.{projection}.{kind}"] = value[index * hidden:(index + 1) * hidden]
-    return converted
-
-
 @dataclass(frozen=True)
 class Part:
-    """One model of a family's file: the prefix its tensors share, and the converter of them to diffusers'
-    names, ``convert(tensors, prefix, config, empty module)`` (diffusers' own, or as diffusers does it)."""
+    """One model of a family's file: the prefix its tensors share there, and their layout."""
 
     prefix: str
-    convert: Callable[[dict, str, dict, torch.nn.Module], dict]
+    layout: Layout
 
 
 @dataclass(frozen=True)
@@ -116,17 +67,17 @@ class Family:
         return f"{self.label} ({', '.join(part.prefix + '*' for part in self.parts.values())})"
 
 
+_UNET = Part("model.diffusion_model.", LDM_UNET)
+_VAE = Part("first_stage_model.", LDM_VAE)
+
 FAMILIES = {
     "v1": Family("v1", "Stable Diffusion 1.x", "StableDiffusionPipeline",
-                 {"unet": Part("model.diffusion_model.", _convert_unet),
-                  "vae": Part("first_stage_model.", _convert_vae),
-                  "text_encoder": Part("cond_stage_model.transformer.", _convert_clip)},
+                 {"unet": _UNET, "vae": _VAE, "text_encoder": Part("cond_stage_model.transformer.", TRANSFORMERS_CLIP)},
                  ("scheduler", "tokenizer")),
     "xl_base": Family("xl_base", "Stable Diffusion XL", "StableDiffusionXLPipeline",
-                      {"unet": Part("model.diffusion_model.", _convert_unet),
-                       "vae": Part("first_stage_model.", _convert_vae),
-                       "text_encoder": Part("conditioner.embedders.0.transformer.", _convert_clip),
-                       "text_encoder_2": Part("conditioner.embedders.1.model.", _convert_open_clip)},
+                      {"unet": _UNET, "vae": _VAE,
+                       "text_encoder": Part("conditioner.embedders.0.transformer.", TRANSFORMERS_CLIP),
+                       "text_encoder_2": Part("conditioner.embedders.1.model.", OPEN_CLIP)},
                       ("scheduler", "tokenizer", "tokenizer_2")),
 }
 
@@ -165,12 +116,7 @@ def detect_family(path: Path, shapes: dict[str, tuple[torch.dtype, list[int]]]) 
             f"{path} is a checkpoint diffusers calls {model_type!r}, which memfit cannot open as a single file yet "
             f"(supported: {supported}); convert it to a diffusers folder with diffusers' from_single_file and "
             "save_pretrained, and pass that folder as --model.")
-    counts: dict[str, int] = {}
-    for key in shapes:
-        top = key.split(".")[0] + "."
-        counts[top] = counts.get(top, 0) + 1
-    found = ", ".join(f"{top}* ({count})" for top, count in sorted(counts.items(), key=lambda item: -item[1])[:6])
-    raise MemfitError(f"{path} holds {len(shapes)} tensors in a layout memfit does not recognise ({found or 'none'}); "
+    raise MemfitError(f"{path} holds {len(shapes)} tensors in a layout memfit does not recognise ({group_counts(shapes)}); "
                       f"memfit opens all-in-one checkpoints of: {supported}.")
 
 
@@ -293,10 +239,41 @@ def _empty_model(library: str, class_name: str, config: dict, config_dir: Path) 
         return cls(cls.config_class.from_pretrained(config_dir))
 
 
+@dataclass(frozen=True)
+class ComponentWeights:
+    """Where one component's weights are: a checkpoint file, the prefix the component's tensors share there,
+    and the layout they are stored in."""
+
+    checkpoint: _Checkpoint
+    prefix: str
+    layout: Layout
+
+    @property
+    def path(self) -> Path:
+        return self.checkpoint.path
+
+    def keys(self) -> list[str]:
+        return self.checkpoint.keys(self.prefix)
+
+    def converted(self, module: torch.nn.Module, config: dict, *, probe: bool = False):
+        """(stored key -> tensor, the tensors under diffusers' names) for ``module`` (its empty model): views of
+        the file, or with ``probe`` shapes alone (meta tensors, no data read)."""
+        if probe:
+            source = {key: torch.empty(self.checkpoint.shapes[key][1], dtype=self.checkpoint.shapes[key][0],
+                                       device="meta") for key in self.keys()}
+        else:
+            source = self.checkpoint.tensors(self.prefix)
+        named = {key[len(self.prefix):]: tensor for key, tensor in source.items()}
+        return source, self.layout.convert(named, config, module)
+
+
 @dataclass
 class SingleFileModel(ModelFolder):
-    """A model whose weights are one all-in-one checkpoint file (``path``) and whose configs, scheduler and
-    tokenizers are a diffusers folder of its family (``config_dir``; ``config_source`` says how it was found).
+    """A model made of a config folder and one weight source per component: a diffusers folder of its family
+    (``config_dir``; ``config_source`` says how it was found) for configs, scheduler, tokenizers and the
+    weights of the components not in ``weights``, and for each component in ``weights`` the file it is read
+    from. An all-in-one checkpoint (``path``, the file) has every model in ``weights``; a diffusers folder with
+    components replaced by files of their own (``--component vae=FILE``; ``path`` is the folder) has those.
     It runs wherever a ModelFolder does."""
 
     family: Family | None = None
@@ -304,7 +281,7 @@ class SingleFileModel(ModelFolder):
     config_source: str = ""
     # Every component the config folder's model_index.json names: those not loaded are passed as None.
     config_components: tuple[str, ...] = ()
-    _checkpoint: _Checkpoint | None = field(default=None, repr=False, compare=False)
+    weights: dict[str, ComponentWeights] = field(default_factory=dict, repr=False, compare=False)
 
     @classmethod
     def open_file(cls, path: str | Path, *, config: str | Path | None = None,
@@ -336,86 +313,133 @@ class SingleFileModel(ModelFolder):
                               if name in family.parts or not is_model_class(*value)}
         configs.check_layout()
         configs.require_configs(family.parts)
+        weights = {name: ComponentWeights(checkpoint, part.prefix, part.layout) for name, part in family.parts.items()}
         return cls(path, configs.class_name, configs.components, configs.configs, configs.defaults,
                    allow_pickle=allow_pickle, family=family, config_dir=config_dir, config_source=source,
-                   config_components=listed, _checkpoint=checkpoint)
+                   config_components=listed, weights=weights)
+
+    @classmethod
+    def with_components(cls, model: ModelFolder, components: dict[str, str | Path], *,
+                        allow_pickle: bool = False) -> "SingleFileModel":
+        """``model`` (a folder or a checkpoint) with each component named in ``components`` read from the file
+        given for it, in a layout memfit reads for its class (memfit.models.weight_layouts); refused, naming
+        both, when the file holds another architecture or size than the model's config."""
+        if isinstance(model, SingleFileModel):
+            combined = dataclasses.replace(model, weights=dict(model.weights), _fingerprints={})
+        else:
+            combined = cls(model.path, model.class_name, model.components, model.configs, model.defaults,
+                           allow_pickle=model.allow_pickle, config_dir=model.path, config_components=tuple(model.components))
+        combined.allow_pickle = combined.allow_pickle or allow_pickle
+        for name, file in components.items():
+            combined.weights[name] = combined._component_file(name, Path(file).expanduser())
+        return combined
+
+    def _component_file(self, name: str, path: Path) -> ComponentWeights:
+        """Where component ``name``'s weights are in ``path``: the first layout and place in it that fits the
+        component's config."""
+        from memfit.models.weight_layouts import COMPONENT_LAYOUTS, find_layouts, group_counts
+
+        models = {other: value for other, value in self.components.items() if is_model_class(*value)}
+        if name not in models:
+            listed = ", ".join(f"{other} ({class_name})" for other, (_, class_name) in models.items())
+            what = f"'s {name!r} is a {self.components[name][1]}, which has no weights" if name in self.components \
+                else f" has no component {name!r}"
+            raise MemfitError(f"--component {name}={path}: {self.path}{what}; the components a file can replace "
+                              f"are: {listed}.")
+        library, class_name = models[name]
+        if not path.is_file():
+            raise MemfitError(f"--component {name}={path}: {path} does not exist; give the file of a {class_name} "
+                              f"for {name} (.safetensors).")
+        if class_name not in COMPONENT_LAYOUTS:
+            raise MemfitError(f"--component {name}={path}: memfit cannot read a {class_name} from a file of its own "
+                              f"yet (it reads {', '.join(COMPONENT_LAYOUTS)}); give a diffusers model folder instead.")
+        checkpoint = _Checkpoint(path, self.allow_pickle)
+        found = find_layouts(class_name, checkpoint.shapes)
+        if not found:
+            layouts = ", ".join(layout.describe() for layout in COMPONENT_LAYOUTS[class_name])
+            raise MemfitError(
+                f"--component {name}={path}: the file holds no {class_name} in a layout memfit reads ({layouts}); it "
+                f"holds {len(checkpoint.shapes)} tensors: {group_counts(checkpoint.shapes)}. Give a {name} file of "
+                "this model's family.")
+        refusal = None
+        for layout, prefix in found:
+            weights = ComponentWeights(checkpoint, prefix, layout)
+            try:
+                self._assign(name, weights, probe=True)
+            except MemfitError as exc:
+                refusal = refusal or exc
+                continue
+            return weights
+        raise MemfitError(f"--component {name}={path} does not fit {self.path.name}: {refusal}") from None
+
+    @property
+    def config_folder(self) -> Path:
+        return self.config_dir
+
+    def _index_components(self):
+        return self.config_components
 
     def describe_source(self) -> str:
-        return (f"model: {self.path.name}, a {self.family.label} single-file checkpoint ({self.class_name}); "
-                f"configs and tokenizers from {self.config_source}")
+        notes = []
+        if self.family is not None:
+            notes.append(f"model: {self.path.name}, a {self.family.label} single-file checkpoint ({self.class_name}); "
+                         f"configs and tokenizers from {self.config_source}")
+        replaced = [f"{name} from {weights.path} ({weights.layout.name} layout)" for name, weights in self.weights.items()
+                    if weights.path != self.path]
+        if replaced:
+            notes.append("components from files of their own: " + ", ".join(replaced))
+        return "; ".join(notes)
 
     def component_fingerprint(self, name: str) -> str:
-        """A model's by the tensors it reads from the file (and its config); a tokenizer's or scheduler's by
-        its folder in the config folder."""
+        """A model read from a file by the tensors it reads there (and its config); the rest as a folder's."""
+        weights = self.weights.get(name)
+        if weights is None:
+            return super().component_fingerprint(name)
         if name not in self._fingerprints:
-            from memfit.cache.fingerprint import fingerprint_folder, fingerprint_tensors
+            from memfit.cache.fingerprint import combine_fingerprints, fingerprint_tensors
 
-            part = self.family.parts.get(name)
-            if part is None:
-                self._fingerprints[name] = fingerprint_folder(self.config_dir / name)
-            elif self._checkpoint.file is None:  # pickle: its tensors' bytes, read once
-                from memfit.cache.fingerprint import combine_fingerprints
-
-                tensors = self._checkpoint.tensors(part.prefix)
+            if weights.checkpoint.file is None:  # pickle: its tensors' bytes, read once
+                tensors = weights.checkpoint.tensors(weights.prefix)
                 self._fingerprints[name] = combine_fingerprints(
                     f"{key}:{tensor.dtype}:{list(tensor.shape)}:{_hash_tensor(tensor)}" for key, tensor in tensors.items())
             else:
                 config = (self.config_dir / name / "config.json").read_bytes()
-                self._fingerprints[name] = fingerprint_tensors(self.path, self._checkpoint.keys(part.prefix), config)
+                self._fingerprints[name] = fingerprint_tensors(weights.path, weights.keys(), config)
         return self._fingerprints[name]
 
-    def check_layout(self) -> None:
-        """Checked when opened: the file's family and its config folder."""
-
     def check_weights(self, names) -> None:
-        """Checked when opened (a truncated file, a pickle without allow_pickle)."""
+        """Files were checked when opened (a truncated file, a pickle without allow_pickle); the rest as a folder's."""
+        super().check_weights([name for name in names if name not in self.weights])
 
     def weight_files(self, name: str) -> list[Path]:
-        return [self.path] if name in self.family.parts else []
+        return [self.weights[name].path] if name in self.weights else super().weight_files(name)
 
     def file_dtype(self, name: str) -> torch.dtype | None:
-        part = self.family.parts.get(name)
-        if part is None or self._checkpoint.file is None:
+        weights = self.weights.get(name)
+        if weights is None:
+            return super().file_dtype(name)
+        if weights.checkpoint.file is None:
             return None
-        found = {self._checkpoint.shapes[key][0] for key in self._checkpoint.keys(part.prefix)}
+        found = {weights.checkpoint.shapes[key][0] for key in weights.keys()}
         found = {dtype for dtype in found if dtype.is_floating_point}
         return found.pop() if len(found) == 1 else None
 
-    def load_stage(self, names, dtype: torch.dtype, device: torch.device | None = None, *,
-                   pipeline_class: str | None = None, external: dict[str, Path] | None = None,
-                   in_file_dtype=()):
-        """ModelFolder.load_stage for the file: each model converted from views of the file, the rest of the
-        pipeline (scheduler, tokenizers) from the config folder."""
-        import diffusers
+    def _load_apart(self, names, dtype: torch.dtype, in_file_dtype) -> dict[str, torch.nn.Module]:
+        """Each model read from a file converted from views of it; the config folder gives the rest."""
+        return {name: self._assign(name, self.weights[name], None if name in in_file_dtype else dtype)
+                for name in names if name in self.weights}
 
-        external = {name: folder for name, folder in (external or {}).items() if name in names}
-        modules = {name: load_component(folder, dtype) for name, folder in external.items()}
-        for name in names:
-            if name in self.family.parts and name not in external:
-                modules[name] = self._load_model(name, None if name in in_file_dtype else dtype)
-        skipped = {name: None for name in self.config_components if name not in names or name not in self.components}
-        try:
-            pipe = getattr(diffusers, pipeline_class or self.class_name).from_pretrained(
-                self.config_dir, **skipped, **modules)
-        except MemfitError:
-            raise
-        except Exception as exc:  # diffusers and transformers raise many types; name the folder and the stage
-            first_line = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
-            raise MemfitError(f"Could not load {', '.join(names)} of {self.path} with the configs in {self.config_dir}: "
-                              f"{type(exc).__name__}: {first_line}") from exc
-        return self._ready(pipe, names, device)
-
-    def _load_model(self, name: str, dtype: torch.dtype | None) -> torch.nn.Module:
-        """Component ``name`` built from its config on the meta device and assigned the converted views of the
-        file: in ``dtype`` (converted copies), or as stored when ``dtype`` is None."""
+    def _assign(self, name: str, weights: ComponentWeights, dtype: torch.dtype | None = None, *,
+                probe: bool = False) -> torch.nn.Module:
+        """Component ``name`` built from its config on the meta device and assigned the converted views of its
+        file: in ``dtype`` (converted copies), or as stored when ``dtype`` is None. With ``probe``, only checked
+        (shapes, missing and unexpected tensors) without reading a byte of data."""
         library, class_name = self.components[name]
-        part = self.family.parts[name]
         config = self.configs[name]
+        config_file = self.config_dir / name / "config.json"
         module = _empty_model(library, class_name, config, self.config_dir / name)
-        source = self._checkpoint.tensors(part.prefix)
-        converted = part.convert(source, part.prefix, config, module)
-        places = self._checkpoint.places(source, converted)
-        entries = {key: (str(tensor.dtype).removeprefix("torch."), list(tensor.shape), self.path)
+        source, converted = weights.converted(module, config, probe=probe)
+        entries = {key: (str(tensor.dtype).removeprefix("torch."), list(tensor.shape), weights.path)
                    for key, tensor in converted.items()}
         keep = _keep_in_fp32(type(module), library, dtype) if dtype is not None else []
         state = {}
@@ -428,19 +452,48 @@ class SingleFileModel(ModelFolder):
         except RuntimeError as exc:
             mismatch = size_mismatch(exc)
             if mismatch is None:
-                raise MemfitError(f"Could not load {name} ({class_name}) from {self.path}: {exc}") from None
-            key, stored, needed = mismatch
-            place = places.places.get(key)
-            stored_key = place.key if place is not None else key
-            raise MemfitError(
-                f"Tensor {stored_key!r} in {self.path} ({name}'s {key!r}) has shape {stored} where "
-                f"{self.config_dir / name / 'config.json'} needs {needed}; the configs are for another model: give "
-                f"--config a diffusers folder of this checkpoint's family and size.") from None
+                raise MemfitError(f"Could not load {name} ({class_name}) from {weights.path}: {exc}") from None
+            raise MemfitError(self._mismatch(name, weights, converted, source, mismatch, config_file)) from None
         # Missing, unexpected: as a folder's; a stray dtype is cast like every other tensor, as diffusers does.
-        check_weight_entries(module, name, self.config_dir / name, entries, self.path, one_dtype=False)
+        check_weight_entries(module, name, self.config_dir / name, entries, weights.path, one_dtype=False)
+        if probe:
+            return module
         module.eval()
-        record_places(module, places)
+        record_places(module, weights.checkpoint.places(source, converted))
         return module
+
+    def _mismatch(self, name: str, weights: ComponentWeights, converted: dict, source: dict, mismatch,
+                  config_file: Path) -> str:
+        """The sentence for a tensor of ``weights`` whose shape is not the one ``config_file`` needs."""
+        key, stored, needed = mismatch
+        by_tensor = {id(tensor): stored_key for stored_key, tensor in source.items()}
+        stored_key = by_tensor.get(id(converted.get(key)), key)
+        tensor = f"Tensor {stored_key!r} in {weights.path} ({name}'s {key!r}) has shape {stored} where " \
+                 f"{config_file} needs {needed}"
+        if self.family is not None and weights.path == self.path:
+            return (f"{tensor}; the configs are for another model: give --config a diffusers folder of this "
+                    "checkpoint's family and size.")
+        size = _size_named(self.components[name][1], converted, self.configs[name])
+        told = f"{size} ({tensor[0].lower() + tensor[1:]})" if size else tensor
+        return f"{told}; give a {name} of this model's family."
+
+
+# What tells two sizes of a component apart, in words: (how it reads, the live tensor and its dimension that
+# are it, the config's key for it).
+_SIZE_NAMES = {"AutoencoderKL": ("{} latent channels", "decoder.conv_in.weight", 1, "latent_channels"),
+               "CLIPTextModel": ("width {}", "token_embedding.weight", 1, "hidden_size"),
+               "CLIPTextModelWithProjection": ("width {}", "token_embedding.weight", 1, "hidden_size")}
+
+
+def _size_named(class_name: str, converted: dict, config: dict) -> str:
+    """e.g. "the file's AutoencoderKL has 16 latent channels where the model's has 4 latent channels", when the
+    file's size differs there."""
+    words, live, dimension, config_key = _SIZE_NAMES.get(class_name, (None, None, None, None))
+    found = next((tensor for key, tensor in converted.items() if key.endswith(live)), None) if words else None
+    if found is None or found.ndim <= dimension or found.shape[dimension] == config.get(config_key):
+        return ""
+    return (f"the file's {class_name} has {words.format(found.shape[dimension])} where the model's has "
+            f"{words.format(config.get(config_key))}")
 
 
 def _hash_tensor(tensor: torch.Tensor) -> str:

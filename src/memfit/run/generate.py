@@ -51,11 +51,12 @@ def encode(
     fallback: str | None = None,
     allow_pickle: bool = False,
     config: str | Path | None = None,
+    components: dict[str, str | Path] | None = None,
 ) -> tuple[Embeddings, RunReport]:
-    """Run only the encode stage; the embeddings carry both guidance branches. ``model`` and ``config`` as
-    memfit.generate's."""
+    """Run only the encode stage; the embeddings carry both guidance branches. ``model``, ``config`` and
+    ``components`` as memfit.generate's."""
     quiet_libraries()
-    folder = open_model(model, allow_pickle=allow_pickle, config=config)
+    folder = open_model(model, allow_pickle=allow_pickle, config=config, components=components)
     if not folder.adapter.staged:
         raise MemfitError(_not_staged(folder, "encode prompts on their own"))
     options = RunOptions.build(device=device, dtype=dtype, budget=budget, backend=backend, fallback=fallback,
@@ -102,6 +103,7 @@ def generate(
     pool: StagePool | None = None,
     on_step: Callable[[str, int, int], None] | None = None,
     config: str | Path | None = None,
+    components: dict[str, str | Path] | None = None,
 ) -> Generation:
     """Generate an image with a diffusers model folder or an all-in-one checkpoint file, one stage resident at a
     time.
@@ -109,7 +111,9 @@ def generate(
     `model` defaults to memfit's built-in demo model. A checkpoint file (A1111's and ComfyUI's all-in-one
     .safetensors) takes its configs and tokenizers from `config` (a diffusers folder of its family; only
     those are read), else from the Hugging Face cache, else (online) fetched once (memfit.models.single_file_configs);
-    its weights stream from the file as a folder's do. With `embeddings` (a file from
+    its weights stream from the file as a folder's do. `components` ({"vae": "vae.safetensors"}) replaces
+    components of the model, folder or checkpoint, by single files of their own (a UNet, VAE or CLIP text
+    encoder in its original or diffusers layout), streamed from those files the same way. With `embeddings` (a file from
     `memfit encode` or an Embeddings object) the encode stage is skipped entirely. `budget`
     ("auto", the default: what this machine, container or GPU can spare now; "none": no planning;
     bytes, "2GiB", or a Budget) bounds each stage's peak: the process's own memory, resident
@@ -151,8 +155,8 @@ def generate(
         raise MemfitError("--sampler and sessions do not combine with --refiner yet; leave them out.")
     options = RunOptions.build(device=device, dtype=dtype, budget=budget, backend=backend, fallback=fallback,
                                progress=progress, allow_pickle=allow_pickle, pool=pool, on_step=on_step)
-    if config is not None:
-        model = open_model(model, allow_pickle=allow_pickle, config=config)
+    if config is not None or components:
+        model = open_model(model, allow_pickle=allow_pickle, config=config, components=components)
     if refiner is not None:
         from memfit.run.refiner import DEFAULT_REFINER_START, generate_with_refiner
 

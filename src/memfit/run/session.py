@@ -116,7 +116,8 @@ class WarmPool:
 
 
 class Session:
-    """Generate with one model (a folder, or a single-file checkpoint with its ``config`` as memfit.generate's)
+    """Generate with one model (a folder, or a single-file checkpoint with its ``config``, and ``components``
+    replaced by files, as memfit.generate's)
     and one set of run options, the stages kept warm between calls.
 
     One run at a time (a lock): memory is the constraint, so runs never overlap. ``warm=False``
@@ -125,8 +126,9 @@ class Session:
 
     def __init__(self, model: str | Path | None = None, *, dtype: str = "fp32", device: str | torch.device | None = None,
                  budget="auto", backend=None, fallback: str | None = None, warm: bool = True,
-                 allow_pickle: bool = False, config: str | Path | None = None):
-        self.folder = open_model(model, allow_pickle=allow_pickle, config=config)
+                 allow_pickle: bool = False, config: str | Path | None = None,
+                 components: dict[str, str | Path] | None = None):
+        self.folder = open_model(model, allow_pickle=allow_pickle, config=config, components=components)
         self.dtype = dtype
         self.device = torch.device(device) if device is not None else default_device()
         self.budget = budget

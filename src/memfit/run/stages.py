@@ -20,7 +20,7 @@ import torch
 from memfit.errors import MemfitError, MemfitWarning
 from memfit.models.families import Conditioning, Settings
 from memfit.models.folder import ModelFolder
-from memfit.models.model_path import open_model_path
+from memfit.models.model_path import open_model_path, with_components
 from memfit.plan.activations import StrategyKind
 from memfit.run.media import IMAGE_SUFFIXES, VIDEO_SUFFIXES, save_png, save_video
 from memfit.run.runner import Stage, StageContext
@@ -30,22 +30,23 @@ __all__ = ["Generation", "check_embeddings", "decode_stage", "denoise_stage", "e
 
 
 def open_model(model: str | Path | ModelFolder | None, *, allow_pickle: bool = False,
-               config: str | Path | None = None) -> ModelFolder:
+               config: str | Path | None = None, components: dict[str, str | Path] | None = None) -> ModelFolder:
     """The model at a path, its layout checked: a diffusers folder, or an all-in-one single-file checkpoint with
     its configs from ``config`` (a diffusers folder of its family) or where memfit finds them
-    (memfit.models.model_path); None is memfit's built-in demo model.
+    (memfit.models.model_path); None is memfit's built-in demo model. ``components`` (name -> file) replaces
+    those components by single files of their own (``--component vae=FILE``).
 
     ``allow_pickle`` loads pickle checkpoints (.bin, .pt, .ckpt, ...) with torch's weights_only loader;
     without it they are refused.
     """
     if isinstance(model, ModelFolder):
-        folder = model
+        folder = with_components(model, components, allow_pickle=allow_pickle)
     else:
         if model is None:
             from memfit.demo import model_dir
 
             model = model_dir()
-        folder = open_model_path(model, config=config, allow_pickle=allow_pickle)
+        folder = open_model_path(model, config=config, allow_pickle=allow_pickle, components=components)
     folder.check_layout()
     if allow_pickle:
         folder.allow_pickle = True

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import torch
 
-__all__ = ["ldm_state_dict", "save_single_file"]
+__all__ = ["ldm_state_dict", "ldm_vae_state_dict", "save_single_file"]
 
 # A few of the tensors real SD files carry beside the models (the training schedule, the
 # text encoder's position ids): a loader must leave them alone.
@@ -116,16 +116,19 @@ def _open_clip_state(encoder) -> dict[str, torch.Tensor]:
     return out
 
 
+def ldm_vae_state_dict(vae) -> dict[str, torch.Tensor]:
+    """An AutoencoderKL's tensors in the LDM key layout, as A1111's ``models/VAE`` files hold them."""
+    config = dict(vae.config)
+    return dict(_vae_tensor(key, tensor, config) for key, tensor in vae.state_dict().items())
+
+
 def ldm_state_dict(pipe) -> dict[str, torch.Tensor]:
     """An SD 1.x or SDXL pipeline's UNet, VAE and text encoders as one state dict in the LDM key layout."""
     out = {}
     unet_config = dict(pipe.unet.config)
     for key, tensor in pipe.unet.state_dict().items():
         out["model.diffusion_model." + _unet_key(key, unet_config)] = tensor
-    vae_config = dict(pipe.vae.config)
-    for key, tensor in pipe.vae.state_dict().items():
-        name, value = _vae_tensor(key, tensor, vae_config)
-        out["first_stage_model." + name] = value
+    out.update({"first_stage_model." + key: value for key, value in ldm_vae_state_dict(pipe.vae).items()})
     xl = getattr(pipe, "text_encoder_2", None) is not None
     clip = "conditioner.embedders.0.transformer." if xl else "cond_stage_model.transformer."
     for key, tensor in pipe.text_encoder.state_dict().items():
