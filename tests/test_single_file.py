@@ -320,3 +320,29 @@ def test_a_checkpoints_vae_and_a_folders_bigg_encoder_from_files(checkpoint, oth
         assert main(["plan", "--model", str(folder), *extra, "--budget", "70MiB", "--json"]) == 0
         plans.append(json.loads(capsys.readouterr().out)["plan"])
     assert plans[0] == plans[1]
+
+
+# -- SD 2.x and the SDXL refiner --------------------------------------------------------------------
+
+def test_sd2_equals_diffusers_single_file(tmp_path):
+    """SD 2's OpenCLIP encoder: the file's extra layer and unused projection are left out, as diffusers leaves them."""
+    from memfit.testing import save_pipeline
+
+    folder = save_pipeline("sd2_single_file", tmp_path / "sd2", text_layers=1)
+    path = save_single_file(folder, tmp_path / "tiny-sd2.safetensors")
+    ours = memfit.generate(model=path, config=folder, budget="none", progress=False, **SETTINGS)
+    assert ours.report.notes[0].startswith("model: tiny-sd2.safetensors, a Stable Diffusion 2.x single-file checkpoint")
+    assert np.array_equal(_pixels(ours), _diffusers_single_file_image(path, folder))
+
+
+def test_an_sdxl_refiner_file_with_its_own_configs(tmp_path):
+    """--refiner FILE --refiner-config DIR: the refiner's bigG alone, at conditioner.embedders.0.model."""
+    from memfit.testing.refiner import diffusers_refined_image, save_base_and_refiner
+
+    base, refiner = save_base_and_refiner(tmp_path / "base", tmp_path / "refiner", kind="sdxl_single_file")
+    path = save_single_file(refiner, tmp_path / "tiny-refiner.safetensors")
+    settings = dict(SETTINGS, guidance=5.0)
+    ours = memfit.generate(model=base, refiner=path, refiner_config=refiner, budget="none", progress=False, **settings)
+    assert ours.report.notes[-1].startswith("refiner model: tiny-refiner.safetensors, a Stable Diffusion XL refiner")
+    assert np.array_equal(_pixels(ours), np.asarray(diffusers_refined_image(base, refiner, refiner_file=path, **settings),
+                                                    dtype=np.int16))

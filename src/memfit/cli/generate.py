@@ -35,8 +35,10 @@ def register(commands: argparse._SubParsersAction) -> None:
                      help="compute precision of the backend (default: --dtype): OpenVINO computes in it whatever the "
                      "weights' --dtype (e.g. fp32 weights, bf16 kernels); eager PyTorch and the other backends compute "
                      "in --dtype, so for them it must equal --dtype")
-    gen.add_argument("--refiner", help="SDXL refiner folder: the base (--model) denoises up to --refiner-start, "
-                     "the refiner finishes (diffusers' base + refiner workflow)")
+    gen.add_argument("--refiner", help="SDXL refiner folder or checkpoint file: the base (--model) denoises up to "
+                     "--refiner-start, the refiner finishes (diffusers' base + refiner workflow)")
+    gen.add_argument("--refiner-config", metavar="DIR", help="for a refiner checkpoint file: a diffusers SDXL refiner "
+                     "folder to read its configs and tokenizer from (default: found as --config's are)")
     gen.add_argument("--refiner-start", type=float, help="fraction of the schedule the base runs before the refiner "
                      "takes over (default 0.8; needs --refiner)")
     gen.add_argument("--image", help="init image: img2img (with --strength), or the image to inpaint (with --mask)")
@@ -132,6 +134,7 @@ def _generate(args) -> int:
         progress=not args.quiet,
         refiner=args.refiner,
         refiner_start=args.refiner_start,
+        refiner_config=args.refiner_config,
         true_cfg_scale=args.true_cfg,
         num_frames=args.frames,
         image=args.image,

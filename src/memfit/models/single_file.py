@@ -79,6 +79,14 @@ FAMILIES = {
                        "text_encoder": Part("conditioner.embedders.0.transformer.", TRANSFORMERS_CLIP),
                        "text_encoder_2": Part("conditioner.embedders.1.model.", OPEN_CLIP)},
                       ("scheduler", "tokenizer", "tokenizer_2")),
+    # SD 2's OpenCLIP encoder: its file holds a layer more than the model runs (the penultimate layer's
+    # output is used) and a projection it does not use; both are left out, as diffusers leaves them.
+    "v2": Family("v2", "Stable Diffusion 2.x", "StableDiffusionPipeline",
+                 {"unet": _UNET, "vae": _VAE, "text_encoder": Part("cond_stage_model.model.", OPEN_CLIP)},
+                 ("scheduler", "tokenizer")),
+    "xl_refiner": Family("xl_refiner", "Stable Diffusion XL refiner", "StableDiffusionXLImg2ImgPipeline",
+                         {"unet": _UNET, "vae": _VAE, "text_encoder_2": Part("conditioner.embedders.0.model.", OPEN_CLIP)},
+                         ("scheduler", "tokenizer_2")),
 }
 
 
@@ -281,13 +289,14 @@ class SingleFileModel(ModelFolder):
     config_source: str = ""
     # Every component the config folder's model_index.json names: those not loaded are passed as None.
     config_components: tuple[str, ...] = ()
+    config_flag: str = "--config"  # how the user names the config folder (the refiner's: --refiner-config)
     weights: dict[str, ComponentWeights] = field(default_factory=dict, repr=False, compare=False)
 
     @classmethod
-    def open_file(cls, path: str | Path, *, config: str | Path | None = None,
-                  allow_pickle: bool = False) -> "SingleFileModel":
+    def open_file(cls, path: str | Path, *, config: str | Path | None = None, allow_pickle: bool = False,
+                  config_flag: str = "--config") -> "SingleFileModel":
         """Open the checkpoint ``path``: its family from the header, its configs from ``config`` (a diffusers
-        folder of that family) or where memfit.models.single_file_configs finds them."""
+        folder of that family, the user's ``config_flag``) or where memfit.models.single_file_configs finds them."""
         from memfit.models.single_file_configs import find_configs
 
         path = Path(path).expanduser()
@@ -296,19 +305,19 @@ class SingleFileModel(ModelFolder):
                               "model folder.")
         checkpoint = _Checkpoint(path, allow_pickle)
         family = detect_family(path, checkpoint.shapes)
-        config_dir, source = find_configs(path, family, config)
+        config_dir, source = find_configs(path, family, config, config_flag)
         configs = ModelFolder.open(config_dir)
         if configs.class_name != family.pipeline_class:
             raise MemfitError(
                 f"{config_dir} is a {configs.class_name} folder, but {path} is a {family.label} checkpoint "
-                f"({family.pipeline_class}); give --config a diffusers folder of the same family.")
+                f"({family.pipeline_class}); give {config_flag} a diffusers folder of the same family.")
         # The models the file does not hold (a safety checker, an image encoder) are left out, as
         # diffusers' single-file loading leaves them.
         listed = tuple(configs.components)
         missing = [name for name in family.parts if name not in listed]
         if missing:
             raise MemfitError(f"{config_dir / 'model_index.json'} lists no {', '.join(missing)}, which a {family.label} "
-                              "checkpoint holds; give --config the diffusers folder of a complete pipeline.")
+                              f"checkpoint holds; give {config_flag} the diffusers folder of a complete pipeline.")
         configs.components = {name: value for name, value in configs.components.items()
                               if name in family.parts or not is_model_class(*value)}
         configs.check_layout()
@@ -316,7 +325,7 @@ class SingleFileModel(ModelFolder):
         weights = {name: ComponentWeights(checkpoint, part.prefix, part.layout) for name, part in family.parts.items()}
         return cls(path, configs.class_name, configs.components, configs.configs, configs.defaults,
                    allow_pickle=allow_pickle, family=family, config_dir=config_dir, config_source=source,
-                   config_components=listed, weights=weights)
+                   config_components=listed, config_flag=config_flag, weights=weights)
 
     @classmethod
     def with_components(cls, model: ModelFolder, components: dict[str, str | Path], *,
@@ -471,7 +480,7 @@ class SingleFileModel(ModelFolder):
         tensor = f"Tensor {stored_key!r} in {weights.path} ({name}'s {key!r}) has shape {stored} where " \
                  f"{config_file} needs {needed}"
         if self.family is not None and weights.path == self.path:
-            return (f"{tensor}; the configs are for another model: give --config a diffusers folder of this "
+            return (f"{tensor}; the configs are for another model: give {self.config_flag} a diffusers folder of this "
                     "checkpoint's family and size.")
         size = _size_named(self.components[name][1], converted, self.configs[name])
         told = f"{size} ({tensor[0].lower() + tensor[1:]})" if size else tensor

@@ -33,14 +33,15 @@ def default_repository(model_type: str) -> str:
     return DIFFUSERS_DEFAULT_PIPELINE_PATHS[model_type]["pretrained_model_name_or_path"]
 
 
-def find_configs(checkpoint: Path, family, config: str | Path | None) -> tuple[Path, str]:
-    """(the folder to read configs and tokenizers from, how it was found) for ``checkpoint`` of ``family``."""
+def find_configs(checkpoint: Path, family, config: str | Path | None, flag: str = "--config") -> tuple[Path, str]:
+    """(the folder to read configs and tokenizers from, how it was found) for ``checkpoint`` of ``family``;
+    ``config`` is what the user gave as ``flag``."""
     if config is not None:
         folder = Path(config).expanduser()
         if not folder.is_dir():
-            raise MemfitError(f"--config {folder} is not a folder; give a diffusers model folder of the "
+            raise MemfitError(f"{flag} {folder} is not a folder; give a diffusers model folder of the "
                               f"{family.label} family (only its configs and tokenizers are read).")
-        return folder, f"--config {folder}"
+        return folder, f"{flag} {folder}"
     repository = default_repository(family.model_type)
     cached = _cached_snapshot(repository, family)
     if cached is not None:
@@ -57,7 +58,7 @@ def find_configs(checkpoint: Path, family, config: str | Path | None) -> tuple[P
             reason = f"{repository} lacks some of them"
     raise MemfitError(
         f"{checkpoint} is a {family.label} checkpoint, which holds weights but no configs or tokenizers, and none were "
-        f"found ({reason or 'not in the Hugging Face cache'}): pass --config DIR, a diffusers folder of that family "
+        f"found ({reason or 'not in the Hugging Face cache'}): pass {flag} DIR, a diffusers folder of that family "
         f"(e.g. a download of {repository}; only its configs and tokenizers are read), or put {repository}'s configs "
         f"in the Hugging Face cache (huggingface-cli download {repository} --include "
         f"{' '.join(repr(p) for p in CONFIG_FILES)}), or run once online without HF_HUB_OFFLINE so memfit fetches "

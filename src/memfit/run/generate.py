@@ -89,6 +89,7 @@ def generate(
     progress: bool = True,
     refiner: str | Path | None = None,
     refiner_start: float | None = None,
+    refiner_config: str | Path | None = None,
     true_cfg_scale: float | None = None,
     num_frames: int | None = None,
     allow_pickle: bool = False,
@@ -123,8 +124,9 @@ def generate(
     peak and strategy; its notes show the plan. `backend` (a name,
     a Backend, or {component: backend}) compiles each stage's entry points after loading
     (memfit.compile.entry_points); a backend failure raises unless `fallback="eager"`, and the report says so.
-    `refiner` (an SDXL refiner folder) runs diffusers' base + refiner workflow: the base stops at
-    `refiner_start` (default 0.8) of the schedule and the refiner finishes (memfit.run.refiner).
+    `refiner` (an SDXL refiner folder, or a refiner checkpoint file with its configs from `refiner_config` or
+    found as `config` is) runs diffusers' base + refiner workflow: the base stops at `refiner_start` (default
+    0.8) of the schedule and the refiner finishes (memfit.run.refiner).
 
     Beyond text to image (the family's own diffusers pipeline for each, PipelineAdapter.tasks):
     `image` (a PIL image or a file) runs img2img, noised by `strength`; with `mask` (white = repaint)
@@ -163,12 +165,12 @@ def generate(
         if embeddings is not None:
             raise MemfitError("--embeddings cannot be combined with --refiner yet: the refiner needs its own encode; pass --prompt.")
         return _with_precision(generate_with_refiner(
-            prompt, options, model=model, refiner=refiner,
+            prompt, options, model=model, refiner=refiner, refiner_config=refiner_config,
             refiner_start=DEFAULT_REFINER_START if refiner_start is None else refiner_start,
             negative_prompt=negative_prompt, steps=steps, guidance=guidance, seed=seed, width=width, height=height,
         ), backend, precision, dtype)
-    if refiner_start is not None:
-        raise MemfitError("--refiner-start only applies with --refiner REFINER.")
+    if refiner_start is not None or refiner_config is not None:
+        raise MemfitError("--refiner-start and --refiner-config only apply with --refiner REFINER.")
     folder = open_model(model, allow_pickle=allow_pickle)
     adapter = folder.adapter
 

@@ -67,12 +67,27 @@ def _check_pair(base: ModelFolder, refiner: ModelFolder, refiner_start: float) -
         )
 
 
+def _refiner_model(refiner: str | Path | ModelFolder, config: str | Path | None, allow_pickle: bool):
+    """The refiner as given, or a refiner checkpoint file opened with its configs (--refiner-config)."""
+    from memfit.models.single_file import SingleFileModel, is_single_file
+
+    if isinstance(refiner, ModelFolder):
+        return refiner
+    if is_single_file(refiner):
+        return SingleFileModel.open_file(refiner, config=config, allow_pickle=allow_pickle, config_flag="--refiner-config")
+    if config is not None:
+        raise MemfitError(f"--refiner-config is for a refiner checkpoint file, but {refiner} is a diffusers model folder, "
+                          "which holds its own configs; leave --refiner-config out.")
+    return refiner
+
+
 def generate_with_refiner(
     prompt: str | None,
     options: RunOptions,
     *,
     model: str | Path | ModelFolder | None,
     refiner: str | Path | ModelFolder,
+    refiner_config: str | Path | None = None,
     refiner_start: float = DEFAULT_REFINER_START,
     negative_prompt: str | None = None,
     steps: int | None = None,
@@ -82,19 +97,20 @@ def generate_with_refiner(
     height: int | None = None,
 ) -> Generation:
     """Base then refiner, staged (see the module doc), with the run's ``options`` (memfit.generate builds them).
-    The prompt and settings as memfit.generate's, plus the refiner folder and the fraction of the denoising
-    schedule the base runs (`refiner_start`)."""
+    The prompt and settings as memfit.generate's, plus the refiner (a folder, or a checkpoint file with its
+    configs from `refiner_config` or found as a model's are) and the fraction of the denoising schedule the
+    base runs (`refiner_start`)."""
     if model is None:
         raise MemfitError("--refiner needs an SDXL base model: pass --model BASE as well.")
     base = open_model(model, allow_pickle=options.allow_pickle)
-    ref = open_model(refiner, allow_pickle=options.allow_pickle)
+    ref = open_model(_refiner_model(refiner, refiner_config, options.allow_pickle), allow_pickle=options.allow_pickle)
     _check_pair(base, ref, refiner_start)
     refiner_start = float(refiner_start)
     settings = base.adapter.resolve(prompt, negative_prompt, steps, guidance, seed, width, height, base.defaults)
     guided = base.adapter.uses_guidance(settings.guidance)
     report = RunReport(device=str(options.device), dtype=options.dtype, model=str(base.path),
                        settings={**settings.__dict__, "refiner": str(ref.path), "refiner_start": refiner_start},
-                       notes=source_notes(base))
+                       notes=[*source_notes(base), *(f"refiner {note}" for note in source_notes(ref))])
     runner = StageRunner(options, report=report, settings=settings, guided=guided)
     # One generator through both denoising calls, as in diffusers' documented workflow.
     generator = torch.Generator(device="cpu").manual_seed(settings.seed)

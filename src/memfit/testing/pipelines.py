@@ -39,19 +39,19 @@ def _vae(scale: int, *, levels: int = 2, latent_channels: int = 4, **extra):
 def _clip_text(cls_name: str, tokenizer, hidden: int, layers: int, **extra):
     import transformers
 
-    config = transformers.CLIPTextConfig(
-        bos_token_id=tokenizer.bos_token_id,
-        eos_token_id=tokenizer.eos_token_id,
-        pad_token_id=tokenizer.pad_token_id,
-        hidden_size=hidden,
-        intermediate_size=hidden * 2,
-        num_attention_heads=4,
-        num_hidden_layers=layers,
-        layer_norm_eps=1e-5,
-        vocab_size=len(tokenizer),
-        max_position_embeddings=tokenizer.model_max_length,
+    config = transformers.CLIPTextConfig(**{
+        "bos_token_id": tokenizer.bos_token_id,
+        "eos_token_id": tokenizer.eos_token_id,
+        "pad_token_id": tokenizer.pad_token_id,
+        "hidden_size": hidden,
+        "intermediate_size": hidden * 2,
+        "num_attention_heads": 4,
+        "num_hidden_layers": layers,
+        "layer_norm_eps": 1e-5,
+        "vocab_size": len(tokenizer),
+        "max_position_embeddings": tokenizer.model_max_length,
         **extra,
-    )
+    })
     return getattr(transformers, cls_name)(config).eval()
 
 
@@ -161,6 +161,42 @@ def _sdxl_single_file(scale: int, text_layers: int):
         unet=unet,
         scheduler=scheduler,
         force_zeros_for_empty_prompt=False,
+    )
+
+
+def _sd2_single_file(scale: int, text_layers: int):
+    """A tiny SD 2.x for an all-in-one checkpoint: diffusers finds SD 2 in a file by a cross-attention 1024 wide
+    (its OpenCLIP encoder's width) in the first down block's second layer, so the text encoder is that wide
+    (with a narrow MLP, to stay small) and the first down block has attention and two layers."""
+    from diffusers import DDIMScheduler, StableDiffusionPipeline, UNet2DConditionModel
+
+    tokenizer = clip_tokenizer()
+    width = 1024
+    unet = UNet2DConditionModel(
+        block_out_channels=(16 * scale, 32 * scale),
+        layers_per_block=2,
+        sample_size=16,
+        in_channels=4,
+        out_channels=4,
+        down_block_types=("CrossAttnDownBlock2D", "DownBlock2D"),
+        up_block_types=("UpBlock2D", "CrossAttnUpBlock2D"),
+        cross_attention_dim=width,
+        use_linear_projection=True,
+        norm_num_groups=8,
+        attention_head_dim=4,
+    )
+    scheduler = DDIMScheduler(beta_start=0.00085, beta_end=0.012, beta_schedule="scaled_linear", clip_sample=False,
+                              set_alpha_to_one=False, steps_offset=1)
+    return StableDiffusionPipeline(
+        vae=_vae(scale),
+        text_encoder=_clip_text("CLIPTextModel", tokenizer, width, text_layers, intermediate_size=16 * scale,
+                                hidden_act="gelu"),
+        tokenizer=tokenizer,
+        unet=unet,
+        scheduler=scheduler,
+        safety_checker=None,
+        feature_extractor=None,
+        requires_safety_checker=False,
     )
 
 
@@ -654,7 +690,7 @@ def _sd_pag(scale: int, text_layers: int):
 _BUILDERS: dict[str, Callable[[int, int], object]] = {
     "sd": _sd, "sdxl": _sdxl, "lumina2": _lumina2, "cogview4": _cogview4,
     "flux": _flux, "flux_schnell": _flux_schnell, "sd3": _sd3, "qwenimage": _qwenimage, "wan": _wan, "chroma": _chroma, "sana": _sana, "pixart_sigma": _pixart_sigma, "aura_flow": _aura_flow, "hidream": _hidream,
-    "sd_pag": _sd_pag, "sdxl_single_file": _sdxl_single_file,
+    "sd_pag": _sd_pag, "sdxl_single_file": _sdxl_single_file, "sd2_single_file": _sd2_single_file,
 }
 
 # Sizes each tiny architecture accepts (multiples of what its VAE and patching need).

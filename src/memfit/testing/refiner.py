@@ -51,18 +51,18 @@ def build_refiner(base, *, seed: int = 1, scale: int = 1):
     return refiner
 
 
-def build_base_and_refiner(*, seed: int = 0, scale: int = 1, text_layers: int = 2):
-    """(base, refiner): a tiny StableDiffusionXLPipeline and a refiner sharing its VAE and
-    second text encoder objects."""
-    base = build_pipeline("sdxl", seed=seed, scale=scale, text_layers=text_layers)
+def build_base_and_refiner(*, seed: int = 0, scale: int = 1, text_layers: int = 2, kind: str = "sdxl"):
+    """(base, refiner): a tiny StableDiffusionXLPipeline (of ``kind``: "sdxl_single_file" for a pair that can
+    be written as single files) and a refiner sharing its VAE and second text encoder objects."""
+    base = build_pipeline(kind, seed=seed, scale=scale, text_layers=text_layers)
     return base, build_refiner(base, seed=seed + 1, scale=scale)
 
 
 def save_base_and_refiner(base_path: str | Path, refiner_path: str | Path, *, seed: int = 0, scale: int = 1,
-                          text_layers: int = 2) -> tuple[Path, Path]:
-    """Build the pair and save both in the diffusers layout (safetensors); the shared VAE and
-    text_encoder_2 are saved from the same objects, so both folders hold identical files."""
-    base, refiner = build_base_and_refiner(seed=seed, scale=scale, text_layers=text_layers)
+                          text_layers: int = 2, kind: str = "sdxl") -> tuple[Path, Path]:
+    """Build the pair (build_base_and_refiner) and save both in the diffusers layout (safetensors); the shared
+    VAE and text_encoder_2 are saved from the same objects, so both folders hold identical files."""
+    base, refiner = build_base_and_refiner(seed=seed, scale=scale, text_layers=text_layers, kind=kind)
     base_path, refiner_path = Path(base_path), Path(refiner_path)
     base.save_pretrained(base_path, safe_serialization=True)
     refiner.save_pretrained(refiner_path, safe_serialization=True)
@@ -71,20 +71,25 @@ def save_base_and_refiner(base_path: str | Path, refiner_path: str | Path, *, se
 
 def diffusers_refined_image(base_dir: str | Path, refiner_dir: str | Path, *, prompt: str, negative_prompt=None,
                             steps: int, guidance: float, seed: int, width: int, height: int,
-                            refiner_start: float = 0.8, dtype: torch.dtype = torch.float32):
+                            refiner_start: float = 0.8, dtype: torch.dtype = torch.float32,
+                            refiner_file: str | Path | None = None):
     """The image plain diffusers makes with its documented base + refiner workflow: the refiner
     loaded with the base's text_encoder_2 and vae objects, the base stopping at
     denoising_end=refiner_start with latent output, the refiner continuing from
-    denoising_start=refiner_start; one seeded CPU generator through both calls."""
+    denoising_start=refiner_start; one seeded CPU generator through both calls. With ``refiner_file``
+    the refiner's UNet is diffusers' single-file loading of that checkpoint (configs from ``refiner_dir``)."""
     import diffusers
 
     from memfit.models.folder import dtype_keyword
 
     dtype_kwarg = {dtype_keyword(): dtype}  # diffusers 0.42 renamed torch_dtype to dtype
     base = diffusers.StableDiffusionXLPipeline.from_pretrained(base_dir, **dtype_kwarg)
-    refiner = diffusers.StableDiffusionXLImg2ImgPipeline.from_pretrained(
-        refiner_dir, text_encoder_2=base.text_encoder_2, vae=base.vae, **dtype_kwarg
-    )
+    shared = dict(text_encoder_2=base.text_encoder_2, vae=base.vae, **dtype_kwarg)
+    if refiner_file is None:
+        refiner = diffusers.StableDiffusionXLImg2ImgPipeline.from_pretrained(refiner_dir, **shared)
+    else:
+        refiner = diffusers.StableDiffusionXLImg2ImgPipeline.from_single_file(
+            str(refiner_file), config=str(refiner_dir), local_files_only=True, **shared)
     for pipe in (base, refiner):
         pipe.set_progress_bar_config(disable=True)
     generator = torch.Generator(device="cpu").manual_seed(seed)

@@ -89,14 +89,19 @@ def _vae_tensor(key: str, tensor: torch.Tensor, config: dict) -> tuple[str, torc
     return key, tensor  # conv_in, conv_out, quant_conv, post_quant_conv keep their names
 
 
-def _open_clip_state(encoder) -> dict[str, torch.Tensor]:
-    """A CLIPTextModelWithProjection's tensors in OpenCLIP's layout (SDXL's second text encoder): q, k and v
-    fused into one in_proj, the projection transposed."""
+def _open_clip_state(encoder, *, skipped_layer: bool = False) -> dict[str, torch.Tensor]:
+    """A CLIP text encoder's tensors in OpenCLIP's layout (SD 2's encoder, SDXL's bigG): q, k and v fused into
+    one in_proj, the projection transposed. ``skipped_layer``: as SD 2's files, with the projection the model
+    does not use and one layer more than it runs (it takes the penultimate layer's output)."""
     from diffusers.loaders.single_file_utils import DIFFUSERS_TO_LDM_MAPPING
 
     tables = DIFFUSERS_TO_LDM_MAPPING["openclip"]
-    state = encoder.state_dict()
-    out = {old: state[new].T if old == "text_projection" else state[new] for new, old in tables["layers"].items()}
+    # transformers 5.6 flattened CLIPTextModel: put its names back under text_model. as the tables write them.
+    inner = ("embeddings", "encoder", "final_layer_norm")
+    state = {("text_model." + key if key.split(".")[0] in inner else key): value
+             for key, value in encoder.state_dict().items()}
+    out = {old: state[new].T if old == "text_projection" else state[new] for new, old in tables["layers"].items()
+           if new in state}
     fused: dict[str, list] = {}
     for key, tensor in state.items():
         if not key.startswith("text_model.encoder.layers."):
@@ -113,6 +118,12 @@ def _open_clip_state(encoder) -> dict[str, torch.Tensor]:
         else:
             out["transformer." + name] = tensor
     out.update({key: torch.cat(parts) for key, parts in fused.items()})
+    if skipped_layer:
+        hidden, last = encoder.config.hidden_size, encoder.config.num_hidden_layers - 1
+        out["text_projection"] = torch.zeros(hidden, hidden)
+        out["logit_scale"] = torch.tensor(4.6052)
+        out.update({key.replace(f"resblocks.{last}.", f"resblocks.{last + 1}."): value.clone()
+                    for key, value in out.items() if key.startswith(f"transformer.resblocks.{last}.")})
     return out
 
 
@@ -122,28 +133,51 @@ def ldm_vae_state_dict(vae) -> dict[str, torch.Tensor]:
     return dict(_vae_tensor(key, tensor, config) for key, tensor in vae.state_dict().items())
 
 
+# Where each family's file keeps its text encoders: (component, prefix, stored in OpenCLIP's layout).
+_TEXT_ENCODERS = {
+    "v1": (("text_encoder", "cond_stage_model.transformer.", False),),
+    "v2": (("text_encoder", "cond_stage_model.model.", True),),
+    "xl_base": (("text_encoder", "conditioner.embedders.0.transformer.", False),
+                ("text_encoder_2", "conditioner.embedders.1.model.", True)),
+    "xl_refiner": (("text_encoder_2", "conditioner.embedders.0.model.", True),),
+}
+
+
+def _family(pipe) -> str:
+    """diffusers' name for the family of an SD 1.x, SD 2.x, SDXL or SDXL refiner pipeline's checkpoint (it tells
+    SD 2 by its 1024-wide cross-attention)."""
+    if getattr(pipe, "text_encoder", None) is None:
+        return "xl_refiner"
+    if getattr(pipe, "text_encoder_2", None) is not None:
+        return "xl_base"
+    return "v2" if pipe.unet.config.cross_attention_dim == 1024 else "v1"
+
+
 def ldm_state_dict(pipe) -> dict[str, torch.Tensor]:
-    """An SD 1.x or SDXL pipeline's UNet, VAE and text encoders as one state dict in the LDM key layout."""
+    """An SD 1.x, SD 2.x, SDXL or SDXL refiner pipeline's UNet, VAE and text encoders as one state dict in the
+    LDM key layout."""
     out = {}
     unet_config = dict(pipe.unet.config)
     for key, tensor in pipe.unet.state_dict().items():
         out["model.diffusion_model." + _unet_key(key, unet_config)] = tensor
     out.update({"first_stage_model." + key: value for key, value in ldm_vae_state_dict(pipe.vae).items()})
-    xl = getattr(pipe, "text_encoder_2", None) is not None
-    clip = "conditioner.embedders.0.transformer." if xl else "cond_stage_model.transformer."
-    for key, tensor in pipe.text_encoder.state_dict().items():
-        out[clip + ("" if key.startswith("text_model.") else "text_model.") + key] = tensor
-    positions = pipe.text_encoder.config.max_position_embeddings
-    out[clip + "text_model.embeddings.position_ids"] = torch.arange(positions)[None]
-    if xl:
-        out.update({"conditioner.embedders.1.model." + key: value
-                    for key, value in _open_clip_state(pipe.text_encoder_2).items()})
+    family = _family(pipe)
+    for name, prefix, open_clip in _TEXT_ENCODERS[family]:
+        encoder = getattr(pipe, name)
+        if open_clip:
+            state = _open_clip_state(encoder, skipped_layer=family == "v2")
+        else:
+            state = {("" if key.startswith("text_model.") else "text_model.") + key: tensor
+                     for key, tensor in encoder.state_dict().items()}
+            state["text_model.embeddings.position_ids"] = torch.arange(encoder.config.max_position_embeddings)[None]
+        out.update({prefix + key: value for key, value in state.items()})
     return out
 
 
 def save_single_file(folder: str | Path, path: str | Path, *, dtype: torch.dtype | None = None,
                      extras: bool = True) -> Path:
-    """Write the SD 1.x or SDXL diffusers folder ``folder`` as an all-in-one LDM checkpoint at ``path``.
+    """Write the SD 1.x, SD 2.x, SDXL or SDXL refiner diffusers folder ``folder`` as an all-in-one LDM
+    checkpoint at ``path``.
 
     ``dtype`` stores the floating tensors in that dtype (published files are fp16); ``extras`` adds
     tensors real files carry beside the models. Raises AssertionError unless diffusers' converters
@@ -169,15 +203,22 @@ def _check_round_trip(pipe, state: dict[str, torch.Tensor]) -> None:
     from diffusers.loaders.single_file_utils import (convert_ldm_clip_checkpoint, convert_ldm_unet_checkpoint,
                                                      convert_ldm_vae_checkpoint, convert_open_clip_checkpoint)
 
-    clip = {key.removeprefix("text_model."): value for key, value in convert_ldm_clip_checkpoint(state).items()}
     converted = {"unet": convert_ldm_unet_checkpoint(state, dict(pipe.unet.config)),
-                 "vae": convert_ldm_vae_checkpoint(state, dict(pipe.vae.config)), "text_encoder": clip}
-    if getattr(pipe, "text_encoder_2", None) is not None:
-        converted["text_encoder_2"] = convert_open_clip_checkpoint(pipe.text_encoder_2, state,
-                                                                   prefix="conditioner.embedders.1.model.")
+                 "vae": convert_ldm_vae_checkpoint(state, dict(pipe.vae.config))}
+    for name, prefix, open_clip in _TEXT_ENCODERS[_family(pipe)]:
+        encoder = getattr(pipe, name)
+        tensors = convert_open_clip_checkpoint(encoder, state, prefix=prefix) if open_clip else \
+            convert_ldm_clip_checkpoint({key: value for key, value in state.items() if key.startswith(prefix)})
+        # As diffusers' own single-file CLIP loading: the flattened CLIPTextModel has no text_model. level.
+        converted[name] = tensors if hasattr(encoder, "text_model") else \
+            {key.removeprefix("text_model."): value for key, value in tensors.items()}
     for name, tensors in converted.items():
         original = getattr(pipe, name).state_dict()
-        tensors = {key: value for key, value in tensors.items() if key in original or not key.endswith("position_ids")}
-        assert tensors.keys() == original.keys(), (name, sorted(tensors.keys() ^ original.keys())[:5])
+        layers = getattr(getattr(pipe, name).config, "num_hidden_layers", None)
+        # Beside the model's: position ids, and the layer SD 2's encoder has but does not run.
+        extra = [key for key in tensors.keys() - original.keys()
+                 if not key.endswith("position_ids") and f"layers.{layers}." not in key]
+        assert original.keys() <= tensors.keys() and not extra, (name, sorted(original.keys() - tensors.keys())[:5],
+                                                                 extra[:5])
         for key, value in original.items():
             assert torch.equal(tensors[key], value), (name, key)
