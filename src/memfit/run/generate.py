@@ -169,8 +169,9 @@ def generate(
             refiner_start=DEFAULT_REFINER_START if refiner_start is None else refiner_start,
             negative_prompt=negative_prompt, steps=steps, guidance=guidance, seed=seed, width=width, height=height,
         ), backend, precision, dtype)
-    if refiner_start is not None or refiner_config is not None:
-        raise MemfitError("--refiner-start and --refiner-config only apply with --refiner REFINER.")
+    for flag, value in (("--refiner-start", refiner_start), ("--refiner-config", refiner_config)):
+        if value is not None:
+            raise MemfitError(f"{flag} only applies with --refiner REFINER.")
     folder = open_model(model, allow_pickle=allow_pickle)
     adapter = folder.adapter
 
