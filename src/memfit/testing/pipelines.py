@@ -55,23 +55,25 @@ def _clip_text(cls_name: str, tokenizer, hidden: int, layers: int, **extra):
     return getattr(transformers, cls_name)(config).eval()
 
 
-def _sd(scale: int, text_layers: int):
+def _stable_diffusion(scale: int, text_layers: int, *, text_width: int, text_extra=None, **unet_changes):
+    """A tiny StableDiffusionPipeline whose text encoder is ``text_width`` wide (``text_extra``: more of its
+    config) and whose UNet's config has ``unet_changes``."""
     from diffusers import DDIMScheduler, StableDiffusionPipeline, UNet2DConditionModel
 
     tokenizer = clip_tokenizer()
-    hidden = 32 * scale
-    unet = UNet2DConditionModel(
-        block_out_channels=(16 * scale, 32 * scale),
-        layers_per_block=1,
-        sample_size=16,
-        in_channels=4,
-        out_channels=4,
-        down_block_types=("DownBlock2D", "CrossAttnDownBlock2D"),
-        up_block_types=("CrossAttnUpBlock2D", "UpBlock2D"),
-        cross_attention_dim=hidden,
-        norm_num_groups=8,
-        attention_head_dim=4,
-    )
+    unet = UNet2DConditionModel(**{
+        "block_out_channels": (16 * scale, 32 * scale),
+        "layers_per_block": 1,
+        "sample_size": 16,
+        "in_channels": 4,
+        "out_channels": 4,
+        "down_block_types": ("DownBlock2D", "CrossAttnDownBlock2D"),
+        "up_block_types": ("CrossAttnUpBlock2D", "UpBlock2D"),
+        "cross_attention_dim": text_width,
+        "norm_num_groups": 8,
+        "attention_head_dim": 4,
+        **unet_changes,
+    })
     scheduler = DDIMScheduler(
         beta_start=0.00085,
         beta_end=0.012,
@@ -82,7 +84,7 @@ def _sd(scale: int, text_layers: int):
     )
     return StableDiffusionPipeline(
         vae=_vae(scale),
-        text_encoder=_clip_text("CLIPTextModel", tokenizer, hidden, text_layers),
+        text_encoder=_clip_text("CLIPTextModel", tokenizer, text_width, text_layers, **(text_extra or {})),
         tokenizer=tokenizer,
         unet=unet,
         scheduler=scheduler,
@@ -90,6 +92,10 @@ def _sd(scale: int, text_layers: int):
         feature_extractor=None,
         requires_safety_checker=False,
     )
+
+
+def _sd(scale: int, text_layers: int):
+    return _stable_diffusion(scale, text_layers, text_width=32 * scale)
 
 
 def sdxl_unet(scale: int, *, pooled_dim: int, time_ids: int, cross_attention_dim: int):
@@ -168,36 +174,10 @@ def _sd2_single_file(scale: int, text_layers: int):
     """A tiny SD 2.x for an all-in-one checkpoint: diffusers finds SD 2 in a file by a cross-attention 1024 wide
     (its OpenCLIP encoder's width) in the first down block's second layer, so the text encoder is that wide
     (with a narrow MLP, to stay small) and the first down block has attention and two layers."""
-    from diffusers import DDIMScheduler, StableDiffusionPipeline, UNet2DConditionModel
-
-    tokenizer = clip_tokenizer()
-    width = 1024
-    unet = UNet2DConditionModel(
-        block_out_channels=(16 * scale, 32 * scale),
-        layers_per_block=2,
-        sample_size=16,
-        in_channels=4,
-        out_channels=4,
-        down_block_types=("CrossAttnDownBlock2D", "DownBlock2D"),
-        up_block_types=("UpBlock2D", "CrossAttnUpBlock2D"),
-        cross_attention_dim=width,
-        use_linear_projection=True,
-        norm_num_groups=8,
-        attention_head_dim=4,
-    )
-    scheduler = DDIMScheduler(beta_start=0.00085, beta_end=0.012, beta_schedule="scaled_linear", clip_sample=False,
-                              set_alpha_to_one=False, steps_offset=1)
-    return StableDiffusionPipeline(
-        vae=_vae(scale),
-        text_encoder=_clip_text("CLIPTextModel", tokenizer, width, text_layers, intermediate_size=16 * scale,
-                                hidden_act="gelu"),
-        tokenizer=tokenizer,
-        unet=unet,
-        scheduler=scheduler,
-        safety_checker=None,
-        feature_extractor=None,
-        requires_safety_checker=False,
-    )
+    return _stable_diffusion(scale, text_layers, text_width=1024,
+                             text_extra={"intermediate_size": 16 * scale, "hidden_act": "gelu"},
+                             layers_per_block=2, down_block_types=("CrossAttnDownBlock2D", "DownBlock2D"),
+                             up_block_types=("UpBlock2D", "CrossAttnUpBlock2D"), use_linear_projection=True)
 
 
 def _lumina2(scale: int, text_layers: int):
