@@ -411,9 +411,9 @@ class ModelFolder:
         global _DTYPE_KWARG
         _DTYPE_KWARG = _DTYPE_KWARG or dtype_keyword()
         external = {name: folder for name, folder in (external or {}).items() if name in names}
+        self.check_weights([name for name in names if name not in external])
         apart = self._load_apart([name for name in names if name not in external], dtype, in_file_dtype)
         own = [name for name in names if name not in external and name not in apart]
-        self.check_weights(own)
         pipeline_class = getattr(diffusers, pipeline_class or self.class_name)
         skipped = {name: None for name in self._index_components() if name not in names}
         try:
