@@ -147,6 +147,7 @@ def test_switching_with_webuiapi_serves_what_memfit_generate_makes_from_that_fil
 def test_override_settings_switch_for_one_request_then_back(served, a1111):
     api, url = served
     _, config, paths = a1111
+    _models(url)
     alpha = _title("alpha.safetensors", paths["alpha"])
     api.util_set_model(alpha)
     # any name A1111 accepts: here beta's model_name
@@ -163,7 +164,8 @@ def test_override_settings_switch_for_one_request_then_back(served, a1111):
 @pytest.mark.slow
 def test_only_listed_checkpoints_and_the_own_vae_are_accepted(served, a1111):
     api, url = served
-    _, _, paths = a1111
+    paths = a1111[2]
+    _models(url)
     current = api.util_get_current_model()
     for name in ("nope.safetensors", str(paths["alpha"]), "../models/Stable-diffusion/alpha.safetensors"):
         refused = httpx.post(url + "/sdapi/v1/options", json={"sd_model_checkpoint": name})
@@ -187,7 +189,8 @@ def test_the_picker_on_the_web_page_switches_the_model(served, a1111, browser):
     from selenium.webdriver.support.ui import Select, WebDriverWait
 
     api, url = served
-    _, config, paths = a1111
+    paths = a1111[2]
+    _models(url)
     alpha, beta = _title("alpha.safetensors", paths["alpha"]), _title("sub/beta.safetensors", paths["beta"])
     api.util_set_model(alpha)
     browser.get(url + "/")

@@ -22,9 +22,8 @@ reason it cannot be served yet.
 
 from __future__ import annotations
 
-import os
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from memfit.errors import MemfitError
@@ -34,9 +33,9 @@ from memfit.safetensors_header import MappedFile, read_header
 
 __all__ = ["Listing", "ModelEntry", "ModelsDir", "NamedFile", "config_folders", "open_entry"]
 
-# What each subfolder holds, by its name in lower case.
+# What each subfolder holds, by its name in lower case ("parts": text encoders of split models, not listed).
 ROLES = {"stable-diffusion": "checkpoints", "checkpoints": "checkpoints", "diffusion_models": "split", "unet": "split",
-         "vae": "vae", "lora": "lora", "loras": "lora", "lycoris": "lora"}
+         "text_encoders": "parts", "clip": "parts", "vae": "vae", "lora": "lora", "loras": "lora", "lycoris": "lora"}
 WEIGHT_SUFFIXES = (".safetensors", *PICKLE_SUFFIXES)
 # Formats users keep beside the others that memfit cannot read yet: listed with that reason.
 UNREAD_SUFFIXES = (".sft", ".gguf")
@@ -127,11 +126,10 @@ def _probe(entry: ModelEntry, configs: dict[str, Path], allow_pickle: bool) -> M
     try:
         folder = open_entry(entry, configs=configs, allow_pickle=allow_pickle)
     except MemfitError as exc:
-        return ModelEntry(entry.name, entry.path, entry.kind, error=str(exc))
+        return replace(entry, error=str(exc))
     except Exception as exc:  # noqa: BLE001 - a file diffusers or torch cannot read: listed with why, not fatal
-        return ModelEntry(entry.name, entry.path, entry.kind, error=f"{entry.path} cannot be read: "
-                                                                   f"{type(exc).__name__}: {exc}")
-    return ModelEntry(entry.name, entry.path, entry.kind, pipeline=folder.class_name)
+        return replace(entry, error=f"{entry.path} cannot be read: {type(exc).__name__}: {exc}")
+    return replace(entry, pipeline=folder.class_name)
 
 
 class ModelsDir:
@@ -165,13 +163,12 @@ class ModelsDir:
                     found.append(ModelEntry(name, path, "diffusers" if path.is_dir() else "file"))
         for root in (path for path, role in roles.items() if role == "split"):
             found += [ModelEntry(path.relative_to(base).as_posix(), path, "split", error=f"{path} is {SPLIT_REASON}.")
-                      for path in _walk(root) if path.is_file()]
-        vaes += [NamedFile(path.name, path) for root, role in roles.items() if role == "vae" for path in _walk(root)
-                 if path.is_file()]
+                      for path in _walk(root)]
+        vaes += [NamedFile(path.name, path) for root, role in roles.items() if role == "vae" for path in _walk(root)]
         loras = {}
         for root in (path for path, role in roles.items() if role == "lora"):
             for path in _walk(root):
-                if path.is_file() and path.suffix in WEIGHT_SUFFIXES:
+                if path.suffix in WEIGHT_SUFFIXES:
                     loras.setdefault(path.stem, NamedFile(path.stem, path))
         checkpoints = [entry if entry.error else _probe(entry, self.configs, self.allow_pickle) for entry in found]
         return Listing(checkpoints, sorted(vaes, key=lambda f: _natural_key(f.name)), list(loras.values()))

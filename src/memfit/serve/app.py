@@ -36,11 +36,11 @@ from pydantic import BaseModel, ConfigDict
 
 from memfit.errors import MemfitError
 from memfit.models.families import Conditioning
+from memfit.models.folder import ModelFolder
+from memfit.models.library import ModelEntry
 from memfit.run.generate import check_conditioning
 from memfit.run.media import png_bytes
 from memfit.run.samplers import SAMPLERS, resolve_sampler, sampler_label, sampler_names, schedules_for, split_sampler
-from memfit.models.folder import ModelFolder
-from memfit.models.library import ModelEntry
 from memfit.run.session import Session
 from memfit.serve.checkpoints import Checkpoints, describe_lora, short_name
 from memfit.serve.infotext import image_text, infotext, read_parameters
@@ -290,7 +290,6 @@ def create_app(served: Session | Checkpoints, *, limits: Limits = Limits(), auth
 
     async def rescan():
         await asyncio.to_thread(checkpoints.refresh)
-        return None
 
     for path in ("refresh-checkpoints", "refresh-loras", "refresh-vae"):
         app.add_api_route(f"/sdapi/v1/{path}", rescan, methods=["POST"])
