@@ -38,8 +38,9 @@ def tiny_models(tmp_path_factory):
 
 @pytest.fixture(scope="session")
 def memfit_server():
-    """``with memfit_server(model, *flags) as (process, url):`` runs `memfit serve --model MODEL` on a
-    free loopback port, answering at ``url``, until the block ends (killed if it still runs)."""
+    """``with memfit_server(model, *flags) as (process, url):`` runs `memfit serve --model MODEL` (no --model
+    where MODEL is None) on a free loopback port, answering at ``url``, until the block ends (killed if it
+    still runs)."""
     import contextlib
     import socket
     import subprocess
@@ -49,14 +50,14 @@ def memfit_server():
     import httpx
 
     @contextlib.contextmanager
-    def serve(model: str, *flags: str):
+    def serve(model: str | None, *flags: str):
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
             port = s.getsockname()[1]
         # Its output goes to a file: a pipe nobody reads would stall a server that runs for a whole module.
         with tempfile.TemporaryFile("w+") as log:
-            process = subprocess.Popen([sys.executable, "-m", "memfit", "serve", "--model", model, "--port", str(port),
-                                        *flags], stdout=log, stderr=subprocess.STDOUT, text=True)
+            process = subprocess.Popen([sys.executable, "-m", "memfit", "serve", *(["--model", model] if model else []),
+                                        "--port", str(port), *flags], stdout=log, stderr=subprocess.STDOUT, text=True)
             url = f"http://127.0.0.1:{port}"
             try:
                 deadline = time.time() + 120
@@ -76,6 +77,31 @@ def memfit_server():
                     process.wait(30)
 
     return serve
+
+
+@pytest.fixture
+def browser():
+    """A headless Debian chromium driven by selenium (quit at the end), or the test is skipped saying why."""
+    import shutil
+
+    try:
+        from selenium import webdriver
+        from selenium.webdriver.chrome.service import Service
+    except ImportError:
+        pytest.skip("selenium is not installed (pip install 'memfit[browser]')")
+    binary = shutil.which("chromium") or shutil.which("chromium-browser")
+    driver = shutil.which("chromedriver")
+    if binary is None or driver is None:
+        pytest.skip("no chromium/chromedriver here; on Debian: sudo apt-get install chromium chromium-driver")
+    options = webdriver.ChromeOptions()
+    options.binary_location = binary
+    for flag in ("--headless=new", "--no-sandbox", "--disable-dev-shm-usage", "--disable-gpu"):
+        options.add_argument(flag)
+    chromium = webdriver.Chrome(service=Service(driver), options=options)
+    try:
+        yield chromium
+    finally:
+        chromium.quit()
 
 
 def pytest_sessionfinish(session, exitstatus):

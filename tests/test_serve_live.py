@@ -123,60 +123,36 @@ def test_sigterm_drains_the_running_request_and_exits_cleanly(server):
     assert process.wait(60) == 0
 
 
-def _browser():
-    """A headless Debian chromium through selenium, or a reason to skip."""
-    import shutil
-
-    try:
-        from selenium import webdriver
-        from selenium.webdriver.chrome.service import Service
-    except ImportError:
-        pytest.skip("selenium is not installed (pip install 'memfit[browser]')")
-    binary = shutil.which("chromium") or shutil.which("chromium-browser")
-    driver = shutil.which("chromedriver")
-    if binary is None or driver is None:
-        pytest.skip("no chromium/chromedriver here; on Debian: sudo apt-get install chromium chromium-driver")
-    options = webdriver.ChromeOptions()
-    options.binary_location = binary
-    for flag in ("--headless=new", "--no-sandbox", "--disable-dev-shm-usage", "--disable-gpu"):
-        options.add_argument(flag)
-    return webdriver.Chrome(service=Service(driver), options=options)
-
-
-def test_the_web_page_in_a_real_browser_shows_the_apis_image(server):
+def test_the_web_page_in_a_real_browser_shows_the_apis_image(server, browser):
     from selenium.webdriver.common.by import By
     from selenium.webdriver.support.ui import WebDriverWait
 
     _, url = server
-    browser = _browser()
-    try:
-        browser.get(url + "/")
-        # Progress answers arrive a second late, so a poll is still in flight when the run ends: its late
-        # answer must not overwrite the final status (nor the full bar).
-        browser.execute_script("""
-            const original = window.fetch;
-            window.fetch = (resource, ...rest) => String(resource).includes("/sdapi/v1/progress")
-                ? original(resource, ...rest).then(answer => new Promise(done => setTimeout(() => done(answer), 1000)))
-                : original(resource, ...rest);""")
-        fields = {"prompt": "a red circle", "negative_prompt": "blurry", "steps": "2", "cfg_scale": "3.5", "width": "32",
-                  "height": "32", "seed": "42"}
-        for field, value in fields.items():
-            element = browser.find_element(By.ID, field)
-            element.clear()
-            element.send_keys(value)
-        browser.find_element(By.ID, "go").click()
-        WebDriverWait(browser, 120).until(lambda b: b.find_elements(By.ID, "image"))
-        src = browser.find_element(By.ID, "image").get_attribute("src")
-        assert src.startswith("data:image/png;base64,")
-        shown = base64.b64decode(src.split(",", 1)[1])
-        time.sleep(1.5)  # every poll sent before the end has answered by now
-        report = browser.find_element(By.ID, "report").text
-        parameters = browser.find_element(By.ID, "parameters").text
-        assert "denoise" in report and "peak" in report and "Seed: 42" in parameters
-        assert "done in" in browser.find_element(By.ID, "status").text
-        width = browser.execute_script("return document.getElementById('bar').firstElementChild.style.width")
-        assert width == "100%"
-    finally:
-        browser.quit()
+    browser.get(url + "/")
+    # Progress answers arrive a second late, so a poll is still in flight when the run ends: its late
+    # answer must not overwrite the final status (nor the full bar).
+    browser.execute_script("""
+        const original = window.fetch;
+        window.fetch = (resource, ...rest) => String(resource).includes("/sdapi/v1/progress")
+            ? original(resource, ...rest).then(answer => new Promise(done => setTimeout(() => done(answer), 1000)))
+            : original(resource, ...rest);""")
+    fields = {"prompt": "a red circle", "negative_prompt": "blurry", "steps": "2", "cfg_scale": "3.5", "width": "32",
+              "height": "32", "seed": "42"}
+    for field, value in fields.items():
+        element = browser.find_element(By.ID, field)
+        element.clear()
+        element.send_keys(value)
+    browser.find_element(By.ID, "go").click()
+    WebDriverWait(browser, 120).until(lambda b: b.find_elements(By.ID, "image"))
+    src = browser.find_element(By.ID, "image").get_attribute("src")
+    assert src.startswith("data:image/png;base64,")
+    shown = base64.b64decode(src.split(",", 1)[1])
+    time.sleep(1.5)  # every poll sent before the end has answered by now
+    report = browser.find_element(By.ID, "report").text
+    parameters = browser.find_element(By.ID, "parameters").text
+    assert "denoise" in report and "peak" in report and "Seed: 42" in parameters
+    assert "done in" in browser.find_element(By.ID, "status").text
+    width = browser.execute_script("return document.getElementById('bar').firstElementChild.style.width")
+    assert width == "100%"
     api = post(url, {**BASE, "seed": 42})
     assert shown == base64.b64decode(api.json()["images"][0])

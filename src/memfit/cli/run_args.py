@@ -39,11 +39,18 @@ def parse_components(values: list[str] | None) -> dict[str, str] | None:
     return components or None
 
 
-def add_model_args(parser: argparse.ArgumentParser) -> None:
-    """--model, --config, --component, --dtype, --device and --allow-pickle: which model, and how it loads."""
+def add_model_args(parser: argparse.ArgumentParser, *, model_help: str = "", several_configs: bool = False) -> None:
+    """--model, --config, --component, --dtype, --device and --allow-pickle: which model, and how it loads.
+    ``model_help`` is added to --model's help; ``several_configs`` makes --config repeatable (a list), one folder
+    per family."""
     parser.add_argument("--model", help="diffusers model folder, or an all-in-one checkpoint file (.safetensors, "
-                        "as AUTOMATIC1111 and ComfyUI keep them) (default: memfit's built-in demo model)")
-    parser.add_argument("--config", metavar="DIR", help=CONFIG_HELP)
+                        "as AUTOMATIC1111 and ComfyUI keep them) (default: memfit's built-in demo model)"
+                        + (f"; {model_help}" if model_help else ""))
+    if several_configs:
+        parser.add_argument("--config", metavar="DIR", action="append",
+                            help=CONFIG_HELP + "; repeatable, one folder per family, each file takes its family's")
+    else:
+        parser.add_argument("--config", metavar="DIR", help=CONFIG_HELP)
     parser.add_argument("--component", action="append", metavar="NAME=FILE", help=COMPONENT_HELP)
     parser.add_argument("--dtype", choices=("fp32", "bf16", "fp16"), default="fp32", help="run dtype (default fp32)")
     parser.add_argument("--device", help="torch device, e.g. cpu or cuda:0 (default: cuda if available)")
@@ -52,10 +59,10 @@ def add_model_args(parser: argparse.ArgumentParser) -> None:
                         "refused by default (convert them to safetensors instead)")
 
 
-def add_run_args(parser: argparse.ArgumentParser, *, budget_note: str = "") -> None:
-    """add_model_args, then --budget (``budget_note`` says what the command does with it), --backend
-    (the backends the registry knows, built-in and installed) and --fallback."""
-    add_model_args(parser)
+def add_run_args(parser: argparse.ArgumentParser, *, budget_note: str = "", **model_args) -> None:
+    """add_model_args (``model_args`` its keywords), then --budget (``budget_note`` says what the command does
+    with it), --backend (the backends the registry knows, built-in and installed) and --fallback."""
+    add_model_args(parser, **model_args)
     parser.add_argument("--budget", default="auto", help=BUDGET_HELP + (f"; {budget_note}" if budget_note else ""))
     parser.add_argument("--backend", help=f"compile with a backend: NAME ({', '.join(list_backends())}) or per "
                         "component, e.g. unet=openvino,vae=eager")

@@ -19,7 +19,13 @@ __all__ = ["register"]
 def register(commands: argparse._SubParsersAction) -> None:
     """Add the ``serve`` subcommand."""
     srv = commands.add_parser("serve", help="serve an AUTOMATIC1111-compatible HTTP API and a web page, model kept warm")
-    add_run_args(srv, budget_note="stages stay loaded between requests only while all of them fit it together")
+    add_run_args(srv, budget_note="stages stay loaded between requests only while all of them fit it together",
+                 model_help="with --models-dir: the checkpoint served first, a path (listed first if it is not in "
+                 "DIR) or a name DIR's listing gives (default: the first listed)", several_configs=True)
+    srv.add_argument("--models-dir", metavar="DIR", help="serve every checkpoint in DIR, switched between by request "
+                     "(A1111's sd_model_checkpoint): an AUTOMATIC1111 models folder (Stable-diffusion/, VAE/, Lora/), "
+                     "a ComfyUI one (checkpoints/, diffusion_models/, vae/, loras/, ...) or a folder of diffusers "
+                     "folders and checkpoint files; one model is loaded at a time, --model picks the first")
     srv.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1; any other needs --api-auth)")
     srv.add_argument("--port", type=int, default=7861, help="port (default 7861)")
     srv.add_argument("--api-auth", metavar="USER:PASSWORD", help="require HTTP basic auth (as AUTOMATIC1111's --api-auth)")
@@ -55,17 +61,17 @@ def _serve(args) -> int:
     except ImportError as exc:
         raise MemfitError(f"memfit serve needs its optional dependencies ({exc.name} is missing): "
                           "pip install 'memfit[serve]'.") from exc
-    from memfit.plan.stages import planned_models
-    from memfit.run.session import Session
+    from memfit.serve.checkpoints import Checkpoints
 
-    session = Session(**run_options(args), warm=not args.no_warm)
-    # A checkpoint memfit refuses (pickle without --allow-pickle, a truncated file) stops the server
-    # here, with the message memfit generate gives, not at every request.
-    session.folder.check_weights(planned_models(session.folder.adapter))
+    options = run_options(args)
+    # A checkpoint memfit refuses (pickle without --allow-pickle, a truncated file) as --model stops the server
+    # here, with the message memfit generate gives, not at every request; one in --models-dir is listed with it.
+    checkpoints = Checkpoints.open(options.pop("model"), models_dir=args.models_dir, configs=options.pop("config") or (),
+                                   warm=not args.no_warm, **options)
     # /sdapi/v1/cmd-flags: A1111's own names where the meaning is the same (port, listen), memfit's otherwise.
     flags = {"host": args.host, "port": args.port, "listen": not _loopback(args.host), "backend": args.backend,
              "fallback": args.fallback, "allow_pickle": args.allow_pickle}
-    app = create_app(session, limits=Limits(args.max_steps, args.max_pixels, args.max_images), auth=args.api_auth,
+    app = create_app(checkpoints, limits=Limits(args.max_steps, args.max_pixels, args.max_images), auth=args.api_auth,
                      flags=flags)
 
     class Server(uvicorn.Server):
@@ -81,8 +87,15 @@ def _serve(args) -> int:
                 if isinstance(captured, list):
                     captured[:] = [s for s in captured if s != signal.SIGTERM]
 
-    print(f"memfit serve: {session.folder.path} ({session.folder.class_name}) on http://{args.host}:{args.port}/",
-          flush=True)
+    selected = checkpoints.selected
+    print(f"memfit serve: {selected.path} ({selected.pipeline}) on http://{args.host}:{args.port}/", flush=True)
+    if checkpoints.library is not None:
+        listed = checkpoints.listing.checkpoints
+        print(f"memfit serve: {len(checkpoints.servable())} of {len(listed)} checkpoints in "
+              f"{checkpoints.library.root} can be served (GET /memfit/v1/models lists every one)", flush=True)
+        for entry in listed:
+            if entry.error:
+                print(f"memfit serve: cannot serve {entry.name}: {entry.error}", flush=True)
     Server(uvicorn.Config(app, host=args.host, port=args.port, log_level="warning")).run()
-    session.close()
+    checkpoints.close()
     return 0

@@ -10,10 +10,10 @@ batch), so every image equals what `memfit generate` writes for its seed, PNG me
 /sdapi/v1/img2img is the same request with an init image (and a mask to inpaint): the same job path,
 each image equal to what `memfit generate --image --strength [--mask]` writes.
 
-The other routes A1111's clients call answer in A1111's shapes: samplers and schedulers (what this
-model can take), png-info, the model and extra-network lists (memfit serves one model folder, and
-no LoRA, VAE or embedding folders), the refresh calls (nothing to rescan), cmd-flags, memory, and
-extras upscaling with the upscalers that need no model (memfit.serve.upscale).
+The other routes A1111's clients call answer in A1111's shapes: samplers and schedulers (what the
+selected model can take), png-info, the checkpoint, VAE and LoRA lists and their rescans (of
+--models-dir; memfit.serve.checkpoints), switching checkpoints (options, override_settings),
+cmd-flags, memory, and extras upscaling with the upscalers that need no model (memfit.serve.upscale).
 """
 
 from __future__ import annotations
@@ -36,10 +36,13 @@ from pydantic import BaseModel, ConfigDict
 
 from memfit.errors import MemfitError
 from memfit.models.families import Conditioning
+from memfit.models.folder import ModelFolder
+from memfit.models.library import ModelEntry
 from memfit.run.generate import check_conditioning
 from memfit.run.media import png_bytes
 from memfit.run.samplers import SAMPLERS, resolve_sampler, sampler_label, sampler_names, schedules_for, split_sampler
 from memfit.run.session import Session
+from memfit.serve.checkpoints import Checkpoints, describe_lora, short_name
 from memfit.serve.infotext import image_text, infotext, read_parameters
 from memfit.serve.jobs import Job, JobQueue
 from memfit.serve.upscale import UPSCALERS, Upscale, upscale
@@ -124,7 +127,7 @@ HARMLESS = {"styles": ([],), "subseed": (-1,), "subseed_strength": (0,), "seed_r
             "seed_resize_from_w": (-1, 0), "restore_faces": (False, None), "tiling": (False, None),
             "do_not_save_samples": (False,), "do_not_save_grid": (False,), "enable_hr": (False,),
             "s_churn": (None, 0), "s_tmax": (None, 0), "s_tmin": (None, 0), "s_noise": (None, 1),
-            "override_settings": ({}, None), "override_settings_restore_afterwards": (True,), "script_args": ([],),
+            "override_settings": ({}, None), "override_settings_restore_afterwards": (True, False), "script_args": ([],),
             "script_name": (None,), "alwayson_scripts": ({},), "comments": ({},), "infotext": (None,),
             "refiner_checkpoint": (None,), "refiner_switch_at": (None,), "disable_extra_networks": (False,),
             "clip_skip": (None,), "clip_skip_1": (None,)}
@@ -144,27 +147,32 @@ IMG2IMG_HARMLESS = {"resize_mode": (0,), "include_init_images": (False,), "mask_
                     "inpaint_full_res_padding": (0,), "inpainting_mask_invert": (0,),
                     "initial_noise_multiplier": (1,), "image_cfg_scale": (1.5,), "latent_mask": (),
                     "mask_round": (True,)}
+# The settings memfit acts on, in POST /sdapi/v1/options and a request's override_settings; sd_vae only as the
+# checkpoint's own VAE ("Automatic" finds no VAE file named after the checkpoint: memfit cannot apply one yet).
+SETTINGS_ACTED_ON = ("sd_model_checkpoint", "sd_vae")
+OWN_VAE = ("Automatic", "None")
 MASK_ONLY = {"mask_blur", "mask_blur_x", "mask_blur_y", "inpainting_fill", "inpaint_full_res",
              "inpaint_full_res_padding", "inpainting_mask_invert", "latent_mask", "mask_round"}
 
 
-def create_app(session: Session, *, limits: Limits = Limits(), auth: str | None = None,
+def create_app(served: Session | Checkpoints, *, limits: Limits = Limits(), auth: str | None = None,
                flags: dict[str, Any] | None = None) -> FastAPI:
-    """The app serving ``session``'s model. ``auth`` ("user:password") turns on HTTP basic auth for
-    every route, as A1111's --api-auth does. ``flags``: what only the command line knows (where it
-    listens, how it loads), added to /sdapi/v1/cmd-flags."""
-    queue = JobQueue(session)
-    folder = session.folder
-    title = folder.path.name or str(folder.path)
-    own_scheduler = folder.components.get("scheduler", ("", ""))[1]
+    """The app serving ``served``: a Session's model alone, or the Checkpoints of a models folder (switched
+    between by request). ``auth`` ("user:password") turns on HTTP basic auth for every route, as
+    A1111's --api-auth does. ``flags``: what only the command line knows (where it listens, how it
+    loads), added to /sdapi/v1/cmd-flags."""
+    checkpoints = served if isinstance(served, Checkpoints) else Checkpoints(served)
+    queue = JobQueue(checkpoints)
+    settings = {"sd_vae": "Automatic"}  # the options memfit keeps besides the checkpoint
 
     async def lifespan(app):
         yield
         await asyncio.to_thread(queue.stop)  # waiting jobs cancelled; the running one finishes first
+        checkpoints.close()
 
     app = FastAPI(title="memfit serve", version=__version__, lifespan=lifespan)
     app.state.queue = queue
-    app.state.session = session
+    app.state.checkpoints = checkpoints
 
     if auth is not None:
         expected = "Basic " + base64.b64encode(auth.encode()).decode()
@@ -197,7 +205,11 @@ def create_app(session: Session, *, limits: Limits = Limits(), auth: str | None 
     async def _serve(body: Txt2ImgRequest, request: Request, conditioning: Conditioning | None = None,
                      strength: float | None = None):
         """One request's job, queued, waited for and answered (txt2img and img2img alike)."""
-        runs, seeds, sampler = _runs(body, conditioning, strength)
+        entry = _overridden(body)
+        folder = await _opened(entry)
+        runs, seeds, sampler = _runs(body, folder, conditioning, strength)
+        for run in runs:
+            run["checkpoint"] = entry
         job = Job(runs, **({"id": body.force_task_id} if body.force_task_id else {}))
         if body.force_task_id and queue.get(body.force_task_id) is not None:
             raise HTTPException(422, f"force_task_id {body.force_task_id!r} is already in use; send a new id or none.")
@@ -211,17 +223,20 @@ def create_app(session: Session, *, limits: Limits = Limits(), auth: str | None 
         if job.state == "cancelled":
             raise HTTPException(503, job.error or "The request was cancelled before it ran.")
         first = runs[0]
-        base_sampler = split_sampler(sampler, None, own_scheduler)[0] if sampler else None
+        base_sampler = split_sampler(sampler, None, _own_scheduler(folder))[0] if sampler else None
+        digest = checkpoints.sha256(entry)
         info = {
             "prompt": body.prompt, "all_prompts": [body.prompt] * len(job.images),
             "negative_prompt": body.negative_prompt, "all_negative_prompts": [body.negative_prompt] * len(job.images),
             "seed": seeds[0], "all_seeds": seeds[:len(job.images)], "subseed": -1, "all_subseeds": [-1] * len(job.images),
             "subseed_strength": 0, "width": first["width"], "height": first["height"],
             "sampler_name": sampler or "Default", "cfg_scale": first["guidance"], "steps": first["steps"],
-            "batch_size": body.batch_size, "n_iter": body.n_iter, "sd_model_name": title, "sd_model_hash": None,
+            "batch_size": body.batch_size, "n_iter": body.n_iter, "sd_model_name": short_name(entry),
+            "sd_model_hash": digest[:10] if digest else None,
             "seed_resize_from_w": -1, "seed_resize_from_h": -1, "denoising_strength": first.get("strength"),
             "restore_faces": False, "clip_skip": None, "job_timestamp": time.strftime("%Y%m%d%H%M%S"),
-            "infotexts": [infotext(body.prompt, body.negative_prompt, run, sampler, title) for run in runs[:len(job.images)]],
+            "infotexts": [infotext(body.prompt, body.negative_prompt, run, sampler, folder.path.name)
+                          for run in runs[:len(job.images)]],
             "version": f"memfit {__version__}",
             "memfit": {"job": job.id, "state": job.state, "report": f"/memfit/v1/report/{job.id}",
                        "interrupted": job.state == "interrupted", "ignored_fields": _ignored(body, conditioning, base_sampler),
@@ -263,19 +278,33 @@ def create_app(session: Session, *, limits: Limits = Limits(), auth: str | None 
 
     @app.get("/sdapi/v1/sd-models")
     async def sd_models():
-        return [{"title": title, "model_name": title, "hash": None, "sha256": None, "filename": str(folder.path),
-                 "config": None}]
+        return [checkpoints.describe(entry) for entry in checkpoints.servable()]
+
+    @app.get("/sdapi/v1/sd-vae")
+    async def sd_vae():
+        return [{"model_name": vae.name, "filename": str(vae.path)} for vae in checkpoints.listing.vaes]
+
+    @app.get("/sdapi/v1/loras")
+    async def loras():
+        return await asyncio.to_thread(lambda: [describe_lora(lora) for lora in checkpoints.listing.loras])
+
+    async def rescan():
+        await asyncio.to_thread(checkpoints.refresh)
+
+    for path in ("refresh-checkpoints", "refresh-loras", "refresh-vae"):
+        app.add_api_route(f"/sdapi/v1/{path}", rescan, methods=["POST"])
 
     @app.get("/sdapi/v1/samplers")
     async def samplers():
+        own = _own_scheduler(await _opened(checkpoints.selected))
         return [{"name": name, "aliases": list(SAMPLERS[name][2]),
-                 "options": {"memfit_scheduler": resolve_sampler(name, own_scheduler)[0]}}
-                for name in sampler_names(own_scheduler)]
+                 "options": {"memfit_scheduler": resolve_sampler(name, own)[0]}} for name in sampler_names(own)]
 
     @app.get("/sdapi/v1/schedulers")
     async def schedulers():
         return [{"name": s.name, "label": s.label, "aliases": list(s.aliases) or None, "default_rho": s.default_rho,
-                 "need_inner_model": s.need_inner_model} for s in schedules_for(own_scheduler)]
+                 "need_inner_model": s.need_inner_model}
+                for s in schedules_for(_own_scheduler(await _opened(checkpoints.selected)))]
 
     @app.get("/sdapi/v1/upscalers")
     async def upscalers():
@@ -307,14 +336,17 @@ def create_app(session: Session, *, limits: Limits = Limits(), auth: str | None 
 
     @app.get("/sdapi/v1/cmd-flags")
     async def cmd_flags():
-        return {"api": True, "nowebui": False, "model": str(folder.path), "dtype": session.dtype,
+        session = checkpoints.session
+        library = checkpoints.library
+        return {"api": True, "nowebui": False, "model": str(checkpoints.selected.path),
+                "models_dir": str(library.root) if library else None, "dtype": session.dtype,
                 "device": str(session.device), "budget": None if session.budget is None else str(session.budget),
                 "no_warm": session.pool is None, "max_steps": limits.max_steps, "max_pixels": limits.max_pixels,
                 "max_images": limits.max_images, "api_auth": None if auth is None else "<set>", **(flags or {})}
 
     @app.get("/sdapi/v1/memory")
     async def memory():
-        return {"ram": _host_memory(), "cuda": _device_memory(session.device)}
+        return {"ram": _host_memory(), "cuda": _device_memory(checkpoints.session.device)}
 
     @app.get("/sdapi/v1/scripts")
     async def scripts():
@@ -324,35 +356,41 @@ def create_app(session: Session, *, limits: Limits = Limits(), auth: str | None 
     async def embeddings():
         return {"loaded": {}, "skipped": {}}
 
-    # memfit serves the one model folder it was started with: there are no folders of LoRAs, VAEs,
-    # embeddings, styles or upscaler models to list, nor to rescan.
+    # memfit has no folders of embeddings, hypernetworks, styles or upscaler models to list, nor to rescan.
     async def nothing_listed():
         return []
 
     async def nothing_to_refresh():
         return None
 
-    for path in ("loras", "sd-vae", "hypernetworks", "face-restorers", "realesrgan-models", "prompt-styles",
-                 "latent-upscale-modes", "script-info"):
+    for path in ("hypernetworks", "face-restorers", "realesrgan-models", "prompt-styles", "latent-upscale-modes",
+                 "script-info"):
         app.add_api_route(f"/sdapi/v1/{path}", nothing_listed, methods=["GET"])
-    for path in ("refresh-checkpoints", "refresh-loras", "refresh-vae", "refresh-embeddings"):
-        app.add_api_route(f"/sdapi/v1/{path}", nothing_to_refresh, methods=["POST"])
+    app.add_api_route("/sdapi/v1/refresh-embeddings", nothing_to_refresh, methods=["POST"])
 
     @app.get("/sdapi/v1/options")
     async def get_options():
-        return {"sd_model_checkpoint": title, "sd_checkpoint_hash": None, "samples_format": "png",
-                "memfit_pipeline": folder.class_name, "memfit_dtype": session.dtype,
-                "memfit_device": str(session.device),
+        session = checkpoints.session
+        selected = checkpoints.selected
+        return {"sd_model_checkpoint": checkpoints.title(selected), "sd_checkpoint_hash": checkpoints.sha256(selected),
+                "sd_vae": settings["sd_vae"], "samples_format": "png", "memfit_pipeline": selected.pipeline,
+                "memfit_dtype": session.dtype, "memfit_device": str(session.device),
                 "memfit_budget": None if session.budget is None else str(session.budget),
                 "memfit_limits": limits.__dict__}
 
     @app.post("/sdapi/v1/options")
     async def set_options(request: Request):
         options = await _json_object(request)
+        vae = _vae(options, "sd_vae")
         checkpoint = options.get("sd_model_checkpoint")
-        if checkpoint is not None and checkpoint != title:
-            raise HTTPException(422, f"This server serves one model, {title!r}; start another memfit serve for "
-                                     f"{checkpoint!r}.")
+        if checkpoint is not None:
+            entry = _find(checkpoint, "sd_model_checkpoint")
+            try:  # waits for the running request, as A1111's switch does
+                await asyncio.to_thread(checkpoints.select, entry)
+            except MemfitError as exc:
+                raise HTTPException(422, str(exc)) from exc
+        if vae is not None:
+            settings["sd_vae"] = vae
         return None
 
     # ---- memfit ------------------------------------------------------------------------------
@@ -365,25 +403,77 @@ def create_app(session: Session, *, limits: Limits = Limits(), auth: str | None 
                 "created_at": job.created, "started_at": job.started, "finished_at": job.finished,
                 "queued_seconds": None if job.started is None else round(job.started - job.created, 3),
                 "seconds": None if job.finished is None or job.started is None else round(job.finished - job.started, 3),
-                "runs": job.reports, "warm": session.warm_state()}
+                "runs": job.reports, "warm": checkpoints.session.warm_state()}
+
+    @app.get("/memfit/v1/models")
+    async def models():
+        """Every checkpoint found, those memfit cannot serve with the reason (A1111's list leaves them out)."""
+        library = checkpoints.library
+        return {"models_dir": str(library.root) if library else None,
+                "selected": checkpoints.title(checkpoints.selected), "loaded": checkpoints.title(checkpoints.current),
+                "checkpoints": [{"title": checkpoints.title(entry), "name": entry.name, "kind": entry.kind,
+                                 "filename": str(entry.path), "pipeline": entry.pipeline or None,
+                                 "sha256": checkpoints.sha256(entry), "error": entry.error or None}
+                                for entry in checkpoints.listing.checkpoints]}
 
     @app.get("/", response_class=HTMLResponse)
     async def page():
         return resources.files("memfit.serve").joinpath("page.html").read_text()
 
     # ---- request checks ----------------------------------------------------------------------
-    def _runs(body: Txt2ImgRequest, conditioning: Conditioning | None = None,
+    def _find(requested, field: str) -> ModelEntry:
+        """The listed checkpoint a request names; HTTP 422 naming those that can be served otherwise."""
+        if not isinstance(requested, str):
+            raise HTTPException(422, f"{field} must be a checkpoint's title (GET /sdapi/v1/sd-models), got {requested!r}.")
+        try:
+            return checkpoints.find(requested)
+        except MemfitError as exc:
+            raise HTTPException(422, f"{field}: {exc}") from exc
+
+    def _vae(options: dict, field: str) -> str | None:
+        """The sd_vae a request sets (None: it sets none); HTTP 422 for a VAE memfit cannot apply."""
+        vae = options.get("sd_vae")
+        if vae is None or vae in OWN_VAE:
+            return vae
+        own = 'send "Automatic" or "None" (the checkpoint\'s own VAE)'
+        if vae in (file.name for file in checkpoints.listing.vaes):
+            raise HTTPException(422, f"{field} {vae!r}: memfit cannot apply a VAE file to a checkpoint yet; {own}.")
+        raise HTTPException(422, f"{field} {vae!r} is not a VAE this server lists; {own}.")
+
+    def _overridden(body: Txt2ImgRequest) -> ModelEntry:
+        """The checkpoint a request runs on: its override_settings' sd_model_checkpoint, else the selected one.
+        With override_settings_restore_afterwards false the override stays selected, as in A1111."""
+        extra = body.model_extra or {}
+        overrides = extra.get("override_settings") or {}
+        if not isinstance(overrides, dict):
+            raise HTTPException(422, f"override_settings must be an object of settings, got {overrides!r}.")
+        vae = _vae(overrides, "override_settings.sd_vae")
+        requested = overrides.get("sd_model_checkpoint")
+        entry = checkpoints.selected if requested is None else _find(requested, "override_settings.sd_model_checkpoint")
+        if extra.get("override_settings_restore_afterwards", True) is False:
+            checkpoints.selected = entry
+            if vae is not None:
+                settings["sd_vae"] = vae
+        return entry
+
+    async def _opened(entry: ModelEntry) -> ModelFolder:
+        try:
+            return await asyncio.to_thread(checkpoints.folder, entry)
+        except MemfitError as exc:
+            raise HTTPException(422, str(exc)) from exc
+
+    def _runs(body: Txt2ImgRequest, folder: ModelFolder, conditioning: Conditioning | None = None,
               strength: float | None = None) -> tuple[list[dict[str, Any]], list[int], str | None]:
-        """Session.generate arguments per image, the seeds, and the sampler; HTTP 422 for a request
-        that cannot run, checked before it waits in the queue. ``conditioning`` (an init image and
-        mask) and ``strength`` make it img2img or inpainting."""
+        """Session.generate arguments per image, the seeds, and the sampler on ``folder``'s model; HTTP 422
+        for a request that cannot run, checked before it waits in the queue. ``conditioning`` (an init
+        image and mask) and ``strength`` make it img2img or inpainting."""
         images = body.batch_size * body.n_iter
         if body.batch_size < 1 or body.n_iter < 1 or images > limits.max_images:
             raise HTTPException(422, f"batch_size x n_iter must be 1 to {limits.max_images} images, got "
                                      f"{body.batch_size} x {body.n_iter}; lower them (memfit serve --max-images raises it).")
         if body.seed < -1 or body.seed > MAX_SEED:
             raise HTTPException(422, f"seed must be -1 (random) or 0 to {MAX_SEED}, got {body.seed}.")
-        sampler = _sampler(body)
+        sampler = _sampler(body, _own_scheduler(folder))
         try:
             if conditioning is not None:  # memfit's own refusal for a family without img2img/inpainting
                 check_conditioning(folder.adapter, conditioning, False)
@@ -409,7 +499,7 @@ def create_app(session: Session, *, limits: Limits = Limits(), auth: str | None 
                 run.update(image=conditioning.image, mask=conditioning.mask_image, strength=settings.strength)
         return runs, seeds, sampler
 
-    def _sampler(body: Txt2ImgRequest) -> str | None:
+    def _sampler(body: Txt2ImgRequest, own_scheduler: str) -> str | None:
         """memfit's name for the request's sampler and schedule type (None: the model's own scheduler)."""
         name = body.sampler_name or body.sampler_index
         if name in (None, "", "Default"):
@@ -424,6 +514,11 @@ def create_app(session: Session, *, limits: Limits = Limits(), auth: str | None 
         return label
 
     return app
+
+
+def _own_scheduler(folder: ModelFolder) -> str:
+    """The class name of ``folder``'s own scheduler (what the samplers are built from)."""
+    return folder.components.get("scheduler", ("", ""))[1]
 
 
 async def _wait(job: Job, request: Request) -> None:
@@ -516,7 +611,9 @@ def _ignored(body: Txt2ImgRequest, conditioning: Conditioning | None, sampler: s
             harmless = (None, *IMG2IMG_HARMLESS[name]) if img2img else ()
         else:
             harmless = HARMLESS.get(name, ())
-        if value not in harmless:
+        if name == "override_settings" and isinstance(value, dict):
+            ignored += [f"override_settings.{key}" for key in value if key not in SETTINGS_ACTED_ON]
+        elif value not in harmless:
             ignored.append(name)
     if body.save_images:
         ignored.append("save_images")  # the server writes no files; the client gets the images

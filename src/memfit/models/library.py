@@ -1,0 +1,219 @@
+"""The models a folder holds, kept the way AUTOMATIC1111 and ComfyUI keep them: what ``memfit serve
+--models-dir`` lists and switches between.
+
+Layouts, by the names of the folder's subfolders (in any case):
+
+    A1111 / Forge   Stable-diffusion/ (all-in-one checkpoints), VAE/, Lora/ (and LyCORIS/)
+    ComfyUI         checkpoints/ (all-in-one), diffusion_models/ or unet/ (a denoiser alone), text_encoders/
+                    or clip/, vae/, loras/
+    otherwise       the folder itself holds the checkpoints: diffusers model folders and all-in-one files
+
+A webui's root folder, whose models/ holds those, is taken too. A checkpoint folder is searched in
+depth (A1111's names keep the subfolder: "sd15/dreamshaper.safetensors"); a folder holding
+model_index.json is one diffusers model.
+
+Every checkpoint is opened when listed, as ``memfit generate --model`` opens it (a file's header,
+family and configs; a diffusers folder's layout and weight files), so one memfit cannot serve (a
+half-copied file, an unknown layout, a pickle without --allow-pickle) is listed with the reason
+instead of dropped, and never found out at the first request. A denoiser alone (ComfyUI's split
+layout: a Flux transformer beside its VAE and text encoders in other folders) is listed with the
+reason it cannot be served yet.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+from memfit.errors import MemfitError
+from memfit.models.folder import PICKLE_SUFFIXES, ModelFolder
+from memfit.models.model_path import open_model_path
+from memfit.safetensors_header import MappedFile, read_header
+
+__all__ = ["Listing", "ModelEntry", "ModelsDir", "NamedFile", "config_folders", "open_entry"]
+
+# What each subfolder holds, by its name in lower case ("parts": text encoders of split models, not listed).
+ROLES = {"stable-diffusion": "checkpoints", "checkpoints": "checkpoints", "diffusion_models": "split", "unet": "split",
+         "text_encoders": "parts", "clip": "parts", "vae": "vae", "lora": "lora", "loras": "lora", "lycoris": "lora"}
+WEIGHT_SUFFIXES = (".safetensors", *PICKLE_SUFFIXES)
+# Formats users keep beside the others that memfit cannot read yet: listed with that reason.
+UNREAD_SUFFIXES = (".sft", ".gguf")
+SPLIT_REASON = ("a denoiser alone (the split layout: its VAE and text encoders are other files); memfit cannot pair "
+                "split files yet: serve an all-in-one checkpoint or a diffusers folder of the model")
+
+
+@dataclass(frozen=True)
+class ModelEntry:
+    """One checkpoint: ``name`` is its path below its folder, "/"-separated (A1111's checkpoint name); ``kind``
+    "file" (all-in-one), "diffusers" (a model folder) or "split" (a denoiser alone); ``error`` says why memfit
+    cannot serve it ("" when it can), ``pipeline`` the diffusers class it runs as when it can."""
+
+    name: str
+    path: Path
+    kind: str
+    error: str = ""
+    pipeline: str = ""
+
+    @classmethod
+    def for_path(cls, path: str | Path) -> "ModelEntry":
+        """The entry of a model named by its path (--model), listed by its file or folder name."""
+        path = Path(path).expanduser()
+        return cls(path.name or str(path), path, "diffusers" if path.is_dir() else "file")
+
+
+@dataclass(frozen=True)
+class NamedFile:
+    """A VAE or LoRA file and the name A1111 lists it by."""
+
+    name: str
+    path: Path
+
+
+@dataclass(frozen=True)
+class Listing:
+    checkpoints: list[ModelEntry]
+    vaes: list[NamedFile]
+    loras: list[NamedFile]
+
+
+def _natural_key(text: str) -> list:
+    """A1111's order: digits by value, letters without case ("v2" before "v10")."""
+    return [int(part) if part.isdigit() else part.lower() for part in re.split(r"(\d+)", text)]
+
+
+def _config_for(path: Path, configs: dict[str, Path]) -> Path | None:
+    """The --config folder for the checkpoint file ``path``: that of its family (``configs``: pipeline class ->
+    folder), None where there is none (memfit then looks in the Hugging Face cache); for a pickle, the first."""
+    if not configs or path.suffix != ".safetensors":  # a pickle is read only to open it: the first folder serves
+        return next(iter(configs.values()), None)
+    from memfit.models.single_file import detect_family
+
+    try:
+        mapped = MappedFile(path, read_header(path))
+        shapes = {key: (mapped.dtype(key), list(entry["shape"])) for key, entry in mapped.entries.items()}
+        return configs.get(detect_family(path, shapes).pipeline_class)
+    except MemfitError:  # opening it names what is wrong
+        return None
+
+
+def open_entry(entry: ModelEntry, *, configs: dict[str, Path] | None = None, allow_pickle: bool = False) -> ModelFolder:
+    """The model ``entry`` names, opened and its weight files checked as memfit serve checks its --model;
+    MemfitError saying what is wrong otherwise. ``configs``: pipeline class -> --config folder."""
+    from memfit.plan.stages import planned_models
+
+    if entry.kind == "split":
+        raise MemfitError(f"{entry.path} is {SPLIT_REASON}.")
+    if entry.path.suffix in UNREAD_SUFFIXES:
+        raise MemfitError(f"{entry.path} is a {entry.path.suffix} file, which memfit cannot read yet; memfit opens "
+                          ".safetensors checkpoints (and pickle ones with --allow-pickle) and diffusers folders.")
+    configs = configs or {}
+    config = _config_for(entry.path, configs) if entry.kind == "file" else None
+    try:
+        folder = open_model_path(entry.path, config=config, allow_pickle=allow_pickle)
+    except MemfitError as exc:
+        if entry.kind != "file" or config is not None or not configs:
+            raise
+        raise MemfitError(f"{exc} (The --config folders given are for {', '.join(configs)}, not its family.)") from None
+    folder.check_layout()
+    folder.allow_pickle = allow_pickle
+    folder.check_weights(planned_models(folder.adapter))
+    return folder
+
+
+def _probe(entry: ModelEntry, configs: dict[str, Path], allow_pickle: bool) -> ModelEntry:
+    """``entry`` with the pipeline it runs as, or the reason it cannot be served."""
+    try:
+        folder = open_entry(entry, configs=configs, allow_pickle=allow_pickle)
+    except MemfitError as exc:
+        return replace(entry, error=str(exc))
+    except Exception as exc:  # noqa: BLE001 - a file diffusers or torch cannot read: listed with why, not fatal
+        return replace(entry, error=f"{entry.path} cannot be read: {type(exc).__name__}: {exc}")
+    return replace(entry, pipeline=folder.class_name)
+
+
+class ModelsDir:
+    """A models folder (``root``) and how its checkpoints open: ``configs`` (config_folders: the --config folders by
+    pipeline class, matched to a file by its family) and ``allow_pickle``. ``scan()`` lists it as it is now."""
+
+    def __init__(self, root: str | Path, *, configs: dict[str, Path] | None = None, allow_pickle: bool = False):
+        self.root = Path(root).expanduser()
+        if not self.root.is_dir():
+            raise MemfitError(f"--models-dir {self.root} is not a folder; give the folder that holds Stable-diffusion/ "
+                              "(A1111), checkpoints/ (ComfyUI) or diffusers model folders.")
+        if (self.root / "model_index.json").is_file():
+            raise MemfitError(f"--models-dir {self.root} is one diffusers model folder; serve it with --model "
+                              f"{self.root}, or give --models-dir the folder that holds it.")
+        self.configs = configs or {}
+        self.allow_pickle = allow_pickle
+
+    def scan(self) -> Listing:
+        """Every checkpoint, VAE and LoRA under the folder, each checkpoint opened to say whether it can be served."""
+        base = self.root if _roles(self.root) or not _roles(self.root / "models") else self.root / "models"
+        roles = _roles(base)
+        checkpoint_roots = [path for path, role in roles.items() if role == "checkpoints"] or ([] if roles else [base])
+        found: list[ModelEntry] = []
+        vaes: list[NamedFile] = []
+        for root in checkpoint_roots:
+            for path in _walk(root, models=True):
+                name = path.relative_to(root).as_posix()
+                if path.is_file() and _is_vae_file(path):  # A1111 keeps a checkpoint's VAE beside it: x.vae.pt
+                    vaes.append(NamedFile(path.name, path))
+                else:
+                    found.append(ModelEntry(name, path, "diffusers" if path.is_dir() else "file"))
+        for root in (path for path, role in roles.items() if role == "split"):
+            found += [ModelEntry(path.relative_to(base).as_posix(), path, "split", error=f"{path} is {SPLIT_REASON}.")
+                      for path in _walk(root)]
+        vaes += [NamedFile(path.name, path) for root, role in roles.items() if role == "vae" for path in _walk(root)]
+        loras = {}
+        for root in (path for path, role in roles.items() if role == "lora"):
+            for path in _walk(root):
+                if path.suffix in WEIGHT_SUFFIXES:
+                    loras.setdefault(path.stem, NamedFile(path.stem, path))
+        checkpoints = [entry if entry.error else _probe(entry, self.configs, self.allow_pickle) for entry in found]
+        return Listing(checkpoints, sorted(vaes, key=lambda f: _natural_key(f.name)), list(loras.values()))
+
+
+def config_folders(configs) -> dict[str, Path]:
+    """The --config folders by the pipeline class they hold configs for (a file takes its family's)."""
+    folders: dict[str, Path] = {}
+    for config in configs:
+        folder = ModelFolder.open(config)
+        if folder.class_name in folders:
+            raise MemfitError(f"--config {folders[folder.class_name]} and --config {config} are both {folder.class_name} "
+                              "folders; give one --config per family.")
+        folders[folder.class_name] = folder.path
+    return folders
+
+
+def _roles(folder: Path) -> dict[Path, str]:
+    if not folder.is_dir():
+        return {}
+    return {path: ROLES[path.name.lower()] for path in sorted(folder.iterdir())
+            if path.is_dir() and path.name.lower() in ROLES}
+
+
+def _is_vae_file(path: Path) -> bool:
+    return path.stem.lower().endswith(".vae")
+
+
+def _walk(root: Path, *, models: bool = False, seen: set | None = None):
+    """The weight files under ``root`` in A1111's order, a folder's files before its subfolders (and, with
+    ``models``, the diffusers folders, not entered); hidden names left out, a folder reached twice through
+    links read once."""
+    seen = set() if seen is None else seen
+    if root.resolve() in seen:
+        return
+    seen.add(root.resolve())
+    try:
+        children = sorted((path for path in root.iterdir() if not path.name.startswith(".")),
+                          key=lambda path: _natural_key(path.name))
+    except OSError:  # unreadable: nothing listed from it
+        return
+    yield from (path for path in children if path.is_file() and path.name.lower().endswith(
+        WEIGHT_SUFFIXES + UNREAD_SUFFIXES))
+    for path in children:
+        if path.is_dir() and models and (path / "model_index.json").is_file():
+            yield path
+        elif path.is_dir():
+            yield from _walk(path, models=models, seen=seen)
