@@ -174,6 +174,19 @@ def _vae_with_latent_channels(channels):
     return make
 
 
+# -- LoRA faults (--lora FILE[:SCALE]) ----------------------------------------------------------
+
+def lora(make_file):
+    """``--lora FILE`` with the file ``make_file(model, tmp)`` returns."""
+    return lambda model, tmp: {"args": ["--prompt", "a red circle", "--lora", str(make_file(model, tmp))]}
+
+
+def _flux_lora(model, tmp):
+    from memfit.testing.conditioning import write_lora
+
+    return write_lora(tmp / "flux-style.safetensors", {"transformer.transformer_blocks.0.attn.to_q": (32, 32)})
+
+
 # -- parameter faults ---------------------------------------------------------------------------
 
 def args(*extra, env=None):
@@ -242,6 +255,11 @@ CASES = [
      "holds no AutoencoderKL in a layout memfit reads"),
     ("component-vae-of-another-family", component("vae", _vae_with_latent_channels(16)),
      "has 16 latent channels where the model's has 4"),
+    ("lora-file-missing", lora(lambda model, tmp: tmp / "no-such-lora.safetensors"),
+     "no-such-lora.safetensors: no such file"),
+    ("lora-of-another-family", lora(_flux_lora),
+     "flux-style.safetensors has no weights for any module of StableDiffusionPipeline (unet, text_encoder): it is a "
+     "LoRA for another model family"),
     ("seed-too-large", args("--seed", str(2**70)), "--seed"),
     ("width-huge", args("--width", "1000000"), "larger than memfit takes"),
     ("steps-huge", args("--steps", "100000000"), "more than memfit takes"),

@@ -3,8 +3,11 @@
 A staged run loads only some of a pipeline's components at a time (text encoders, then the
 denoiser), but diffusers' ``load_lora_weights`` loads into the denoiser and the text encoders
 together and fails on a component that is None. While it runs, each LoRA-loadable component this
-stage did not load is stood in for by ``_NotLoaded``, which takes no adapter; the file's keys for
-it are simply not used in this stage (the stage that loads it uses them). The adapters stay
+stage did not load is stood in for by ``_NotLoaded``, which takes no adapter, and diffusers'
+``load_lora_into_text_encoder`` skips a text encoder that is one (it would size the adapter from the
+encoder's modules first); the file's keys for it are simply not used in this stage (the stage that
+loads it uses them). A file with weights for no component of the pipeline (a LoRA for another
+family) is refused, naming the file and the pipeline. The adapters stay
 unfused (PEFT layers beside the original weights, scaled by ``set_adapters``), exactly as plain
 diffusers runs them, so the images are the same bit for bit. The original weights are then still
 the file's, so they may stream from disk; the LoRA's own tensors are not in the model's files and
@@ -51,7 +54,9 @@ def check_loras(loras) -> tuple[tuple[str, float], ...]:
 
 
 class _NotLoaded:
-    """Stands in, while LoRA weights load, for a LoRA-loadable component this stage does not load."""
+    """Stands in, while LoRA weights load, for a LoRA-loadable component this stage does not load.
+
+    ``offered`` names the adapters whose file had weights for it: those the stage that loads it takes."""
 
     device = torch.device("cpu")
     dtype = torch.float32
@@ -59,12 +64,12 @@ class _NotLoaded:
     def __init__(self, config):
         # Its config, from the folder: SDXL's loader reads the UNet's to convert non-diffusers LoRA formats.
         self.config = config
+        self.offered: set[str] = set()
 
-    def load_lora_adapter(self, *args, **kwargs):  # diffusers models (denoisers)
-        return None
-
-    def load_adapter(self, *args, **kwargs):  # transformers models (text encoders)
-        return None
+    def load_lora_adapter(self, state_dict, *args, prefix="transformer", adapter_name=None, **kwargs):  # denoisers
+        # As diffusers' own load_lora_adapter: the keys under the component's prefix are its weights.
+        if any(prefix is None or key.startswith(f"{prefix}.") for key in state_dict):
+            self.offered.add(adapter_name)
 
     def named_modules(self, *args, **kwargs):
         return iter(())
@@ -72,23 +77,48 @@ class _NotLoaded:
     def modules(self):
         return iter(())
 
+    def state_dict(self, *args, **kwargs):  # Flux's loader reads the transformer's to pad LoRA shapes
+        return {}
+
     def to(self, *args, **kwargs):
         return self
 
 
 @contextlib.contextmanager
 def _stand_ins(pipe, configs):
+    """While the block runs, a _NotLoaded for each LoRA-loadable component ``pipe`` lacks; yields them."""
     from diffusers.configuration_utils import FrozenDict
 
     absent = [name for name in getattr(pipe, "_lora_loadable_modules", ()) if getattr(pipe, name, None) is None]
-    for name in absent:
-        # not through __setattr__, which would rewrite the pipeline's config
-        vars(pipe)[name] = _NotLoaded(FrozenDict(configs.get(name, {})))
+    stand_ins = [_NotLoaded(FrozenDict(configs.get(name, {}))) for name in absent]
+    # not through __setattr__, which would rewrite the pipeline's config
+    replaced = dict(zip(absent, stand_ins))
+    if hasattr(pipe, "load_lora_into_text_encoder"):
+        replaced["load_lora_into_text_encoder"] = _skipping_stand_ins(pipe)
+    vars(pipe).update(replaced)
     try:
-        yield
+        yield stand_ins
     finally:
         for name in absent:
             vars(pipe)[name] = None
+        vars(pipe).pop("load_lora_into_text_encoder", None)
+
+
+def _skipping_stand_ins(pipe):
+    """``pipe``'s load_lora_into_text_encoder, which for a _NotLoaded text encoder only notes whether the file has
+    weights for it (the keys under its prefix, as diffusers selects them)."""
+    original = pipe.load_lora_into_text_encoder
+
+    def load_lora_into_text_encoder(state_dict, *args, text_encoder=None, prefix=None, adapter_name=None, **kwargs):
+        if not isinstance(text_encoder, _NotLoaded):
+            return original(state_dict, *args, text_encoder=text_encoder, prefix=prefix, adapter_name=adapter_name,
+                            **kwargs)
+        prefix = prefix or pipe.text_encoder_name
+        if any(key.startswith(f"{prefix}.") for key in state_dict):
+            text_encoder.offered.add(adapter_name)
+        return None
+
+    return load_lora_into_text_encoder
 
 
 def load_loras(pipe, loras: tuple[tuple[str, float], ...], configs: dict[str, dict]) -> list[str]:
@@ -104,23 +134,64 @@ def load_loras(pipe, loras: tuple[tuple[str, float], ...], configs: dict[str, di
     if importlib.util.find_spec("peft") is None:
         raise MemfitError("--lora needs the peft package (diffusers loads LoRAs with it): pip install memfit[lora].")
     names = []
-    with _stand_ins(pipe, configs):
+    with _stand_ins(pipe, configs) as stand_ins:
         for index, (path, _) in enumerate(loras):
             name = f"memfit_lora_{index}"
             file = Path(path)
             try:
-                if file.is_file():
-                    pipe.load_lora_weights(str(file.parent), weight_name=file.name, adapter_name=name)
-                else:
-                    pipe.load_lora_weights(str(file), adapter_name=name)
+                with _failures_not_logged():
+                    _load_file(pipe, file, name)
             except Exception as exc:  # diffusers and peft raise many types for a file that does not fit
-                raise MemfitError(f"--lora {path} does not load into {type(pipe).__name__}: {type(exc).__name__}: {exc}") from exc
+                if _matches_no_module(exc):
+                    raise MemfitError(_for_another_family(path, pipe)) from exc
+                reason = " ".join(str(exc).split())
+                reason = reason if len(reason) <= 300 else reason[:300] + "..."
+                raise MemfitError(f"--lora {path} does not load into {type(pipe).__name__}: "
+                                  f"{type(exc).__name__}: {reason}") from exc
+            if not _has_adapter(pipe, name) and not any(name in stand_in.offered for stand_in in stand_ins):
+                raise MemfitError(_for_another_family(path, pipe))
             names.append(name)
     loaded = [name for name in names if _has_adapter(pipe, name)]
     if loaded:
         with _stand_ins(pipe, configs):
             pipe.set_adapters(loaded, adapter_weights=[scale for name, (_, scale) in zip(names, loras) if name in loaded])
     return loaded
+
+
+def _load_file(pipe, file: Path, name: str) -> None:
+    if file.is_file():
+        pipe.load_lora_weights(str(file.parent), weight_name=file.name, adapter_name=name)
+    else:
+        pipe.load_lora_weights(str(file), adapter_name=name)
+
+
+@contextlib.contextmanager
+def _failures_not_logged():
+    """diffusers logs a LoRA that fails to load as an error before raising; memfit says it once, in its own words."""
+    import logging
+
+    logger = logging.getLogger("diffusers.loaders.peft")
+    level = logger.level
+    logger.setLevel(logging.CRITICAL)
+    try:
+        yield
+    finally:
+        logger.setLevel(level)
+
+
+def _matches_no_module(exc: Exception) -> bool:
+    """Whether peft refused a LoRA because none of its layers names a module of the model."""
+    try:
+        from peft.utils.error import NoMatchingPeftModuleError
+    except ImportError:  # an older peft: its message says so
+        return "not found in the base model" in str(exc)
+    return isinstance(exc, NoMatchingPeftModuleError)
+
+
+def _for_another_family(path: str, pipe) -> str:
+    components = ", ".join(getattr(pipe, "_lora_loadable_modules", ()))
+    return (f"--lora {path} has no weights for any module of {type(pipe).__name__} ({components}): it is a LoRA for "
+            "another model family; pass a LoRA made for this model's family.")
 
 
 def _has_adapter(pipe, name: str) -> bool:

@@ -19,6 +19,7 @@ from memfit.models.families.base import PipelineAdapter, masked_embeddings, pad_
 
 class AuraFlowAdapter(PipelineAdapter):
     class_name = "AuraFlowPipeline"
+    takes_lora = True
     encode_components = ("tokenizer", "text_encoder")
     denoise_components = ("transformer", "scheduler")
     text_encoders = ("text_encoder", "tokenizer")

@@ -18,6 +18,7 @@ from memfit.models.families.packed_latents import PackedLatentsAdapter
 
 class ChromaAdapter(PackedLatentsAdapter):
     class_name = "ChromaPipeline"
+    takes_lora = True
     encode_components = ("tokenizer", "text_encoder")
     denoise_components = ("transformer", "scheduler")
     text_encoders = ("text_encoder", "tokenizer")

@@ -12,6 +12,7 @@ from memfit.models.families.base import PipelineAdapter, paired_embeddings
 
 class CogView4Adapter(PipelineAdapter):
     class_name = "CogView4Pipeline"
+    takes_lora = True
     encode_components = ("tokenizer", "text_encoder")
     denoise_components = ("transformer", "scheduler")
     text_encoders = ("text_encoder", "tokenizer")

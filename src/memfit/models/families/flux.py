@@ -43,6 +43,7 @@ def trim_padded_text(transformer: torch.nn.Module, padded: dict[int, int]):
 
 class FluxAdapter(PackedLatentsAdapter):
     class_name = "FluxPipeline"
+    takes_lora = True
     encode_components = ("tokenizer", "tokenizer_2", "text_encoder", "text_encoder_2")
     denoise_components = ("transformer", "scheduler")
     text_encoders = ("text_encoder", "text_encoder_2", "tokenizer", "tokenizer_2")

@@ -63,6 +63,7 @@ def split_guidance_passes(transformer: torch.nn.Module, lengths: dict[str, tuple
 
 class HiDreamImageAdapter(PipelineAdapter):
     class_name = "HiDreamImagePipeline"
+    takes_lora = True
     encode_components = ("tokenizer", "tokenizer_2", "tokenizer_3", "tokenizer_4",
                          "text_encoder", "text_encoder_2", "text_encoder_3", "text_encoder_4")
     denoise_components = ("transformer", "scheduler")

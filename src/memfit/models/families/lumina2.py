@@ -15,6 +15,7 @@ from memfit.models.families.base import PipelineAdapter, masked_embeddings, pad_
 
 class Lumina2Adapter(PipelineAdapter):
     class_name = "Lumina2Pipeline"
+    takes_lora = True
     encode_components = ("tokenizer", "text_encoder")
     denoise_components = ("transformer", "scheduler")
     text_encoders = ("text_encoder", "tokenizer")

@@ -26,6 +26,7 @@ from memfit.models.families.packed_latents import PackedLatentsAdapter
 
 class QwenImageAdapter(PackedLatentsAdapter):
     class_name = "QwenImagePipeline"
+    takes_lora = True
     encode_components = ("tokenizer", "text_encoder")
     denoise_components = ("transformer", "scheduler")
     text_encoders = ("text_encoder", "tokenizer")

@@ -13,6 +13,7 @@ from memfit.models.families.pixart_sigma import PixArtSigmaAdapter
 
 class SanaAdapter(PixArtSigmaAdapter):
     class_name = "SanaPipeline"
+    takes_lora = True
     encode_options = ("clean_caption", "max_sequence_length", "complex_human_instruction")
 
     def vae_scale_factor(self) -> int:

@@ -18,6 +18,7 @@ from memfit.models.families.base import PipelineAdapter, paired_embeddings, spli
 
 class StableDiffusion3Adapter(PipelineAdapter):
     class_name = "StableDiffusion3Pipeline"
+    takes_lora = True
     encode_components = ("tokenizer", "tokenizer_2", "tokenizer_3", "text_encoder", "text_encoder_2", "text_encoder_3")
     denoise_components = ("transformer", "scheduler")
     text_encoders = ("text_encoder", "text_encoder_2", "text_encoder_3", "tokenizer", "tokenizer_2", "tokenizer_3")

@@ -21,6 +21,7 @@ from memfit.models.families.base import PipelineAdapter, paired_embeddings
 
 class WanAdapter(PipelineAdapter):
     class_name = "WanPipeline"
+    takes_lora = True
     encode_components = ("tokenizer", "text_encoder")
     denoise_components = ("transformer", "transformer_2", "scheduler")
     text_encoders = ("text_encoder", "tokenizer")
