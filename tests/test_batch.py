@@ -1,5 +1,6 @@
 """memfit batch in local mode: jobs checked with line numbers, images equal memfit generate's, resumable."""
 
+import importlib.util
 import json
 import os
 import signal
@@ -217,3 +218,41 @@ def test_cli_refuses_workers_without_ray_and_names_the_extra_when_ray_is_missing
     monkeypatch.setitem(sys.modules, "ray", None)  # as if memfit[ray] were not installed
     assert main(["batch", str(jobs), "--model", tiny_models("sd"), "--out", str(tmp_path / "o"), "--ray"]) == 2
     assert "pip install 'memfit[ray]'" in capsys.readouterr().err
+
+
+@pytest.mark.skipif(importlib.util.find_spec("peft") is None, reason="LoRAs need peft (pip install memfit[lora])")
+def test_a_jobs_loras_equal_memfit_generate_with_them(tiny_models, tmp_path):
+    """A job's "loras" (or --lora, the jobs' default) run as memfit.generate's loras; a job without any keeps the
+    key it had before jobs could name LoRAs; a LoRA file that is not there, or a family that takes none, is a bad
+    line."""
+    from memfit.testing.conditioning import save_lora
+
+    model = tiny_models("flux")
+    lora = save_lora(model, tmp_path / "lora", seed=1)
+    jobs = _write_jobs(tmp_path / "jobs.jsonl", [
+        {"id": "plain", "prompt": "a red circle", "seed": 3},
+        {"id": "styled", "prompt": "a red circle", "seed": 3, "loras": [f"{lora}:0.7"]},
+        {"id": "default", "prompt": "a red circle", "seed": 3},
+        {"id": "missing", "prompt": "x", "loras": [str(tmp_path / "no-such.safetensors")]},
+        {"id": "not-a-list", "prompt": "x", "loras": "style.safetensors"},
+    ])
+    out = tmp_path / "out"
+    summary = run_batch(jobs, _options(model, out))
+    good, _ = read_jobs(jobs, JobDefaults(steps=2, width=32, height=32), model="/m", dtype="fp32")
+    assert good[0].key == "c3d89c0af207e7c53eb7669ea0b7a1e9"  # as before and good[1].loras == ((str(lora), 0.7),)
+    assert good[1].key != good[0].key
+    assert [(b.line, b.message.split(": ", 1)[1]) for b in summary.bad] == [
+        (4, f"LoRA file {tmp_path / 'no-such.safetensors'} does not exist"),
+        (5, '"loras" must be a list of "PATH[:SCALE]" strings or [PATH, SCALE] pairs, not \'style.safetensors\'')]
+    expected = memfit.generate("a red circle", model=model, progress=False, seed=3, loras=[(str(lora), 0.7)], **SIZE)
+    assert (out / "styled.png").read_bytes() == expected.save(tmp_path / "styled.png").read_bytes()
+    assert (out / "plain.png").read_bytes() != (out / "styled.png").read_bytes()
+    # --lora: the jobs' default, which a job's own "loras" replaces
+    defaults = JobDefaults(steps=2, width=32, height=32, loras=((str(lora), 0.7),))
+    run_batch(jobs, BatchOptions(model=model, out=tmp_path / "with-default", budget="none", progress=False,
+                                 defaults=defaults))
+    assert (tmp_path / "with-default" / "default.png").read_bytes() == (out / "styled.png").read_bytes()
+    # a family that takes no LoRA: a bad line naming those that do
+    styled = _write_jobs(tmp_path / "styled.jsonl", [{"id": "styled", "prompt": "x", "loras": [str(lora)]}])
+    summary = run_batch(styled, _options(tiny_models("pixart_sigma"), tmp_path / "pixart"))
+    assert summary.done == 0 and "PixArtSigmaPipeline does not take --lora yet; supported: " in summary.bad[0].message

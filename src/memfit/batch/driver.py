@@ -24,7 +24,9 @@ def check_jobs(jobs_path, options: BatchOptions, summary: BatchSummary) -> list[
     """The good jobs. Bad lines (unreadable, or settings the model refuses) are refused under
     ``strict`` before anything runs or is written, else reported and skipped. A checkpoint memfit
     refuses (pickle without allow_pickle, a truncated file) refuses the whole batch, here."""
+    from memfit.models.families import Conditioning
     from memfit.plan.stages import planned_models
+    from memfit.run.generate import check_conditioning
     from memfit.run.stages import open_model
 
     folder = open_model(options.model, allow_pickle=options.allow_pickle, config=options.config,
@@ -36,6 +38,7 @@ def check_jobs(jobs_path, options: BatchOptions, summary: BatchSummary) -> list[
         try:  # the family's own checks (size multiple, a setting it does not take) before any weight loads
             folder.adapter.resolve(job.prompt, job.negative_prompt, job.steps, job.guidance, job.seed, job.width,
                                    job.height, folder.defaults)
+            check_conditioning(folder.adapter, Conditioning(loras=job.loras), False)
         except MemfitError as exc:
             bad.append(BadLine(job.line, f"job {job.id!r}: {str(exc).rstrip('.')}"))
             continue

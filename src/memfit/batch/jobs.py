@@ -1,7 +1,8 @@
 """A batch's jobs: one JSON object per line of a JSONL file, checked up front, each line's faults named.
 
 A job is ``{"id": ..., "prompt": ..., "negative_prompt": ..., "seed": ..., "steps": ..., "guidance": ...,
-"width": ..., "height": ...}``; every field but ``id`` and ``prompt`` defaults to the command's flag.
+"width": ..., "height": ..., "loras": [...]}``; every field but ``id`` and ``prompt`` defaults to the
+command's flag. ``loras`` lists LoRA files as "PATH[:SCALE]" strings or [PATH, SCALE] pairs, as --lora.
 A line that is not such an object is a BadLine with its line number, never half-run. A job's
 ``key`` is a hash of everything that decides its image (its fields after defaults, the model
 folder and the dtype): resuming a batch skips a job only when both its id and its key match.
@@ -20,7 +21,7 @@ from memfit.errors import MemfitError
 
 __all__ = ["BadLine", "Job", "JobDefaults", "read_jobs"]
 
-FIELDS = ("id", "prompt", "negative_prompt", "seed", "steps", "guidance", "width", "height")
+FIELDS = ("id", "prompt", "negative_prompt", "seed", "steps", "guidance", "width", "height", "loras")
 # An id names its output file: <out>/<id>.png, so it must be a plain, portable file name.
 ID_PATTERN = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
 
@@ -36,6 +37,7 @@ class JobDefaults:
     guidance: float | None = None
     width: int | None = None
     height: int | None = None
+    loras: tuple[tuple[str, float], ...] = ()  # (file, scale) pairs
 
     def arguments(self) -> dict:
         """Keyword arguments of memfit.generate that make these settings' image."""
@@ -67,7 +69,8 @@ class BadLine:
 
 
 def job_key(settings: dict, model: str, dtype: str) -> str:
-    content = {name: settings[name] for name in FIELDS if name != "id"}
+    # A job without LoRAs keeps the key it had before jobs could name any: an earlier run's images still count.
+    content = {name: settings[name] for name in FIELDS if name != "id" and (name != "loras" or settings[name])}
     content.update(model=model, dtype=dtype)
     return hashlib.sha256(json.dumps(content, sort_keys=True).encode()).hexdigest()[:32]
 
@@ -136,4 +139,29 @@ def _parse(raw: str, number: int, defaults: JobDefaults, model: str, dtype: str)
                                  or not math.isfinite(guidance) or guidance < 0):
         raise ValueError(f'job {job_id!r}: "guidance" must be a number of at least 0, not {guidance!r}')
     found["guidance"] = None if guidance is None else float(guidance)
+    found["loras"] = _loras(data.get("loras", defaults.loras), job_id)
     return Job(**found, line=number, key=job_key(found, model, dtype))
+
+
+def _loras(value, job_id: str) -> tuple[tuple[str, float], ...]:
+    """A job's "loras" as (file, scale) pairs, each file existing; ValueError saying what is wrong otherwise."""
+    from memfit.models.lora import parse_lora
+
+    wanted = f'job {job_id!r}: "loras" must be a list of "PATH[:SCALE]" strings or [PATH, SCALE] pairs'
+    if not isinstance(value, (list, tuple)):
+        raise ValueError(f"{wanted}, not {value!r}")
+    loras = []
+    for item in value:
+        if isinstance(item, str):
+            path, scale = parse_lora(item)
+        elif (isinstance(item, (list, tuple)) and len(item) == 2 and isinstance(item[0], str)
+              and isinstance(item[1], (int, float)) and not isinstance(item[1], bool)):
+            path, scale = item[0], float(item[1])
+        else:
+            raise ValueError(f"{wanted}, not {item!r}")
+        if not math.isfinite(scale):
+            raise ValueError(f"job {job_id!r}: the scale of LoRA {path} must be a finite number, not {scale!r}")
+        if not Path(path).expanduser().exists():
+            raise ValueError(f"job {job_id!r}: LoRA file {path} does not exist")
+        loras.append((str(Path(path).expanduser()), scale))
+    return tuple(loras)

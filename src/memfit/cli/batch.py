@@ -15,7 +15,8 @@ def register(commands: argparse._SubParsersAction) -> None:
     cmd = commands.add_parser(
         "batch", help="generate many images from a JSONL file of jobs (resumable; optionally on Ray)",
         description='Each line of JOBS is one job: {"id": ..., "prompt": ..., "negative_prompt": ..., "seed": ..., '
-                    '"steps": ..., "guidance": ..., "width": ..., "height": ...}; missing fields take the flags below. '
+                    '"steps": ..., "guidance": ..., "width": ..., "height": ..., "loras": ["style.safetensors:0.8"]}; '
+                    'missing fields take the flags below. '
                     "Writes OUT/<id>.png and OUT/results.jsonl; running it again skips finished jobs.")
     cmd.add_argument("jobs", metavar="JOBS.jsonl", help="one JSON job per line")
     add_run_args(cmd, budget_note="each worker's, auto detected on the worker's own machine")
@@ -26,6 +27,8 @@ def register(commands: argparse._SubParsersAction) -> None:
     cmd.add_argument("--seed", type=int, default=0, help="default seed (default 0)")
     cmd.add_argument("--width", type=int)
     cmd.add_argument("--height", type=int)
+    cmd.add_argument("--lora", action="append", default=[], metavar="PATH[:SCALE]",
+                     help="default LoRA of the jobs (a job's \"loras\" replaces them); repeat for several")
     cmd.add_argument("--strict", action="store_true", help="refuse the whole batch if any line is bad "
                      "(default: report bad lines with their numbers and skip them)")
     cmd.add_argument("--retry-failed", action="store_true", help="run again the jobs an earlier run recorded as failed")
@@ -41,6 +44,7 @@ def register(commands: argparse._SubParsersAction) -> None:
 
 def _batch(args) -> int:
     from memfit.batch import BatchOptions, JobDefaults, run_batch
+    from memfit.models.lora import check_loras
 
     if args.workers is not None and args.workers < 1:
         raise MemfitError(f"--workers {args.workers}: give at least 1.")
@@ -49,7 +53,8 @@ def _batch(args) -> int:
     options = BatchOptions(
         **run_options(args), out=args.out,
         defaults=JobDefaults(negative_prompt=args.negative_prompt, seed=args.seed, steps=args.steps,
-                             guidance=args.guidance, width=args.width, height=args.height),
+                             guidance=args.guidance, width=args.width, height=args.height,
+                             loras=check_loras(args.lora)),
         strict=args.strict, retry_failed=args.retry_failed, progress=not args.quiet,
     )
     summary = run_batch(args.jobs, options, ray=args.ray, workers=args.workers, cpus_per_worker=args.cpus_per_worker)
