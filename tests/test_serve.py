@@ -109,6 +109,8 @@ def test_seed_minus_one_is_random_and_reported(served):
     ({"batch_size": 3, "n_iter": 2}, "1 to 4 images"),
     ({"seed": -2}, "seed must be -1"),
     ({"prompt": ""}, "prompt is empty"),
+    ({"prompt": "a cat <lora:style:0.8>"}, "No LoRA 'style' is listed: this server lists none; start memfit serve "
+                                           "with --models-dir DIR"),
 ])
 def test_requests_that_cannot_run_get_422_saying_why(served, body, says):
     client, _, _ = served

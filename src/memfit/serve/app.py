@@ -26,7 +26,7 @@ import io
 import json
 import secrets
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from importlib import resources
 from typing import Any, Literal
 
@@ -45,6 +45,7 @@ from memfit.run.session import Session
 from memfit.serve.checkpoints import Checkpoints, describe_lora, short_name
 from memfit.serve.infotext import image_text, infotext, read_parameters
 from memfit.serve.jobs import Job, JobQueue
+from memfit.serve.prompt_loras import prompt_loras
 from memfit.serve.upscale import UPSCALERS, Upscale, upscale
 from memfit.version import __version__
 
@@ -474,10 +475,13 @@ def create_app(served: Session | Checkpoints, *, limits: Limits = Limits(), auth
         if body.seed < -1 or body.seed > MAX_SEED:
             raise HTTPException(422, f"seed must be -1 (random) or 0 to {MAX_SEED}, got {body.seed}.")
         sampler = _sampler(body, _own_scheduler(folder))
+        prompt, loras = _prompt_loras(body.prompt)
+        if loras:
+            conditioning = replace(conditioning or Conditioning(), loras=loras)
         try:
-            if conditioning is not None:  # memfit's own refusal for a family without img2img/inpainting
+            if conditioning is not None:  # memfit's own refusal for a family without img2img, inpainting or LoRAs
                 check_conditioning(folder.adapter, conditioning, False)
-            settings = folder.adapter.resolve(body.prompt, body.negative_prompt, body.steps, body.cfg_scale, 0,
+            settings = folder.adapter.resolve(prompt, body.negative_prompt, body.steps, body.cfg_scale, 0,
                                               body.width, body.height, folder.defaults, conditioning=conditioning,
                                               strength=strength)
         except MemfitError as exc:
@@ -493,11 +497,23 @@ def create_app(served: Session | Checkpoints, *, limits: Limits = Limits(), auth
         runs = [dict(prompt=settings.prompt, negative_prompt=settings.negative_prompt, steps=settings.steps,
                      guidance=settings.guidance, width=settings.width, height=settings.height, seed=s, sampler=sampler)
                 for s in seeds]
-        if conditioning is not None:
+        if conditioning is not None and conditioning.image is not None:
             # The size resolved from the image is what memfit generate --image resolves too.
             for run in runs:
                 run.update(image=conditioning.image, mask=conditioning.mask_image, strength=settings.strength)
+        if loras:
+            for run in runs:
+                run.update(loras=loras)
         return runs, seeds, sampler
+
+    def _prompt_loras(prompt: str) -> tuple[str, tuple[tuple[str, float], ...]]:
+        """The prompt without its <lora:NAME:WEIGHT> tags, and the (file, weight) of each, for this request only;
+        HTTP 422 for a tag memfit cannot apply or a LoRA that is not listed."""
+        try:
+            prompt, tags = prompt_loras(prompt)
+            return prompt, tuple((str(checkpoints.find_lora(tag.name).path), tag.weight) for tag in tags)
+        except (ValueError, MemfitError) as exc:
+            raise HTTPException(422, f"prompt: {exc}") from exc
 
     def _sampler(body: Txt2ImgRequest, own_scheduler: str) -> str | None:
         """memfit's name for the request's sampler and schedule type (None: the model's own scheduler)."""

@@ -112,6 +112,21 @@ class Checkpoints:
         raise MemfitError(f"No checkpoint {requested!r} is listed; name one of {titles} (GET /sdapi/v1/sd-models "
                           "lists them; POST /sdapi/v1/refresh-checkpoints rescans the models folder).")
 
+    def find_lora(self, requested: str) -> NamedFile:
+        """The listed LoRA ``requested`` names (a prompt's <lora:NAME:...>): by its name (the file's stem), else by
+        its alias (the name it was trained under), as A1111 finds one; MemfitError naming the listed ones otherwise."""
+        loras = self.listing.loras
+        found = next((lora for lora in loras if lora.name == requested), None)
+        found = found or next((lora for lora in loras if describe_lora(lora)["alias"] == requested), None)
+        if found is None and not loras:
+            raise MemfitError(f"No LoRA {requested!r} is listed: this server lists none; start memfit serve with "
+                              "--models-dir DIR, whose Lora/ or loras/ folder holds the LoRA files.")
+        if found is None:
+            listed = ", ".join(repr(lora.name) for lora in loras)
+            raise MemfitError(f"No LoRA {requested!r} is listed; name one of {listed} (GET /sdapi/v1/loras lists them; "
+                              "POST /sdapi/v1/refresh-loras rescans the models folder).")
+        return found
+
     def refresh(self) -> None:
         """List the models folder again (a new file, a finished copy); the open Session is kept."""
         if self.library is not None:
