@@ -163,5 +163,5 @@ def _loras(value, job_id: str) -> tuple[tuple[str, float], ...]:
             raise ValueError(f"job {job_id!r}: the scale of LoRA {path} must be a finite number, not {scale!r}")
         if not Path(path).expanduser().exists():
             raise ValueError(f"job {job_id!r}: LoRA file {path} does not exist")
-        loras.append((str(Path(path).expanduser()), scale))
+        loras.append((str(Path(path).expanduser().resolve()), scale))  # a Ray worker has another current folder
     return tuple(loras)
