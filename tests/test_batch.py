@@ -239,8 +239,8 @@ def test_a_jobs_loras_equal_memfit_generate_with_them(tiny_models, tmp_path):
     out = tmp_path / "out"
     summary = run_batch(jobs, _options(model, out))
     good, _ = read_jobs(jobs, JobDefaults(steps=2, width=32, height=32), model="/m", dtype="fp32")
-    assert good[0].key == "c3d89c0af207e7c53eb7669ea0b7a1e9"  # as before and good[1].loras == ((str(lora), 0.7),)
-    assert good[1].key != good[0].key
+    assert good[0].key == "c3d89c0af207e7c53eb7669ea0b7a1e9"  # the key memfit gave this job before
+    assert good[1].loras == ((str(lora.resolve()), 0.7),) and good[1].key != good[0].key
     assert [(b.line, b.message.split(": ", 1)[1]) for b in summary.bad] == [
         (4, f"LoRA file {tmp_path / 'no-such.safetensors'} does not exist"),
         (5, '"loras" must be a list of "PATH[:SCALE]" strings or [PATH, SCALE] pairs, not \'style.safetensors\'')]

@@ -80,6 +80,22 @@ def test_a_kohya_flux_lora_equals_diffusers_with_and_without_streaming(tiny_mode
     _streams_and_matches_diffusers(model, loras, "flux", streamed_plans)
 
 
+def test_a_lora_streams_on_a_fake_gpu(tiny_models, tmp_path, streamed_plans):
+    """On "cuda" through the lazy fake CUDA runtime (memfit.testing.fake_cuda), the base weights streamed from
+    disk (host=0) and the LoRA's own tensors kept on the host tier: still plain diffusers' image."""
+    from memfit.testing.fake_cuda import fake_cuda
+
+    model = tiny_models("flux")
+    loras = [(str(save_lora(model, tmp_path / "lora", seed=1)), 0.7)]
+    budget = smallest_budget(model=model, loras=loras, **BASE, **SETTINGS["flux"])
+    streamed_plans.clear()
+    with fake_cuda(lazy=True) as gpu:
+        _matches_diffusers(model, loras, "flux", device="cuda", budget=memfit.Budget(device=budget, host=0, disk=model))
+        assert gpu.copies > 0
+    streamed = {plan.stages[0].name: plan.stages[0].streamed_from_disk_bytes for plan in streamed_plans}
+    assert streamed["denoise"] > 0, streamed
+
+
 @pytest.mark.slow  # five more families end to end
 @pytest.mark.parametrize("kind", ["sana", "aura_flow", "lumina2", "cogview4", "hidream"])
 def test_a_lora_on_the_other_families_equals_diffusers(tiny_models, tmp_path, kind):

@@ -94,7 +94,7 @@ def _stand_ins(pipe, configs):
     # not through __setattr__, which would rewrite the pipeline's config
     replaced = dict(zip(absent, stand_ins))
     if hasattr(pipe, "load_lora_into_text_encoder"):
-        replaced["load_lora_into_text_encoder"] = _skipping_stand_ins(pipe)
+        replaced["load_lora_into_text_encoder"] = _loader_skipping_stand_ins(pipe)
     vars(pipe).update(replaced)
     try:
         yield stand_ins
@@ -104,7 +104,7 @@ def _stand_ins(pipe, configs):
         vars(pipe).pop("load_lora_into_text_encoder", None)
 
 
-def _skipping_stand_ins(pipe):
+def _loader_skipping_stand_ins(pipe):
     """``pipe``'s load_lora_into_text_encoder, which for a _NotLoaded text encoder only notes whether the file has
     weights for it (the keys under its prefix, as diffusers selects them)."""
     original = pipe.load_lora_into_text_encoder

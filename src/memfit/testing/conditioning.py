@@ -17,8 +17,8 @@ import torch
 # CLIP text encoders' ones.
 UNET_LORA_TARGETS = ["to_q", "to_k", "to_v", "to_out.0"]
 TEXT_LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "out_proj"]
-# A kohya (sd-scripts, ComfyUI) Flux LoRA's layers in one double block: its name -> the diffusers
-# modules it adapts (a fused qkv is three). Single blocks' linear1 (q, k, v and the MLP fused) is left
+# A kohya (sd-scripts, ComfyUI) Flux LoRA's layers in a double and in a single block: its name -> the
+# diffusers modules it adapts (a fused qkv is three). Single blocks' linear1 (q, k, v and the MLP fused) is left
 # out: diffusers' kohya converter splits it at the real Flux width (3072), which a tiny Flux has not.
 KOHYA_FLUX_DOUBLE = {"img_attn_qkv": ("attn.to_q", "attn.to_k", "attn.to_v"), "img_attn_proj": ("attn.to_out.0",),
                      "img_mlp_0": ("ff.net.0.proj",), "img_mlp_2": ("ff.net.2",), "img_mod_lin": ("norm1.linear",),
@@ -87,11 +87,10 @@ def save_controlnet_pipeline(model_dir: str | Path, path: str | Path, *, seed: i
     return path
 
 
-def save_lora(model_dir: str | Path, path: str | Path, *, seed: int = 0, rank: int = 4, alpha: int = 8,
-              components: tuple[str, ...] | None = None) -> Path:
+def save_lora(model_dir: str | Path, path: str | Path, *, seed: int = 0, rank: int = 4, alpha: int = 8) -> Path:
     """A seeded LoRA in diffusers' (PEFT) format for the tiny pipeline at ``model_dir``: its denoiser's attention
-    projections and those of every CLIP text encoder its pipeline class loads LoRAs into (``components``: only
-    those), saved with the pipeline class's own save_lora_weights as one .safetensors file; returns the file.
+    projections and those of every CLIP text encoder its pipeline class loads LoRAs into, saved with the
+    pipeline class's own save_lora_weights as one .safetensors file; returns the file.
     Other text encoders (T5, ...) get none: diffusers' loaders read text encoder LoRAs of CLIP only."""
     import inspect
 
@@ -105,7 +104,7 @@ def save_lora(model_dir: str | Path, path: str | Path, *, seed: int = 0, rank: i
     layers, metadata = {}, {}
     for name in type(pipe)._lora_loadable_modules:
         module = getattr(pipe, name, None)
-        if module is None or f"{name}_lora_layers" not in saves or (components is not None and name not in components):
+        if module is None or f"{name}_lora_layers" not in saves:
             continue
         denoiser = name in ("unet", "transformer")
         if not denoiser and not type(module).__name__.startswith("CLIP"):
