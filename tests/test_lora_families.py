@@ -35,21 +35,29 @@ def _output(result):
     return result.frames if result.frames is not None else result.images
 
 
-def _matches_diffusers(model, loras, kind, **options):
-    """memfit.generate with ``loras`` equals plain diffusers with them; returns diffusers' output."""
-    ours = memfit.generate(model=model, progress=False, loras=loras, **BASE, **SETTINGS[kind], **options)
+def _generate(model, loras, kind, **options):
+    return memfit.generate(model=model, progress=False, loras=loras, **BASE, **SETTINGS[kind], **options)
+
+
+def _matches_diffusers(model, loras, kind):
+    """memfit.generate with ``loras`` (no budget) equals plain diffusers with them; returns both outputs."""
+    ours = _generate(model, loras, kind)
     reference = diffusers_output(model, ours.settings, loras=check_loras(loras))
-    assert max_pixel_difference(_output(ours), reference[:len(_output(ours))]) == 0
+    assert max_pixel_difference(_output(ours), reference) == 0
     return ours, reference
 
 
-def _streams_and_matches_diffusers(model, loras, kind, streamed_plans):
+def _streams_and_matches(model, loras, kind, streamed_plans, reference, device=None):
+    """The same under the smallest budget, which streams the denoiser's weights from its files (on a GPU from
+    disk, host=0)."""
     budget = smallest_budget(model=model, loras=loras, **BASE, **SETTINGS[kind])
+    if device is not None:
+        budget = memfit.Budget(device=budget, host=0, disk=model)
     streamed_plans.clear()
-    ours, _ = _matches_diffusers(model, loras, kind, budget=budget)
+    ours = _generate(model, loras, kind, budget=budget, device=device)
+    assert max_pixel_difference(_output(ours), reference) == 0
     streamed = {plan.stages[0].name: plan.stages[0].streamed_from_disk_bytes for plan in streamed_plans}
     assert streamed["denoise"] > 0, streamed
-    return ours
 
 
 @pytest.mark.slow  # the five families end to end, twice each
@@ -61,7 +69,7 @@ def test_a_peft_lora_equals_diffusers_with_and_without_streaming(tiny_models, tm
     assert "LoRA(s), unfused" in ours.report.stages[1].note
     # The oracle can fail: plain diffusers without the LoRA draws something else.
     assert max_pixel_difference(diffusers_output(model, ours.settings), reference) > 0
-    _streams_and_matches_diffusers(model, loras, kind, streamed_plans)
+    _streams_and_matches(model, loras, kind, streamed_plans, reference)
 
 
 def test_a_kohya_flux_lora_equals_diffusers_with_and_without_streaming(tiny_models, tmp_path, streamed_plans):
@@ -77,23 +85,20 @@ def test_a_kohya_flux_lora_equals_diffusers_with_and_without_streaming(tiny_mode
     ours, reference = _matches_diffusers(model, loras, "flux")
     assert [stage.note for stage in ours.report.stages[:2]] == ["1 LoRA(s), unfused"] * 2  # CLIP-L and the transformer
     assert max_pixel_difference(diffusers_output(model, ours.settings), reference) > 0
-    _streams_and_matches_diffusers(model, loras, "flux", streamed_plans)
+    _streams_and_matches(model, loras, "flux", streamed_plans, reference)
 
 
 def test_a_lora_streams_on_a_fake_gpu(tiny_models, tmp_path, streamed_plans):
     """On "cuda" through the lazy fake CUDA runtime (memfit.testing.fake_cuda), the base weights streamed from
-    disk (host=0) and the LoRA's own tensors kept on the host tier: still plain diffusers' image."""
+    disk and the LoRA's own tensors kept on the host tier: still plain diffusers' image."""
     from memfit.testing.fake_cuda import fake_cuda
 
     model = tiny_models("flux")
     loras = [(str(save_lora(model, tmp_path / "lora", seed=1)), 0.7)]
-    budget = smallest_budget(model=model, loras=loras, **BASE, **SETTINGS["flux"])
-    streamed_plans.clear()
+    _, reference = _matches_diffusers(model, loras, "flux")
     with fake_cuda(lazy=True) as gpu:
-        _matches_diffusers(model, loras, "flux", device="cuda", budget=memfit.Budget(device=budget, host=0, disk=model))
+        _streams_and_matches(model, loras, "flux", streamed_plans, reference, device="cuda")
         assert gpu.copies > 0
-    streamed = {plan.stages[0].name: plan.stages[0].streamed_from_disk_bytes for plan in streamed_plans}
-    assert streamed["denoise"] > 0, streamed
 
 
 @pytest.mark.slow  # five more families end to end
@@ -120,8 +125,7 @@ def test_two_loras_and_their_scales(tiny_models, tmp_path):
     pair = [(str(save_lora(model, tmp_path / "a", seed=1)), 0.7),
             (str(save_kohya_flux_lora(model, tmp_path / "b.safetensors", seed=2)), 1.3)]
     _, reference = _matches_diffusers(model, [f"{pair[0][0]}:0.7", pair[1]], "flux")
-    other = memfit.generate(model=model, progress=False, loras=[pair[0], (pair[1][0], 0.2)], **BASE, **SETTINGS["flux"])
-    assert max_pixel_difference(other.images, reference) > 0
+    assert max_pixel_difference(_generate(model, [pair[0], (pair[1][0], 0.2)], "flux").images, reference) > 0
 
 
 @pytest.mark.parametrize("modules", [
@@ -133,7 +137,7 @@ def test_a_lora_for_another_family_is_one_sentence(tiny_models, tmp_path, module
 
     lora = str(write_lora(tmp_path / "other.safetensors", modules))
     with pytest.raises(MemfitError) as refused:
-        memfit.generate(model=tiny_models("flux"), progress=False, loras=[lora], **BASE, **SETTINGS["flux"])
+        _generate(tiny_models("flux"), [lora], "flux")
     assert str(refused.value) == (f"--lora {lora} has no weights for any module of FluxPipeline (transformer, "
                                   "text_encoder): it is a LoRA for another model family; pass a LoRA made for this "
                                   "model's family.")
