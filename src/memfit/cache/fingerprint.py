@@ -42,6 +42,12 @@ def fingerprint_folder(folder: str | Path) -> str:
     return digest.hexdigest()
 
 
+def fingerprint_path(path: str | Path) -> str:
+    """A folder's fingerprint, or the sha256 of a file's bytes."""
+    path = Path(path)
+    return fingerprint_folder(path) if path.is_dir() else _sha256(path)
+
+
 def _tensors_digest(handle: BinaryIO, keys: list[str]) -> str:
     """Names, dtypes, shapes and every byte of the tensors ``keys`` of the safetensors file open in ``handle``.
     Its header is read here, within the digest's computation: a file replaced meanwhile is not kept

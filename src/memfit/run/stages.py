@@ -99,16 +99,9 @@ def _truncation_notices():
 
 def lora_fingerprint(loras) -> list[str]:
     """What of the LoRAs enters a prompt cache key: each file's content, its scale and its place."""
-    import hashlib
+    from memfit.cache.fingerprint import fingerprint_path
 
-    from memfit.cache.fingerprint import fingerprint_folder
-
-    parts = []
-    for index, (path, scale) in enumerate(loras):
-        path = Path(path)
-        content = fingerprint_folder(path) if path.is_dir() else hashlib.sha256(path.read_bytes()).hexdigest()
-        parts.append(f"lora{index}:{content}:{scale!r}")
-    return parts
+    return [f"lora{index}:{fingerprint_path(path)}:{scale!r}" for index, (path, scale) in enumerate(loras)]
 
 
 def encode_stage(folders: list[tuple[str, ModelFolder]], settings: Settings, with_negative: bool,
