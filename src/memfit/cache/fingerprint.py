@@ -3,8 +3,8 @@
 A fingerprint covers every file of a component folder (configs, tokenizer files, weights in any format)
 by its relative path and the sha256 of its bytes, and a component of a single-file checkpoint by the
 names, dtypes, shapes and bytes of the tensors it reads there. Never by size alone (every fine-tune of
-one architecture has the same size), nor by sampled blocks (a fine-tune of one tensor, or an edit of a
-few, changes no sample). Part names ("unet", "vae") never enter a fingerprint: the same weights under
+one architecture has the same size), nor by sampled blocks (a change to a few tensors can miss every
+sample). Part names ("unet", "vae") never enter a fingerprint: the same weights under
 two names fingerprint the same.
 
 Reading every byte of a multi-gigabyte model costs seconds (docs/backends.md, "The cache"), so what is
