@@ -4,8 +4,8 @@ no output file, and nothing else changed on disk (issue 17).
 One table, one row per fault: folder faults, parameter faults, cache faults and output faults.
 Extend it whenever a new flag or file format appears. A row is (id, make, expected): ``make(model,
 tmp)`` gets a private copy of the tiny SD folder and a scratch folder, damages what it needs and
-returns the extra CLI arguments (and environment, and another --model) of the run; ``expected`` must
-appear in the one line on stderr.
+returns the extra CLI arguments (and environment, and another --model, or the tiny pipeline of another
+``family``) of the run; ``expected`` must appear in the one line on stderr.
 """
 
 from __future__ import annotations

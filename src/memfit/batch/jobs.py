@@ -73,7 +73,7 @@ class BadLine:
 
 def job_key(settings: dict, model: str, dtype: str, content_of) -> str:
     """``model``: the model's content fingerprint (ModelFolder.fingerprint); ``content_of(path)``: a LoRA's."""
-    # A job without LoRAs has no "loras" part, the key it had before jobs could name any.
+    # A job without LoRAs has no "loras" part: for one model, the key it had before jobs could name any.
     content = {name: settings[name] for name in FIELDS if name != "id" and (name != "loras" or settings[name])}
     if settings["loras"]:
         content["loras"] = [[content_of(lora), scale] for lora, scale in settings["loras"]]
