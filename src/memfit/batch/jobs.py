@@ -16,6 +16,7 @@ import hashlib
 import json
 import math
 import re
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 
@@ -81,9 +82,11 @@ def job_key(settings: dict, model: str, dtype: str, content_of) -> str:
     return hashlib.sha256(json.dumps(content, sort_keys=True).encode()).hexdigest()[:32]
 
 
-def read_jobs(path: str | Path, defaults: JobDefaults, *, model: str, dtype: str) -> tuple[list[Job], list[BadLine]]:
+def read_jobs(path: str | Path, defaults: JobDefaults, *, model: str | Callable[[], str],
+              dtype: str) -> tuple[list[Job], list[BadLine]]:
     """The jobs of a JSONL file and its bad lines (blank lines are allowed and skipped); ``model``: the
-    model's content fingerprint, for the jobs' keys."""
+    model's content fingerprint, for the jobs' keys, or what computes it (only once the file is read: a
+    first fingerprint reads every byte of the model, too long to wait for before saying the file is missing)."""
     path = Path(path)
     if path.is_dir():
         raise MemfitError(f"Jobs file {path} is a folder; pass a JSONL file with one job object per line.")
@@ -97,12 +100,13 @@ def read_jobs(path: str | Path, defaults: JobDefaults, *, model: str, dtype: str
     bad: list[BadLine] = []
     seen: dict[str, int] = {}
     content_of = functools.cache(fingerprint_path)  # each LoRA file read once, however many jobs name it
+    model_print = functools.cache(model if callable(model) else lambda: model)
     for number, raw in enumerate(text.splitlines(), start=1):
         if not raw.strip():
             continue
         try:
             found = _parse(raw, defaults)
-            job = Job(**found, line=number, key=job_key(found, model, dtype, content_of))
+            job = Job(**found, line=number, key=job_key(found, model_print(), dtype, content_of))
         except ValueError as exc:
             bad.append(BadLine(number, str(exc)))
             continue
