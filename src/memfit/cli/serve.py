@@ -76,11 +76,15 @@ def _check_limits(args) -> None:
                         ("--max-images", args.max_images), ("--max-prompt-chars", args.max_prompt_chars)):
         if value < 1:
             raise MemfitError(f"{flag} {value} would refuse every request; give a positive number.")
-    if parse_size(args.max_body) < 1024:
+    try:
+        max_body = parse_size(args.max_body)
+    except MemfitError as exc:
+        raise MemfitError(f"--max-body: {exc}") from None
+    if max_body < 1024:
         raise MemfitError(f"--max-body {args.max_body} would refuse every request; give a size such as 48MiB.")
     for flag, value in (("--max-seconds", args.max_seconds), ("--shutdown-grace", args.shutdown_grace)):
         if not 0 <= value < float("inf"):
-            raise MemfitError(f"{flag} {value} must be a number of seconds, 0 or more.")
+            raise MemfitError(f"{flag} {value:g} must be a number of seconds, 0 or more.")
 
 
 def _check_port_free(host: str, port: int) -> None:

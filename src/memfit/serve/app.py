@@ -650,7 +650,7 @@ async def _wait(job: Job, request: Request) -> bool:
     stayed = True
     while not job.done.is_set():
         if stayed and await request.is_disconnected():
-            queue.cancel(job)
+            queue.cancel(job, "The client went away before this request ran.")
             stayed = False
         await asyncio.sleep(0.05)
     return stayed

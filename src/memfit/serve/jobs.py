@@ -114,12 +114,12 @@ class JobQueue:
             self._cv.notify_all()
         return job
 
-    def cancel(self, job: Job) -> None:
-        """Drop a waiting job, or stop a running one at its next denoising step."""
+    def cancel(self, job: Job, reason: str = "") -> None:
+        """Drop a waiting job (``reason``: why, for its answer), or stop a running one at its next cancellation point."""
         with self._cv:
             if job in self._waiting:
                 self._waiting.remove(job)
-                self._finish(job, "cancelled")
+                self._finish(job, "cancelled", reason)
             elif job.state == "running":
                 job.stop_requested = True
 
