@@ -389,15 +389,16 @@ def test_bad_input_to_encode_is_one_sentence_exit_2_and_changes_nothing(bad_run,
     assert not out.is_file() and after == before
 
 
-# -- memfit serve: flags refused before the model loads or anything listens ------------------------
+# -- memfit serve: flags refused before anything listens (the limits before the model is opened) -----
 
 def serve_flags(*flags):
-    return lambda stack: list(flags)
+    # The model does not exist: a flag checked after it was opened would be refused for the model instead.
+    return lambda stack, model: ["--model", "/nonexistent/model", *flags]
 
 
-def _port_in_use(stack):
+def _port_in_use(stack, model):
     listening = stack.enter_context(socket.create_server(("127.0.0.1", 0)))
-    return ["--port", str(listening.getsockname()[1])]
+    return ["--model", model, "--port", str(listening.getsockname()[1])]
 
 
 SERVE_CASES = [
@@ -414,10 +415,9 @@ SERVE_CASES = [
 
 
 @pytest.mark.parametrize("make, expected", [case[1:] for case in SERVE_CASES], ids=[case[0] for case in SERVE_CASES])
-def test_bad_serve_flags_are_one_sentence_exit_2_before_the_model_loads(capsys, make, expected):
+def test_bad_serve_flags_are_one_sentence_exit_2_before_the_server_starts(tiny_models, capsys, make, expected):
     with contextlib.ExitStack() as stack:
-        # The model does not exist: a flag checked after it was opened would be refused for it instead.
-        code = main(["serve", "--model", "/nonexistent/model", *make(stack)])
+        code = main(["serve", *make(stack, tiny_models("sd"))])
     err = capsys.readouterr().err
     assert code == 2, err
     assert expected in err, err

@@ -88,7 +88,8 @@ def _check_limits(args) -> None:
 
 
 def _check_port_free(host: str, port: int) -> None:
-    """Refuse, before the model loads, an address the server could not listen on (a port in use, a privileged one)."""
+    """Refuse an address the server could not listen on (a port in use, a privileged one) before it starts, rather
+    than a traceback once it does."""
     try:
         family, kind, proto, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
     except socket.gaierror as exc:
@@ -116,7 +117,6 @@ def _log_to_stdout() -> logging.Logger:
 def _serve(args) -> int:
     _check_limits(args)
     check_bind(args.host, args.api_auth)
-    _check_port_free(args.host, args.port)
     try:
         import uvicorn
 
@@ -132,6 +132,7 @@ def _serve(args) -> int:
     # here, with the message memfit generate gives, not at every request; one in --models-dir is listed with it.
     checkpoints = Checkpoints.open(options.pop("model"), models_dir=args.models_dir, configs=options.pop("config") or (),
                                    warm=not args.no_warm, **options)
+    _check_port_free(args.host, args.port)  # after the model's own refusals, which need no port
     # /sdapi/v1/cmd-flags: A1111's own names where the meaning is the same (port, listen), memfit's otherwise.
     flags = {"host": args.host, "port": args.port, "listen": not _loopback(args.host), "backend": args.backend,
              "fallback": args.fallback, "allow_pickle": args.allow_pickle}

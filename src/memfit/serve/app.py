@@ -226,8 +226,8 @@ def create_app(served: Session | Checkpoints, *, limits: Limits = Limits(), auth
         job = request.state.job
         answered["requests"] += 1
         answered["images"] += len(job.images)
-        client_left = "" if getattr(request.state, "client_left", False) is False else "the client went away"
-        log.info(_request_line(route, body, job, 200, time.time() - started, client_left))
+        gone = "the client went away" if request.state.client_left else ""
+        log.info(_request_line(route, body, job, 200, time.time() - started, gone))
         return result
 
     async def _serve(body: Txt2ImgRequest, request: Request):
