@@ -10,9 +10,11 @@ returns the extra CLI arguments (and environment, and another --model, or the ti
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
+import socket
 from pathlib import Path
 
 import pytest
@@ -427,3 +429,38 @@ def test_bad_input_to_encode_is_one_sentence_exit_2_and_changes_nothing(bad_run,
     assert expected in err, err
     assert err.startswith("memfit: error: ") and err.strip().count("\n") == 0, err
     assert not out.is_file() and after == before
+
+
+# -- memfit serve: flags refused before anything listens (the limits before the model is opened) -----
+
+def serve_flags(*flags):
+    # The model does not exist: a flag checked after it was opened would be refused for the model instead.
+    return lambda stack, model: ["--model", "/nonexistent/model", *flags]
+
+
+def _port_in_use(stack, model):
+    listening = stack.enter_context(socket.create_server(("127.0.0.1", 0)))
+    return ["--model", model, "--port", str(listening.getsockname()[1])]
+
+
+SERVE_CASES = [
+    ("serve-port-negative", serve_flags("--port", "-5"), "--port -5 is not a port; give one from 1 to 65535"),
+    ("serve-port-too-large", serve_flags("--port", "70000"), "--port 70000 is not a port"),
+    ("serve-port-in-use", _port_in_use, "Cannot listen on 127.0.0.1:"),
+    ("serve-max-pixels-zero", serve_flags("--max-pixels", "0"), "--max-pixels 0 would refuse every request"),
+    ("serve-max-prompt-chars-negative", serve_flags("--max-prompt-chars", "-1"), "--max-prompt-chars -1 would refuse"),
+    ("serve-max-body-garbage", serve_flags("--max-body", "lots"), "--max-body: Cannot read 'lots' as a size"),
+    ("serve-max-body-tiny", serve_flags("--max-body", "10"), "--max-body 10 would refuse every request"),
+    ("serve-max-seconds-negative", serve_flags("--max-seconds", "-1"), "--max-seconds -1 must be a number of seconds"),
+    ("serve-shutdown-grace-nan", serve_flags("--shutdown-grace", "nan"), "--shutdown-grace nan must be a number"),
+]
+
+
+@pytest.mark.parametrize("make, expected", [case[1:] for case in SERVE_CASES], ids=[case[0] for case in SERVE_CASES])
+def test_bad_serve_flags_are_one_sentence_exit_2_before_the_server_starts(tiny_models, capsys, make, expected):
+    with contextlib.ExitStack() as stack:
+        code = main(["serve", *make(stack, tiny_models("sd"))])
+    err = capsys.readouterr().err
+    assert code == 2, err
+    assert expected in err, err
+    assert err.startswith("memfit: error: ") and err.strip().count("\n") == 0, err

@@ -139,7 +139,8 @@ def generate(
 
     `sampler` (an AUTOMATIC1111 sampler name, memfit.run.samplers) replaces the model's scheduler and
     is recorded in the PNG. `pool` (a StagePool, memfit.run.session.Session's) keeps stages loaded between
-    calls; `on_step(stage, done, total)` is called as the denoising loop advances (it may raise to stop the run).
+    calls; `on_step(stage, done, total)` is called as the denoising loop advances, and with done = total = 0 as
+    each stage starts (it may raise to stop the run).
     `precision` ("fp32", "bf16", "fp16"; default: `dtype`) is the compute precision of a backend that has
     its own (OpenVINO), apart from the weights' `dtype`; any other backend, or none, must compute in
     `dtype` (memfit.compile.precision). It is recorded in the PNG.
