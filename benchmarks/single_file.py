@@ -24,7 +24,7 @@ RSS (memfit.process_peak_rss(); for a run killed before it could say, the larges
 the run had reported, read every 0.2 s, a lower bound), and the image's largest difference from the folder's
 image of the same round (0..255).
 
-The model lives outside the repository, under --models, built when absent (about 20 minutes and 16 GiB of
+The model lives outside the repository, under --models, built when absent (about 5 minutes and 16 GiB of
 RAM on a 2-core CPU, once): benchmarks/common.py's real-size SDXL (memfit.models.archs; random weights, seed 0)
 saved as a diffusers folder in fp16 at MODELS/sdxl-fp16, then written as one all-in-one LDM checkpoint (about
 6.9 GB) at MODELS/sdxl-fp16-single-file/sdxl-fp16.safetensors by memfit.testing.single_file.save_single_file. Delete either to
@@ -79,7 +79,8 @@ def build_model(models: Path, tiny: bool) -> tuple[Path, Path]:
         started = time.perf_counter()
         file.parent.mkdir(parents=True, exist_ok=True)
         partial = file.with_suffix(".partial")
-        save_single_file(folder, partial)
+        # dtype: diffusers loads the fp16 folder's UNet and VAE in fp32 unless told otherwise.
+        save_single_file(folder, partial, dtype=torch.float16)
         partial.rename(file)  # a build cut short leaves no file that looks whole
         print(f"wrote {file} ({file.stat().st_size / 1e9:.2f} GB) in {time.perf_counter() - started:.0f} s", flush=True)
     return folder, file
