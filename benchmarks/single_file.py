@@ -27,9 +27,9 @@ image of the same round (0..255).
 The model lives outside the repository, under --models, built when absent (about 5 minutes and 16 GiB of
 RAM on a 2-core CPU, once): benchmarks/common.py's real-size SDXL (memfit.models.archs; random weights, seed 0)
 saved as a diffusers folder in fp16 at MODELS/sdxl-fp16, then written as one all-in-one LDM checkpoint (about
-6.9 GB) at MODELS/sdxl-fp16-single-file/sdxl-fp16.safetensors by memfit.testing.single_file.save_single_file. Delete either to
-rebuild it; `--build-only` builds and exits. The folder is also the file's --config (its configs and
-tokenizers).
+6.9 GB) at MODELS/sdxl-fp16-single-file/sdxl-fp16.safetensors by memfit.testing.single_file.save_single_file.
+Delete either to rebuild it; `--build-only` builds and exits. The folder is also the file's --config (its
+configs and tokenizers).
 """
 
 from __future__ import annotations
