@@ -92,7 +92,8 @@ def report_peaks() -> None:
     def poll():
         highest = 0
         while True:
-            fields = dict(line.split(":", 1) for line in Path("/proc/self/status").read_text().splitlines() if ":" in line)
+            status = Path("/proc/self/status").read_text().splitlines()
+            fields = dict(line.split(":", 1) for line in status if ":" in line)
             now = max(int(fields.get(key, "0 kB").split()[0]) * 1024 for key in ("VmHWM", "VmRSS"))
             if now > highest + 16 * 2**20:
                 highest = now
@@ -221,8 +222,8 @@ def render(data: dict) -> str:
         "the rounds; for a killed run (marked >=), the largest high-water mark its own thread had reported, read "
         "every 0.2 s: a lower bound. The peak RSS may exceed the cgroup peak: it counts the pages of torch's "
         "libraries that earlier processes had already read, which are charged to them. memfit's budget: the one "
-        "auto resolved (the device tier, RAM on this CPU), largest over the rounds. Difference: the image's largest per-pixel difference (0..255) from the "
-        "memfit folder row's image of the same round.\n",
+        "auto resolved (the device tier, RAM on this CPU), largest over the rounds. Difference: the image's "
+        "largest per-pixel difference (0..255) from the memfit folder row's image of the same round.\n",
         "| row | completed | seconds (median) | process s (median) | cgroup peak GiB | peak RSS GiB | "
         "memfit's budget GiB | max difference |",
         "|---|---|---|---|---|---|---|---|",
