@@ -2,8 +2,9 @@
 place from the file, under a 4 GiB memory cap with no budget flag; diffusers' own `from_single_file` under the
 same cap; and the same checkpoint against the same model as a diffusers folder, uncapped.
 
-    python benchmarks/single_file.py                 # SDXL, real size, 512x512, 2 steps, fp32, 2 rounds -> docs/single_file.{json,md}
+    python benchmarks/single_file.py                 # SDXL, real size, 512x512, 2 steps, fp32, 3 rounds -> docs/single_file.{json,md}
     python benchmarks/single_file.py --tiny --rounds 1 --out single_file_tiny   # tiny SDXL: smoke-test the script
+    python benchmarks/single_file.py --rerender      # docs/single_file.md again from docs/single_file.json
 
 Rows, each a fresh process, interleaved over --rounds rounds:
 
@@ -14,15 +15,15 @@ Rows, each a fresh process, interleaved over --rounds rounds:
   memfit file, uncapped                as the first row, without the cap
   memfit folder, uncapped              memfit.generate(model=FOLDER): the same weights as a diffusers folder
 
-Every row computes in fp32 (memfit's default dtype; this benchmark's CPU has no fp16 or bf16 arithmetic worth
-using) from the fp16 weights of the file or folder, at the same size, steps, guidance, prompt and seed. memfit
+Every row computes in fp32 (memfit's default dtype, which the file and folder rows keep; diffusers is given
+torch_dtype=float32 to match) from the fp16 weights of the file or folder, at the same size, steps, guidance, prompt and seed. memfit
 runs with MEMFIT_CACHE=0, so every run encodes its prompt, as diffusers does. Before each run the page cache of
 the model's files is dropped, so every run reads them from disk and a capped run is charged for what it reads (a
-cgroup cap counts page cache). Per run: completed or killed, seconds to open the model and generate (in the
-process, imports excluded) and from launch to exit, the cgroup's peak (RSS + page cache) and the process's peak
-RSS (memfit.process_peak_rss(); for a run killed before it could say, the largest high-water mark a thread of
-the run had reported, read every 0.2 s, a lower bound), and the image's largest difference from the folder's
-image of the same round (0..255).
+cgroup cap counts page cache). Per run: completed or killed, seconds from opening the model to the first
+denoising step (memfit), to open the model and generate (in the process, imports excluded) and from launch to
+exit, the cgroup's peak (RSS + page cache) and the process's peak RSS (memfit.process_peak_rss(); for a run
+killed before it could say, the largest high-water mark a thread of the run had reported, read every 0.2 s, a
+lower bound), and the image's largest difference from the folder's image of the same round (0..255).
 
 The model lives outside the repository, under --models, built when absent (about 5 minutes and 16 GiB of
 RAM on a 2-core CPU, once): benchmarks/common.py's real-size SDXL (memfit.models.archs; random weights, seed 0)
@@ -55,6 +56,7 @@ MEMFIT_FILE = "memfit file, uncapped"
 MEMFIT_FOLDER = "memfit folder, uncapped"
 ROWS = (MEMFIT_FILE_CAPPED, DIFFUSERS_CAPPED, MEMFIT_FILE, MEMFIT_FOLDER)
 CAPPED = (MEMFIT_FILE_CAPPED, DIFFUSERS_CAPPED)
+RATIOS = ("first_step_seconds", "seconds", "peak_rss")  # file / folder, per round
 
 
 def build_model(models: Path, tiny: bool) -> tuple[Path, Path]:
@@ -124,10 +126,16 @@ def run_child(row: str, folder: str, file: str, size: int, steps: int, image_out
         extra = {"open_seconds": opened}
     else:
         model, config = (folder, None) if row == MEMFIT_FOLDER else (file, folder)
+        first_step = []
+
+        def on_step(stage, done, total):
+            if done == 0 and not first_step:  # the denoising loop starts: model open, prompt encoded, UNet loaded
+                first_step.append(time.perf_counter() - started)
+
         result = memfit.generate(PROMPT, model=model, config=config, steps=steps, guidance=GUIDANCE, width=size,
-                                 height=size, seed=0, progress=False)
+                                 height=size, seed=0, progress=False, on_step=on_step)
         image = result.images[0]
-        extra = {"budget": result.report.budget,
+        extra = {"first_step_seconds": first_step[0], "budget": result.report.budget,
                  "stages": [{"stage": s.stage, "seconds": round(s.seconds, 2), "peak_rss": s.peak_bytes,
                              "strategy": s.strategy} for s in result.report.stages]}
     seconds = time.perf_counter() - started
@@ -183,16 +191,15 @@ def summarize(runs: list[dict]) -> dict:
         rows[row] = {"rounds": len(mine), "completed": len(done), "killed": sum(r["killed"] for r in mine),
                      "cgroup_peak": max(r["cgroup_peak"] for r in mine), "peak_rss": max(peaks, default=None)}
         if done:
-            rows[row].update(seconds=statistics.median(r["seconds"] for r in done),
-                             process_seconds=statistics.median(r["process_seconds"] for r in done))
+            rows[row].update({key: statistics.median(r[key] for r in done)
+                              for key in ("seconds", "first_step_seconds", "process_seconds") if key in done[0]})
     ratios = []
     for round_index in sorted({r["round"] for r in runs}):
         pair = {r["row"]: r for r in runs if r["round"] == round_index and r["completed"]}
         if MEMFIT_FILE in pair and MEMFIT_FOLDER in pair:
             file, folder = pair[MEMFIT_FILE], pair[MEMFIT_FOLDER]
-            ratios.append({"round": round_index, "seconds": file["seconds"] / folder["seconds"],
-                           "peak_rss": file["peak_rss"] / folder["peak_rss"]})
-    median = {key: statistics.median(r[key] for r in ratios) for key in ("seconds", "peak_rss")} if ratios else None
+            ratios.append({"round": round_index, **{key: file[key] / folder[key] for key in RATIOS}})
+    median = {key: statistics.median(r[key] for r in ratios) for key in RATIOS} if ratios else None
     return {"rows": rows, "file_over_folder": ratios, "file_over_folder_median": median}
 
 
@@ -216,17 +223,18 @@ def render(data: dict) -> str:
         f"Each run a fresh process, {a['rounds']} interleaved rounds. Every row computes in fp32 (memfit's default) "
         f"at guidance {GUIDANCE:g} from the same prompt and seed; memfit with no budget given (auto: under the cap, "
         "the cgroup's limit) and its prompt cache off. The page cache of the model's files is dropped before each "
-        "run. Seconds: opening the model and generating, in the process (imports excluded); process: launch to "
-        "exit. Cgroup peak: the cgroup's max usage (RSS + page cache; the kernel reclaims page cache under the "
+        "run. First step: seconds from opening the model to the first denoising step (the model opened, the "
+        "prompt encoded, the UNet loaded or planned); seconds: opening the model and generating, in the process "
+        "(imports excluded); process: launch to exit. The file and folder rows swap places every other round. Cgroup peak: the cgroup's max usage (RSS + page cache; the kernel reclaims page cache under the "
         "cap), largest over the rounds. Peak RSS: memfit.process_peak_rss() at the end of the run, largest over "
         "the rounds; for a killed run (marked >=), the largest high-water mark its own thread had reported, read "
         "every 0.2 s: a lower bound. The peak RSS may exceed the cgroup peak: it counts the pages of torch's "
         "libraries that earlier processes had already read, which are charged to them. memfit's budget: the one "
         "auto resolved (the device tier, RAM on this CPU), largest over the rounds. Difference: the image's "
         "largest per-pixel difference (0..255) from the memfit folder row's image of the same round.\n",
-        "| row | completed | seconds (median) | process s (median) | cgroup peak GiB | peak RSS GiB | "
-        "memfit's budget GiB | max difference |",
-        "|---|---|---|---|---|---|---|---|",
+        "| row | completed | first step s (median) | seconds (median) | process s (median) | cgroup peak GiB | "
+        "peak RSS GiB | memfit's budget GiB | max difference |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
     for row, r in s["rows"].items():
         runs = [x for x in data["runs"] if x["row"] == row]
@@ -234,19 +242,19 @@ def render(data: dict) -> str:
         polled = not r["completed"] and r["peak_rss"] is not None
         diffs = [x["max_difference"] for x in runs if x.get("max_difference") is not None]
         budgets = [x["budget"]["budget"]["device"] for x in runs if (x.get("budget") or {}).get("budget")]
-        lines.append(f"| {row} | {done} | {r['seconds']:.1f} | {r['process_seconds']:.1f} | " if r["completed"] else
-                     f"| {row} | {done} | - | - | ")
+        first = f"{r['first_step_seconds']:.1f}" if "first_step_seconds" in r else "-"
+        lines.append(f"| {row} | {done} | {first} | {r['seconds']:.1f} | {r['process_seconds']:.1f} | "
+                     if r["completed"] else f"| {row} | {done} | - | - | - | ")
         lines[-1] += (f"{gib(r['cgroup_peak'])} | {'>= ' if polled else ''}{gib(r['peak_rss'])} | "
                       f"{gib(max(budgets)) if budgets else '-'} | {max(diffs) if diffs else '-'} |")
     errors = {x["row"]: x["error"] for x in data["runs"] if x.get("error")}
     lines += [f"\n{row} failed: `{error}`" for row, error in errors.items()]
     if s["file_over_folder"]:
         lines += ["", "The single file against the same model as a diffusers folder (memfit, uncapped), per round:", "",
-                  "| round | seconds, file / folder | peak RSS, file / folder |", "|---|---|---|"]
-        for r in s["file_over_folder"]:
-            lines.append(f"| {r['round']} | {r['seconds']:.3f}x | {r['peak_rss']:.3f}x |")
-        median = s["file_over_folder_median"]
-        lines.append(f"| median | {median['seconds']:.3f}x | {median['peak_rss']:.3f}x |")
+                  "| round | first step s, file / folder | seconds, file / folder | peak RSS, file / folder |",
+                  "|---|---|---|---|"]
+        for label, r in [*((r["round"], r) for r in s["file_over_folder"]), ("median", s["file_over_folder_median"])]:
+            lines.append(f"| {label} | " + " | ".join(f"{r[key]:.3f}x" for key in RATIOS) + " |")
     return "\n".join(lines) + "\n"
 
 
@@ -254,18 +262,23 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--size", type=int, default=512)
     parser.add_argument("--steps", type=int, default=2)
-    parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--cap-gib", type=float, default=4.0)
     parser.add_argument("--tiny", action="store_true", help="the tiny SDXL of memfit.testing (a smoke test)")
     parser.add_argument("--models", default="/work/bench-models")
     parser.add_argument("--timeout", type=float, default=1800, help="seconds before a run is stopped")
     parser.add_argument("--out", default="single_file")
     parser.add_argument("--build-only", action="store_true", help="build the model when absent, then exit")
+    parser.add_argument("--rerender", action="store_true", help="rewrite docs/<out>.md from docs/<out>.json")
     parser.add_argument("--run", help=argparse.SUPPRESS)  # internal: the child process of one run
     for internal in ("--folder", "--file", "--image-out"):
         parser.add_argument(internal, help=argparse.SUPPRESS)
     args = parser.parse_args()
 
+    if args.rerender:
+        path = Path(__file__).resolve().parent.parent / "docs" / f"{args.out}.json"
+        path.with_suffix(".md").write_text(render(json.loads(path.read_text())))
+        return
     if args.run:
         print("RESULT " + json.dumps(run_child(args.run, args.folder, args.file, args.size, args.steps,
                                                args.image_out)), flush=True)
@@ -288,7 +301,8 @@ def main() -> None:
     try:
         for round_index in range(args.rounds):
             paths = {row: images / f"{round_index}-{ROWS.index(row)}.png" for row in ROWS}
-            for row in ROWS:
+            # The uncapped pair swaps places every other round: neither always runs after the other.
+            for row in ROWS if round_index % 2 == 0 else (*CAPPED, MEMFIT_FOLDER, MEMFIT_FILE):
                 result = measure(row, folder, file, paths[row], args)
                 runs.append({"row": row, "round": round_index, **result})
                 print(row, round_index, {k: v for k, v in result.items() if k != "stages"}, flush=True)
