@@ -168,16 +168,6 @@ def measure(row: str, folder: Path, file: Path, image: Path, args) -> dict:
     return out
 
 
-def max_difference(image: Path, reference: Path) -> int | None:
-    import numpy as np
-    from PIL import Image
-
-    if not (image.is_file() and reference.is_file()):
-        return None
-    a, b = (np.asarray(Image.open(p).convert("RGB"), dtype=int) for p in (image, reference))
-    return int(np.abs(a - b).max())
-
-
 def summarize(runs: list[dict]) -> dict:
     """Per row: rounds completed and killed; over the completed rounds the median seconds and the largest peaks
     (over every round for the cgroup peak, a killed one included). Per round and median: file / folder."""
@@ -284,7 +274,7 @@ def main() -> None:
                                                args.image_out)), flush=True)
         return
 
-    from common import machine, write_outputs
+    from common import machine, max_difference, write_outputs
 
     from memfit.testing.cgroup import cgroup_unavailable_reason
 
