@@ -158,7 +158,7 @@ def smallest_budget(**generate_kwargs) -> int:
             memfit.generate(progress=False, budget=budget, **generate_kwargs)
             return budget
         except MemfitError as exc:
-            found = re.search(r"smallest device budget that works is (\d+) bytes", str(exc))
+            found = re.search(r"smallest budget that works is (\d+) bytes", str(exc))
             if not found:
                 raise
             budget = int(found.group(1))

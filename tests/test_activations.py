@@ -40,7 +40,7 @@ def test_costly_strategy_only_when_nothing_cheaper_plans():
     assert choose(options, _planner())[0].name == "batched"  # streams, but plans
     options = [Strategy("batched", 120 * MiB), Strategy("split", 60 * MiB, cheap=False)]
     assert choose(options, _planner())[0].name == "split"  # batched cannot even stream
-    with pytest.raises(MemfitError, match="smallest device budget"):
+    with pytest.raises(MemfitError, match="smallest budget that works"):
         choose([Strategy("batched", 200 * MiB), Strategy("split", 140 * MiB, cheap=False)], _planner())
 
 

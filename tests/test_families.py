@@ -131,7 +131,7 @@ def test_text_encoders_stream_from_disk(tiny_models, kind, streamed_plans, tmp_p
             low, _ = memfit.encode(PROMPT, model=model, negative_prompt=NEGATIVE, budget=budget)
             break
         except MemfitError as exc:
-            budget = int(re.search(r"smallest device budget that works is (\d+) bytes", str(exc)).group(1))
+            budget = int(re.search(r"smallest budget that works is (\d+) bytes", str(exc)).group(1))
     assert streamed_plans[-1].stages[0].streamed_from_disk_bytes > 0
     assert whole.tensors.keys() == low.tensors.keys()
     for name, tensor in whole.tensors.items():
@@ -412,6 +412,7 @@ def test_optional_settings_are_resolved_or_refused(tiny_models):
     wan = ModelFolder.open(tiny_models("wan")).adapter
     with pytest.raises(MemfitError, match="rope_max_seq_len 32.* reaches at most 512x512 with 125 frames"):
         wan.resolve(PROMPT, None, None, None, 0, None, None)  # the tiny transformer's table is shorter than a real one's
+    wan.resolve(PROMPT, None, None, None, 0, None, None, makes_images=False)  # encoding a prompt uses no size
     wan.configs["transformer"]["rope_max_seq_len"] = 1024  # a real Wan's: its pipeline's defaults fit
     settings = wan.resolve(PROMPT, None, None, None, 0, None, None)
     assert (settings.num_frames, settings.width, settings.height, settings.guidance) == (81, 832, 480, 5.0)

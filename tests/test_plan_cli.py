@@ -103,7 +103,7 @@ def test_strategies_are_chosen_as_a_run_chooses_them(capsys):
 
 
 def test_too_small_budget_raises_with_the_smallest_that_works(capsys):
-    with pytest.raises(MemfitError, match="smallest device budget"):
+    with pytest.raises(MemfitError, match="smallest budget that works"):
         run(["--arch", "flux", "--budget", "256MiB"], capsys)
 
 

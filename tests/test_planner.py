@@ -74,8 +74,8 @@ def test_too_small_budget_names_the_smallest_that_works(prefetch):
     with pytest.raises(MemfitError) as info:
         make_plan(stages, 50, prefetch=prefetch)
     message = str(info.value)
-    assert "'denoise'" in message
-    smallest = int(message.split("smallest device budget that works is ")[1].split(" bytes")[0])
+    assert "the denoise stage" in message
+    smallest = int(message.split("smallest budget that works is ")[1].split(" bytes")[0])
     check_invariants(make_plan(stages, smallest, prefetch=prefetch), stages)  # exactly enough works
     with pytest.raises(MemfitError):
         make_plan(stages, smallest - 1, prefetch=prefetch)  # and it really is the smallest

@@ -73,7 +73,7 @@ def test_a_budget_fits_every_stage_of_base_and_refiner_like_generate(pair, tmp_p
     loads weights (planned peak and strategy in the report) with the image unchanged."""
     base, refiner = pair
     monkeypatch.setenv("MEMFIT_CACHE_DIR", str(tmp_path / "cache"))  # no prompt-cache hit: the encoders load
-    with pytest.raises(MemfitError, match="already used up"):
+    with pytest.raises(MemfitError, match="smallest budget that works is above"):
         memfit.generate(model=base, refiner=refiner, budget="300KiB", progress=False, **SETTINGS)
     # The process's own memory and the calibrated kernel workspace (real-size offsets) would swamp
     # these tiny models: count only what memfit places and the activations' proportional part.

@@ -330,7 +330,7 @@ def test_a_request_the_budget_cannot_fit_gets_422_with_what_works(served):
     with TestClient(create_app(tight)) as client:
         response = client.post("/sdapi/v1/txt2img", json={**BASE, "seed": 1})
         assert response.status_code == 422, response.text
-        assert "smallest device budget that works" in response.json()["detail"]
+        assert "smallest budget that works" in response.json()["detail"]
         assert client.get("/sdapi/v1/progress").json()["state"]["job_count"] == 0  # the queue is free
 
 

@@ -13,7 +13,7 @@ from typing import Union
 
 from memfit.errors import MemfitError
 
-__all__ = ["format_bytes", "parse_size"]
+__all__ = ["format_bytes", "parse_size", "round_up_mib"]
 
 _UNITS = {
     "": 1,
@@ -66,3 +66,8 @@ def format_bytes(n: int | float) -> str:
             return f"{n:.0f} {unit}" if unit == "B" else f"{n:.2f} {unit}"
         n /= 1024
     return f"{n:.2f} TiB"
+
+
+def round_up_mib(size: int) -> int:
+    """``size`` bytes in whole MiB, rounded up: what a message tells a user to pass as --budget."""
+    return -(-int(size) // (1 << 20))

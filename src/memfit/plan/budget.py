@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Mapping, Union
 
 from memfit.errors import MemfitError
-from memfit.sizes import format_bytes, parse_size
+from memfit.sizes import format_bytes, parse_size, round_up_mib
 
 __all__ = [
     "AUTO",
@@ -26,6 +26,7 @@ __all__ = [
     "ResolvedBudget",
     "available_host_memory",
     "cgroup_free_memory",
+    "BudgetTooSmall",
     "StageDoesNotFit",
     "detect",
     "device_reserve",
@@ -113,13 +114,31 @@ class StageDoesNotFit(MemfitError):
     """No plan fits a stage's components and activations into the budget left for it."""
 
 
+class BudgetTooSmall(StageDoesNotFit):
+    """A budget below the smallest that can work, in the one form every such refusal takes: the budget
+    the user gave, the smallest that works (in bytes, which scripts read back) and what it is made of.
+
+    ``needed`` and ``parts`` are kept so that a caller that knows more (the memory this process holds
+    beside a stage's own floor) can refuse again in the same form with the user's figures.
+    """
+
+    def __init__(self, given: int, needed: int, parts: str, advice: str = "", *, above: bool = False):
+        self.given, self.needed, self.parts, self.advice = given, needed, parts, advice
+        super().__init__(
+            f"The budget of {format_bytes(given)} is below the smallest that can work for this run: the smallest "
+            f"budget that works is {'above ' if above else ''}{needed} bytes ({format_bytes(needed)}: {parts}). "
+            f"Give --budget {'more than ' if above else ''}{round_up_mib(needed)}MiB"
+            f"{'' if above else ' or more'}{advice}."
+        )
+
+
 def stage_budget(budget: Budget, device, *, already_used: int = 0, stream_from: str | None = None,
                  loaded: bool = False, host_in_use: int = 0) -> Budget:
     """What the run's ``budget`` means for one stage's weights and activations on ``device`` (a
     memfit.devices runtime): the one rule the stage runner and memfit.optimize share, on any device.
 
     device: what is left once ``already_used`` is counted (what the process holds now: Python, torch,
-            the libraries, stages kept loaded); a budget already used up is refused (StageDoesNotFit).
+            the libraries, stages kept loaded); a budget already used up is refused (BudgetTooSmall).
     host:   on a device with memory of its own the host tier is page-locked RAM: bounded by what the
             host has available now (less a reserve) where the budget names no host part, never
             unlimited; ``host_in_use``, the pipeline's weights that sit in host RAM now, is added,
@@ -132,11 +151,10 @@ def stage_budget(budget: Budget, device, *, already_used: int = 0, stream_from: 
     limit = budget.device
     if limit is not None and already_used:
         if limit <= already_used:
-            raise StageDoesNotFit(
-                f"The budget of {format_bytes(limit)} is already used up by this process before any weight is "
-                f"loaded ({format_bytes(already_used)}: Python, torch and the libraries memfit loaded). Give a budget "
-                "above that, or leave it out (auto) to let memfit detect one."
-            )
+            raise BudgetTooSmall(
+                limit, already_used, "this process already holds that before the stage loads any weight: Python, "
+                "torch, the libraries memfit loaded and any stage kept loaded", ", or leave it out (auto) to let "
+                "memfit detect one", above=True)
         limit -= already_used
     disk = stream_from if stream_from is not None else budget.disk
     if getattr(device, "separate_memory", False):

@@ -11,10 +11,10 @@ import dataclasses
 from collections.abc import Collection, Mapping
 
 from memfit.plan.budget import StageDoesNotFit
-from memfit.sizes import format_bytes
+from memfit.sizes import format_bytes, round_up_mib
 
 __all__ = ["COMPILED_BLOCK_BUILD", "COMPILED_BLOCK_OVERHEAD", "COMPILED_WHOLE_BUILD", "CompiledChoice",
-           "choose_compiled", "compiled_blocks_extra", "round_up_mib"]
+           "choose_compiled", "compiled_blocks_extra"]
 
 # What a block compiled as a model of its own holds beyond its weights, as a share of them: the runtime's
 # structures and buffers, intermediate buffers freed after each call (measured with openvino on the SD 1.5
@@ -47,11 +47,6 @@ class CompiledChoice:
     in_blocks: tuple[str, ...] = ()
     dropped: tuple[str, ...] = ()
     notes: tuple[str, ...] = ()
-
-
-def round_up_mib(size: int) -> int:
-    """``size`` bytes in whole MiB, rounded up: what a message tells a user to pass as --budget."""
-    return -(-int(size) // (1 << 20))
 
 
 def compiled_blocks_extra(block_bytes: Collection[int]) -> int:

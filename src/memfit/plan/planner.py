@@ -24,7 +24,7 @@ import dataclasses
 import math
 from typing import Any, Iterable, Mapping, Sequence
 
-from memfit.plan.budget import Budget, BudgetLike
+from memfit.plan.budget import Budget, BudgetLike, BudgetTooSmall
 from memfit.sizes import format_bytes
 from memfit.errors import MemfitError
 from memfit.text_enum import TextEnum
@@ -359,13 +359,10 @@ def _check_device_fits(stages: Sequence[StageInput], budget: Budget, prefetch: i
     worst = max(short, key=lambda s: _minimum_device(s, prefetch))
     largest = sorted((b for b in worst.blocks), key=lambda b: -b.bytes)[: 1 + prefetch]
     in_flight = " + ".join(f"{b.key} {format_bytes(b.bytes)}" for b in largest) or "no blocks"
-    raise MemfitError(
-        f"A device budget of {format_bytes(budget.device)} is too small even when every weight is "
-        f"streamed: stage {worst.name!r} needs {format_bytes(_minimum_device(worst, prefetch))} "
-        f"(activations {format_bytes(worst.activation_bytes)} + blocks in flight: {in_flight}). "
-        f"The smallest device budget that works is {needed} bytes ({format_bytes(needed)}); "
-        "raise the budget, or lower the resolution, batch or dtype width."
-    )
+    raise BudgetTooSmall(
+        budget.device, needed,
+        f"the {worst.name} stage with every weight streamed, activations {format_bytes(worst.activation_bytes)} + "
+        f"blocks in flight: {in_flight}", ", or lower the resolution, batch or dtype width")
 
 
 def _choose_resident(stage: StageInput, capacity: float, prefetch: int) -> frozenset[str]:

@@ -38,9 +38,8 @@ from memfit.errors import MemfitError
 from memfit.models.families import Settings
 from memfit.models.folder import ModelFolder
 from memfit.plan.activations import StrategyKind, choose, stage_strategies
-from memfit.plan.budget import Budget, StageDoesNotFit, stage_budget
-from memfit.plan.compiled import (COMPILED_BLOCK_BUILD, COMPILED_BLOCK_OVERHEAD, choose_compiled, compiled_blocks_extra,
-                                  round_up_mib)
+from memfit.plan.budget import Budget, BudgetTooSmall, StageDoesNotFit, stage_budget
+from memfit.plan.compiled import COMPILED_BLOCK_BUILD, COMPILED_BLOCK_OVERHEAD, choose_compiled, compiled_blocks_extra
 from memfit.run.executor import blocks_not_run, live_blocks, optimize, plan_stage, reads_in_place
 from memfit.run.memory import return_large_frees_to_os
 from memfit.run.options import RunOptions
@@ -163,6 +162,14 @@ def _plan_and_place(pipe, folder: ModelFolder, options: RunOptions, *, stage: st
         try:
             strategy, plan = choose(choices, lambda activations: plan_stage(
                 pipe, room, stage, int(activations * margin), parts, skip=compiled, dtype=dtype))
+        except BudgetTooSmall as exc:
+            # The planner saw only what is left for the stage: refused again with the budget the user gave.
+            held = already_used + extra
+            raise BudgetTooSmall(
+                budget.device, held + exc.needed,
+                f"{format_bytes(held)} for this process (Python, torch, the libraries"
+                + (", what its compiled blocks need beyond their weights" if extra else "")
+                + f"), plus {format_bytes(exc.needed)} for {exc.parts}", exc.advice) from exc
         except MemfitError as exc:
             raise StageDoesNotFit(
                 f"{exc} These figures leave out the {format_bytes(already_used + extra)} this process already "
@@ -331,13 +338,10 @@ def check_budget_floor(folder: ModelFolder, settings: Settings, dtype: str, budg
         # Counted in the budget this names, not in the refusal: only a budget that cannot work is refused.
         # A GPU starts empty.
         already += already // PROCESS_GROWTH_DIVISOR
-    needed = already + floors[worst]
-    raise MemfitError(
-        f"The budget of {format_bytes(budget.device)} is below the smallest that can work for this run, about "
-        f"{format_bytes(needed)} ({format_bytes(already)} for this process, Python, torch and the "
-        f"libraries, plus {format_bytes(floors[worst])} for the {worst} stage with every weight streamed): "
-        f"the smallest device budget that works is {needed} bytes; give --budget {round_up_mib(needed)}MiB or more."
-    )
+    raise BudgetTooSmall(
+        budget.device, already + floors[worst],
+        f"about {format_bytes(already)} for this process (Python, torch, the libraries), plus "
+        f"{format_bytes(floors[worst])} for the {worst} stage with every weight streamed")
 
 
 def _refuse_streaming(stage_plan, stage: str, runtime: DeviceRuntime) -> None:

@@ -61,7 +61,8 @@ def encode(
         raise MemfitError(_not_staged(folder, "encode prompts on their own"))
     options = RunOptions.build(device=device, dtype=dtype, budget=budget, backend=backend, fallback=fallback,
                                progress=False, allow_pickle=allow_pickle)
-    settings = folder.adapter.resolve(prompt, negative_prompt, 1, None, 0, None, None, folder.defaults)
+    settings = folder.adapter.resolve(prompt, negative_prompt, 1, None, 0, None, None, folder.defaults,
+                                      makes_images=False)
     report = RunReport(device=str(options.device), dtype=dtype, model=str(folder.path), notes=source_notes(folder))
     runner = StageRunner(options, report=report, settings=settings, guided=True)
     tensors = runner.run([encode_stage([("base", folder)], settings, with_negative=True)])["encode"]["base"]

@@ -232,7 +232,10 @@ class PipelineAdapter:
 
     def resolve(self, prompt, negative_prompt, steps, guidance, seed, width, height, defaults=None, *,
                 true_cfg_scale=None, num_frames=None, conditioning: Conditioning | None = None,
-                strength=None) -> Settings:
+                strength=None, makes_images: bool = True) -> Settings:
+        """The run's settings from the caller's and the model's defaults, refusing what the pipeline cannot take.
+        ``makes_images=False`` where only the prompt is encoded (memfit.encode): the size is then never used,
+        so a family does not hold it to what its denoiser reaches."""
         call_defaults = self.call_defaults()
         conditioning = conditioning or Conditioning()
         task = conditioning.task

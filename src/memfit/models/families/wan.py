@@ -43,12 +43,14 @@ class WanAdapter(PipelineAdapter):
     def default_size(self) -> int:
         return self.call_defaults()["height"]  # not square: resolve() takes __call__'s width and height
 
-    def resolve(self, prompt, negative_prompt, steps, guidance, seed, width, height, defaults=None, **options):
+    def resolve(self, prompt, negative_prompt, steps, guidance, seed, width, height, defaults=None, *,
+                makes_images: bool = True, **options):
         call_defaults = self.call_defaults()
         defaults = defaults or {}
         width = width if width is not None else defaults.get("width", call_defaults["width"])
         height = height if height is not None else defaults.get("height", call_defaults["height"])
-        settings = super().resolve(prompt, negative_prompt, steps, guidance, seed, width, height, defaults, **options)
+        settings = super().resolve(prompt, negative_prompt, steps, guidance, seed, width, height, defaults,
+                                   makes_images=makes_images, **options)
         temporal = self.temporal_scale_factor()
         if settings.num_frames % temporal != 1:
             lower = max(1, (settings.num_frames - 1) // temporal * temporal + 1)
@@ -56,7 +58,8 @@ class WanAdapter(PipelineAdapter):
                 f"num_frames {settings.num_frames} is not a multiple of {temporal} plus 1, which {self.class_name} "
                 f"needs; use {lower} or {lower + temporal}."
             )
-        self._check_position_table(settings)
+        if makes_images:
+            self._check_position_table(settings)
         return settings
 
     def _check_position_table(self, settings) -> None:
