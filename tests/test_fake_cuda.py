@@ -9,6 +9,8 @@ test_families.py.
 
 from __future__ import annotations
 
+import contextlib
+
 import numpy as np
 import pytest
 import torch
@@ -289,3 +291,38 @@ def test_hooks_break_compiled_graphs_only_at_their_boundaries(tiny_models, monke
     traced, _ = streamed_breaks()
     assert 0 < disabled <= 2 * hooked
     assert disabled < traced, (disabled, traced)
+
+
+# --- issue 34: the GPU path's second review ------------------------------------------------------------
+
+
+def unet_inputs(unet):
+    generator = torch.Generator().manual_seed(0)
+    sample = torch.randn(1, unet.config.in_channels, 4, 4, generator=generator)
+    return sample, torch.tensor([10]), torch.randn(1, 7, unet.config.cross_attention_dim, generator=generator)
+
+
+@pytest.mark.parametrize("device", ["cpu", "cuda"])
+def test_a_pipeline_loaded_in_inference_mode_streams_from_disk_with_prefetch(tiny_models, device):
+    """Issue 34, item 1: the reader thread makes a block's run form in the modes of the thread that started the
+    prefetch (and in inference mode for weights that are inference tensors). A pipeline loaded and optimized
+    under torch.inference_mode(), as servers do, failed at its first prefetched block with "Inference tensors
+    do not track version counter", on the CPU (a converted disk tier) and on the GPU path; and one loaded in
+    inference mode but run under no_grad failed at its first block."""
+    gpu = fake_cuda(lazy=True) if device == "cuda" else contextlib.nullcontext()
+    with gpu, torch.inference_mode():
+        pipe = load(tiny_models("sd"))
+        # on the CPU only a block converted to another dtype is made on the reader thread
+        dtype = torch.bfloat16 if device == "cpu" else None
+        optimize(pipe, force_tiers={"unet/down_blocks.*": "disk", "unet/up_blocks.*": "host"}, device=device,
+                 dtype=dtype)
+        try:
+            inputs = unet_inputs(pipe.unet)
+            inputs = tuple(t.to(dtype) if dtype and t.is_floating_point() else t for t in inputs)
+            first = pipe.unet(*inputs).sample  # learns the order: nothing prefetched yet
+            again = pipe.unet(*inputs).sample  # every streamed block after the first comes from a prefetch
+            with torch.inference_mode(False), torch.no_grad():
+                outside = pipe.unet(*inputs).sample
+        finally:
+            restore(pipe)
+    assert torch.equal(first, again) and torch.equal(first, outside)

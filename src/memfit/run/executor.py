@@ -57,7 +57,8 @@ import torch
 from memfit.devices import runtime_for
 from memfit.plan.budget import AUTO, NONE, Budget, BudgetLike, resolve_budget, stage_budget
 from memfit.errors import MemfitError
-from memfit.run.offload import HookRegistry, Runtime, Shared, Slot, SlotKind, StagingRing, SwapHook, aligned
+from memfit.run.offload import (HookRegistry, Runtime, Shared, Slot, SlotKind, StagingRing, SwapHook, aligned,
+                                inference_mode_for)
 from memfit.run.weight_sources import WeightSource, in_memory_only, weight_source
 from memfit.safetensors_header import same_samples
 from memfit.plan.planner import BlockSpec, Plan, StageInput, Tier, make_plan
@@ -228,10 +229,12 @@ def optimize(
     # back when it is collected; restore gives it back at once (and empties the list).
     weakref.finalize(state, _release_arenas, device, state.arenas)
     try:
-        for name, module in components.items():
-            _apply_component(name, module, blocks[name], tiers, state, model_dir)
-        _place_host_tier(state)
-        _make_staging_ring(state)
+        # A pipeline loaded in inference mode gets its new tensors made in it, whatever mode optimize runs in.
+        with inference_mode_for(t for module in components.values() for t in module.parameters()):
+            for name, module in components.items():
+                _apply_component(name, module, blocks[name], tiers, state, model_dir)
+            _place_host_tier(state)
+            _make_staging_ring(state)
     except BaseException:
         _undo(state)
         raise
@@ -683,7 +686,15 @@ def _undo(state: _State) -> None:
             registry.remove(SwapHook.name)
     state.runtime.close()
     state.runtime.device_runtime.synchronize()  # no copy may still read an arena given back below
-    for slot in reversed(state.slots):
+    with inference_mode_for(slot.tensor for slot in state.slots):
+        _put_back(state.slots)
+    state.slots.clear()
+    state.hooked.clear()
+    _release_arenas(state.runtime.device_runtime, state.arenas)
+
+
+def _put_back(slots: list[Slot]) -> None:
+    for slot in reversed(slots):
         kind = slot.kind
         if kind == SlotKind.DEVICE:
             data = slot.tensor.data.to(slot.device, copy=True)
@@ -694,9 +705,6 @@ def _undo(state: _State) -> None:
             if kind == SlotKind.MMAP and data.data_ptr() == slot.home_tensor().data_ptr():
                 data = data.clone()  # restore an owned tensor, not a view of the mapped file
         slot.tensor.data = data
-    state.slots.clear()
-    state.hooked.clear()
-    _release_arenas(state.runtime.device_runtime, state.arenas)
 
 
 def _release_arenas(device, arenas: list) -> None:

@@ -44,8 +44,8 @@ from memfit.text_enum import TextEnum
 from memfit.run.timeline import record_move
 from memfit.safetensors_header import MappedFile
 
-__all__ = ["ALIGNMENT", "HookRegistry", "MappedSafetensors", "ModuleHook", "MappedPages", "Runtime", "Shared", "Slot",
-           "SlotKind", "StagingRing", "SwapHook", "aligned", "mapped_view", "weights_ready"]
+__all__ = ["ALIGNMENT", "HookRegistry", "MappedSafetensors", "ModuleHook", "MappedPages", "Modes", "Runtime", "Shared",
+           "Slot", "SlotKind", "StagingRing", "SwapHook", "aligned", "inference_mode_for", "mapped_view", "weights_ready"]
 
 REGISTRY_ATTR = "_memfit_hooks"
 #: Offsets inside a pinned arena are multiples of this (the device allocator's own granularity), so
@@ -288,6 +288,40 @@ class Slot:
         return self.home.pages if isinstance(self.home, Shared) else None
 
 
+class Modes:
+    """The autograd modes a block's run form is made in, captured on the thread that asks for it.
+
+    Inference and grad mode are thread-local and a new thread starts in neither, so a block read
+    ahead on the reader thread would otherwise be made of normal tensors whatever its caller runs
+    in. Inference mode also wherever a weight of the block is an inference tensor (loaded under
+    ``torch.inference_mode()``): such a parameter cannot take a normal tensor as its data (torch
+    fails at its next use: "Inference tensors do not track version counter"), in any mode.
+    """
+
+    __slots__ = ("inference", "grad")
+
+    def __init__(self, inference: bool, grad: bool):
+        self.inference = inference
+        self.grad = grad
+
+    @classmethod
+    def for_slots(cls, slots: list[Slot]) -> "Modes":
+        """The modes of the calling thread, for a run form of ``slots``."""
+        inference = torch.is_inference_mode_enabled() or any(slot.tensor.is_inference() for slot in slots)
+        return cls(inference, torch.is_grad_enabled())
+
+    @contextlib.contextmanager
+    def entered(self) -> Iterator[None]:
+        with torch.set_grad_enabled(self.grad), torch.inference_mode(self.inference):
+            yield
+
+
+def inference_mode_for(tensors) -> contextlib.AbstractContextManager:
+    """Inference mode where one of ``tensors`` is an inference tensor, for code that gives them new data
+    (see Modes); else the caller's modes, unchanged."""
+    return torch.inference_mode() if any(t.is_inference() for t in tensors) else contextlib.nullcontext()
+
+
 class StagingRing:
     """Pinned host slots the disk tier passes through on its way to a device with its own memory.
 
@@ -318,8 +352,11 @@ class StagingRing:
             for slot in slots:
                 home = slot.home_tensor()
                 nbytes = home.numel() * home.element_size()
-                staged = self.arena[offset:offset + nbytes].view(home.dtype).view(home.shape)
-                staged.copy_(home)
+                # Bytes, not weights: inference mode writes an arena made in it (an inference tensor) as
+                # well as one made outside, whatever mode the block's run form is made in.
+                with torch.inference_mode():
+                    staged = self.arena[offset:offset + nbytes].view(home.dtype).view(home.shape)
+                    staged.copy_(home)
                 if slot.pages is not None:
                     slot.pages.release()
                 out.append(device.to_device(staged, slot.dtype))  # converted on the device, after the copy
@@ -436,8 +473,12 @@ class SwapHook(ModuleHook):
     def reads_files(self) -> bool:
         return any(slot.kind == SlotKind.MMAP for slot in self.slots)
 
-    def _materialize(self) -> list[torch.Tensor]:
-        """The run form of every slot; on a GPU queued on the current stream."""
+    def _materialize(self, modes: Modes) -> list[torch.Tensor]:
+        """The run form of every slot, made in ``modes``; on a GPU queued on the current stream."""
+        with modes.entered():
+            return self._made()
+
+    def _made(self) -> list[torch.Tensor]:
         started = time.perf_counter()
         device = self.runtime.device_runtime
         ring = self.runtime.ring
@@ -464,10 +505,10 @@ class SwapHook(ModuleHook):
                     "device", sum(t.numel() * t.element_size() for t in out), started, time.perf_counter())
         return out
 
-    def _copy_on(self, stream) -> tuple[list[torch.Tensor], object]:
+    def _copy_on(self, stream, modes: Modes) -> tuple[list[torch.Tensor], object]:
         device = self.runtime.device_runtime
         with device.use_stream(stream):
-            tensors = self._materialize()
+            tensors = self._materialize(modes)
             event = device.new_event()
             event.record(stream)
         return tensors, event
@@ -476,6 +517,7 @@ class SwapHook(ModuleHook):
         if self._pending is not None or self._depth:
             return
         device = self.runtime.device_runtime
+        modes = Modes.for_slots(self.slots)  # this thread's, for the reader thread too
         if device.separate_memory:
             self.runtime.before_onload()
             stream = self.runtime.stream()
@@ -483,18 +525,18 @@ class SwapHook(ModuleHook):
             if self.reads_files:
                 # Reading the file into the ring is host work: the reader thread does it (and queues
                 # the copy after it) while this thread goes on queuing the current block's kernels.
-                self._pending = self.runtime.pool().submit(self._copy_on, stream)
+                self._pending = self.runtime.pool().submit(self._copy_on, stream, modes)
             else:
-                self._pending = self._copy_on(stream)
+                self._pending = self._copy_on(stream, modes)
         else:
-            self._pending = self.runtime.pool().submit(self._materialize)
+            self._pending = self.runtime.pool().submit(self._materialize, modes)
 
     def _take(self) -> list[torch.Tensor]:
         pending, self._pending = self._pending, None
         device = self.runtime.device_runtime
         if pending is None:
             self.runtime.before_onload()
-            return self._materialize()  # queued on the current stream: later work there sees it
+            return self._materialize(Modes.for_slots(self.slots))  # queued on the current stream: later work there sees it
         if isinstance(pending, Future):
             pending = pending.result()
             if not device.separate_memory:
