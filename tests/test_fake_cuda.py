@@ -326,3 +326,23 @@ def test_a_pipeline_loaded_in_inference_mode_streams_from_disk_with_prefetch(tin
         finally:
             restore(pipe)
     assert torch.equal(first, again) and torch.equal(first, outside)
+
+
+def test_a_dropped_pipeline_gives_its_pinned_memory_back_only_after_the_copies_that_read_it(tiny_models):
+    """Issue 34, item 2: the learned order wraps around (the last streamed block prefetches the first), so when
+    a stage ends a copy from the pinned arenas is still queued. A pipeline dropped without restore (a staged
+    run's finished stage) used to unregister and free its arenas under that copy; now its finalizer waits for
+    the reader thread and the device first, and drops the prefetched block with its device memory."""
+    import gc
+
+    with fake_cuda(lazy=True) as gpu:
+        pipe = load(tiny_models("sd"))
+        optimize(pipe, force_tiers={"unet/down_blocks.*": "disk", "unet/up_blocks.*": "host"}, device="cuda")
+        with torch.inference_mode():
+            pipe.unet(*unet_inputs(pipe.unet))
+            pipe.unet(*unet_inputs(pipe.unet))  # its last block prefetched the first for a next forward
+        assert gpu.pinned_bytes() > 0
+        del pipe
+        gc.collect()
+        assert gpu.released_while_read == 0
+        assert gpu.pinned_bytes() == 0 and gpu.memory_allocated() == 0  # the queued copy ran, its block was dropped

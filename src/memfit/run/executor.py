@@ -57,8 +57,8 @@ import torch
 from memfit.devices import runtime_for
 from memfit.plan.budget import AUTO, NONE, Budget, BudgetLike, resolve_budget, stage_budget
 from memfit.errors import MemfitError
-from memfit.run.offload import (HookRegistry, Runtime, Shared, Slot, SlotKind, StagingRing, SwapHook, aligned,
-                                inference_mode_for)
+from memfit.run.offload import (HookRegistry, Prefetches, Runtime, Shared, Slot, SlotKind, StagingRing, SwapHook,
+                                aligned, inference_mode_for)
 from memfit.run.weight_sources import WeightSource, in_memory_only, weight_source
 from memfit.safetensors_header import same_samples
 from memfit.plan.planner import BlockSpec, Plan, StageInput, Tier, make_plan
@@ -226,8 +226,8 @@ def optimize(
     state = _State(runtime=runtime, slots=[], hooked=[], dtype=dtype, unrun=unrun,
                    own_resident=streams_from_disk and not device.separate_memory)
     # A pipeline dropped without restore (a staged run's finished stage) gives its pinned memory
-    # back when it is collected; restore gives it back at once (and empties the list).
-    weakref.finalize(state, _release_arenas, device, state.arenas)
+    # back when it is collected, once nothing reads it; restore gives it back at once (and empties the list).
+    weakref.finalize(state, _release_arenas, runtime.prefetches, state.arenas)
     try:
         # A pipeline loaded in inference mode gets its new tensors made in it, whatever mode optimize runs in.
         with inference_mode_for(t for module in components.values() for t in module.parameters()):
@@ -685,12 +685,11 @@ def _undo(state: _State) -> None:
         if registry is not None:
             registry.remove(SwapHook.name)
     state.runtime.close()
-    state.runtime.device_runtime.synchronize()  # no copy may still read an arena given back below
     with inference_mode_for(slot.tensor for slot in state.slots):
         _put_back(state.slots)
     state.slots.clear()
     state.hooked.clear()
-    _release_arenas(state.runtime.device_runtime, state.arenas)
+    _release_arenas(state.runtime.prefetches, state.arenas)
 
 
 def _put_back(slots: list[Slot]) -> None:
@@ -707,6 +706,9 @@ def _put_back(slots: list[Slot]) -> None:
         slot.tensor.data = data
 
 
-def _release_arenas(device, arenas: list) -> None:
+def _release_arenas(prefetches: Prefetches, arenas: list) -> None:
+    """Give ``arenas`` back to the device once no read or copy from them is under way."""
+    if arenas:
+        prefetches.settle()
     while arenas:
-        device.release_arena(arenas.pop())
+        prefetches.device.release_arena(arenas.pop())
