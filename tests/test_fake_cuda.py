@@ -346,3 +346,23 @@ def test_a_dropped_pipeline_gives_its_pinned_memory_back_only_after_the_copies_t
         gc.collect()
         assert gpu.released_while_read == 0
         assert gpu.pinned_bytes() == 0 and gpu.memory_allocated() == 0  # the queued copy ran, its block was dropped
+
+
+def test_the_plan_host_figure_counts_the_disk_tier_staging_ring(sd, tmp_path):
+    """Issue 34, item 7: on a GPU the disk tier passes through a pinned staging ring in host RAM; the plan's host
+    figure counts it, so what is page-locked stays within the plan and the host budget (here the ring pushed it
+    past both)."""
+    pipe, _ = sd
+    total = sum(b.bytes for name, m in modules_of(pipe).items() for b in live_blocks(name, m))
+    host_budget = total // 16
+    with fake_cuda() as gpu:
+        optimize(pipe, memfit.Budget(device=total // 2, host=host_budget, disk=str(tmp_path)), device="cuda")
+        try:
+            plan = pipe._memfit_plan
+            runtime = pipe._memfit_state.runtime
+            assert runtime.ring is not None and plan.host_peak_bytes <= host_budget
+            # the ring's slots also align each tensor (the plan counts weights alone)
+            alignment = runtime.window * ALIGNMENT * max(len(hook.slots) for hook in hooks_of(pipe))
+            assert gpu.pinned_bytes() <= min(plan.host_peak_bytes + alignment, host_budget)
+        finally:
+            restore(pipe)

@@ -54,7 +54,7 @@ from typing import Collection, Mapping
 
 import torch
 
-from memfit.devices import runtime_for
+from memfit.devices import DeviceRuntime, runtime_for
 from memfit.plan.budget import AUTO, NONE, Budget, BudgetLike, resolve_budget, stage_budget
 from memfit.errors import MemfitError
 from memfit.run.offload import (HookRegistry, Prefetches, Runtime, Shared, Slot, SlotKind, StagingRing, SwapHook,
@@ -201,7 +201,7 @@ def optimize(
     unrun = unrun_blocks(blocks, parts)
     stages = _stage_inputs(_without(blocks, unrun), stage, activation_bytes, type(pipe).__name__)
     if plan is None and force_tiers is not None:
-        plan = _forced_plan(stages, force_tiers)
+        plan = _forced_plan(stages, force_tiers, staging_ring=device.separate_memory)
     elif plan is None:
         # optimize fits a pipeline already loaded: what it holds now is part of what the budget bounds.
         in_use = sum(block.bytes for component_blocks in blocks.values() for block in component_blocks)
@@ -214,7 +214,8 @@ def optimize(
         resolved = resolve_budget(budget, device, in_use=in_use if auto else 0)
         # The pipeline is loaded already: on the CPU a block "parked on the host" stays where it is; on a GPU
         # an automatic budget's host tier takes the place of the weights in host RAM now.
-        plan = make_plan(stages, stage_budget(resolved.budget, device, loaded=auto, host_in_use=on_host if auto else 0))
+        plan = make_plan(stages, stage_budget(resolved.budget, device, loaded=auto, host_in_use=on_host if auto else 0),
+                         staging_ring=device.separate_memory)
     tiers = _tiers_from_plan(plan, all_blocks)
     tiers.update((block.key, Tier.DISK) for block in unrun)
 
@@ -282,13 +283,14 @@ def _is_auto(budget) -> bool:
 
 def plan_stage(pipe, budget: Budget, stage: str, activation_bytes: int = 0,
                parts: Mapping[str, tuple[str, ...]] | None = None, skip=(),
-               dtype: torch.dtype | None = None) -> Plan:
+               dtype: torch.dtype | None = None, device: DeviceRuntime | None = None) -> Plan:
     """The plan ``optimize(pipe, stage=stage, activation_bytes=..., parts=...)`` would make under ``budget``, the
     stage's own (memfit.plan.budget.stage_budget); components named in ``skip`` are left out (optimize then
-    leaves them as they are). ``dtype``: as optimize's."""
+    leaves them as they are). ``dtype``: as optimize's. ``device``: the runtime it will run on (on a GPU the
+    host figure counts the disk tier's staging ring); None: the CPU."""
     blocks = {name: live_blocks(name, module, dtype) for name, module in _components(pipe).items() if name not in skip}
     return make_plan(_stage_inputs(_without(blocks, unrun_blocks(blocks, parts)), stage, activation_bytes, type(pipe).__name__),
-                     budget)
+                     budget, staging_ring=device is not None and device.separate_memory)
 
 
 def blocks_not_run(pipe) -> list[LiveBlock]:
@@ -449,8 +451,8 @@ def _saved_plan(plan) -> Plan | None:
         raise MemfitError(f"{path}: {exc}") from None
 
 
-def _forced_plan(stages: list[StageInput], force_tiers: Mapping[str, str]) -> Plan:
-    from memfit.plan.planner import host_need, stage_plan
+def _forced_plan(stages: list[StageInput], force_tiers: Mapping[str, str], staging_ring: bool) -> Plan:
+    from memfit.plan.planner import host_need, stage_plan, staging_ring_bytes
 
     forced: dict[str, Tier] = {}
     for pattern, tier in force_tiers.items():
@@ -478,7 +480,7 @@ def _forced_plan(stages: list[StageInput], force_tiers: Mapping[str, str]) -> Pl
         prefetch=1,
         stages=stage_plans,
         homes=tuple(homes.items()),
-        host_peak_bytes=host_need(host_keys, sizes, resident),
+        host_peak_bytes=host_need(host_keys, sizes, resident) + (staging_ring_bytes(stage_plans, 1) if staging_ring else 0),
     )
 
 

@@ -162,7 +162,7 @@ def _plan_and_place(pipe, folder: ModelFolder, options: RunOptions, *, stage: st
         room = stage_budget(budget, runtime, already_used=already_used + extra, stream_from=stream_from)
         try:
             strategy, plan = choose(choices, lambda activations: plan_stage(
-                pipe, room, stage, int(activations * margin), parts, skip=compiled, dtype=dtype))
+                pipe, room, stage, int(activations * margin), parts, skip=compiled, dtype=dtype, device=runtime))
         except MemfitError as exc:
             raise StageDoesNotFit(
                 f"{exc} These figures leave out the {format_bytes(already_used + extra)} this process already "
