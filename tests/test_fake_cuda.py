@@ -135,7 +135,8 @@ def test_host_budget_is_bounded_and_honored(sd, tmp_path):
         restore(pipe)
 
         host_budget = total // 4
-        optimize(pipe, memfit.Budget(device=total // 2, host=host_budget, disk=str(tmp_path)), device="cuda")
+        optimize(pipe, memfit.Budget(device=total // 2, host=host_budget, disk=str(tmp_path)), device="cuda",
+                 activation_bytes=0)  # a tiny model: the activations at its default size would not leave it room
         plan = pipe._memfit_plan
         wheres = {p.where for stage in plan.stages for p in stage.placements}
         assert {"host", "disk"} <= wheres, wheres
@@ -356,7 +357,8 @@ def test_the_plan_host_figure_counts_the_disk_tier_staging_ring(sd, tmp_path):
     total = sum(b.bytes for name, m in modules_of(pipe).items() for b in live_blocks(name, m))
     host_budget = total // 16
     with fake_cuda() as gpu:
-        optimize(pipe, memfit.Budget(device=total // 2, host=host_budget, disk=str(tmp_path)), device="cuda")
+        optimize(pipe, memfit.Budget(device=total // 2, host=host_budget, disk=str(tmp_path)), device="cuda",
+                 activation_bytes=0)
         try:
             plan = pipe._memfit_plan
             runtime = pipe._memfit_state.runtime
@@ -366,3 +368,51 @@ def test_the_plan_host_figure_counts_the_disk_tier_staging_ring(sd, tmp_path):
             assert gpu.pinned_bytes() <= min(plan.host_peak_bytes + alignment, host_budget)
         finally:
             restore(pipe)
+
+
+def test_optimize_called_directly_plans_the_activations_a_staged_run_would(sd, tiny_models):
+    """Issue 34, item 10: memfit.optimize on a pipeline planned no room for activations (activation_bytes=0)
+    unless told; now each stage reserves its family's estimate at the pipeline's default size with guidance,
+    with the GPU margin, the same figures the staged runner plans from the model's folder."""
+    from memfit.models.families.base import Settings
+    from memfit.models.folder import ModelFolder
+    from memfit.plan.activations import stage_strategies
+    from memfit.run.fit import DEVICE_ACTIVATION_MARGIN
+
+    pipe, _ = sd
+    with fake_cuda():
+        optimize(pipe, memfit.Budget(device="1GiB"), device="cuda")
+        planned = {stage.name: stage.activation_bytes for stage in pipe._memfit_plan.stages}
+        restore(pipe)
+    adapter = ModelFolder.open(tiny_models("sd")).adapter
+    size = adapter.default_size()
+    settings = Settings("a prompt", None, steps=2, guidance=7.5, seed=0, width=size, height=size)
+    assert planned == {stage: int(stage_strategies(adapter, stage, settings, True, "fp32")[0].activation_bytes
+                                  * DEVICE_ACTIVATION_MARGIN) for stage in ("encode", "denoise", "decode")}
+    assert all(planned.values())
+
+
+def test_the_users_own_cuda_graph_compile_over_streamed_weights_is_refused(sd):
+    """Issue 34, item 10: a module the user compiled with torch.compile in a mode that captures CUDA graphs
+    replays the addresses it captured, which streamed weights leave at every forward: optimize refuses it when
+    its weights stream (and leaves the pipeline as it was), and lets it be where they stay resident or the mode
+    captures none."""
+    pipe, _ = sd
+    blocks = pipe.unet.up_blocks
+    try:
+        with fake_cuda():
+            pipe.unet.compile(mode="reduce-overhead")
+            with pytest.raises(memfit.MemfitError, match=r"^unet is compiled with torch.compile in a mode that captures"):
+                optimize(pipe, force_tiers={"unet/up_blocks.*": "host"}, device="cuda")
+            assert not hasattr(pipe, "_memfit_plan")
+            optimize(pipe, force_tiers={"vae/*": "host"}, device="cuda")  # the compiled unet stays resident
+            restore(pipe)
+            pipe.unet._compiled_call_impl = None
+            blocks[1].compile(mode="max-autotune")
+            with pytest.raises(memfit.MemfitError, match=r"^unet.up_blocks.1 is compiled"):
+                optimize(pipe, force_tiers={"unet/up_blocks.*": "host"}, device="cuda")
+            blocks[1].compile(mode="max-autotune-no-cudagraphs")
+            optimize(pipe, force_tiers={"unet/up_blocks.*": "host"}, device="cuda")
+            restore(pipe)
+    finally:
+        pipe.unet._compiled_call_impl = blocks[1]._compiled_call_impl = None
