@@ -1,8 +1,9 @@
 """memfit's GPU path, run on the fake CUDA runtime (memfit.testing.fake_cuda) on the CPU.
 
 Each test names the defect of issue 14 it guards (2: the anchor parameter, 3: one pinned arena and
-a host budget, 4: blocks in flight, 6: the disk tier through a pinned ring, 9: compiled graphs),
-and where a fix is a wait or a bound, the test also removes it once and shows the fake notices.
+a host budget, 4: blocks in flight, 6: the disk tier through a pinned ring, 9: compiled graphs), or
+the item of issue 34 (the second review; its page-locking calls are in test_cuda_pinning.py), and
+where a fix is a wait or a bound, the test also removes it once and shows the fake notices.
 The every-tier, every-family parity runs through the fake are in test_executor.py and
 test_families.py.
 """
