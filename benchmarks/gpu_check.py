@@ -253,7 +253,8 @@ def sweep(runtime, folder: Path, *, size: int, text_tokens: int, steps: int, dty
             continue
         holder = Holder("transformer", transformer)
         tiers, streamed, total = tiers_for(transformer, resident, where)
-        row = {"run": label, "resident_fraction": resident, "weights_bytes": total, "streamed_bytes_per_forward": streamed}
+        row = {"run": label, "resident_fraction": resident, "weights_bytes": total,
+               "streamed_bytes_per_forward": streamed}
         try:
             memfit.optimize(holder, force_tiers=tiers, device=runtime, prefetch=prefetch, model_dir=folder)
             try:
@@ -290,8 +291,9 @@ def sweep(runtime, folder: Path, *, size: int, text_tokens: int, steps: int, dty
                 model.enable_group_offload(runtime.device, offload_type=offload_type, use_stream=True, **options)
                 seconds, memory = time_steps(model, inputs, runtime, steps)
                 after = host_pinned_bytes()
-                row.update(weights_bytes=total, streamed_bytes_per_forward=total, seconds_per_forward=statistics.median(seconds),
-                           step_seconds=seconds, pinned_bytes=None if after is None else after - before, **memory)
+                row.update(weights_bytes=total, streamed_bytes_per_forward=total,
+                           seconds_per_forward=statistics.median(seconds), step_seconds=seconds,
+                           pinned_bytes=None if after is None else after - before, **memory)
                 del model
             except Exception as exc:
                 row["error"] = f"{type(exc).__name__}: {exc}"[:300]
@@ -412,22 +414,25 @@ def markdown(data: dict) -> str:
                   f"{found['pageable_bytes_per_s'] / 1e9:.2f} GB/s ({_size(found['bytes'])} copies).", ""]
     rows = parts.get("correctness", {}).get("rows")
     if rows:
-        lines += ["| tiers | prefetch | slowed copies | bitwise | max difference (8-bit) | error |", "|---|---|---|---|---|---|"]
+        lines += ["| tiers | prefetch | slowed copies | bitwise | max difference (8-bit) | error |",
+                  "|---|---|---|---|---|---|"]
         lines += [f"| {r['tiers']} | {r['prefetch']} | {r['slowed_copies']} | {r['bitwise']} | "
                   f"{r['max_difference_8bit']} | {r['error'] or ''} |" for r in rows]
         lines.append("")
     found = parts.get("sweep", {})
     if found.get("rows"):
-        lines += [f"Sweep: Flux-width transformer at {found['size']}x{found['size']}, {found['forwards_timed']} forwards "
-                  "timed after a warm-up.", "",
-                  "| run | streamed per forward | s/forward | copy-bound s | compute-bound s | ratio | peak allocated | "
-                  "peak reserved | pinned | note |", "|---|---|---|---|---|---|---|---|---|---|"]
+        lines += [f"Sweep: Flux-width transformer at {found['size']}x{found['size']}, {found['forwards_timed']} "
+                  "forwards timed after a warm-up.", "",
+                  "| run | streamed per forward | s/forward | copy-bound s | compute-bound s | ratio | "
+                  "peak allocated | peak reserved | pinned | note |", "|---|---|---|---|---|---|---|---|---|---|"]
         for r in found["rows"]:
             note = r.get("skipped") or r.get("error") or (
-                f"activations {_size(r['activation_measured_bytes'])} measured, {_size(r['activation_estimate_bytes'])} "
-                f"estimated ({r['activation_margin']:.2f}x)" if r.get("activation_margin") else "")
-            lines.append(f"| {r['run']} | {_size(r.get('streamed_bytes_per_forward'))} | {_seconds(r.get('seconds_per_forward'))} | "
-                         f"{_seconds(r.get('copy_bound_seconds'))} | {_seconds(r.get('compute_bound_seconds'))} | "
+                f"activations {_size(r['activation_measured_bytes'])} measured, "
+                f"{_size(r['activation_estimate_bytes'])} estimated ({r['activation_margin']:.2f}x)"
+                if r.get("activation_margin") else "")
+            lines.append(f"| {r['run']} | {_size(r.get('streamed_bytes_per_forward'))} | "
+                         f"{_seconds(r.get('seconds_per_forward'))} | {_seconds(r.get('copy_bound_seconds'))} | "
+                         f"{_seconds(r.get('compute_bound_seconds'))} | "
                          f"{_seconds(r.get('ratio_to_bound'))} | {_size(r.get('max_allocated_bytes'))} | "
                          f"{_size(r.get('max_reserved_bytes'))} | {_size(r.get('pinned_bytes'))} | {note} |")
         lines.append("")
@@ -443,13 +448,14 @@ def markdown(data: dict) -> str:
     return "\n".join(lines)
 
 
-# --- main --------------------------------------------------------------------------------------------------------------
+# --- main ----------------------------------------------------------------------------------------------------
 
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--fake", action="store_true", help="no GPU: memfit's fake CUDA runtime, tiny sizes")
-    parser.add_argument("--out-dir", help="where gpu_check.json and .md go (default: docs/, a temporary folder with --fake)")
+    parser.add_argument("--out-dir",
+                        help="where gpu_check.json and .md go (default: docs/, a temporary folder with --fake)")
     parser.add_argument("--size", type=int, help="image side of the sweep (default 1024; 64 with --fake)")
     parser.add_argument("--double", type=int, default=4, help="double-stream blocks of the sweep's transformer")
     parser.add_argument("--single", type=int, default=8, help="single-stream blocks of the sweep's transformer")

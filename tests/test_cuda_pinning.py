@@ -85,7 +85,8 @@ def test_arenas_are_page_locked_portably_from_their_own_gpu_in_pages_of_their_ow
     assert (small.numel(), other.numel()) == (100, PAGE + 1)  # exactly what was asked for
     assert [(flags, device) for _, _, _, flags, device in registrations(cudart)] == [
         (HOST_REGISTER_PORTABLE, torch.device("cuda", 1))] * 2
-    assert [(address % PAGE, length) for _, address, length, _, _ in registrations(cudart)] == [(0, PAGE), (0, 2 * PAGE)]
+    pages = [(address % PAGE, length) for _, address, length, _, _ in registrations(cudart)]
+    assert pages == [(0, PAGE), (0, 2 * PAGE)]
     assert runtime.pinned_bytes() == 3 * PAGE and cudart.errors_forgotten == 0
     runtime.release_arena(small)
     runtime.release_arena(other)

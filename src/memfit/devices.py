@@ -32,8 +32,8 @@ from memfit.errors import MemfitError
 from memfit.sizes import format_bytes
 
 __all__ = ["HOST_REGISTER_PORTABLE", "HOST_MEMORY_ALREADY_REGISTERED", "CpuRuntime", "CudaRuntime", "DeviceRuntime",
-           "PinningWarning", "PlainRuntime", "cuda_device_count", "page_aligned_buffer", "pinned_fraction", "runtime_for",
-           "use_cuda_runtime"]
+           "PinningWarning", "PlainRuntime", "cuda_device_count", "page_aligned_buffer", "pinned_fraction",
+           "runtime_for", "use_cuda_runtime"]
 
 #: cudaHostRegister's flag for pages that count as page-locked in every CUDA context, not only the one
 #: current when they were registered (with ``--device cuda:1`` that would be GPU 0's, made for it).
@@ -93,7 +93,8 @@ class DeviceRuntime:
         return host if dtype is None else host.to(dtype)
 
     def pinned_arena(self, nbytes: int) -> torch.Tensor:
-        """A host buffer of exactly ``nbytes`` (uint8) that the device copies from asynchronously."""
+        """A host buffer of exactly ``nbytes`` (uint8) that the device copies from asynchronously (where it can
+        be page-locked: a CUDA runtime that cannot says so with a PinningWarning and hands out pageable memory)."""
         return torch.empty(nbytes, dtype=torch.uint8)
 
     def release_arena(self, arena: torch.Tensor) -> None:

@@ -271,7 +271,8 @@ def _malformed(path: str, what: str) -> MemfitError:
 # --- planning ---------------------------------------------------------------------------------
 
 
-def make_plan(stages: Sequence[StageInput], budget: BudgetLike, *, prefetch: int = 1, staging_ring: bool = False) -> Plan:
+def make_plan(stages: Sequence[StageInput], budget: BudgetLike, *, prefetch: int = 1,
+              staging_ring: bool = False) -> Plan:
     """Decide, per stage, which blocks stay on the device and where the others stream from.
 
     Device residency, per stage, greedy "first fit decreasing": blocks are taken largest first

@@ -313,8 +313,8 @@ def plan_stage(pipe, budget: Budget, stage: str, activation_bytes: int = 0,
     leaves them as they are). ``dtype``: as optimize's. ``device``: the runtime it will run on (on a GPU the
     host figure counts the disk tier's staging ring); None: the CPU."""
     blocks = {name: live_blocks(name, module, dtype) for name, module in _components(pipe).items() if name not in skip}
-    return make_plan(_stage_inputs(_without(blocks, unrun_blocks(blocks, parts)), stage, activation_bytes, type(pipe).__name__),
-                     budget, staging_ring=device is not None and device.separate_memory)
+    stages = _stage_inputs(_without(blocks, unrun_blocks(blocks, parts)), stage, activation_bytes, type(pipe).__name__)
+    return make_plan(stages, budget, staging_ring=device is not None and device.separate_memory)
 
 
 def blocks_not_run(pipe) -> list[LiveBlock]:
@@ -374,8 +374,7 @@ def _estimated_activations(pipe, stage: str | None, dtype: torch.dtype | None, d
     from memfit.dtypes import dtype_name
     from memfit.models.families import adapter_for
     from memfit.models.families.base import Settings
-    from memfit.plan.activations import stage_strategies
-    from memfit.run.fit import DEVICE_ACTIVATION_MARGIN
+    from memfit.plan.activations import DEVICE_ACTIVATION_MARGIN, stage_strategies
 
     configs, classes = {}, {}
     for name, value in getattr(pipe, "components", {}).items():
@@ -542,7 +541,8 @@ def _forced_plan(stages: list[StageInput], force_tiers: Mapping[str, str], stagi
         prefetch=1,
         stages=stage_plans,
         homes=tuple(homes.items()),
-        host_peak_bytes=host_need(host_keys, sizes, resident) + (staging_ring_bytes(stage_plans, 1) if staging_ring else 0),
+        host_peak_bytes=host_need(host_keys, sizes, resident)
+        + (staging_ring_bytes(stage_plans, 1) if staging_ring else 0),
     )
 
 

@@ -44,9 +44,9 @@ from memfit.text_enum import TextEnum
 from memfit.run.timeline import record_move
 from memfit.safetensors_header import MappedFile
 
-__all__ = ["ALIGNMENT", "HookRegistry", "MappedSafetensors", "ModuleHook", "MappedPages", "Modes", "Prefetches", "Runtime",
-           "Shared", "Slot", "SlotKind", "StagingRing", "SwapHook", "aligned", "inference_mode_for", "mapped_view",
-           "weights_ready"]
+__all__ = ["ALIGNMENT", "HookRegistry", "MappedSafetensors", "ModuleHook", "MappedPages", "Modes", "Prefetches",
+           "Runtime", "Shared", "Slot", "SlotKind", "StagingRing", "SwapHook", "aligned", "inference_mode_for",
+           "mapped_view", "weights_ready"]
 
 REGISTRY_ATTR = "_memfit_hooks"
 READER_THREAD = "memfit-prefetch"  # the name prefix of the threads that read blocks ahead
@@ -504,9 +504,9 @@ class SwapHook(ModuleHook):
     def _materialize(self, modes: Modes) -> list[torch.Tensor]:
         """The run form of every slot, made in ``modes``; on a GPU queued on the current stream."""
         with modes.entered():
-            return self._made()
+            return self._run_form()
 
-    def _made(self) -> list[torch.Tensor]:
+    def _run_form(self) -> list[torch.Tensor]:
         started = time.perf_counter()
         device = self.runtime.device_runtime
         ring = self.runtime.ring
@@ -566,7 +566,8 @@ class SwapHook(ModuleHook):
         device = self.runtime.device_runtime
         if pending is None:
             self.runtime.before_onload()
-            return self._materialize(Modes.for_slots(self.slots))  # queued on the current stream: later work there sees it
+            # queued on the current stream: later work there sees it
+            return self._materialize(Modes.for_slots(self.slots))
         if isinstance(pending, Future):
             pending = pending.result()
             if not device.separate_memory:
