@@ -69,6 +69,17 @@ def tiny_sd(models: str | Path) -> Path:
     return model
 
 
+def max_difference(image: Path, reference: Path) -> int | None:
+    """The largest per-pixel difference (0..255) between two image files; None if either is missing."""
+    import numpy as np
+    from PIL import Image
+
+    if not (image.is_file() and reference.is_file()):
+        return None
+    a, b = (np.asarray(Image.open(p).convert("RGB"), dtype=int) for p in (image, reference))
+    return int(np.abs(a - b).max())
+
+
 def write_outputs(name: str, data: dict, table: str) -> None:
     docs = Path(__file__).resolve().parent.parent / "docs"
     docs.mkdir(exist_ok=True)

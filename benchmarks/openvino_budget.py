@@ -88,16 +88,6 @@ def measure(row: str, model: Path, store: Path, image: Path, args) -> dict:
     return result
 
 
-def max_difference(image: Path, reference: Path) -> int | None:
-    import numpy as np
-    from PIL import Image
-
-    if not (image.is_file() and reference.is_file()):
-        return None
-    a, b = (np.asarray(Image.open(p).convert("RGB"), dtype=int) for p in (image, reference))
-    return int(np.abs(a - b).max())
-
-
 def render(data: dict) -> str:
     a = data["args"]
     cap = f"{a['cap_gib']:g} GiB" if a["cap_gib"] else "none (smoke test)"
@@ -148,7 +138,7 @@ def main() -> None:
     args = parser.parse_args()
 
     import torch
-    from common import build_real_size, machine, tiny_sd, write_outputs
+    from common import build_real_size, machine, max_difference, tiny_sd, write_outputs
 
     if args.tiny:
         model = tiny_sd(args.models)

@@ -40,7 +40,7 @@ def tiny_models(tmp_path_factory):
 def memfit_server():
     """``with memfit_server(model, *flags) as (process, url):`` runs `memfit serve --model MODEL` (no --model
     where MODEL is None) on a free loopback port, answering at ``url``, until the block ends (killed if it
-    still runs)."""
+    still runs). ``process.output()`` is what it has printed so far."""
     import contextlib
     import socket
     import subprocess
@@ -58,18 +58,19 @@ def memfit_server():
         with tempfile.TemporaryFile("w+") as log:
             process = subprocess.Popen([sys.executable, "-m", "memfit", "serve", *(["--model", model] if model else []),
                                         "--port", str(port), *flags], stdout=log, stderr=subprocess.STDOUT, text=True)
+            # pread: the server writes through the same file offset, which a seek would move
+            process.output = lambda: os.pread(log.fileno(), os.fstat(log.fileno()).st_size, 0).decode(errors="replace")
             url = f"http://127.0.0.1:{port}"
             try:
                 deadline = time.time() + 120
                 while time.time() < deadline and process.poll() is None:
                     try:
-                        if httpx.get(url + "/sdapi/v1/options", timeout=2).status_code == 200:
+                        if httpx.get(url + "/sdapi/v1/options", timeout=2).status_code in (200, 401):  # 401: --api-auth
                             break
                     except httpx.TransportError:
                         time.sleep(0.2)
                 else:
-                    log.seek(0)
-                    pytest.fail("server did not start: " + log.read())
+                    pytest.fail("server did not start: " + process.output())
                 yield process, url
             finally:
                 if process.poll() is None:

@@ -4,15 +4,17 @@ no output file, and nothing else changed on disk (issue 17).
 One table, one row per fault: folder faults, parameter faults, cache faults and output faults.
 Extend it whenever a new flag or file format appears. A row is (id, make, expected): ``make(model,
 tmp)`` gets a private copy of the tiny SD folder and a scratch folder, damages what it needs and
-returns the extra CLI arguments (and environment, and another --model) of the run; ``expected`` must
-appear in the one line on stderr.
+returns the extra CLI arguments (and environment, and another --model, or the tiny pipeline of another
+``family``) of the run; ``expected`` must appear in the one line on stderr.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
+import socket
 from pathlib import Path
 
 import pytest
@@ -89,6 +91,10 @@ def wrong_shape(model, tmp):
 
 def remote_code(model, tmp):
     _index(model, unet=["my_unet", "MyUNet"])
+
+
+def unknown_pipeline_class(model, tmp):
+    _index(model, _class_name="NoSuchPipeline")
 
 
 def remote_code_auto_map(model, tmp):
@@ -193,6 +199,22 @@ def args(*extra, env=None):
     return lambda model, tmp: {"args": ["--prompt", "a red circle", *extra], "env": env or {}}
 
 
+def tiny(family, *extra):
+    """A run of the tiny ``family`` pipeline (memfit.testing, built once per session) with ``extra`` arguments."""
+    return lambda model, tmp: {"family": family, "args": ["--prompt", "a red circle", *extra]}
+
+
+def embeddings_of_another_text_encoder(model, tmp):
+    """Embeddings the model's text encoder made, then one of its weights changed: another encoder now."""
+    from memfit.models.folder import ModelFolder
+    from memfit.run.embeddings import Embeddings
+
+    Embeddings({"prompt_embeds": torch.zeros(1, 77, 32)}, "StableDiffusionPipeline",
+               ModelFolder.open(model).text_fingerprint, "a red circle", None).save(tmp / "e.safetensors")
+    _edit(model, "text_encoder", lambda t: t[_key(t, "final_layer_norm.weight")].add_(1))
+    return {"args": ["--embeddings", str(tmp / "e.safetensors")]}
+
+
 # -- output faults ------------------------------------------------------------------------------
 
 def out_in_missing_folder(model, tmp):
@@ -232,6 +254,7 @@ CASES = [
     ("wrong-shape", wrong_shape, "Tensor 'conv_in.weight' in"),
     ("remote-code", remote_code, "memfit never runs code from a model folder"),
     ("remote-code-auto-map", remote_code_auto_map, "memfit never runs code from a model folder"),
+    ("unknown-pipeline-class", unknown_pipeline_class, "names the pipeline class 'NoSuchPipeline', which diffusers"),
     ("pickle-weights", pickle_weights, "is a pickle checkpoint"),
     ("nan-unet-weights", nan_weights("unet", "conv_out.weight"), "denoise stage produced non-finite values"),
     ("nan-text-weights", nan_weights("text_encoder", "final_layer_norm.weight"), "encode stage produced non-finite"),
@@ -267,6 +290,9 @@ CASES = [
     ("device-missing-gpu", args("--device", "cuda:7"), "--device cuda:7"),
     ("guidance-inf", args("--guidance", "inf"), "not a finite number"),
     ("guidance-nan", args("--guidance", "nan"), "not a finite number"),
+    ("wan-beyond-its-position-table", tiny("wan", "--width", "832", "--height", "480"),
+     "reaches at most 512x512 with 125 frames"),
+    ("embeddings-of-another-text-encoder", embeddings_of_another_text_encoder, "were made by a different text encoder"),
     ("budget-garbage", args("--budget", "lots"), "lots"),
     ("precision-garbage", args("--precision", "fp64"), "--precision"),
     ("precision-for-eager", args("--precision", "bf16"), "--precision bf16 differs from --dtype fp32"),
@@ -308,7 +334,8 @@ def bad_run(tiny_models, tmp_path, monkeypatch, capsys):
         before = _snapshot(tmp_path)
         capsys.readouterr()
         run_args = RUN if command == "generate" else ["--quiet"]
-        code = main([command, "--model", str(extra.get("model", model)), *run_args, *args, "--out", str(out)])
+        run_model = tiny_models(extra["family"]) if "family" in extra else extra.get("model", model)
+        code = main([command, "--model", str(run_model), *run_args, *args, "--out", str(out)])
         err = capsys.readouterr().err
         after = _snapshot(tmp_path)
         # The store may have gained a whole, valid entry from a stage that ran before the fault was
@@ -362,6 +389,23 @@ def test_temporaries_of_killed_writers_are_removed_by_the_next_write(tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir()) == [".out.png.abc123.tmp", "other.png"]
 
 
+BATCH_CASES = [
+    ("jobs-file-missing", lambda model, tmp: {"args": [str(tmp / "jobs.jsonl")], "out": tmp / "out"}, "does not exist"),
+    ("jobs-file-is-a-folder", lambda model, tmp: (tmp / "jobs.jsonl").mkdir() or {"args": [str(tmp / "jobs.jsonl")],
+                                                                                  "out": tmp / "out"},
+     "jobs.jsonl is a folder"),
+]
+
+
+@pytest.mark.parametrize("make, expected", [case[1:] for case in BATCH_CASES], ids=[case[0] for case in BATCH_CASES])
+def test_bad_input_to_batch_is_one_sentence_exit_2_and_changes_nothing(bad_run, make, expected):
+    code, err, out, before, after = bad_run(make, command="batch")
+    assert code == 2, err
+    assert expected in err, err
+    assert err.startswith("memfit: error: ") and err.strip().count("\n") == 0, err
+    assert not out.exists() and after == before
+
+
 ENCODE_CASES = [
     ("missing-text-tensor", missing_text_tensor, "final_layer_norm.weight"),
     ("pickle-weights", pickle_weights, "is a pickle checkpoint"),
@@ -385,3 +429,38 @@ def test_bad_input_to_encode_is_one_sentence_exit_2_and_changes_nothing(bad_run,
     assert expected in err, err
     assert err.startswith("memfit: error: ") and err.strip().count("\n") == 0, err
     assert not out.is_file() and after == before
+
+
+# -- memfit serve: flags refused before anything listens (the limits before the model is opened) -----
+
+def serve_flags(*flags):
+    # The model does not exist: a flag checked after it was opened would be refused for the model instead.
+    return lambda stack, model: ["--model", "/nonexistent/model", *flags]
+
+
+def _port_in_use(stack, model):
+    listening = stack.enter_context(socket.create_server(("127.0.0.1", 0)))
+    return ["--model", model, "--port", str(listening.getsockname()[1])]
+
+
+SERVE_CASES = [
+    ("serve-port-negative", serve_flags("--port", "-5"), "--port -5 is not a port; give one from 1 to 65535"),
+    ("serve-port-too-large", serve_flags("--port", "70000"), "--port 70000 is not a port"),
+    ("serve-port-in-use", _port_in_use, "Cannot listen on 127.0.0.1:"),
+    ("serve-max-pixels-zero", serve_flags("--max-pixels", "0"), "--max-pixels 0 would refuse every request"),
+    ("serve-max-prompt-chars-negative", serve_flags("--max-prompt-chars", "-1"), "--max-prompt-chars -1 would refuse"),
+    ("serve-max-body-garbage", serve_flags("--max-body", "lots"), "--max-body: Cannot read 'lots' as a size"),
+    ("serve-max-body-tiny", serve_flags("--max-body", "10"), "--max-body 10 would refuse every request"),
+    ("serve-max-seconds-negative", serve_flags("--max-seconds", "-1"), "--max-seconds -1 must be a number of seconds"),
+    ("serve-shutdown-grace-nan", serve_flags("--shutdown-grace", "nan"), "--shutdown-grace nan must be a number"),
+]
+
+
+@pytest.mark.parametrize("make, expected", [case[1:] for case in SERVE_CASES], ids=[case[0] for case in SERVE_CASES])
+def test_bad_serve_flags_are_one_sentence_exit_2_before_the_server_starts(tiny_models, capsys, make, expected):
+    with contextlib.ExitStack() as stack:
+        code = main(["serve", *make(stack, tiny_models("sd"))])
+    err = capsys.readouterr().err
+    assert code == 2, err
+    assert expected in err, err
+    assert err.startswith("memfit: error: ") and err.strip().count("\n") == 0, err

@@ -130,11 +130,35 @@ def test_an_unfinished_results_line_is_cut_off_and_its_job_runs_again(tiny_model
     run_batch(path, _options(model, out))
     data = (out / "results.jsonl").read_bytes()
     (out / "results.jsonl").write_bytes(data[:-20])  # the driver died in the middle of b's line
-    (out / ".b.png.x1y2.tmp").write_bytes(b"\x89PNG half")  # and of another write
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    (out / f".b.png.memfit-{int(dead.stdout)}-x1y2.tmp").write_bytes(b"\x89PNG half")  # and of another write
+    (out / ".c.png.x1y2.tmp").write_bytes(b"another program's")  # not memfit's: never touched
     summary = run_batch(path, _options(model, out))
     assert (summary.done, summary.skipped) == (1, 1)
     assert [line["id"] for line in _results(out)] == ["a", "b"]
-    assert not list(out.glob(".*.tmp"))
+    assert [p.name for p in out.glob(".*.tmp")] == [".c.png.x1y2.tmp"]
+
+
+def test_a_model_changed_in_place_runs_its_jobs_again(tiny_models, tmp_path):
+    """A job's key names the model's content, not its folder: a model changed in place runs its jobs again
+    instead of keeping their old images (issue 35, item 2), and the same model moved elsewhere runs nothing."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    model = shutil.copytree(tiny_models("sd"), tmp_path / "model")
+    path = _write_jobs(tmp_path / "jobs.jsonl", [{"id": "a", "prompt": "a red circle"}])
+    out = tmp_path / "out"
+    run_batch(path, _options(model, out))
+    first = (out / "a.png").read_bytes()
+    weights = next((model / "unet").glob("*.safetensors"))
+    tensors = load_file(weights)
+    bias = next(key for key in tensors if key.endswith("conv_out.bias"))
+    tensors[bias] += 0.5
+    save_file(tensors, weights, metadata={"format": "pt"})
+    summary = run_batch(path, _options(model, out))
+    assert (summary.done, summary.skipped) == (1, 0) and (out / "a.png").read_bytes() != first
+    assert run_batch(path, _options(model.rename(tmp_path / "moved"), out)).skipped == 1
 
 
 def test_a_job_failing_twice_is_recorded_and_the_batch_goes_on(tiny_models, tmp_path, monkeypatch):

@@ -66,6 +66,40 @@ def test_generate_with_an_unusable_cache_runs_uncached_with_one_warning(tiny_mod
     assert Image.open(tmp_path / "a.png").tobytes() == Image.open(tmp_path / "b.png").tobytes()
 
 
+def test_a_full_disk_under_the_cache_runs_uncached_with_one_warning(tiny_models, tmp_path, monkeypatch, capsys):
+    """Every file write under the cache directory fails as on a full disk: safetensors' own writer with its
+    SafetensorError, Python's with OSError ENOSPC. The run goes on uncached with one warning, and the store
+    holds no entry and no staging folder (issue 35, item 9)."""
+    import errno
+    import os
+    import pathlib
+
+    import safetensors.torch
+    from safetensors import SafetensorError
+
+    root = tmp_path / "cache"
+    monkeypatch.setenv("MEMFIT_CACHE_DIR", str(root))
+    write_bytes, save_file = pathlib.Path.write_bytes, safetensors.torch.save_file
+
+    def full_write_bytes(path, data):
+        if root in path.parents:
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(path))
+        return write_bytes(path, data)
+
+    def full_save_file(tensors, filename, metadata=None):
+        if root in pathlib.Path(filename).parents:
+            raise SafetensorError("Error while serializing: IoError(Os { code: 28, kind: StorageFull, "
+                                  'message: "No space left on device" })')
+        return save_file(tensors, filename, metadata=metadata)
+
+    monkeypatch.setattr(pathlib.Path, "write_bytes", full_write_bytes)
+    monkeypatch.setattr(safetensors.torch, "save_file", full_save_file)
+    assert main(["generate", "--model", tiny_models("sd"), *RUN, "--out", str(tmp_path / "a.png")]) == 0
+    err = capsys.readouterr().err
+    assert err.count("memfit: warning:") == 1 and "No space left on device" in err and str(root) in err, err
+    assert CacheStore(root).ls() == [] and not list((root / ".tmp").iterdir())
+
+
 def test_unusable_cache_under_require_is_one_sentence(tiny_models, tmp_path, monkeypatch, capsys):
     monkeypatch.setenv("MEMFIT_CACHE_DIR", str(_locks_unwritable(tmp_path)))
     monkeypatch.setenv("MEMFIT_CACHE", "require")

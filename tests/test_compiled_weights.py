@@ -380,6 +380,7 @@ def test_a_compiled_unet_too_large_for_the_budget_runs_its_resident_blocks_compi
     assert difference.max() <= 1, difference.max()
 
 
+@needs_openvino  # the quick tier runs after `make demo`'s set-up too, which installs no backend
 def test_a_budget_with_no_room_for_any_compiled_block_runs_the_unet_eagerly_and_says_so(tiny_models, streamed_plans):
     model = tiny_models("sd")
     unet_bytes = sum(f.stat().st_size for f in (Path(model) / "unet").glob("*.safetensors"))

@@ -410,6 +410,9 @@ def test_optional_settings_are_resolved_or_refused(tiny_models):
         memfit.generate(PROMPT, model=tiny_models("flux"), num_frames=5, progress=False)
 
     wan = ModelFolder.open(tiny_models("wan")).adapter
+    with pytest.raises(MemfitError, match="rope_max_seq_len 32.* reaches at most 512x512 with 125 frames"):
+        wan.resolve(PROMPT, None, None, None, 0, None, None)  # the tiny transformer's table is shorter than a real one's
+    wan.configs["transformer"]["rope_max_seq_len"] = 1024  # a real Wan's: its pipeline's defaults fit
     settings = wan.resolve(PROMPT, None, None, None, 0, None, None)
     assert (settings.num_frames, settings.width, settings.height, settings.guidance) == (81, 832, 480, 5.0)
     assert wan.latent_frames(settings) == 21

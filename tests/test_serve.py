@@ -1,17 +1,22 @@
 """memfit serve: the A1111-compatible API over a warm Session, on a tiny pipeline (no network).
 
 Every image must equal, byte for byte (PNG metadata included), what `memfit generate` writes for
-the same inputs; refusals are 422s that say what to do; the queue is FIFO and a cancelled or
-interrupted job frees it.
+the same inputs; refusals are 422s (a body too large a 413) that say what to do, before anything is
+queued or decoded; the queue is FIFO and a cancelled or interrupted job frees it, and a stopping
+server stops it after its grace period.
 """
 
 import base64
 import io
 import json
+import logging
+import re
+import struct
 import subprocess
 import sys
 import threading
 import time
+import zlib
 
 import pytest
 from fastapi.testclient import TestClient
@@ -33,7 +38,8 @@ def served(tmp_path_factory):
 
     model = str(save_pipeline("sd", tmp_path_factory.mktemp("serve") / "sd", seed=0))
     session = Session(model)
-    with TestClient(create_app(session, limits=Limits(max_steps=40, max_pixels=64 * 64, max_images=4))) as client:
+    limits = Limits(max_steps=40, max_pixels=64 * 64, max_images=4, max_body_bytes=64 * 1024, max_prompt_chars=100)
+    with TestClient(create_app(session, limits=limits)) as client:
         yield client, session, model
 
 
@@ -108,7 +114,9 @@ def test_seed_minus_one_is_random_and_reported(served):
     ({"width": 128, "height": 64}, "pixels"),
     ({"batch_size": 3, "n_iter": 2}, "1 to 4 images"),
     ({"seed": -2}, "seed must be -1"),
-    ({"prompt": ""}, "prompt is empty"),
+    ({"prompt": ""}, 'The prompt is empty: send a description of the image in the JSON field "prompt"'),
+    ({"prompt": "a" * 101}, "prompt has 101 characters, more than the 100 a request may send"),
+    ({"negative_prompt": "a" * 101}, "negative_prompt has 101 characters, more than the 100"),
     ({"prompt": "a cat <lora:style:0.8>"}, "No LoRA 'style' is listed: this server lists none; start memfit serve "
                                            "with --models-dir DIR"),
 ])
@@ -266,6 +274,26 @@ def test_a_cancelled_running_job_stops_at_its_next_step():
     queue.stop(10)
 
 
+class StuckSession:
+    """Session stand-in whose run spends a while in one call that checks nothing (a tokenizer given a huge prompt)
+    between the encode stage's start and the denoise stage's."""
+
+    def generate(self, prompt, on_step=None, **settings):
+        on_step("encode", 0, 0)
+        time.sleep(0.5)
+        on_step("denoise", 0, 0)
+        raise AssertionError("the run went on past the denoise stage's start")
+
+
+def test_a_stopping_server_stops_a_job_stuck_in_encoding_once_its_grace_is_over():
+    queue = JobQueue(StuckSession())
+    job = queue.submit(Job([{"prompt": "a"}]))
+    while job.state != "running":
+        time.sleep(0.01)
+    assert queue.stop(10, grace=0.1), "the worker did not end"
+    assert job.state == "interrupted"
+
+
 def test_basic_auth_when_asked_and_no_open_bind_without_it(served):
     from memfit.cli.serve import check_bind
 
@@ -275,6 +303,10 @@ def test_basic_auth_when_asked_and_no_open_bind_without_it(served):
         assert client.get("/sdapi/v1/options").status_code == 401
         assert client.get("/sdapi/v1/options", auth=("user", "wrong")).status_code == 401
         assert client.get("/sdapi/v1/options", auth=("user", "secret")).status_code == 200
+        token = base64.b64encode(b"user:secret").decode()
+        for scheme in ("basic", "BASIC"):  # a scheme's name is case-insensitive in HTTP
+            assert client.get("/sdapi/v1/options", headers={"authorization": f"{scheme} {token}"}).status_code == 200
+        assert client.get("/sdapi/v1/options", headers={"authorization": f"Bearer {token}"}).status_code == 401
     with pytest.raises(MemfitError, match="--api-auth"):
         check_bind("0.0.0.0", None)
     with pytest.raises(MemfitError, match="USER:PASSWORD"):
@@ -395,3 +427,144 @@ def test_img2img_requests_that_cannot_run_get_422_saying_why(served, fields, say
     response = client.post("/sdapi/v1/img2img", json={**BASE, "init_images": [b64_png(test_image(32))], **fields})
     assert response.status_code == 422, response.text
     assert says in response.json()["detail"]
+
+
+def test_a_body_over_the_limit_gets_413_naming_the_limit(served):
+    client, _, _ = served
+    body = json.dumps({**BASE, "negative_prompt": "a" * 70_000}).encode()
+    json_type = {"content-type": "application/json"}
+    declared = client.post("/sdapi/v1/txt2img", content=body, headers=json_type)
+    assert declared.status_code == 413, declared.text
+    assert "more than the 64.00 KiB a request may send" in declared.json()["detail"]
+    chunked = client.post("/sdapi/v1/txt2img", content=iter([body[:40_000], body[40_000:]]), headers=json_type)
+    assert chunked.status_code == 413, chunked.text
+    assert "(memfit serve --max-body raises the limit)" in chunked.json()["detail"]
+    assert client.get("/sdapi/v1/progress").json()["state"]["job_count"] == 0
+
+
+def blank_png(width, height):
+    """A valid PNG of ``width`` x ``height`` black pixels (1 bit each), a few KB however many pixels its header gives."""
+    def chunk(kind, data):
+        return struct.pack(">I", len(data)) + kind + data + struct.pack(">I", zlib.crc32(kind + data))
+
+    rows = zlib.compress(b"\0" * ((1 + (width + 7) // 8) * height), 9)
+    return (b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", struct.pack(">IIBBBBB", width, height, 1, 0, 0, 0, 0))
+            + chunk(b"IDAT", rows) + chunk(b"IEND", b""))
+
+
+def test_an_image_past_the_pixel_limit_is_refused_from_its_header(served):
+    from memfit.testing.conditioning import test_image
+
+    client, session, _ = served
+    huge = base64.b64encode(blank_png(12000, 12000)).decode()  # 144 megapixels in 18 KB
+    small = b64_png(test_image(32))
+    for route, fields, name in (("img2img", {**BASE, "init_images": [huge]}, "init_images[0]"),
+                                ("img2img", {**BASE, "init_images": [small], "mask": huge}, "mask"),
+                                ("png-info", {"image": huge}, "image"),
+                                ("extra-single-image", {"image": huge, "upscaler_1": "None"}, "image")):
+        response = client.post(f"/sdapi/v1/{route}", json=fields)
+        assert response.status_code == 422, response.text
+        assert response.json()["detail"].startswith(f"{name} is 12000x12000, 144000000 pixels, more than the 4096 a "
+                                                    "request may send"), response.text
+    # past Pillow's decompression-bomb limit even where --max-pixels would let it through
+    with TestClient(create_app(session, limits=Limits(max_pixels=10**9))) as lenient:
+        response = lenient.post("/sdapi/v1/png-info", json={"image": huge})
+    assert response.status_code == 422 and "decompression-bomb limit" in response.json()["detail"]
+
+
+def test_an_image_is_decoded_off_the_event_loop(served, monkeypatch):
+    from memfit.testing.conditioning import test_image
+
+    client, _, _ = served
+    body = {**BASE, "steps": 1, "init_images": [b64_png(test_image(32))]}
+    decoding, release = threading.Event(), threading.Event()
+    convert = Image.Image.convert
+
+    def slow_convert(image, *args, **kwargs):
+        decoding.set()
+        release.wait(30)
+        return convert(image, *args, **kwargs)
+
+    monkeypatch.setattr(Image.Image, "convert", slow_convert)
+    posted = threading.Thread(target=client.post, args=("/sdapi/v1/img2img",), kwargs={"json": body})
+    posted.start()
+    assert decoding.wait(30)
+    poll = threading.Thread(target=client.get, args=("/sdapi/v1/progress",))
+    poll.start()
+    poll.join(10)
+    held_up = poll.is_alive()
+    release.set()
+    posted.join(60)
+    poll.join(60)
+    assert not held_up, "while an image was decoded no other client got an answer"
+
+
+def test_an_init_image_of_a_size_the_model_cannot_take_is_resized_and_the_info_says_so(served):
+    import memfit
+    from memfit.run.media import png_bytes
+    from memfit.testing.conditioning import test_image
+
+    client, _, model = served
+    image = test_image(32, seed=3).resize((33, 35))
+    response = client.post("/sdapi/v1/img2img", json={**BASE, "seed": 4, "init_images": [b64_png(image)]})
+    assert response.status_code == 200, response.text
+    info = json.loads(response.json()["info"])
+    assert (info["width"], info["height"]) == (32, 32)
+    assert info["memfit"]["notes"] == ["init_images[0] is 33x35; memfit resized it to 32x32, the nearest multiples "
+                                       "of 8 below, as StableDiffusionPipeline needs."]
+    expected = memfit.generate(BASE["prompt"], model=model, negative_prompt=BASE["negative_prompt"], steps=2,
+                               guidance=3.5, seed=4, image=image.resize((32, 32), Image.Resampling.LANCZOS),
+                               strength=0.75, progress=False)
+    assert base64.b64decode(response.json()["images"][0]) == png_bytes(expected.images[0], expected.metadata)
+
+
+def test_a_request_estimated_past_max_seconds_is_refused_with_the_largest_size_that_fits(served):
+    from memfit.serve.costs import Measured
+
+    _, session, _ = served
+    app = create_app(session, limits=Limits(max_seconds=1))
+    with TestClient(app) as client:
+        assert json.loads(client.post("/sdapi/v1/txt2img", json={**BASE, "width": 16, "height": 16}).json()["info"])[
+            "memfit"]["estimated_seconds"] is None  # nothing measured yet; 16x16 is too small to estimate 64x64 from
+        app.state.step_times.record(session.folder.path, Measured(32, 32, 0.05))  # as an earlier run would
+        # 4x the pixels of the measured size, 40 steps, 4 images: 4 * 40 * 4 * 0.05 s
+        refused = client.post("/sdapi/v1/txt2img", json={**BASE, "width": 64, "height": 64, "steps": 40,
+                                                         "batch_size": 4})
+        assert refused.status_code == 422, refused.text
+        assert refused.json()["detail"] == (
+            "64x64 at 40 steps x 4 images would hold the server for about 32 s of denoising (estimated from 0.05 s "
+            "per step at 32x32 on this checkpoint, in proportion to pixels x steps), more than the 1 s a request may "
+            "take; ask for at most 8x8 (the largest size of about this shape that fits) or at most 1 steps at 64x64 "
+            "or fewer images (memfit serve --max-seconds raises the limit).")
+        assert client.get("/sdapi/v1/progress").json()["state"]["job_count"] == 0
+        fits = client.post("/sdapi/v1/txt2img", json=BASE)
+        assert json.loads(fits.json()["info"])["memfit"]["estimated_seconds"] == 0.1
+    # Nothing measured near the size asked for: the job's own pace stops it after its second step.
+    with TestClient(create_app(session, limits=Limits(max_seconds=0.1))) as client:
+        stopped = client.post("/sdapi/v1/txt2img", json={**BASE, "steps": 40, "batch_size": 4, "force_task_id": "slow"})
+        assert stopped.status_code == 422, stopped.text
+        assert stopped.json()["detail"].startswith("32x32 at 40 steps x 4 images would hold the server for about ")
+        report = client.get("/memfit/v1/report/slow").json()
+        assert report["state"] == "failed" and report["images"] == 0
+
+
+def test_each_generation_request_and_the_shutdown_are_logged(served, caplog):
+    _, session, _ = served
+    with caplog.at_level(logging.INFO, logger="memfit.serve"), TestClient(create_app(session)) as client:
+        assert client.post("/sdapi/v1/txt2img", json={**BASE, "force_task_id": "logged"}).status_code == 200
+        assert client.post("/sdapi/v1/txt2img", json={**BASE, "prompt": " "}).status_code == 422
+    lines = [record.getMessage() for record in caplog.records if record.name == "memfit.serve"]
+    assert re.fullmatch(r"txt2img logged: 32x32, 2 steps, 1 image\(s\): 200 done in \d+\.\d\d s, peak \d+\.\d\d [MG]iB",
+                        lines[0]), lines
+    assert lines[1].startswith("txt2img -: 32x32, 2 steps: 422 refused in ") and 'JSON field "prompt"' in lines[1]
+    assert lines[-1] == "stopped after answering 1 generation requests (1 images)"
+
+
+def test_every_serve_flag_that_takes_a_value_shows_its_default_in_help(capsys):
+    with pytest.raises(SystemExit):
+        main(["serve", "--help"])
+    blocks = re.split(r"\n  (?=--)", capsys.readouterr().out)
+    for flag in ("--dtype", "--budget", "--host", "--port", "--max-steps", "--max-pixels", "--max-images", "--max-body",
+                 "--max-prompt-chars", "--max-seconds", "--shutdown-grace"):
+        block = next(block for block in blocks if block.startswith(flag + " "))
+        assert "default" in block, block

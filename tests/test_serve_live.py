@@ -1,5 +1,6 @@
 """memfit serve as a real process on loopback: concurrent clients answered in order with the right
-images, a client killed mid-request does not stall the queue, SIGTERM drains the running request."""
+images, a client killed mid-request or while waiting does not stall the queue, a huge prompt is refused
+at once, SIGTERM answers the waiting requests and stops the running one after its grace period."""
 
 import base64
 import json
@@ -16,22 +17,36 @@ httpx = pytest.importorskip("httpx")
 pytestmark = pytest.mark.slow  # starts a server process and runs a few dozen generations
 
 BASE = {"prompt": "a red circle", "negative_prompt": "blurry", "steps": 2, "cfg_scale": 3.5, "width": 32, "height": 32}
+# The long requests below must run, however slow this machine is (the estimate is tested in test_serve.py).
+NO_ESTIMATE = ("--max-seconds", "0")
 
 
-@pytest.fixture
+@pytest.fixture(scope="module")
 def server(tiny_models, memfit_server):
-    with memfit_server(tiny_models("sd")) as running:
+    """One server for the module's tests that leave it running."""
+    with memfit_server(tiny_models("sd"), *NO_ESTIMATE) as running:
         yield running
 
 
-def post(url, body, timeout=300):
-    return httpx.post(url + "/sdapi/v1/txt2img", json=body, timeout=timeout)
+# Runs for as long as the server would let it (8 images, 150 steps each): stopped by the test, never finished.
+LONG = {**BASE, "steps": 150, "width": 64, "height": 64, "batch_size": 8}
 
 
-def wait_queued(url, task, timeout=120):
+def client_process(url, body, headers=None):
+    """A client in a process of its own, to be killed as a client that goes away would be."""
+    code = (f"import httpx, json; httpx.post({url!r} + '/sdapi/v1/txt2img', json=json.loads({json.dumps(json.dumps(body))}), "
+            f"headers={headers!r}, timeout=600)")
+    return subprocess.Popen([sys.executable, "-c", code])
+
+
+def post(url, body, timeout=300, headers=None):
+    return httpx.post(url + "/sdapi/v1/txt2img", json=body, timeout=timeout, headers=headers)
+
+
+def wait_queued(url, task, timeout=120, headers=None):
     deadline = time.time() + timeout
     while time.time() < deadline:
-        progress = httpx.get(url + "/sdapi/v1/progress", params={"id_task": task}, timeout=10).json()
+        progress = httpx.get(url + "/sdapi/v1/progress", params={"id_task": task}, timeout=10, headers=headers).json()
         if progress["memfit"]["queue_position"] == 1:
             return progress
         time.sleep(0.05)
@@ -48,10 +63,10 @@ def wait_known(url, task, timeout=120):
     pytest.fail(f"the server never received task {task}")
 
 
-def wait_running(url, task, timeout=120):
+def wait_running(url, task, timeout=120, headers=None):
     deadline = time.time() + timeout
     while time.time() < deadline:
-        progress = httpx.get(url + "/sdapi/v1/progress", params={"id_task": task}, timeout=10).json()
+        progress = httpx.get(url + "/sdapi/v1/progress", params={"id_task": task}, timeout=10, headers=headers).json()
         if progress["memfit"]["queue_position"] == 0 and progress["state"]["sampling_step"] >= 1:
             return progress
         time.sleep(0.05)
@@ -91,9 +106,7 @@ def test_concurrent_clients_are_answered_once_in_order_with_their_images(server,
 
 def test_a_client_killed_mid_request_does_not_stall_the_queue(server):
     _, url = server
-    body = {**BASE, "steps": 150, "force_task_id": "doomed"}
-    killed = subprocess.Popen([sys.executable, "-c",
-                               f"import httpx, json; httpx.post({url!r} + '/sdapi/v1/txt2img', json=json.loads({json.dumps(json.dumps(body))}), timeout=600)"])
+    killed = client_process(url, {**BASE, "steps": 150, "force_task_id": "doomed"})
     wait_running(url, "doomed")
     killed.kill()
     killed.wait(30)
@@ -105,22 +118,56 @@ def test_a_client_killed_mid_request_does_not_stall_the_queue(server):
     assert time.time() - started < 60
 
 
-def test_sigterm_drains_the_running_request_and_exits_cleanly(server):
-    process, url = server
-    result = {}
-    runner = threading.Thread(target=lambda: result.update(r=post(url, {**BASE, "steps": 150, "force_task_id": "last"})))
-    runner.start()
-    wait_running(url, "last")
-    waiting = {}
-    queued = threading.Thread(target=lambda: waiting.update(r=post(url, {**BASE, "seed": 9, "force_task_id": "next"})))
-    queued.start()
-    wait_queued(url, "next")  # signalled while the first still runs and the second waits behind it
-    process.send_signal(signal.SIGTERM)
-    runner.join(120)
-    queued.join(120)
-    assert result["r"].status_code == 200 and len(result["r"].json()["images"]) == 1
-    assert waiting["r"].status_code == 503 and "stopped" in waiting["r"].json()["detail"]
-    assert process.wait(60) == 0
+def test_a_huge_prompt_is_refused_at_once_naming_the_limit(server):
+    _, url = server
+    before = httpx.get(url + "/sdapi/v1/memory").json()["ram"]["used"]
+    started = time.time()
+    huge = post(url, {**BASE, "prompt": "a red circle " * 3_800_000}, timeout=60)  # 49.4 MB, 47.1 MiB of JSON
+    assert huge.status_code == 422, huge.text
+    assert huge.json()["detail"].startswith("prompt has 49400000 characters, more than the 20000 a request may send")
+    larger = post(url, {**BASE, "prompt": "a" * 60_000_000}, timeout=60)
+    assert larger.status_code == 413 and "more than the 48.00 MiB a request may send" in larger.json()["detail"]
+    assert time.time() - started < 30
+    grew = httpx.get(url + "/sdapi/v1/memory").json()["ram"]["used"] - before
+    assert grew < 400 * 2**20, f"the server grew by {grew / 2**20:.0f} MiB"
+
+
+def test_behind_api_auth_a_gone_client_is_dropped_and_sigterm_stops_the_running_request_after_its_grace(
+        tiny_models, memfit_server):
+    # A lower-case scheme name, as some clients send it: HTTP's scheme names are case-insensitive.
+    auth = {"authorization": "basic " + base64.b64encode(b"user:secret").decode()}
+    flags = ("--api-auth", "user:secret", "--shutdown-grace", "1", *NO_ESTIMATE)
+    with memfit_server(tiny_models("sd"), *flags) as (process, url):
+        result = {}
+        runner = threading.Thread(target=lambda: result.update(r=post(url, {**LONG, "force_task_id": "last"},
+                                                                      headers=auth)))
+        runner.start()
+        wait_running(url, "last", headers=auth)
+        # A waiting request whose client goes away leaves the queue at once (behind auth too).
+        gone = client_process(url, {**BASE, "force_task_id": "gone"}, headers=auth)
+        wait_queued(url, "gone", headers=auth)
+        gone.kill()
+        gone.wait(30)
+        time.sleep(1)
+        assert httpx.get(url + "/memfit/v1/report/gone", headers=auth).json()["state"] == "cancelled"
+        waiting = {}
+        queued = threading.Thread(target=lambda: waiting.update(r=post(url, {**BASE, "seed": 9, "force_task_id": "next"},
+                                                                       headers=auth)))
+        queued.start()
+        wait_queued(url, "next", headers=auth)  # signalled while the first still runs and the second waits behind it
+        signalled = time.time()
+        process.send_signal(signal.SIGTERM)
+        runner.join(120)
+        queued.join(120)
+        assert waiting["r"].status_code == 503 and "stopped" in waiting["r"].json()["detail"]
+        assert result["r"].status_code == 200 and json.loads(result["r"].json()["info"])["memfit"]["interrupted"]
+        assert process.wait(60) == 0 and time.time() - signalled < 30
+        output = process.output()
+    assert "memfit serve: SIGTERM: stopping; 1 waiting request(s) answered 503, the running one last has 1 s to " \
+           "finish" in output, output
+    assert "memfit serve: txt2img next: 32x32, 2 steps, 1 image(s): 503 cancelled in " in output, output
+    assert "memfit serve: txt2img last: 64x64, 150 steps, 8 image(s): 200 interrupted in " in output, output
+    assert output.rstrip().endswith("memfit serve: stopped after answering 1 generation requests (0 images)"), output
 
 
 def test_the_web_page_in_a_real_browser_shows_the_apis_image(server, browser):

@@ -261,13 +261,16 @@ def test_a_comfyui_folder_and_a_folder_of_diffusers_folders(a1111, tmp_path):
                                                                ("sd-b", "diffusers", "StableDiffusionPipeline")]
 
 
-def test_a_file_hash_is_read_once_per_version_of_the_file(tmp_path):
+def test_a_file_hash_is_read_once_per_version_of_the_file(tmp_path, monkeypatch):
+    from memfit.cache import manifest
     from memfit.cache.file_hash import file_sha256, stored_sha256
 
+    monkeypatch.setattr(manifest, "_SETTLED_NS", 0)  # the file was written a moment ago
     path = tmp_path / "x.safetensors"
     path.write_bytes(b"one")
     assert stored_sha256(path) is None
     assert file_sha256(path) == stored_sha256(path) == hashlib.sha256(b"one").hexdigest()
+    time.sleep(0.05)  # past the filesystem's time granularity
     path.write_bytes(b"two")  # rewritten in place: a new version, hashed again
     assert stored_sha256(path) is None and file_sha256(path) == hashlib.sha256(b"two").hexdigest()
 

@@ -50,6 +50,21 @@ def test_an_interrupt_from_on_step_stops_the_run_and_the_session_goes_on(tiny_mo
     assert list(after.images[0].getdata()) == list(plain.images[0].getdata())
 
 
+def test_a_run_can_be_stopped_as_each_stage_starts_before_it_loads(tiny_models):
+    session = Session(tiny_models("sd"))
+    calls = []
+
+    def stop_at_denoise(stage, done, total):
+        calls.append((stage, done, total))
+        if (stage, total) == ("denoise", 0):
+            raise Interrupted("stop")
+
+    with pytest.raises(Interrupted):
+        session.generate("a red circle", seed=1, on_step=stop_at_denoise, steps=2, width=32, height=32)
+    assert calls == [("encode", 0, 0), ("denoise", 0, 0)]  # nothing of the denoise stage loaded, no step run
+    assert not any(name.startswith("denoise:") for name in session.warm_state()["components"])
+
+
 @pytest.mark.slow
 def test_the_pool_lets_go_when_kept_stages_would_make_a_stage_stream(tmp_path, monkeypatch):
     """A budget in which every stage fits alone (the denoiser with its ~60 MiB of estimated activations),

@@ -10,6 +10,7 @@ import pytest
 from PIL import Image
 
 import memfit
+from memfit.errors import MemfitError
 from memfit.cli.app import main
 from memfit.testing import diffusers_output, max_pixel_difference
 
@@ -22,7 +23,7 @@ WAN = ["--steps", "2", "--guidance", "5", "--negative-prompt", "blurry", "--widt
 def wan_run(tiny_models):
     """One Wan video through the API, and the CLI's arguments for the same video."""
     result = memfit.generate(PROMPT, model=tiny_models("wan"), steps=2, guidance=5.0, negative_prompt="blurry",
-                             width=32, height=32, num_frames=5, seed=3, progress=False)
+                             width=32, height=32, frames=5, seed=3, progress=False)
     return result, ["generate", "--model", tiny_models("wan"), "--prompt", PROMPT, *WAN]
 
 
@@ -31,6 +32,12 @@ def test_frames_equal_plain_diffusers(tiny_models, wan_run):
     assert result.images == [] and len(result.frames) == 5
     assert max_pixel_difference(result.frames, diffusers_output(tiny_models("wan"), result.settings)) == 0
     assert result.metadata["num_frames"] == "5" and result.frames_per_second == 16
+
+
+def test_frames_is_the_cli_name_of_num_frames(tiny_models):
+    # frames= is --frames; num_frames= (diffusers' name) stays the same setting, and two values are refused.
+    with pytest.raises(MemfitError, match="frames=5 and num_frames=6 name the same setting"):
+        memfit.generate(PROMPT, model=tiny_models("wan"), frames=5, num_frames=6, progress=False)
 
 
 def test_webp_is_lossless(wan_run, tmp_path):

@@ -32,7 +32,7 @@ def check_jobs(jobs_path, options: BatchOptions, summary: BatchSummary) -> list[
     folder = open_model(options.model, allow_pickle=options.allow_pickle, config=options.config,
                         components=options.components)
     folder.check_weights(planned_models(folder.adapter))
-    jobs, bad = read_jobs(jobs_path, options.defaults, model=str(folder.path.resolve()), dtype=options.dtype)
+    jobs, bad = read_jobs(jobs_path, options.defaults, model=lambda: folder.fingerprint, dtype=options.dtype)
     checked = []
     for job in jobs:
         try:  # the family's own checks (size multiple, a setting it does not take) before any weight loads

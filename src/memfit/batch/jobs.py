@@ -4,19 +4,23 @@ A job is ``{"id": ..., "prompt": ..., "negative_prompt": ..., "seed": ..., "step
 "width": ..., "height": ..., "loras": [...]}``; every field but ``id`` and ``prompt`` defaults to the
 command's flag. ``loras`` lists LoRA files as "PATH[:SCALE]" strings or [PATH, SCALE] pairs, as --lora.
 A line that is not such an object is a BadLine with its line number, never half-run. A job's
-``key`` is a hash of everything that decides its image (its fields after defaults, the model
-folder and the dtype): resuming a batch skips a job only when both its id and its key match.
+``key`` is a hash of everything that decides its image (its fields after defaults with each LoRA
+by its content, the model's content fingerprint and the dtype): resuming a batch skips a job only
+when both its id and its key match, so a model or LoRA changed in place runs its jobs again.
 """
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import math
 import re
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 
+from memfit.cache.fingerprint import fingerprint_path
 from memfit.errors import MemfitError
 
 __all__ = ["BadLine", "Job", "JobDefaults", "read_jobs"]
@@ -68,16 +72,24 @@ class BadLine:
         return f"line {self.line}: {self.message}"
 
 
-def job_key(settings: dict, model: str, dtype: str) -> str:
-    # A job without LoRAs keeps the key it had before jobs could name any: an earlier run's images still count.
+def job_key(settings: dict, model: str, dtype: str, content_of) -> str:
+    """``model``: the model's content fingerprint (ModelFolder.fingerprint); ``content_of(path)``: a LoRA's."""
+    # A job without LoRAs has no "loras" part: for one model, the key it had before jobs could name any.
     content = {name: settings[name] for name in FIELDS if name != "id" and (name != "loras" or settings[name])}
+    if settings["loras"]:
+        content["loras"] = [[content_of(lora), scale] for lora, scale in settings["loras"]]
     content.update(model=model, dtype=dtype)
     return hashlib.sha256(json.dumps(content, sort_keys=True).encode()).hexdigest()[:32]
 
 
-def read_jobs(path: str | Path, defaults: JobDefaults, *, model: str, dtype: str) -> tuple[list[Job], list[BadLine]]:
-    """The jobs of a JSONL file and its bad lines (blank lines are allowed and skipped)."""
+def read_jobs(path: str | Path, defaults: JobDefaults, *, model: str | Callable[[], str],
+              dtype: str) -> tuple[list[Job], list[BadLine]]:
+    """The jobs of a JSONL file and its bad lines (blank lines are allowed and skipped); ``model``: the
+    model's content fingerprint, for the jobs' keys, or what computes it (only once the file is read: a
+    first fingerprint reads every byte of the model, too long to wait for before saying the file is missing)."""
     path = Path(path)
+    if path.is_dir():
+        raise MemfitError(f"Jobs file {path} is a folder; pass a JSONL file with one job object per line.")
     if not path.is_file():
         raise MemfitError(f"Jobs file {path} does not exist; pass a JSONL file with one job object per line.")
     try:
@@ -87,11 +99,14 @@ def read_jobs(path: str | Path, defaults: JobDefaults, *, model: str, dtype: str
     jobs: list[Job] = []
     bad: list[BadLine] = []
     seen: dict[str, int] = {}
+    content_of = functools.cache(fingerprint_path)  # each LoRA file read once, however many jobs name it
+    model_print = functools.cache(model if callable(model) else lambda: model)
     for number, raw in enumerate(text.splitlines(), start=1):
         if not raw.strip():
             continue
         try:
-            job = _parse(raw, number, defaults, model, dtype)
+            found = _parse(raw, defaults)
+            job = Job(**found, line=number, key=job_key(found, model_print(), dtype, content_of))
         except ValueError as exc:
             bad.append(BadLine(number, str(exc)))
             continue
@@ -103,7 +118,8 @@ def read_jobs(path: str | Path, defaults: JobDefaults, *, model: str, dtype: str
     return jobs, bad
 
 
-def _parse(raw: str, number: int, defaults: JobDefaults, model: str, dtype: str) -> Job:
+def _parse(raw: str, defaults: JobDefaults) -> dict:
+    """A job line's fields after defaults; ValueError saying what is wrong with it."""
     try:
         data = json.loads(raw)
     except json.JSONDecodeError as exc:
@@ -140,7 +156,7 @@ def _parse(raw: str, number: int, defaults: JobDefaults, model: str, dtype: str)
         raise ValueError(f'job {job_id!r}: "guidance" must be a number of at least 0, not {guidance!r}')
     found["guidance"] = None if guidance is None else float(guidance)
     found["loras"] = _loras(data.get("loras", defaults.loras), job_id)
-    return Job(**found, line=number, key=job_key(found, model, dtype))
+    return found
 
 
 def _loras(value, job_id: str) -> tuple[tuple[str, float], ...]:

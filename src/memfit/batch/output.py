@@ -15,7 +15,7 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
-from memfit.atomic import write_atomically
+from memfit.atomic import remove_stale_temporaries, write_atomically
 from memfit.batch.jobs import Job
 from memfit.errors import MemfitError
 
@@ -70,8 +70,7 @@ class BatchOutput:
                 raise MemfitError(f"Another memfit batch is writing to {self.folder}; wait for it to finish "
                                   "or give another --out.") from None
         self._lock_fd = fd
-        for stale in self.folder.glob(".*.png.*.tmp"):  # writes a killed driver left unfinished
-            stale.unlink(missing_ok=True)
+        remove_stale_temporaries(self.folder)  # writes a killed driver left unfinished (only memfit's own)
         self._repair()
         return self
 

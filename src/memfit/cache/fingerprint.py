@@ -1,58 +1,35 @@
-"""Content fingerprints of model components, cheap enough to take on every run.
+"""Content fingerprints of model components: every byte, read once per version of a large file.
 
-A fingerprint covers a component folder's configs and tokenizer files in full, each
-safetensors file's header (names, dtypes, shapes, offsets), size, and its data, and every other
-weights file (pickle formats: .bin, .pt, .ckpt, .pth; .gguf) by size and content: all of it for
-files up to FULL_HASH_LIMIT bytes, otherwise SAMPLES evenly spaced blocks. Size alone is never a
-key: every fine-tune of one architecture has the same size. Sampling keeps a
-multi-gigabyte encoder at milliseconds instead of seconds; any fine-tune or re-initialisation
-changes bytes everywhere, so sampled blocks catch it. Part names ("unet", "vae") never enter a
-fingerprint: the same weights under two names fingerprint the same.
+A fingerprint covers every file of a component folder (configs, tokenizer files, weights in any format)
+by its relative path and the sha256 of its bytes, and a component of a single-file checkpoint by the
+names, dtypes, shapes and bytes of the tensors it reads there. Never by size alone (every fine-tune of
+one architecture has the same size), nor by sampled blocks (a change to a few tensors can miss every
+sample). Part names ("unet", "vae") never enter a fingerprint: the same weights under
+two names fingerprint the same.
+
+Reading every byte of a multi-gigabyte model costs seconds (docs/backends.md, "The cache"), so what is
+read from more than STORED_DIGEST_BYTES of a file is digested once per version of the file and kept
+(memfit.cache.file_hash); smaller files are read on every run.
 """
 
 from __future__ import annotations
 
 import hashlib
+import json
 from pathlib import Path
+from typing import BinaryIO
 
-FINGERPRINT_VERSION = "3"  # 3: pickle and gguf weights hashed by content, not size alone
-FULL_HASH_LIMIT = 64 * 1024 * 1024
-SAMPLES = 64
-SAMPLE_BYTES = 64 * 1024
-# Weights formats other than safetensors: hashed by sampled content like safetensors data.
-WEIGHT_SUFFIXES = {".bin", ".pt", ".ckpt", ".pth", ".gguf"}
+from memfit.cache.file_hash import file_digest, file_sha256
 
-
-def _hash_safetensors(path: Path, digest: "hashlib._Hash") -> None:
-    from memfit.errors import MemfitError
-    from memfit.safetensors_header import read_header
-
-    size = path.stat().st_size
-    digest.update(str(size).encode())
-    try:
-        header = read_header(path)
-    except MemfitError:  # a damaged file still fingerprints (by its bytes); loading it reports the damage
-        digest.update(path.read_bytes()[: FULL_HASH_LIMIT])
-        return
-    digest.update(header.raw)
-    _hash_data(path, header.data_start, size, digest)
+FINGERPRINT_VERSION = "4"  # 4: every byte of large files too, not sampled blocks
+STORED_DIGEST_BYTES = 64 * 1024 * 1024
+_BLOCK = 1 << 20
 
 
-def _hash_data(path: Path, start: int, size: int, digest: "hashlib._Hash") -> None:
-    """Bytes ``start``..``size`` of ``path``: all of them for a small file, else SAMPLES evenly spaced blocks."""
-    data_len = max(size - start, 0)
-    with path.open("rb") as handle:
-        handle.seek(start)
-        if size <= FULL_HASH_LIMIT:
-            for block in iter(lambda: handle.read(1 << 20), b""):
-                digest.update(block)
-            return
-        step = max(data_len // SAMPLES, 1)
-        for index in range(SAMPLES):
-            handle.seek(start + index * step)
-            digest.update(handle.read(SAMPLE_BYTES))
-        handle.seek(max(size - SAMPLE_BYTES, start))
-        digest.update(handle.read(SAMPLE_BYTES))  # the tail too: a pickle's index sits at its end
+def _sha256(path: Path) -> str:
+    if path.stat().st_size > STORED_DIGEST_BYTES:
+        return file_sha256(path)
+    return hashlib.sha256(path.read_bytes()).hexdigest()
 
 
 def fingerprint_folder(folder: str | Path) -> str:
@@ -61,53 +38,53 @@ def fingerprint_folder(folder: str | Path) -> str:
     digest = hashlib.sha256(f"memfit-fingerprint/{FINGERPRINT_VERSION}".encode())
     for path in sorted(p for p in folder.rglob("*") if p.is_file()):
         relative = path.relative_to(folder).as_posix()
-        digest.update(b"\0" + relative.encode() + b"\0")
-        if path.suffix == ".safetensors":
-            _hash_safetensors(path, digest)
-        elif path.suffix in WEIGHT_SUFFIXES:
-            size = path.stat().st_size
-            digest.update(str(size).encode())
-            _hash_data(path, 0, size, digest)
-        else:
-            digest.update(path.read_bytes())
+        digest.update(b"\0" + relative.encode() + b"\0" + _sha256(path).encode())
+    return digest.hexdigest()
+
+
+def fingerprint_path(path: str | Path) -> str:
+    """A folder's fingerprint, or the sha256 of a file's bytes."""
+    path = Path(path)
+    return fingerprint_folder(path) if path.is_dir() else _sha256(path)
+
+
+def _tensors_digest(handle: BinaryIO, keys: list[str]) -> str:
+    """Names, dtypes, shapes and every byte of the tensors ``keys`` of the safetensors file open in ``handle``.
+    Its header is read here, within the digest's computation: a file replaced meanwhile is not kept
+    (memfit.cache.file_hash)."""
+    from memfit.safetensors_header import read_header
+
+    header = read_header(handle.name)
+    digest = hashlib.sha256()
+    for key in keys:
+        entry = header.entries[key]
+        digest.update(json.dumps([key, entry["dtype"], entry["shape"]]).encode())
+        begin, end = entry["data_offsets"]
+        handle.seek(header.data_start + begin)
+        left = end - begin
+        while left and (block := handle.read(min(_BLOCK, left))):
+            digest.update(block)
+            left -= len(block)
     return digest.hexdigest()
 
 
 def fingerprint_tensors(path: str | Path, keys, extra: bytes = b"") -> str:
     """Hex digest over the tensors ``keys`` of the safetensors file ``path``: their names, dtypes, shapes and
-    bytes (all of them up to FULL_HASH_LIMIT in total, else SAMPLES evenly spaced blocks across them, in name
-    order), and ``extra`` (a config's text). The same tensors in another file, or in another order, digest
-    the same: what a component of an all-in-one checkpoint reads, not where the file keeps it."""
-    import bisect
-    import json
-
+    every byte, in name order, and ``extra`` (a config's text). The same tensors in another file, or in
+    another order, digest the same: what a component of an all-in-one checkpoint reads, not where the file
+    keeps it."""
     from memfit.safetensors_header import read_header
 
-    header = read_header(path)
-    digest = hashlib.sha256(f"memfit-tensors/{FINGERPRINT_VERSION}".encode() + extra)
-    ranges = []
-    for key in sorted(keys):
-        entry = header.entries[key]
-        digest.update(json.dumps([key, entry["dtype"], entry["shape"]]).encode())
-        begin, end = entry["data_offsets"]
-        ranges.append((header.data_start + begin, end - begin))
-    total = sum(length for _, length in ranges)
-    with Path(path).open("rb") as handle:
-        if total <= FULL_HASH_LIMIT:
-            for start, length in ranges:
-                handle.seek(start)
-                digest.update(handle.read(length))
-            return digest.hexdigest()
-        starts = [0]  # where each tensor begins in the tensors' bytes laid end to end
-        for _, length in ranges[:-1]:
-            starts.append(starts[-1] + length)
-        for index in range(SAMPLES + 1):
-            at = min(index * total // SAMPLES, total - 1)
-            which = bisect.bisect_right(starts, at) - 1
-            start, length = ranges[which]
-            handle.seek(start + at - starts[which])
-            digest.update(handle.read(min(SAMPLE_BYTES, length - (at - starts[which]))))
-    return digest.hexdigest()
+    keys = sorted(keys)
+    entries = read_header(path).entries
+    size = sum(entries[key]["data_offsets"][1] - entries[key]["data_offsets"][0] for key in keys)
+    if size > STORED_DIGEST_BYTES:
+        listing = hashlib.sha256("\0".join(keys).encode()).hexdigest()
+        tensors = file_digest(path, f"tensors:{listing}", lambda handle: _tensors_digest(handle, keys))
+    else:
+        with Path(path).open("rb") as handle:
+            tensors = _tensors_digest(handle, keys)
+    return hashlib.sha256(f"memfit-tensors/{FINGERPRINT_VERSION}".encode() + extra + tensors.encode()).hexdigest()
 
 
 def combine_fingerprints(parts) -> str:

@@ -68,6 +68,18 @@ def _piece_digest(path: Path, index: int) -> bytes:
     return digest.digest()
 
 
+def file_stamp(info: os.stat_result) -> list[int]:
+    """What the filesystem says of one version of a file (see the module doc): size, modification and change
+    times in nanoseconds, inode and device."""
+    return [info.st_size, info.st_mtime_ns, info.st_ctime_ns, info.st_ino, info.st_dev]
+
+
+def is_settled(info: os.stat_result, hashed_at: int) -> bool:
+    """Whether a file whose ``info`` was taken before hashing it from ``hashed_at`` (time.time_ns()) may be
+    known by its stamp from now on: unchanged for a second before, so no later change can share its times."""
+    return hashed_at - max(info.st_mtime_ns, info.st_ctime_ns) >= _SETTLED_NS
+
+
 def fsync_file(path: Path) -> None:
     fd = os.open(path, os.O_RDONLY)
     try:
@@ -180,14 +192,14 @@ def find_damage(entry_dir: Path, expected_digest: str, *, rehash: bool = False) 
     for name, expected in sorted(manifest.files.items()):
         path = data_dir / name
         info = path.stat()
-        stamp = [info.st_size, info.st_mtime_ns, info.st_ctime_ns, info.st_ino, info.st_dev]
+        stamp = file_stamp(info)
         if info.st_size != expected["size"]:
             return f"{name} is {info.st_size} bytes, expected {expected['size']} (truncated or overwritten)"
         if stamps.get(name) != stamp:
             hashed_at = time.time_ns()
             if sha256_of_file(path) != expected["sha256"]:
                 return f"{name} fails its sha256 checksum (corrupted on disk)"
-            if hashed_at - max(info.st_mtime_ns, info.st_ctime_ns) < _SETTLED_NS:
+            if not is_settled(info, hashed_at):
                 continue
         settled[name] = stamp
     if settled != stamps:

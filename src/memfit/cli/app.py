@@ -27,7 +27,41 @@ def build_parser() -> argparse.ArgumentParser:
 
     for module in (generate, plan, cache, serve, batch):
         module.register(commands)
+    for command in _subcommands(parser).values():
+        # Also after the subcommand (`memfit generate --debug`); SUPPRESS keeps the top-level value otherwise.
+        command.add_argument("--debug", action="store_true", default=argparse.SUPPRESS, help="show full tracebacks")
     return parser
+
+
+def _subcommands(parser: argparse.ArgumentParser) -> dict[str, argparse.ArgumentParser]:
+    """Every subcommand's parser by name, nested ones (cache ls) included."""
+    found = {}
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for name, command in action.choices.items():
+                found[name] = command
+                found.update({f"{name} {sub}": nested for sub, nested in _subcommands(command).items()})
+    return found
+
+
+def _parse(parser: argparse.ArgumentParser, argv: list[str] | None) -> argparse.Namespace:
+    """``parser.parse_args``, except that a flag no parser knows is refused by the subcommand that got it, with
+    its usage and the closest flag it has (argparse would print the top-level usage and no suggestion)."""
+    import difflib
+
+    args, unknown = parser.parse_known_args(argv)
+    if not unknown:
+        return args
+    commands = _subcommands(parser)
+    chosen = [name for name in commands if all(part in (argv if argv is not None else sys.argv[1:])
+                                               for part in name.split())]
+    command = commands[max(chosen, key=len)] if chosen else parser
+    known = [option for action in command._actions for option in action.option_strings]
+    hints = []
+    for flag in unknown:
+        close = difflib.get_close_matches(flag.split("=")[0], known, n=1) if flag.startswith("-") else []
+        hints.append(f"{flag} (did you mean {close[0]}?)" if close else flag)
+    command.error(f"unrecognized arguments: {' '.join(hints)}")
 
 
 def _show_warning(message, category, filename, lineno, file=None, line=None, *, _default=warnings.showwarning):
@@ -47,7 +81,7 @@ def _out_of_memory(exc: BaseException) -> bool:
 def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("HF_HUB_OFFLINE", "1")  # memfit never downloads; fail fast instead
     parser = build_parser()
-    args = parser.parse_args(argv)
+    args = _parse(parser, argv)
     previous = warnings.showwarning
     warnings.showwarning = _show_warning
     try:

@@ -72,6 +72,8 @@ def cmd_ls(args: argparse.Namespace) -> int:
         )
     total = sum(entry.size for entry in entries)
     print(f"{len(entries)} entries, {_human_size(total)} of {_human_size(store.max_bytes)} at {store.root}")
+    if any("..." in entry.summary for entry in entries):
+        print("(long parts of a summary, such as prompts, end in '...'; `memfit cache ls --json` gives them whole)")
     return 0
 
 

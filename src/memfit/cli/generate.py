@@ -136,7 +136,7 @@ def _generate(args) -> int:
         refiner_start=args.refiner_start,
         refiner_config=args.refiner_config,
         true_cfg_scale=args.true_cfg,
-        num_frames=args.frames,
+        frames=args.frames,
         image=args.image,
         strength=args.strength,
         mask=args.mask,

@@ -293,14 +293,33 @@ class ModelFolder:
         return combine_fingerprints(self.component_fingerprint(name) for name in names)
 
     @cached_property
+    def fingerprint(self) -> str:
+        """Content fingerprint of the whole model: every component's (as the cache keys it) by name, and the
+        pipeline index and recommended settings (memfit_defaults.json), which decide what it draws too."""
+        from memfit.cache.fingerprint import combine_fingerprints
+
+        index = (self.config_folder / "model_index.json").read_text(encoding="utf-8")
+        parts = [f"{name}:{self.component_fingerprint(name)}" for name in self.components]
+        return combine_fingerprints([*parts, f"index:{index}", f"defaults:{json.dumps(self.defaults, sort_keys=True)}"])
+
+    @cached_property
     def adapter(self) -> PipelineAdapter:
         """The family's description (memfit.models.families); a class without one gets the generic adapter."""
         return adapter_for(self.class_name, self.configs, self.components)
 
     def check_layout(self) -> None:
-        """Raise, naming the file, if a listed component cannot be loaded: its folder or config.json
-        is missing, or model_index.json names code to import rather than a diffusers or transformers class."""
+        """Raise, naming the file, if the pipeline or a listed component cannot be loaded: diffusers has no such
+        pipeline class, a component's folder or config.json is missing, or model_index.json names code to import
+        rather than a diffusers or transformers class."""
+        import diffusers
+
         index = self.config_folder / "model_index.json"
+        if getattr(diffusers, self.class_name, None) is None:
+            raise MemfitError(
+                f"{index} names the pipeline class {self.class_name!r}, which diffusers {diffusers.__version__} does "
+                "not have; use a folder saved by diffusers' save_pretrained (a class newer than this diffusers needs "
+                "a newer diffusers)."
+            )
         for name, (library, class_name) in self.components.items():
             if library not in LIBRARIES:
                 raise MemfitError(

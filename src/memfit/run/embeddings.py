@@ -47,12 +47,17 @@ class Embeddings:
             **self.extra,
         }
 
-    def save(self, path: str | Path) -> Path:
-        """Write atomically: a crash leaves either the old file or none, never a partial one."""
-        from safetensors.torch import save_file
+    def to_bytes(self) -> bytes:
+        """The file's bytes."""
+        from safetensors.torch import save
 
         tensors = {name: t.detach().contiguous().cpu() for name, t in self.tensors.items()}
-        return write_atomically(path, lambda tmp: save_file(tensors, tmp, metadata=self.metadata()))
+        return save(tensors, metadata=self.metadata())
+
+    def save(self, path: str | Path) -> Path:
+        """Write atomically: a crash leaves either the old file or none, never a partial one. Written by Python,
+        so a failed write (a full disk) is an OSError, which write_atomically names."""
+        return write_atomically(path, lambda tmp: Path(tmp).write_bytes(self.to_bytes()))
 
     @classmethod
     def load(cls, path: str | Path) -> "Embeddings":

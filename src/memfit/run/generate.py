@@ -91,6 +91,7 @@ def generate(
     refiner_start: float | None = None,
     refiner_config: str | Path | None = None,
     true_cfg_scale: float | None = None,
+    frames: int | None = None,
     num_frames: int | None = None,
     allow_pickle: bool = False,
     image=None,
@@ -133,16 +134,21 @@ def generate(
     it inpaints; `control_image` with `controlnet` (a ControlNet model folder; a ControlNet pipeline
     folder has its own) steers every step, the ControlNet loaded and planned in the denoise stage.
     `loras` are LoRA files, each a path, "PATH:SCALE" or (path, scale), loaded unfused with diffusers'
-    load_lora_weights into the text encoders and the denoiser.
+    load_lora_weights into the text encoders and the denoiser. `frames` (the CLI's `--frames`; `num_frames`,
+    diffusers' name, is the same setting) is a video pipeline's length.
 
     `sampler` (an AUTOMATIC1111 sampler name, memfit.run.samplers) replaces the model's scheduler and
     is recorded in the PNG. `pool` (a StagePool, memfit.run.session.Session's) keeps stages loaded between
-    calls; `on_step(stage, done, total)` is called as the denoising loop advances (it may raise to stop the run).
+    calls; `on_step(stage, done, total)` is called as the denoising loop advances, and with done = total = 0 as
+    each stage starts (it may raise to stop the run).
     `precision` ("fp32", "bf16", "fp16"; default: `dtype`) is the compute precision of a backend that has
     its own (OpenVINO), apart from the weights' `dtype`; any other backend, or none, must compute in
     `dtype` (memfit.compile.precision). It is recorded in the PNG.
     """
     quiet_libraries()
+    if frames is not None and num_frames is not None and frames != num_frames:
+        raise MemfitError(f"frames={frames} and num_frames={num_frames} name the same setting; pass one of them.")
+    num_frames = frames if frames is not None else num_frames
     if precision is not None:
         from memfit.compile.precision import with_precision
 

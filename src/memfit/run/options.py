@@ -66,7 +66,8 @@ class RunOptions:
     progress:     show the pipeline's own progress bars.
     allow_pickle: load pickle checkpoints with torch's weights_only loader.
     pool:         a StagePool that keeps stages loaded between runs (a Session's), or None.
-    on_step:      ``on_step(stage, done, total)`` as the denoising loop advances; it may raise to stop the run.
+    on_step:      ``on_step(stage, 0, 0)`` as each stage starts and ``on_step(stage, done, total)`` as the
+                  denoising loop advances; it may raise to stop the run.
     """
 
     dtype: str = "fp32"

@@ -81,12 +81,9 @@ class PromptCache:
 
     def save(self, tensors: Mapping[str, torch.Tensor], pipeline_class: str, text_fingerprint: str,
              prompt: str, negative_prompt: str | None) -> None:
+        """Store the embeddings. A store that cannot take them (a full disk) leaves the run uncached with one
+        warning (memfit.cache.store): the bytes are made here and written by the store, which owns its faults."""
         if not self.enabled:
             return
         embeddings = Embeddings(dict(tensors), pipeline_class, text_fingerprint, prompt, negative_prompt)
-
-        def build(out_dir: Path) -> dict:
-            embeddings.save(out_dir / FILE_NAME)
-            return {"prompt": prompt[:80]}
-
-        self.store.get_or_build(self.key, build)
+        self.store.put(self.key, {FILE_NAME: embeddings.to_bytes()}, meta={"prompt": prompt[:80]})

@@ -264,6 +264,10 @@ class StageRunner:
         results: dict[str, Any] = {}
         with self.timeline:
             for stage in stages:
+                if self.options.on_step is not None:
+                    # A cancellation point before anything of the stage loads: a caller that wants the run
+                    # stopped (a server's client went away) need not wait through a stage's loading.
+                    self.options.on_step(stage.name, 0, 0)
                 try:
                     results[stage.name] = self._run_stage(stage, results)
                 except torch.OutOfMemoryError as exc:  # outside the stage's own retry (releasing, measuring)

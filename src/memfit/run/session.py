@@ -47,7 +47,8 @@ __all__ = ["Interrupted", "Session", "WarmPool"]
 
 
 class Interrupted(Exception):
-    """A run stopped between two denoising steps because its caller asked (Session.generate's on_step)."""
+    """A run stopped at a stage's start or between two denoising steps because its caller asked (Session.generate's
+    on_step)."""
 
 
 class WarmPool:
@@ -140,7 +141,8 @@ class Session:
     def generate(self, prompt: str, *, on_step: Callable[[str, int, int], None] | None = None, **settings) -> Generation:
         """memfit.generate for this session's model and options; ``settings`` are its keyword arguments
         (negative_prompt, steps, guidance, seed, width, height, sampler, ...). ``on_step(stage, done,
-        total)`` is called as the denoising loop advances; raising Interrupted from it stops the run."""
+        total)`` is called as each stage starts (done = total = 0) and as the denoising loop advances;
+        raising Interrupted from it stops the run."""
         with self._lock:
             return generate(prompt, model=self.folder, dtype=self.dtype, device=self.device, budget=self.budget,
                             backend=self.backend, fallback=self.fallback, progress=False, pool=self.pool,

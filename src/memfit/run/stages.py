@@ -99,16 +99,9 @@ def _truncation_notices():
 
 def lora_fingerprint(loras) -> list[str]:
     """What of the LoRAs enters a prompt cache key: each file's content, its scale and its place."""
-    import hashlib
+    from memfit.cache.fingerprint import fingerprint_path
 
-    from memfit.cache.fingerprint import fingerprint_folder
-
-    parts = []
-    for index, (path, scale) in enumerate(loras):
-        path = Path(path)
-        content = fingerprint_folder(path) if path.is_dir() else hashlib.sha256(path.read_bytes()).hexdigest()
-        parts.append(f"lora{index}:{content}:{scale!r}")
-    return parts
+    return [f"lora{index}:{fingerprint_path(path)}:{scale!r}" for index, (path, scale) in enumerate(loras)]
 
 
 def encode_stage(folders: list[tuple[str, ModelFolder]], settings: Settings, with_negative: bool,
@@ -123,28 +116,35 @@ def encode_stage(folders: list[tuple[str, ModelFolder]], settings: Settings, wit
     """
 
     def work(context: StageContext, results: dict[str, Any]) -> dict[str, dict[str, torch.Tensor]]:
+        from memfit.cache import CacheMode, open_store
         from memfit.run.prompt_cache import PromptCache, embeddings_key, text_backend_label
 
         runner = context.runner
         tensors: dict[str, dict[str, torch.Tensor]] = {}
         loaded: dict[str, Any] = {}  # component folder fingerprint -> live module
         hits = []
+        # Fingerprints read every byte of a file the store holds no digest of: with the store off, none is taken
+        # unless a later folder may share a component.
+        store = open_store()
         for label, folder in folders:
             names = [name for name in folder.adapter.encode_components if name in folder.components]
-            text_fingerprint = folder.text_fingerprint
-            if loras:
-                from memfit.cache.fingerprint import combine_fingerprints
+            cache = None
+            if store.mode is not CacheMode.OFF:
+                text_fingerprint = folder.text_fingerprint
+                if loras:
+                    from memfit.cache.fingerprint import combine_fingerprints
 
-                text_fingerprint = combine_fingerprints([text_fingerprint, *lora_fingerprint(loras)])
-            cache = PromptCache(embeddings_key(
-                text_fingerprint, folder.class_name, settings.prompt, settings.negative_prompt, with_negative,
-                runner.options.torch_dtype, text_backend_label(runner.options.backend, names)))
-            found = cache.lookup()  # a hit never loads a text encoder
-            if found is not None:
-                tensors[label] = {k: v.to(runner.device) for k, v in found.items()}
-                hits.append(label)
-                continue
-            prints = {name: folder.component_fingerprint(name) for name in names if (folder.path / name).is_dir()}
+                    text_fingerprint = combine_fingerprints([text_fingerprint, *lora_fingerprint(loras)])
+                cache = PromptCache(embeddings_key(
+                    text_fingerprint, folder.class_name, settings.prompt, settings.negative_prompt, with_negative,
+                    runner.options.torch_dtype, text_backend_label(runner.options.backend, names)), store)
+                found = cache.lookup()  # a hit never loads a text encoder
+                if found is not None:
+                    tensors[label] = {k: v.to(runner.device) for k, v in found.items()}
+                    hits.append(label)
+                    continue
+            prints = {name: folder.component_fingerprint(name) for name in names
+                      if len(folders) > 1 and (folder.path / name).is_dir()}
             shared = {name: loaded[prints[name]] for name in names if prints.get(name) in loaded}
             if shared:
                 runner.report.notes.append(
@@ -160,8 +160,9 @@ def encode_stage(folders: list[tuple[str, ModelFolder]], settings: Settings, wit
                               f"{notice.splitlines()[0]}", PromptTruncatedWarning, stacklevel=2)
             check_finite(embeddings, "encode", folder, names)
             tensors[label] = {k: v.clone() for k, v in embeddings.items()}
-            cache.save(tensors[label], folder.class_name, text_fingerprint, settings.prompt,
-                       settings.negative_prompt)
+            if cache is not None:
+                cache.save(tensors[label], folder.class_name, text_fingerprint, settings.prompt,
+                           settings.negative_prompt)
         if hits:
             context.note = "cache hit" if len(folders) == 1 else f"cache hit ({', '.join(hits)})"
         return tensors

@@ -24,6 +24,8 @@ import binascii
 import html
 import io
 import json
+import logging
+import math
 import secrets
 import time
 from dataclasses import dataclass, replace
@@ -31,7 +33,7 @@ from importlib import resources
 from typing import Any, Literal
 
 from fastapi import FastAPI, HTTPException, Request
-from fastapi.responses import HTMLResponse, JSONResponse
+from fastapi.responses import HTMLResponse
 from pydantic import BaseModel, ConfigDict
 
 from memfit.errors import MemfitError
@@ -43,24 +45,40 @@ from memfit.run.media import png_bytes
 from memfit.run.samplers import SAMPLERS, resolve_sampler, sampler_label, sampler_names, schedules_for, split_sampler
 from memfit.run.session import Session
 from memfit.serve.checkpoints import Checkpoints, describe_lora, short_name
+from memfit.serve.costs import Measured, StepTimes, check_seconds
+from memfit.serve.guards import BasicAuth, BodyLimit
 from memfit.serve.infotext import image_text, infotext, read_parameters
 from memfit.serve.jobs import Job, JobQueue
 from memfit.serve.prompt_loras import prompt_loras
 from memfit.serve.upscale import UPSCALERS, Upscale, upscale
+from memfit.sizes import format_bytes
 from memfit.version import __version__
 
-__all__ = ["ExtrasSingleImageRequest", "Img2ImgRequest", "Limits", "Txt2ImgRequest", "create_app"]
+__all__ = ["STOP_WAIT", "ExtrasSingleImageRequest", "Img2ImgRequest", "Limits", "Txt2ImgRequest", "create_app"]
 
 MAX_SEED = 2**32 - 1  # A1111 draws random seeds below 2**32
+# After the grace period a request still running at shutdown is stopped at its next cancellation point; one
+# that reaches none (inside one long call) is waited for this much longer, then left behind.
+STOP_WAIT = 10.0
+
+log = logging.getLogger("memfit.serve")
 
 
 @dataclass(frozen=True)
 class Limits:
-    """Bounds on what one request may ask for (memfit serve --max-steps/--max-pixels/--max-images)."""
+    """Bounds on what one request may ask for (memfit serve --max-steps, --max-pixels, --max-images, --max-body,
+    --max-prompt-chars, --max-seconds). ``max_pixels`` bounds every image a request sends too (init image, mask,
+    extras), read from its header before it is decoded. ``max_seconds`` bounds the denoising time estimated
+    before a request is queued (memfit.serve.costs; None: no bound)."""
 
     max_steps: int = 150
     max_pixels: int = 2048 * 2048
     max_images: int = 8
+    # An incompressible 2048x2048 RGB PNG is 12 MiB, 16 MiB as base64: an init image and a mask of that size fit.
+    max_body_bytes: int = 48 * 2**20
+    # Far above what any text encoder reads (CLIP 77 tokens, T5 512), and a few milliseconds to tokenize.
+    max_prompt_chars: int = 20_000
+    max_seconds: float | None = 600.0
 
 
 class Txt2ImgRequest(BaseModel):
@@ -157,73 +175,92 @@ MASK_ONLY = {"mask_blur", "mask_blur_x", "mask_blur_y", "inpainting_fill", "inpa
 
 
 def create_app(served: Session | Checkpoints, *, limits: Limits = Limits(), auth: str | None = None,
-               flags: dict[str, Any] | None = None) -> FastAPI:
+               flags: dict[str, Any] | None = None, shutdown_grace: float = 30.0) -> FastAPI:
     """The app serving ``served``: a Session's model alone, or the Checkpoints of a models folder (switched
     between by request). ``auth`` ("user:password") turns on HTTP basic auth for every route, as
     A1111's --api-auth does. ``flags``: what only the command line knows (where it listens, how it
-    loads), added to /sdapi/v1/cmd-flags."""
+    loads), added to /sdapi/v1/cmd-flags. ``shutdown_grace``: the seconds a request still running when
+    the server stops has to finish before it is stopped at its next cancellation point."""
     checkpoints = served if isinstance(served, Checkpoints) else Checkpoints(served)
     queue = JobQueue(checkpoints)
+    step_times = StepTimes()
     settings = {"sd_vae": "Automatic"}  # the options memfit keeps besides the checkpoint
+    answered = {"requests": 0, "images": 0}
 
     async def lifespan(app):
         yield
-        await asyncio.to_thread(queue.stop)  # waiting jobs cancelled; the running one finishes first
-        checkpoints.close()
+        if await asyncio.to_thread(queue.stop, shutdown_grace + STOP_WAIT, grace=shutdown_grace):
+            checkpoints.close()
+        else:  # stuck inside one call: its stages are freed with the process
+            log.info("the running request reached no cancellation point %g s after the shutdown began; "
+                     "exiting without it", shutdown_grace + STOP_WAIT)
+        log.info("stopped after answering %d generation requests (%d images)", answered["requests"],
+                 answered["images"])
 
     app = FastAPI(title="memfit serve", version=__version__, lifespan=lifespan)
     app.state.queue = queue
     app.state.checkpoints = checkpoints
-
-    if auth is not None:
-        expected = "Basic " + base64.b64encode(auth.encode()).decode()
-
-        @app.middleware("http")
-        async def basic_auth(request: Request, call_next):
-            given = request.headers.get("authorization", "")
-            if not secrets.compare_digest(given.encode(), expected.encode()):
-                return JSONResponse({"detail": "Not authenticated"}, status_code=401,
-                                    headers={"WWW-Authenticate": 'Basic realm="memfit"'})
-            return await call_next(request)
+    app.state.step_times = step_times
+    app.add_middleware(BodyLimit, max_bytes=limits.max_body_bytes)
+    if auth is not None:  # added last, so it runs first: no body is read for a client that is not let in
+        app.add_middleware(BasicAuth, credentials=auth)
 
     # ---- A1111 API ---------------------------------------------------------------------------
     @app.post("/sdapi/v1/txt2img")
     async def txt2img(body: Txt2ImgRequest, request: Request):
-        return await _serve(body, request)
+        return await _logged("txt2img", body, request, _serve(body, request))
 
     @app.post("/sdapi/v1/img2img")
     async def img2img(body: Img2ImgRequest, request: Request):
-        if not body.init_images:
-            raise HTTPException(422, "init_images needs one base64 image (the image to start from); for text to "
-                                     "image use /sdapi/v1/txt2img.")
-        if len(body.init_images) > 1:
-            raise HTTPException(422, f"init_images has {len(body.init_images)} images; memfit takes one per request "
-                                     "(batch_size and n_iter make several images from it).")
-        conditioning = Conditioning(image=_decode_image(body.init_images[0], "init_images[0]", "RGB"),
-                                    mask_image=None if body.mask is None else _decode_image(body.mask, "mask", None))
-        return await _serve(body, request, conditioning, body.denoising_strength)
+        return await _logged("img2img", body, request, _serve(body, request))
 
-    async def _serve(body: Txt2ImgRequest, request: Request, conditioning: Conditioning | None = None,
-                     strength: float | None = None):
-        """One request's job, queued, waited for and answered (txt2img and img2img alike)."""
+    async def _logged(route: str, body: Txt2ImgRequest, request: Request, answer):
+        """What ``answer`` (a generation request's work) returns, with one log line for the request."""
+        started = time.time()
+        try:
+            result = await answer
+        except HTTPException as exc:
+            log.info(_request_line(route, body, getattr(request.state, "job", None), exc.status_code,
+                                   time.time() - started, str(exc.detail)))
+            raise
+        job = request.state.job
+        answered["requests"] += 1
+        answered["images"] += len(job.images)
+        gone = "the client went away" if request.state.client_left else ""
+        log.info(_request_line(route, body, job, 200, time.time() - started, gone))
+        return result
+
+    async def _serve(body: Txt2ImgRequest, request: Request):
+        """One request's job, checked, queued, waited for and answered: txt2img, or img2img for an Img2ImgRequest."""
+        _check_prompts(body)
+        conditioning = await _conditioning(body) if isinstance(body, Img2ImgRequest) else None
         entry = _overridden(body)
         folder = await _opened(entry)
-        runs, seeds, sampler = _runs(body, folder, conditioning, strength)
+        notes = []
+        if conditioning is not None:
+            image, notes = await _init_image_sized(conditioning.image, folder)
+            conditioning = replace(conditioning, image=image)
+        runs, seeds, sampler = _runs(body, folder, conditioning,
+                                    None if conditioning is None else body.denoising_strength)
+        estimate, check_pace = _priced(entry, folder, runs)
         for run in runs:
             run["checkpoint"] = entry
-        job = Job(runs, **({"id": body.force_task_id} if body.force_task_id else {}))
+        job = Job(runs, check_pace=check_pace, **({"id": body.force_task_id} if body.force_task_id else {}))
         if body.force_task_id and queue.get(body.force_task_id) is not None:
             raise HTTPException(422, f"force_task_id {body.force_task_id!r} is already in use; send a new id or none.")
         try:
             queue.submit(job)
         except MemfitError as exc:
             raise HTTPException(503, str(exc)) from exc
-        await _wait(job, request)
+        request.state.job = job
+        request.state.client_left = not await _wait(job, request)
+        first = runs[0]
+        if job.seconds_per_step is not None:
+            step_times.record(entry.path, Measured(first["width"], first["height"], job.seconds_per_step))
         if job.state == "failed":
             raise HTTPException(422 if job.error_is_input else 500, job.error)
         if job.state == "cancelled":
             raise HTTPException(503, job.error or "The request was cancelled before it ran.")
-        first = runs[0]
         base_sampler = split_sampler(sampler, None, _own_scheduler(folder))[0] if sampler else None
         digest = checkpoints.sha256(entry)
         info = {
@@ -241,7 +278,8 @@ def create_app(served: Session | Checkpoints, *, limits: Limits = Limits(), auth
             "version": f"memfit {__version__}",
             "memfit": {"job": job.id, "state": job.state, "report": f"/memfit/v1/report/{job.id}",
                        "interrupted": job.state == "interrupted", "ignored_fields": _ignored(body, conditioning, base_sampler),
-                       "seconds": round((job.finished or time.time()) - job.started, 3) if job.started else None},
+                       "seconds": round((job.finished or time.time()) - job.started, 3) if job.started else None,
+                       "estimated_seconds": None if estimate is None else round(estimate, 3), "notes": notes},
         }
         images = [base64.b64encode(png).decode() for png in job.images] if body.send_images else []
         parameters = body.model_dump()
@@ -314,7 +352,7 @@ def create_app(served: Session | Checkpoints, *, limits: Limits = Limits(), auth
 
     @app.post("/sdapi/v1/png-info")
     async def png_info(body: PngInfoRequest):
-        text, items, parameters = read_parameters(_decode_image(body.image, "image", None))
+        text, items, parameters = read_parameters(await _image(body.image, "image", None))
         return {"info": text, "items": items, "parameters": parameters}
 
     @app.post("/sdapi/v1/extra-single-image")
@@ -322,7 +360,7 @@ def create_app(served: Session | Checkpoints, *, limits: Limits = Limits(), auth
         if body.gfpgan_visibility > 0 or body.codeformer_visibility > 0:
             raise HTTPException(422, "memfit has no face restorers (GET /sdapi/v1/face-restorers lists none); send "
                                      "gfpgan_visibility and codeformer_visibility 0.")
-        image = _decode_image(body.image, "image", None)
+        image = await _image(body.image, "image", None)
         job = Upscale(body.upscaler_1, body.resize_mode, body.upscaling_resize, body.upscaling_resize_w,
                       body.upscaling_resize_h, body.upscaling_crop, body.upscaler_2, body.extras_upscaler_2_visibility)
         try:
@@ -343,7 +381,9 @@ def create_app(served: Session | Checkpoints, *, limits: Limits = Limits(), auth
                 "models_dir": str(library.root) if library else None, "dtype": session.dtype,
                 "device": str(session.device), "budget": None if session.budget is None else str(session.budget),
                 "no_warm": session.pool is None, "max_steps": limits.max_steps, "max_pixels": limits.max_pixels,
-                "max_images": limits.max_images, "api_auth": None if auth is None else "<set>", **(flags or {})}
+                "max_images": limits.max_images, "max_body": limits.max_body_bytes,
+                "max_prompt_chars": limits.max_prompt_chars, "max_seconds": limits.max_seconds,
+                "shutdown_grace": shutdown_grace, "api_auth": None if auth is None else "<set>", **(flags or {})}
 
     @app.get("/sdapi/v1/memory")
     async def memory():
@@ -422,6 +462,69 @@ def create_app(served: Session | Checkpoints, *, limits: Limits = Limits(), auth
         return resources.files("memfit.serve").joinpath("page.html").read_text()
 
     # ---- request checks ----------------------------------------------------------------------
+    def _check_prompts(body: Txt2ImgRequest) -> None:
+        """HTTP 422 for a prompt over --max-prompt-chars, before anything else is done with the request."""
+        for field in ("prompt", "negative_prompt"):
+            length = len(getattr(body, field))
+            if length > limits.max_prompt_chars:
+                raise HTTPException(422, f"{field} has {length} characters, more than the {limits.max_prompt_chars} a "
+                                         "request may send (text encoders read far fewer); shorten it (memfit serve "
+                                         "--max-prompt-chars raises the limit).")
+
+    async def _conditioning(body: Img2ImgRequest) -> Conditioning:
+        """The init image and mask of an img2img request, decoded off the event loop; HTTP 422 saying what is wrong."""
+        if not body.init_images:
+            raise HTTPException(422, "init_images needs one base64 image (the image to start from); for text to "
+                                     "image use /sdapi/v1/txt2img.")
+        if len(body.init_images) > 1:
+            raise HTTPException(422, f"init_images has {len(body.init_images)} images; memfit takes one per request "
+                                     "(batch_size and n_iter make several images from it).")
+        return Conditioning(image=await _image(body.init_images[0], "init_images[0]", "RGB"),
+                            mask_image=None if body.mask is None else await _image(body.mask, "mask", None))
+
+    async def _image(data: str, field: str, mode: str | None):
+        """A request's base64 image, its size checked from its header and then decoded in a thread: a large
+        image never holds up the event loop (and every other client with it)."""
+        return await asyncio.to_thread(_decode_image, data, field, mode, limits.max_pixels)
+
+    async def _init_image_sized(image, folder: ModelFolder):
+        """``image`` with its sides rounded down to what ``folder``'s model takes, and notes for the answer's info
+        saying so where they were not: A1111 draws an init image at a size the model takes too (resizing it)."""
+        adapter = folder.adapter
+        multiple = math.lcm(adapter.size_multiple(), adapter.vae_scale_factor())
+        sized = (image.width // multiple * multiple, image.height // multiple * multiple)
+        if sized == image.size:
+            return image, []
+        if not min(sized):
+            raise HTTPException(422, f"init_images[0] is {image.width}x{image.height}; {folder.class_name} needs at "
+                                     f"least {multiple}x{multiple} (sides multiples of {multiple}).")
+        from PIL import Image
+
+        # With the resampling diffusers' image processor uses: a model whose VAE takes the original size resizes
+        # it the same way, so the image equals memfit generate's from the resized file.
+        resized = await asyncio.to_thread(image.resize, sized, Image.Resampling.LANCZOS)
+        return resized, [f"init_images[0] is {image.width}x{image.height}; memfit resized it to {sized[0]}x{sized[1]}, "
+                         f"the nearest multiples of {multiple} below, as {folder.class_name} needs."]
+
+    def _priced(entry: ModelEntry, folder: ModelFolder, runs: list[dict[str, Any]]):
+        """The denoising seconds estimated for ``runs`` before they are queued (None: no size near theirs measured
+        on ``entry`` yet; HTTP 422 over --max-seconds, naming the largest size and the most steps that fit), and the
+        check of their own pace their job makes as it runs (memfit.serve.costs)."""
+        first = runs[0]
+        width, height = first["width"], first["height"]
+        steps = int(first["steps"] * first["strength"]) if "strength" in first else first["steps"]
+        multiple = folder.adapter.size_multiple()
+
+        def check(measured: Measured) -> float:
+            return check_seconds(measured, width, height, steps, len(runs), limits.max_seconds, multiple)
+
+        nearest = step_times.nearest(entry.path, width, height)
+        try:
+            estimate = None if nearest is None else check(nearest)
+        except MemfitError as exc:
+            raise HTTPException(422, str(exc)) from exc
+        return estimate, lambda seconds_per_step: check(Measured(width, height, seconds_per_step))
+
     def _find(requested, field: str) -> ModelEntry:
         """The listed checkpoint a request names; HTTP 422 naming those that can be served otherwise."""
         if not isinstance(requested, str):
@@ -476,6 +579,9 @@ def create_app(served: Session | Checkpoints, *, limits: Limits = Limits(), auth
             raise HTTPException(422, f"seed must be -1 (random) or 0 to {MAX_SEED}, got {body.seed}.")
         sampler = _sampler(body, _own_scheduler(folder))
         prompt, loras = _prompt_loras(body.prompt)
+        if not prompt.strip():  # memfit generate's own message names its --prompt flag
+            raise HTTPException(422, 'The prompt is empty: send a description of the image in the JSON field "prompt", '
+                                     'e.g. {"prompt": "a red circle"}.')
         if loras:
             conditioning = replace(conditioning or Conditioning(), loras=loras)
         try:
@@ -537,14 +643,31 @@ def _own_scheduler(folder: ModelFolder) -> str:
     return folder.components.get("scheduler", ("", ""))[1]
 
 
-async def _wait(job: Job, request: Request) -> None:
-    """Until ``job`` is finished; a client that goes away cancels it, so it never holds up the queue."""
+async def _wait(job: Job, request: Request) -> bool:
+    """Until ``job`` is finished; a client that goes away cancels it (a waiting job leaves the queue, a running one
+    stops at its next cancellation point), so it never holds up the queue. Returns whether the client stayed."""
     queue: JobQueue = request.app.state.queue
+    stayed = True
     while not job.done.is_set():
-        if await request.is_disconnected():
-            queue.cancel(job)
-            return
+        if stayed and await request.is_disconnected():
+            queue.cancel(job, "The client went away before this request ran.")
+            stayed = False
         await asyncio.sleep(0.05)
+    return stayed
+
+
+def _request_line(route: str, body: Txt2ImgRequest, job: Job | None, status: int, seconds: float, detail: str) -> str:
+    """The log line of one generation request: its job, size, steps and images, then how it ended, how long it
+    took (queued time included) and the peak memory of its runs; ``detail``: what went wrong, if anything."""
+    if job is None:  # refused before it was queued
+        size = f"{body.width or 'default'}x{body.height or 'default'}"
+        what = f"{route} {body.force_task_id or '-'}: {size}, {body.steps or 'default'} steps"
+        return f"{what}: {status} refused in {seconds:.2f} s: {detail}"
+    first = job.runs[0]
+    peak = max((report.get("peak_bytes", 0) for report in job.reports), default=0)
+    line = (f"{route} {job.id}: {first['width']}x{first['height']}, {first['steps']} steps, {len(job.runs)} image(s): "
+            f"{status} {job.state} in {seconds:.2f} s, peak {format_bytes(peak) if peak else '-'}")
+    return f"{line}: {detail}" if detail else line
 
 
 def _host_memory() -> dict:
@@ -590,10 +713,11 @@ async def _json_object(request: Request) -> dict:
     return value
 
 
-def _decode_image(data: str, field: str, mode: str | None):
+def _decode_image(data: str, field: str, mode: str | None, max_pixels: int):
     """A PIL image from a base64 string (A1111's optional "data:image/png;base64," prefix allowed),
     opened as memfit generate opens an image file (``mode`` "RGB" for the init image, as is for a mask);
-    HTTP 422 saying what is wrong otherwise."""
+    HTTP 422 saying what is wrong otherwise, and for an image whose header gives it more than
+    ``max_pixels`` pixels or more than Pillow's decompression-bomb limit, before any of it is decoded."""
     from PIL import Image
 
     if data.startswith("data:"):
@@ -604,7 +728,16 @@ def _decode_image(data: str, field: str, mode: str | None):
         raise HTTPException(422, f"{field} is not valid base64 ({exc}); send the image file's bytes base64-encoded, "
                                  "e.g. a PNG.") from None
     try:
-        with Image.open(io.BytesIO(raw)) as opened:
+        with Image.open(io.BytesIO(raw)) as opened:  # reads the header only
+            width, height = opened.size
+            if width * height > max_pixels:
+                raise HTTPException(422, f"{field} is {width}x{height}, {width * height} pixels, more than the "
+                                         f"{max_pixels} a request may send; send a smaller image (memfit serve "
+                                         "--max-pixels raises the limit).")
+            if Image.MAX_IMAGE_PIXELS and width * height > Image.MAX_IMAGE_PIXELS:
+                raise HTTPException(422, f"{field} is {width}x{height}, {width * height} pixels, more than Pillow "
+                                         f"decodes safely ({Image.MAX_IMAGE_PIXELS}, its decompression-bomb limit); "
+                                         "send a smaller image.")
             return opened.convert(mode) if mode else opened.copy()
     except (OSError, ValueError, Image.DecompressionBombError) as exc:
         raise HTTPException(422, f"{field} is not an image Pillow can read ({exc}); send a PNG or JPEG, "

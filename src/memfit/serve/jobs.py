@@ -2,8 +2,10 @@
 
 A Job is one HTTP request's work: one image per seed, each a Session.generate run. One worker thread
 takes jobs in order. A job leaves the queue when it is done, when its client cancels it (an
-interrupt, or a client that went away: a waiting job is dropped, a running one stops at the next
-denoising step), or when the server stops (waiting jobs are cancelled, the running one finishes).
+interrupt, or a client that went away: a waiting job is dropped, a running one stops at its next
+cancellation point: the start of an image, of a stage, or a denoising step), or when the server
+stops (waiting jobs are cancelled; the running one gets a grace period to finish, then is stopped
+at its next cancellation point).
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ import threading
 import time
 import traceback
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -43,7 +46,14 @@ class Job:
     step: int = 0
     steps: int = 0
     stop_requested: bool = False
+    # Of the last denoising loop, measured by on_step: its first step left out where there are others (it
+    # pays for what the kernels set up on their first call at a size).
+    seconds_per_step: float | None = None
+    # Called with the first image's seconds per step from its second step on, while steps remain: raising
+    # MemfitError there ends the job as a refusal (one that would take too long, from its own pace).
+    check_pace: Callable[[float], None] | None = None
     done: threading.Event = field(default_factory=threading.Event)
+    _loop_marks: list[float] = field(default_factory=list, repr=False)  # when the loop started and its first step ended
 
     @property
     def progress(self) -> float:
@@ -62,9 +72,21 @@ class Job:
         return max(0.0, elapsed / self.progress - elapsed)
 
     def on_step(self, stage: str, done: int, total: int) -> None:
-        self.step, self.steps = done, total
+        """Session.generate's on_step: (stage, 0, 0) as a stage starts, (stage, done, total) as its loop advances."""
+        if total:
+            self.step, self.steps = done, total
+        if stage == "denoise" and total:
+            now = time.perf_counter()
+            if done <= 1:
+                self._loop_marks[done:] = [now]
+            if done >= 1 and len(self._loop_marks) == 2:
+                start, first = self._loop_marks
+                self.seconds_per_step = now - start if done == 1 else (now - first) / (done - 1)
+                if self.check_pace is not None and self.image_index == 0 and 2 <= done < total:
+                    self.check_pace(self.seconds_per_step)
         if self.stop_requested:
-            raise Interrupted(f"job {self.id} interrupted at step {done} of {total}")
+            where = f"step {done} of {total}" if total else f"the start of the {stage} stage"
+            raise Interrupted(f"job {self.id} interrupted at {where}")
 
 
 class JobQueue:
@@ -92,12 +114,12 @@ class JobQueue:
             self._cv.notify_all()
         return job
 
-    def cancel(self, job: Job) -> None:
-        """Drop a waiting job, or stop a running one at its next denoising step."""
+    def cancel(self, job: Job, reason: str = "") -> None:
+        """Drop a waiting job (``reason``: why, for its answer), or stop a running one at its next cancellation point."""
         with self._cv:
             if job in self._waiting:
                 self._waiting.remove(job)
-                self._finish(job, "cancelled")
+                self._finish(job, "cancelled", reason)
             elif job.state == "running":
                 job.stop_requested = True
 
@@ -127,19 +149,29 @@ class JobQueue:
         with self._cv:
             return len(self._waiting)
 
-    def stop(self, timeout: float | None = None) -> None:
-        """Take no new jobs, cancel the waiting ones, let the running one finish, end the worker."""
-        self.close()
+    def stop(self, timeout: float | None = None, *, grace: float | None = None) -> bool:
+        """Take no new jobs, cancel the waiting ones, let the running one finish (within ``grace`` seconds, as
+        ``close``), end the worker; returns whether it ended within ``timeout`` seconds."""
+        self.close(grace)
         self._worker.join(timeout)
+        return not self._worker.is_alive()
 
-    def close(self) -> None:
-        """Take no new jobs and cancel the waiting ones (their clients get an answer at once); the running
-        job goes on. Does not block: safe from a signal handler."""
+    def close(self, grace: float | None = None) -> int:
+        """Take no new jobs and cancel the waiting ones (their clients get an answer at once); returns how many.
+        The running job goes on; with ``grace`` it is interrupted after that many seconds, at its next
+        cancellation point. Does not block: safe from a signal handler."""
         with self._cv:
             self._accepting = False
+            cancelled = len(self._waiting)
             while self._waiting:
                 self._finish(self._waiting.popleft(), "cancelled", "The server stopped before this request ran.")
             self._cv.notify_all()
+            running = self.running
+        if grace is not None and running is not None:
+            timer = threading.Timer(grace, self.cancel, (running,))
+            timer.daemon = True
+            timer.start()
+        return cancelled
 
     # ---- worker ----------------------------------------------------------------------------
     def _work(self) -> None:

@@ -56,7 +56,29 @@ class WanAdapter(PipelineAdapter):
                 f"num_frames {settings.num_frames} is not a multiple of {temporal} plus 1, which {self.class_name} "
                 f"needs; use {lower} or {lower + temporal}."
             )
+        self._check_position_table(settings)
         return settings
+
+    def _check_position_table(self, settings) -> None:
+        """Refuse a size the transformers' rotary position tables do not reach, before anything loads (diffusers
+        would fail on a tensor shape in the first step): a table has rope_max_seq_len rows for each axis, one
+        per latent patch along it."""
+        spatial, temporal, multiple = self.vae_scale_factor(), self.temporal_scale_factor(), self.size_multiple()
+        for name in ("transformer", "transformer_2"):
+            config = self.configs.get(name)
+            if config is None:
+                continue
+            rows = config.get("rope_max_seq_len", 1024)
+            patch_frames, patch_height, patch_width = config.get("patch_size", (1, 2, 2))
+            width = rows * patch_width * spatial // multiple * multiple
+            height = rows * patch_height * spatial // multiple * multiple
+            frames = (rows * patch_frames - 1) * temporal + 1
+            if settings.width > width or settings.height > height or settings.num_frames > frames:
+                raise MemfitError(
+                    f"{settings.width}x{settings.height} with {settings.num_frames} frames is more than this "
+                    f"{self.class_name}'s {name} takes: its rotary position table ({name}/config.json: "
+                    f"rope_max_seq_len {rows}) reaches at most {width}x{height} with {frames} frames, so pass a "
+                    f"smaller --width, --height or --frames.")
 
     def latent_frames(self, settings) -> int:
         return (settings.num_frames - 1) // self.temporal_scale_factor() + 1
