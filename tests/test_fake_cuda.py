@@ -1,13 +1,16 @@
 """memfit's GPU path, run on the fake CUDA runtime (memfit.testing.fake_cuda) on the CPU.
 
 Each test names the defect of issue 14 it guards (2: the anchor parameter, 3: one pinned arena and
-a host budget, 4: blocks in flight, 6: the disk tier through a pinned ring, 9: compiled graphs),
-and where a fix is a wait or a bound, the test also removes it once and shows the fake notices.
+a host budget, 4: blocks in flight, 6: the disk tier through a pinned ring, 9: compiled graphs), or
+the item of issue 34 (the second review; its page-locking calls are in test_cuda_pinning.py), and
+where a fix is a wait or a bound, the test also removes it once and shows the fake notices.
 The every-tier, every-family parity runs through the fake are in test_executor.py and
 test_families.py.
 """
 
 from __future__ import annotations
+
+import contextlib
 
 import numpy as np
 import pytest
@@ -133,7 +136,8 @@ def test_host_budget_is_bounded_and_honored(sd, tmp_path):
         restore(pipe)
 
         host_budget = total // 4
-        optimize(pipe, memfit.Budget(device=total // 2, host=host_budget, disk=str(tmp_path)), device="cuda")
+        optimize(pipe, memfit.Budget(device=total // 2, host=host_budget, disk=str(tmp_path)), device="cuda",
+                 activation_bytes=0)  # a tiny model: the activations at its default size would not leave it room
         plan = pipe._memfit_plan
         wheres = {p.where for stage in plan.stages for p in stage.placements}
         assert {"host", "disk"} <= wheres, wheres
@@ -289,3 +293,126 @@ def test_hooks_break_compiled_graphs_only_at_their_boundaries(tiny_models, monke
     traced, _ = streamed_breaks()
     assert 0 < disabled <= 2 * hooked
     assert disabled < traced, (disabled, traced)
+
+
+# --- issue 34: the GPU path's second review ------------------------------------------------------------
+
+
+def unet_inputs(unet):
+    generator = torch.Generator().manual_seed(0)
+    sample = torch.randn(1, unet.config.in_channels, 4, 4, generator=generator)
+    return sample, torch.tensor([10]), torch.randn(1, 7, unet.config.cross_attention_dim, generator=generator)
+
+
+@pytest.mark.parametrize("device", ["cpu", "cuda"])
+def test_a_pipeline_loaded_in_inference_mode_streams_from_disk_with_prefetch(tiny_models, device):
+    """Issue 34, item 1: the reader thread makes a block's run form in the modes of the thread that started the
+    prefetch (and in inference mode for weights that are inference tensors). A pipeline loaded and optimized
+    under torch.inference_mode(), as servers do, failed at its first prefetched block with "Inference tensors
+    do not track version counter", on the CPU (a converted disk tier) and on the GPU path; and one loaded in
+    inference mode but run under no_grad failed at its first block."""
+    gpu = fake_cuda(lazy=True) if device == "cuda" else contextlib.nullcontext()
+    with gpu, torch.inference_mode():
+        pipe = load(tiny_models("sd"))
+        # on the CPU only a block converted to another dtype is made on the reader thread
+        dtype = torch.bfloat16 if device == "cpu" else None
+        optimize(pipe, force_tiers={"unet/down_blocks.*": "disk", "unet/up_blocks.*": "host"}, device=device,
+                 dtype=dtype)
+        try:
+            inputs = unet_inputs(pipe.unet)
+            inputs = tuple(t.to(dtype) if dtype and t.is_floating_point() else t for t in inputs)
+            first = pipe.unet(*inputs).sample  # learns the order: nothing prefetched yet
+            again = pipe.unet(*inputs).sample  # every streamed block after the first comes from a prefetch
+            with torch.inference_mode(False), torch.no_grad():
+                outside = pipe.unet(*inputs).sample
+        finally:
+            restore(pipe)
+    assert torch.equal(first, again) and torch.equal(first, outside)
+
+
+def test_a_dropped_pipeline_gives_its_pinned_memory_back_only_after_the_copies_that_read_it(tiny_models):
+    """Issue 34, item 2: the learned order wraps around (the last streamed block prefetches the first), so when
+    a stage ends a copy from the pinned arenas is still queued. A pipeline dropped without restore (a staged
+    run's finished stage) used to unregister and free its arenas under that copy; now its finalizer waits for
+    the reader thread and the device first, and drops the prefetched block with its device memory."""
+    import gc
+
+    with fake_cuda(lazy=True) as gpu:
+        pipe = load(tiny_models("sd"))
+        optimize(pipe, force_tiers={"unet/down_blocks.*": "disk", "unet/up_blocks.*": "host"}, device="cuda")
+        with torch.inference_mode():
+            pipe.unet(*unet_inputs(pipe.unet))
+            pipe.unet(*unet_inputs(pipe.unet))  # its last block prefetched the first for a next forward
+        assert gpu.pinned_bytes() > 0
+        del pipe
+        gc.collect()
+        assert gpu.released_while_read == 0
+        assert gpu.pinned_bytes() == 0 and gpu.memory_allocated() == 0  # the queued copy ran, its block was dropped
+
+
+def test_the_plan_host_figure_counts_the_disk_tier_staging_ring(sd, tmp_path):
+    """Issue 34, item 7: on a GPU the disk tier passes through a pinned staging ring in host RAM; the plan's host
+    figure counts it, so what is page-locked stays within the plan and the host budget (here the ring pushed it
+    past both)."""
+    pipe, _ = sd
+    total = sum(b.bytes for name, m in modules_of(pipe).items() for b in live_blocks(name, m))
+    host_budget = total // 16
+    with fake_cuda() as gpu:
+        optimize(pipe, memfit.Budget(device=total // 2, host=host_budget, disk=str(tmp_path)), device="cuda",
+                 activation_bytes=0)
+        try:
+            plan = pipe._memfit_plan
+            runtime = pipe._memfit_state.runtime
+            assert runtime.ring is not None and plan.host_peak_bytes <= host_budget
+            # the ring's slots also align each tensor (the plan counts weights alone)
+            alignment = runtime.window * ALIGNMENT * max(len(hook.slots) for hook in hooks_of(pipe))
+            assert gpu.pinned_bytes() <= min(plan.host_peak_bytes + alignment, host_budget)
+        finally:
+            restore(pipe)
+
+
+def test_optimize_called_directly_plans_the_activations_a_staged_run_would(sd, tiny_models):
+    """Issue 34, item 10: memfit.optimize on a pipeline planned no room for activations (activation_bytes=0)
+    unless told; now each stage reserves its family's estimate at the pipeline's default size with guidance,
+    with the GPU margin, the same figures the staged runner plans from the model's folder."""
+    from memfit.models.families.base import Settings
+    from memfit.models.folder import ModelFolder
+    from memfit.plan.activations import DEVICE_ACTIVATION_MARGIN, stage_strategies
+
+    pipe, _ = sd
+    with fake_cuda():
+        optimize(pipe, memfit.Budget(device="1GiB"), device="cuda")
+        planned = {stage.name: stage.activation_bytes for stage in pipe._memfit_plan.stages}
+        restore(pipe)
+    adapter = ModelFolder.open(tiny_models("sd")).adapter
+    size = adapter.default_size()
+    settings = Settings("a prompt", None, steps=2, guidance=7.5, seed=0, width=size, height=size)
+    assert planned == {stage: int(stage_strategies(adapter, stage, settings, True, "fp32")[0].activation_bytes
+                                  * DEVICE_ACTIVATION_MARGIN) for stage in ("encode", "denoise", "decode")}
+    assert all(planned.values())
+
+
+def test_the_users_own_cuda_graph_compile_over_streamed_weights_is_refused(sd):
+    """Issue 34, item 10: a module the user compiled with torch.compile in a mode that captures CUDA graphs
+    replays the addresses it captured, which streamed weights leave at every forward: optimize refuses it when
+    its weights stream (and leaves the pipeline as it was), and lets it be where they stay resident or the mode
+    captures none."""
+    pipe, _ = sd
+    blocks = pipe.unet.up_blocks
+    try:
+        with fake_cuda():
+            pipe.unet.compile(mode="reduce-overhead")
+            with pytest.raises(memfit.MemfitError, match=r"^unet is compiled with torch.compile in a mode that"):
+                optimize(pipe, force_tiers={"unet/up_blocks.*": "host"}, device="cuda")
+            assert not hasattr(pipe, "_memfit_plan")
+            optimize(pipe, force_tiers={"vae/*": "host"}, device="cuda")  # the compiled unet stays resident
+            restore(pipe)
+            pipe.unet._compiled_call_impl = None
+            blocks[1].compile(mode="max-autotune")
+            with pytest.raises(memfit.MemfitError, match=r"^unet.up_blocks.1 is compiled"):
+                optimize(pipe, force_tiers={"unet/up_blocks.*": "host"}, device="cuda")
+            blocks[1].compile(mode="max-autotune-no-cudagraphs")
+            optimize(pipe, force_tiers={"unet/up_blocks.*": "host"}, device="cuda")
+            restore(pipe)
+    finally:
+        pipe.unet._compiled_call_impl = blocks[1]._compiled_call_impl = None

@@ -24,7 +24,7 @@ from memfit.models.families import Settings
 from memfit.models.folder import ModelFolder
 from memfit.plan.budget import StageDoesNotFit, resolve_budget
 from memfit.run import runner as runner_module
-from memfit.run.fit import DEVICE_ACTIVATION_MARGIN
+from memfit.plan.activations import DEVICE_ACTIVATION_MARGIN
 from memfit.run.memory import PeakMemory
 from memfit.run.options import RunOptions, resolve_device
 from memfit.run.report import RunReport

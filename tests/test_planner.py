@@ -123,6 +123,24 @@ def test_without_disk_tier_a_small_host_is_an_error_naming_the_host_needed():
         make_plan(stages, Budget(device=100, host=needed - 1))
 
 
+def test_a_staging_ring_is_counted_in_the_host_figure_and_held_by_the_host_budget():
+    """Issue 34, item 7: on a GPU the blocks streamed from disk pass through a pinned ring of (1 + prefetch)
+    slots of the largest of them, in host RAM: the host figure counts it and the host budget holds it (the
+    least read host blocks go to disk until it does); where everything fits on the host there is no ring."""
+    denoise = stage("denoise", [50, 50, 50, 50], runs=30)
+    disk = "/var/tmp/memfit"
+    # Device 100: every block streams. Host 150 holds b0..b2 (150) and b3 goes to disk, with a ring of 2 x 50.
+    without = make_plan([denoise], Budget(device=100, host=150, disk=disk))
+    assert without.stage("denoise").from_disk == ("m/b3",) and without.host_peak_bytes == 150
+    tight = make_plan([denoise], Budget(device=100, host=150, disk=disk), staging_ring=True)
+    assert tight.stage("denoise").from_disk == ("m/b1", "m/b2", "m/b3") and tight.host_peak_bytes == 50 + 2 * 50
+    whole = make_plan([denoise], Budget(device=100, host=200, disk=None), staging_ring=True)
+    assert not whole.stage("denoise").from_disk and whole.host_peak_bytes == 200
+    with pytest.raises(MemfitError, match="cannot hold the pinned staging ring .* at least 100 bytes"):
+        make_plan([denoise], Budget(device=100, host=99, disk=disk), staging_ring=True)
+    check_invariants(tight, [denoise])
+
+
 def test_shared_block_is_counted_once_on_the_host():
     vae = BlockSpec("vae", "decoder", 10)
     stages = [StageInput("a", (BlockSpec("te", "x", 5), vae), 0), StageInput("b", (vae,), 0)]

@@ -20,14 +20,30 @@ Kinds of runtime:
 from __future__ import annotations
 
 import contextlib
+import mmap
+import platform
+import sys
+import warnings
 from typing import Iterator
 
 import torch
 
 from memfit.errors import MemfitError
+from memfit.sizes import format_bytes
 
-__all__ = ["CpuRuntime", "CudaRuntime", "DeviceRuntime", "PlainRuntime", "cuda_device_count", "runtime_for",
-           "use_cuda_runtime"]
+__all__ = ["HOST_REGISTER_PORTABLE", "HOST_MEMORY_ALREADY_REGISTERED", "CpuRuntime", "CudaRuntime", "DeviceRuntime",
+           "PinningWarning", "PlainRuntime", "cuda_device_count", "page_aligned_buffer", "pinned_fraction",
+           "runtime_for", "use_cuda_runtime"]
+
+#: cudaHostRegister's flag for pages that count as page-locked in every CUDA context, not only the one
+#: current when they were registered (with ``--device cuda:1`` that would be GPU 0's, made for it).
+HOST_REGISTER_PORTABLE = 1
+#: cudaErrorHostMemoryAlreadyRegistered: a page of the range is page-locked already (by another library).
+HOST_MEMORY_ALREADY_REGISTERED = 712
+
+
+class PinningWarning(UserWarning):
+    """memfit could not page-lock host memory for streaming: copies from it are pageable (synchronous, slower)."""
 
 
 class DeviceRuntime:
@@ -77,7 +93,8 @@ class DeviceRuntime:
         return host if dtype is None else host.to(dtype)
 
     def pinned_arena(self, nbytes: int) -> torch.Tensor:
-        """A host buffer of exactly ``nbytes`` (uint8) that the device copies from asynchronously."""
+        """A host buffer of exactly ``nbytes`` (uint8) that the device copies from asynchronously (where it can
+        be page-locked: a CUDA runtime that cannot says so with a PinningWarning and hands out pageable memory)."""
         return torch.empty(nbytes, dtype=torch.uint8)
 
     def release_arena(self, arena: torch.Tensor) -> None:
@@ -170,6 +187,29 @@ class PlainRuntime(DeviceRuntime):
         return function() if function is not None else None
 
 
+def pinned_fraction() -> float:
+    """The share of the host's RAM memfit page-locks at most: Windows caps page-locked memory near half
+    of RAM, and so does WSL (its GPU driver is Windows'); elsewhere some is left to the rest of the system."""
+    windows = sys.platform == "win32" or "microsoft" in platform.uname().release.lower()
+    return 0.45 if windows else 0.9
+
+
+def page_aligned_buffer(nbytes: int) -> tuple[torch.Tensor, int]:
+    """A host buffer of exactly ``nbytes`` (uint8, at least 1) that starts on a page, and the length of the
+    whole pages it spans, all inside memory of its own.
+
+    The driver page-locks whole pages: a buffer that shared a page with another one registered apart
+    would make the second registration fail (cudaErrorHostMemoryAlreadyRegistered), and unregistering
+    one would unlock the other's page.
+    """
+    page = mmap.PAGESIZE
+    nbytes = max(nbytes, 1)
+    length = -(-nbytes // page) * page
+    memory = torch.empty(length + page, dtype=torch.uint8)
+    start = -memory.data_ptr() % page
+    return memory[start:start + nbytes], length
+
+
 class CudaRuntime(DeviceRuntime):
     separate_memory = True
 
@@ -177,6 +217,8 @@ class CudaRuntime(DeviceRuntime):
         self.device = device if device.index is not None else torch.device("cuda", torch.cuda.current_device())
         self.name = str(self.device)
         self._registered: dict[int, int] = {}  # address -> bytes this runtime page-locked (one runtime per GPU)
+        #: The most host memory this runtime page-locks at once; None: pinned_fraction() of the host's RAM.
+        self.pinned_limit: int | None = None
 
     def new_stream(self):
         return torch.cuda.Stream(self.device)
@@ -202,20 +244,52 @@ class CudaRuntime(DeviceRuntime):
 
     def pinned_arena(self, nbytes: int) -> torch.Tensor:
         # Registered rather than allocated pinned: torch's pinned allocator rounds every request up to
-        # a power of two (a 9 GiB arena would take 16), page-locking an ordinary buffer takes exactly it.
-        arena = torch.empty(max(nbytes, 1), dtype=torch.uint8)
-        code = torch.cuda.cudart().cudaHostRegister(arena.data_ptr(), arena.numel(), 0)
-        if int(code) != 0:
-            raise MemfitError(
-                f"Could not page-lock {nbytes} bytes of host memory for streaming to {self.name} (CUDA error "
-                f"{int(code)}); give a smaller host budget (--budget with host=) or free host memory.")
-        self._registered[arena.data_ptr()] = arena.numel()
+        # a power of two (a 9 GiB arena would take 16), page-locking an ordinary buffer takes its pages.
+        arena, length = page_aligned_buffer(nbytes)
+        failed = self._page_lock(arena.data_ptr(), length)
+        if failed is not None:
+            warnings.warn(
+                f"memfit could not page-lock {format_bytes(length)} of host memory for streaming to {self.name} "
+                f"({failed}); the weights in it are copied from pageable memory, which is slower. Give a smaller "
+                "host budget (--budget with host=) or free host memory.", PinningWarning, stacklevel=2)
         return arena
+
+    def _page_lock(self, address: int, length: int) -> str | None:
+        """Register ``length`` bytes at ``address``; None when they are page-locked now, else why not."""
+        limit = self.pinned_limit
+        if limit is None:
+            import psutil
+
+            limit = int(psutil.virtual_memory().total * pinned_fraction())
+        if self.pinned_bytes() + length > limit:
+            return (f"{format_bytes(self.pinned_bytes())} is page-locked already and memfit locks at most "
+                    f"{format_bytes(limit)}")
+        cudart = torch.cuda.cudart()
+        with torch.cuda.device(self.device):  # the registration is made from this GPU's own context
+            code = int(cudart.cudaHostRegister(address, length, HOST_REGISTER_PORTABLE))
+        if code == 0:
+            self._registered[address] = length
+            return None
+        self._forget_error()
+        if code == HOST_MEMORY_ALREADY_REGISTERED:
+            return None  # locked by another library: copies are as fast, and unlocking it is not memfit's to do
+        return f"CUDA error {code}"
+
+    def _forget_error(self) -> None:
+        # A failed runtime call stays the thread's last CUDA error, which torch's next check after a kernel
+        # launch would raise as that kernel's failure: a launch here takes it, and the error is dropped.
+        try:
+            with torch.cuda.device(self.device):
+                torch.zeros(1, device=self.device).add_(1)
+        except RuntimeError:
+            pass
 
     def release_arena(self, arena: torch.Tensor) -> None:
         # Only what this runtime registered (a deep copy of an optimized pipeline holds plain copies).
         if self._registered.pop(arena.data_ptr(), None) is not None:
-            torch.cuda.cudart().cudaHostUnregister(arena.data_ptr())
+            with torch.cuda.device(self.device):
+                if int(torch.cuda.cudart().cudaHostUnregister(arena.data_ptr())) != 0:
+                    self._forget_error()
 
     def mem_get_info(self) -> tuple[int, int]:
         free, total = torch.cuda.mem_get_info(self.device)

@@ -34,8 +34,15 @@ from typing import Callable
 from memfit.errors import MemfitError
 from memfit.text_enum import TextEnum
 
-__all__ = ["Strategy", "StrategyKind", "banded_decode_unsupported", "choose", "stage_strategies",
-           "vae_execution_dtype"]
+__all__ = ["DEVICE_ACTIVATION_MARGIN", "Strategy", "StrategyKind", "banded_decode_unsupported", "choose",
+           "stage_strategies", "vae_execution_dtype"]
+
+# The activation estimates are calibrated on CPU RSS. On a GPU the caching allocator rounds each
+# block up (512 B, and 2 MiB segments for large ones) and keeps freed blocks that do not fit the next
+# request, so the same tensors take more; this margin on the activations covers that. It is not
+# measured on a GPU yet (benchmarks/gpu_check.sh measures it): the CUDA context and library
+# workspaces are the detection reserve's (memfit.plan.budget.device_reserve), not this margin's.
+DEVICE_ACTIVATION_MARGIN = 1.25
 
 
 class StrategyKind(TextEnum):

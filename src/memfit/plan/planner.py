@@ -16,6 +16,10 @@ Model of execution the plan is made for:
     resident on the device in that stage.
 
 Device peak of a stage = resident bytes + streaming window + activations.
+
+On a device with memory of its own (``staging_ring``), blocks streamed from disk pass through a
+pinned staging ring in host RAM: one slot per block of the streaming window, each as large as the
+largest of them. The host figure counts it, and the host budget holds it.
 """
 
 from __future__ import annotations
@@ -30,7 +34,7 @@ from memfit.errors import MemfitError
 from memfit.text_enum import TextEnum
 
 __all__ = ["PLAN_FORMAT", "BlockSpec", "Plan", "Placement", "StageInput", "StagePlan", "Tier", "host_need", "make_plan",
-           "minimum_device_bytes", "stage_input", "stage_plan"]
+           "minimum_device_bytes", "stage_input", "stage_plan", "staging_ring_bytes"]
 
 #: The format version Plan.to_dict writes and Plan.from_dict reads; a change to the fields makes a new one.
 PLAN_FORMAT = "memfit-plan/1"
@@ -138,7 +142,7 @@ class Plan:
     # (block key, Tier.HOST or Tier.DISK) for every block, in first-use order: where a block is read
     # from when it streams or when its stage starts, and where it goes back when not in use.
     homes: tuple[tuple[str, Tier], ...]
-    host_peak_bytes: int  # most host RAM the parked weights need at any stage
+    host_peak_bytes: int  # most host RAM the parked weights (and a staging ring) need at any stage
 
     @property
     def peak_bytes(self) -> int:
@@ -267,7 +271,8 @@ def _malformed(path: str, what: str) -> MemfitError:
 # --- planning ---------------------------------------------------------------------------------
 
 
-def make_plan(stages: Sequence[StageInput], budget: BudgetLike, *, prefetch: int = 1) -> Plan:
+def make_plan(stages: Sequence[StageInput], budget: BudgetLike, *, prefetch: int = 1,
+              staging_ring: bool = False) -> Plan:
     """Decide, per stage, which blocks stay on the device and where the others stream from.
 
     Device residency, per stage, greedy "first fit decreasing": blocks are taken largest first
@@ -279,7 +284,8 @@ def make_plan(stages: Sequence[StageInput], budget: BudgetLike, *, prefetch: int
     Homes: blocks are offered host RAM in order of how often they are read from their home
     (``runs`` of each stage where they stream, 1 where they are resident), ties in first-use
     order, each kept on the host if the host need stays within budget.host; the rest live on
-    disk, which needs ``budget.disk``.
+    disk, which needs ``budget.disk``. ``staging_ring``: the disk tier streams through a pinned ring
+    in host RAM (on a GPU), counted in the host need (staging_ring_bytes).
 
     Raises MemfitError naming the smallest device (or host) budget that would work when nothing
     does.
@@ -292,7 +298,7 @@ def make_plan(stages: Sequence[StageInput], budget: BudgetLike, *, prefetch: int
 
     _check_device_fits(stages, budget, prefetch)
     resident_per_stage = [_choose_resident(stage, device_capacity, prefetch) for stage in stages]
-    homes = _choose_homes(stages, resident_per_stage, budget)
+    homes = _choose_homes(stages, resident_per_stage, budget, 1 + prefetch if staging_ring else 0)
 
     stage_plans = tuple(
         stage_plan(stage, resident, homes, prefetch) for stage, resident in zip(stages, resident_per_stage)
@@ -303,8 +309,16 @@ def make_plan(stages: Sequence[StageInput], budget: BudgetLike, *, prefetch: int
         prefetch=prefetch,
         stages=stage_plans,
         homes=tuple(homes.items()),
-        host_peak_bytes=host_need(host_keys, _block_sizes(stages), resident_per_stage),
+        host_peak_bytes=host_need(host_keys, _block_sizes(stages), resident_per_stage)
+        + (staging_ring_bytes(stage_plans, prefetch) if staging_ring else 0),
     )
+
+
+def staging_ring_bytes(stage_plans: Iterable[StagePlan], prefetch: int) -> int:
+    """The pinned staging ring blocks streamed from disk pass through on a device with memory of its own:
+    (1 + prefetch) slots, each as large as the largest block streamed from disk (at the run dtype)."""
+    return (1 + prefetch) * max((p.bytes for s in stage_plans for p in s.placements if p.where == Tier.DISK),
+                                default=0)
 
 
 def _validate(stages: Sequence[StageInput]) -> None:
@@ -393,12 +407,15 @@ def host_need(host_keys: Iterable[str], sizes: dict[str, int], resident_per_stag
     return max((sum(sizes[k] for k in keys if k not in resident) for resident in resident_per_stage), default=0)
 
 
-def _choose_homes(stages, resident_per_stage, budget: Budget) -> dict[str, Tier]:
+def _choose_homes(stages, resident_per_stage, budget: Budget, ring_slots: int = 0) -> dict[str, Tier]:
     sizes = _block_sizes(stages)
     reads = dict.fromkeys(sizes, 0)
+    streamed: set[str] = set()
     for stage, resident in zip(stages, resident_per_stage):
         for block in stage.blocks:
             reads[block.key] += 1 if block.key in resident else stage.runs
+            if block.key not in resident:
+                streamed.add(block.key)
     first_use = {key: index for index, key in enumerate(sizes)}
     capacity = math.inf if budget.host is None else budget.host
 
@@ -420,6 +437,21 @@ def _choose_homes(stages, resident_per_stage, budget: Budget) -> dict[str, Tier]
             f"given. Raise the host budget to at least {needed} bytes ({format_bytes(needed)}), or give a "
             "disk tier, e.g. Budget(device=..., host=..., disk='/var/tmp/memfit')."
         )
+
+    def ring() -> int:
+        return ring_slots * max((sizes[k] for k in streamed if homes[k] == Tier.DISK), default=0)
+
+    # The staging ring of the blocks that went to disk takes host RAM too: the least read blocks kept
+    # leave the host until both fit.
+    while ring() and host_need(on_host, sizes, resident_per_stage) + ring() > capacity:
+        if not on_host:
+            raise MemfitError(
+                f"The host budget of {format_bytes(budget.host or 0)} cannot hold the pinned staging ring the disk "
+                f"tier streams through ({format_bytes(ring())}: {ring_slots} slots of the largest block streamed). "
+                f"Raise the host budget to at least {ring()} bytes ({format_bytes(ring())}), or give a larger "
+                "device budget."
+            )
+        homes[on_host.pop()] = Tier.DISK
     return {key: homes[key] for key in sizes}  # first-use order, for stable output
 
 

@@ -50,14 +50,15 @@ import json
 import os
 import weakref
 from pathlib import Path
-from typing import Collection, Mapping
+from typing import Callable, Collection, Mapping
 
 import torch
 
-from memfit.devices import runtime_for
+from memfit.devices import DeviceRuntime, runtime_for
 from memfit.plan.budget import AUTO, NONE, Budget, BudgetLike, resolve_budget, stage_budget
 from memfit.errors import MemfitError
-from memfit.run.offload import HookRegistry, Runtime, Shared, Slot, SlotKind, StagingRing, SwapHook, aligned
+from memfit.run.offload import (HookRegistry, Prefetches, Runtime, Shared, Slot, SlotKind, StagingRing, SwapHook,
+                                aligned, inference_mode_for)
 from memfit.run.weight_sources import WeightSource, in_memory_only, weight_source
 from memfit.safetensors_header import same_samples
 from memfit.plan.planner import BlockSpec, Plan, StageInput, Tier, make_plan
@@ -131,7 +132,7 @@ def optimize(
     fallback: str | None = None,
     precision: str | None = None,
     stage: str | None = None,
-    activation_bytes: int = 0,
+    activation_bytes: int | None = None,
     parts: Mapping[str, tuple[str, ...]] | None = None,
     dtype: torch.dtype | None = None,
     skip: Collection[str] = (),
@@ -153,7 +154,9 @@ def optimize(
     stage:       plan all components as one stage of that name (they are resident together, as in
                  one stage of memfit.generate); default: one stage per group of components that run
                  together (text encoders; denoiser with a ControlNet; VAE; each other component alone).
-    activation_bytes: the activation peak the plan reserves room for (one stage, or each).
+    activation_bytes: the activation peak the plan reserves room for (one stage, or each); default: each
+                 stage's estimate for the pipeline's default size with guidance, from its family's rules
+                 (memfit.plan.activations; with memfit's margin on a GPU). Give bytes for another size, 0 for none.
     parts:       {component: module paths} for components the stage runs only part of ({"vae":
                  ("decoder", "rest")} for a text-to-image decode): only those blocks are planned; the
                  others are put on the disk tier, where they cost no memory unless something calls them.
@@ -198,9 +201,12 @@ def optimize(
     all_blocks = {name: live_blocks(name, module, dtype) for name, module in components.items()}
     blocks = {name: [b for b in found if b.key not in skip] for name, found in all_blocks.items()}
     unrun = unrun_blocks(blocks, parts)
+    if activation_bytes is None:  # a given or forced plan is not fitted to a budget: nothing to reserve
+        planned = plan is None and force_tiers is None
+        activation_bytes = _estimated_activations(pipe, stage, dtype, device) if planned else 0
     stages = _stage_inputs(_without(blocks, unrun), stage, activation_bytes, type(pipe).__name__)
     if plan is None and force_tiers is not None:
-        plan = _forced_plan(stages, force_tiers)
+        plan = _forced_plan(stages, force_tiers, staging_ring=device.separate_memory)
     elif plan is None:
         # optimize fits a pipeline already loaded: what it holds now is part of what the budget bounds.
         in_use = sum(block.bytes for component_blocks in blocks.values() for block in component_blocks)
@@ -213,7 +219,8 @@ def optimize(
         resolved = resolve_budget(budget, device, in_use=in_use if auto else 0)
         # The pipeline is loaded already: on the CPU a block "parked on the host" stays where it is; on a GPU
         # an automatic budget's host tier takes the place of the weights in host RAM now.
-        plan = make_plan(stages, stage_budget(resolved.budget, device, loaded=auto, host_in_use=on_host if auto else 0))
+        plan = make_plan(stages, stage_budget(resolved.budget, device, loaded=auto, host_in_use=on_host if auto else 0),
+                         staging_ring=device.separate_memory)
     tiers = _tiers_from_plan(plan, all_blocks)
     tiers.update((block.key, Tier.DISK) for block in unrun)
 
@@ -225,13 +232,15 @@ def optimize(
     state = _State(runtime=runtime, slots=[], hooked=[], dtype=dtype, unrun=unrun,
                    own_resident=streams_from_disk and not device.separate_memory)
     # A pipeline dropped without restore (a staged run's finished stage) gives its pinned memory
-    # back when it is collected; restore gives it back at once (and empties the list).
-    weakref.finalize(state, _release_arenas, device, state.arenas)
+    # back when it is collected, once nothing reads it; restore gives it back at once (and empties the list).
+    weakref.finalize(state, _release_arenas, runtime.prefetches, state.arenas)
     try:
-        for name, module in components.items():
-            _apply_component(name, module, blocks[name], tiers, state, model_dir)
-        _place_host_tier(state)
-        _make_staging_ring(state)
+        # A pipeline loaded in inference mode gets its new tensors made in it, whatever mode optimize runs in.
+        with inference_mode_for(t for module in components.values() for t in module.parameters()):
+            for name, module in components.items():
+                _apply_component(name, module, blocks[name], tiers, state, model_dir)
+            _place_host_tier(state)
+            _make_staging_ring(state)
     except BaseException:
         _undo(state)
         raise
@@ -253,7 +262,9 @@ def _tensors(module: torch.nn.Module):
 
 
 def refuse_cuda_graphs_while_streaming(pipe) -> None:
-    """Raise if a component of ``pipe`` whose weights stream is compiled with CUDA graphs.
+    """Raise if a component of ``pipe`` whose weights stream is compiled with CUDA graphs: by memfit's
+    backend, or by the user's own torch.compile (a module's ``.compile()`` or a torch.compile'd module)
+    in a mode that captures them ("reduce-overhead", "max-autotune") over a streamed weight.
 
     A CUDA graph replays the addresses it captured, and a streamed block's weights are at new
     addresses on every forward (``param.data`` is swapped), so the replay would read freed memory.
@@ -266,11 +277,28 @@ def refuse_cuda_graphs_while_streaming(pipe) -> None:
     if state is None or not state.hooked or not state.runtime.separate_memory:
         return  # nothing streams, or on the CPU, where inductor captures no CUDA graph
     hooked = {id(module) for module in state.hooked}
+    streamed = {id(slot.tensor) for slot in state.slots if slot.kind != SlotKind.DEVICE}
     for name, module in _components(pipe).items():
         if not any(id(sub) in hooked for sub in module.modules()):
             continue
         for method, entry in vars(module).get(ENTRIES_ATTR, {}).items():
             refuse_cuda_graphs(entry.backend, entry.options, f"{name}.{method}")
+        for path, sub in module.named_modules():
+            if _compiled_with_cuda_graphs(sub) and any(id(p) in streamed for p in sub.parameters()):
+                raise MemfitError(
+                    f"{'.'.join(filter(None, (name, path)))} is compiled with torch.compile in a mode that captures "
+                    "CUDA graphs (mode='reduce-overhead' or 'max-autotune'), and its weights stream, which CUDA "
+                    "graphs cannot follow; compile it with mode='max-autotune-no-cudagraphs' or the default mode, "
+                    "or give a budget that keeps it resident.")
+
+
+def _compiled_with_cuda_graphs(module: torch.nn.Module) -> bool:
+    """Whether the user compiled ``module`` (``module.compile(...)``, or it is what torch.compile returned for
+    a module) with inductor capturing CUDA graphs."""
+    compiled = getattr(module, "_compiled_call_impl", None) or module
+    config = getattr(compiled, "get_compiler_config", None)  # dynamo's, on what torch.compile returned
+    options = config() if callable(config) else None
+    return bool(options and options.get("triton.cudagraphs"))
 
 
 def _is_auto(budget) -> bool:
@@ -279,13 +307,14 @@ def _is_auto(budget) -> bool:
 
 def plan_stage(pipe, budget: Budget, stage: str, activation_bytes: int = 0,
                parts: Mapping[str, tuple[str, ...]] | None = None, skip=(),
-               dtype: torch.dtype | None = None) -> Plan:
+               dtype: torch.dtype | None = None, device: DeviceRuntime | None = None) -> Plan:
     """The plan ``optimize(pipe, stage=stage, activation_bytes=..., parts=...)`` would make under ``budget``, the
     stage's own (memfit.plan.budget.stage_budget); components named in ``skip`` are left out (optimize then
-    leaves them as they are). ``dtype``: as optimize's."""
+    leaves them as they are). ``dtype``: as optimize's. ``device``: the runtime it will run on (on a GPU the
+    host figure counts the disk tier's staging ring); None: the CPU."""
     blocks = {name: live_blocks(name, module, dtype) for name, module in _components(pipe).items() if name not in skip}
-    return make_plan(_stage_inputs(_without(blocks, unrun_blocks(blocks, parts)), stage, activation_bytes, type(pipe).__name__),
-                     budget)
+    stages = _stage_inputs(_without(blocks, unrun_blocks(blocks, parts)), stage, activation_bytes, type(pipe).__name__)
+    return make_plan(stages, budget, staging_ring=device is not None and device.separate_memory)
 
 
 def blocks_not_run(pipe) -> list[LiveBlock]:
@@ -321,19 +350,56 @@ def _without(blocks: dict[str, list[LiveBlock]], left_out: list[LiveBlock]) -> d
                    for b in found if id(b) not in ids or b.fixed_bytes] for name, found in blocks.items()}
 
 
-def _stage_inputs(blocks: dict[str, list[LiveBlock]], stage: str | None, activation_bytes: int,
+def _stage_inputs(blocks: dict[str, list[LiveBlock]], stage: str | None, activation_bytes: int | Callable[[str], int],
                   pipeline_class: str = "") -> list[StageInput]:
     """One stage named ``stage`` holding every component, or (no stage named) one stage per group of
     components that run together (memfit.models.families.run_together: the denoiser with a ControlNet,
-    the text encoders together, the VAE alone), so each group fits the budget at once."""
+    the text encoders together, the VAE alone), so each group fits the budget at once. ``activation_bytes``:
+    every stage's, or a function of the stage's name."""
     from memfit.models.families import run_together
 
+    activations = activation_bytes if callable(activation_bytes) else lambda name: activation_bytes
     specs = {name: tuple(BlockSpec(b.component, b.name, b.bytes, b.fixed_bytes) for b in found)
              for name, found in blocks.items()}
     if stage is not None:
-        return [StageInput(stage, tuple(spec for found in specs.values() for spec in found), activation_bytes)]
-    return [StageInput(name, tuple(spec for member in members for spec in specs[member]), activation_bytes)
+        return [StageInput(stage, tuple(spec for found in specs.values() for spec in found), activations(stage))]
+    return [StageInput(name, tuple(spec for member in members for spec in specs[member]), activations(name))
             for name, members in run_together(pipeline_class, specs)]
+
+
+def _estimated_activations(pipe, stage: str | None, dtype: torch.dtype | None, device) -> Callable[[str], int]:
+    """Each stage's activation estimate for ``pipe`` called at its default size with guidance (a batch of two):
+    its family's rules (memfit.plan.activations), as a staged run plans them, times memfit's margin on a GPU.
+    A stage of all components (``stage`` named) runs the pipeline's parts one after another."""
+    from memfit.dtypes import dtype_name
+    from memfit.models.families import adapter_for
+    from memfit.models.families.base import Settings
+    from memfit.plan.activations import DEVICE_ACTIVATION_MARGIN, stage_strategies
+
+    configs, classes = {}, {}
+    for name, value in getattr(pipe, "components", {}).items():
+        config = getattr(value, "config", None)
+        if config is not None:
+            configs[name] = dict(config) if isinstance(config, Mapping) else config.to_dict()
+        if value is not None:
+            classes[name] = (type(value).__module__.split(".")[0], type(value).__name__)
+    adapter = adapter_for(type(pipe).__name__, configs, classes)
+    weights = next((p for m in _components(pipe).values() for p in m.parameters() if p.is_floating_point()), None)
+    run_dtype = dtype_name(dtype or (weights.dtype if weights is not None else torch.float32))
+    margin = DEVICE_ACTIVATION_MARGIN if device.separate_memory else 1.0
+
+    def estimate(name: str) -> int:
+        part = "pipeline" if stage is not None else name
+        if part not in ("encode", "denoise", "decode", "pipeline"):
+            return 0  # a component run on its own (an image encoder): no rule for it
+        try:
+            size = adapter.default_size()
+            settings = Settings("", None, steps=1, guidance=7.5, seed=0, width=size, height=size)
+            return int(stage_strategies(adapter, part, settings, True, run_dtype)[0].activation_bytes * margin)
+        except KeyError:
+            return 0  # components without the configs the rules read (modules that are not diffusers models)
+
+    return estimate
 
 
 def _compile(pipe, backend, fallback, precision=None):
@@ -446,8 +512,8 @@ def _saved_plan(plan) -> Plan | None:
         raise MemfitError(f"{path}: {exc}") from None
 
 
-def _forced_plan(stages: list[StageInput], force_tiers: Mapping[str, str]) -> Plan:
-    from memfit.plan.planner import host_need, stage_plan
+def _forced_plan(stages: list[StageInput], force_tiers: Mapping[str, str], staging_ring: bool) -> Plan:
+    from memfit.plan.planner import host_need, stage_plan, staging_ring_bytes
 
     forced: dict[str, Tier] = {}
     for pattern, tier in force_tiers.items():
@@ -475,7 +541,8 @@ def _forced_plan(stages: list[StageInput], force_tiers: Mapping[str, str]) -> Pl
         prefetch=1,
         stages=stage_plans,
         homes=tuple(homes.items()),
-        host_peak_bytes=host_need(host_keys, sizes, resident),
+        host_peak_bytes=host_need(host_keys, sizes, resident)
+        + (staging_ring_bytes(stage_plans, 1) if staging_ring else 0),
     )
 
 
@@ -682,8 +749,15 @@ def _undo(state: _State) -> None:
         if registry is not None:
             registry.remove(SwapHook.name)
     state.runtime.close()
-    state.runtime.device_runtime.synchronize()  # no copy may still read an arena given back below
-    for slot in reversed(state.slots):
+    with inference_mode_for(slot.tensor for slot in state.slots):
+        _put_back(state.slots)
+    state.slots.clear()
+    state.hooked.clear()
+    _release_arenas(state.runtime.prefetches, state.arenas)
+
+
+def _put_back(slots: list[Slot]) -> None:
+    for slot in reversed(slots):
         kind = slot.kind
         if kind == SlotKind.DEVICE:
             data = slot.tensor.data.to(slot.device, copy=True)
@@ -694,11 +768,11 @@ def _undo(state: _State) -> None:
             if kind == SlotKind.MMAP and data.data_ptr() == slot.home_tensor().data_ptr():
                 data = data.clone()  # restore an owned tensor, not a view of the mapped file
         slot.tensor.data = data
-    state.slots.clear()
-    state.hooked.clear()
-    _release_arenas(state.runtime.device_runtime, state.arenas)
 
 
-def _release_arenas(device, arenas: list) -> None:
+def _release_arenas(prefetches: Prefetches, arenas: list) -> None:
+    """Give ``arenas`` back to the device once no read or copy from them is under way."""
+    if arenas:
+        prefetches.settle()
     while arenas:
-        device.release_arena(arenas.pop())
+        prefetches.device.release_arena(arenas.pop())

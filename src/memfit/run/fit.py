@@ -37,7 +37,7 @@ from memfit.devices import DeviceRuntime
 from memfit.errors import MemfitError
 from memfit.models.families import Settings
 from memfit.models.folder import ModelFolder
-from memfit.plan.activations import StrategyKind, choose, stage_strategies
+from memfit.plan.activations import DEVICE_ACTIVATION_MARGIN, StrategyKind, choose, stage_strategies
 from memfit.plan.budget import Budget, BudgetTooSmall, StageDoesNotFit, stage_budget
 from memfit.plan.compiled import COMPILED_BLOCK_BUILD, COMPILED_BLOCK_OVERHEAD, choose_compiled, compiled_blocks_extra
 from memfit.run.executor import blocks_not_run, live_blocks, optimize, plan_stage, reads_in_place
@@ -45,15 +45,7 @@ from memfit.run.memory import return_large_frees_to_os
 from memfit.run.options import RunOptions
 from memfit.sizes import format_bytes
 
-__all__ = ["DEVICE_ACTIVATION_MARGIN", "PROCESS_GROWTH_DIVISOR", "StageFit", "check_budget_floor", "fit_stage",
-           "place_whole"]
-
-# The activation estimates (memfit.plan.activations) are calibrated on CPU RSS. On a GPU the caching
-# allocator rounds each block up (512 B, and 2 MiB segments for large ones) and keeps freed blocks
-# that do not fit the next request, so the same tensors take more; this margin on the activations
-# covers that. It is not measured on a GPU yet: the CUDA context and library workspaces are the
-# detection reserve's (memfit.plan.budget.device_reserve), not this margin's.
-DEVICE_ACTIVATION_MARGIN = 1.25
+__all__ = ["PROCESS_GROWTH_DIVISOR", "StageFit", "check_budget_floor", "fit_stage", "place_whole"]
 
 # What the process gains before the last stage starts (the pipeline's modules imported, tokenizers,
 # allocator pools), as a share of what it holds at the start: ~11% (40 MiB) on the tiny SD model.
@@ -161,7 +153,7 @@ def _plan_and_place(pipe, folder: ModelFolder, options: RunOptions, *, stage: st
         room = stage_budget(budget, runtime, already_used=already_used + extra, stream_from=stream_from)
         try:
             strategy, plan = choose(choices, lambda activations: plan_stage(
-                pipe, room, stage, int(activations * margin), parts, skip=compiled, dtype=dtype))
+                pipe, room, stage, int(activations * margin), parts, skip=compiled, dtype=dtype, device=runtime))
         except BudgetTooSmall as exc:
             # The planner saw only what is left for the stage: refused again with the budget the user gave.
             held = already_used + extra

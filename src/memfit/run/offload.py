@@ -44,10 +44,12 @@ from memfit.text_enum import TextEnum
 from memfit.run.timeline import record_move
 from memfit.safetensors_header import MappedFile
 
-__all__ = ["ALIGNMENT", "HookRegistry", "MappedSafetensors", "ModuleHook", "MappedPages", "Runtime", "Shared", "Slot",
-           "SlotKind", "StagingRing", "SwapHook", "aligned", "mapped_view", "weights_ready"]
+__all__ = ["ALIGNMENT", "HookRegistry", "MappedSafetensors", "ModuleHook", "MappedPages", "Modes", "Prefetches",
+           "Runtime", "Shared", "Slot", "SlotKind", "StagingRing", "SwapHook", "aligned", "inference_mode_for",
+           "mapped_view", "weights_ready"]
 
 REGISTRY_ATTR = "_memfit_hooks"
+READER_THREAD = "memfit-prefetch"  # the name prefix of the threads that read blocks ahead
 #: Offsets inside a pinned arena are multiples of this (the device allocator's own granularity), so
 #: every tensor view is aligned for its dtype and for the copy engine.
 ALIGNMENT = 256
@@ -288,6 +290,40 @@ class Slot:
         return self.home.pages if isinstance(self.home, Shared) else None
 
 
+class Modes:
+    """The autograd modes a block's run form is made in, captured on the thread that asks for it.
+
+    Inference and grad mode are thread-local and a new thread starts in neither, so a block read
+    ahead on the reader thread would otherwise be made of normal tensors whatever its caller runs
+    in. Inference mode also wherever a weight of the block is an inference tensor (loaded under
+    ``torch.inference_mode()``): such a parameter cannot take a normal tensor as its data (torch
+    fails at its next use: "Inference tensors do not track version counter"), in any mode.
+    """
+
+    __slots__ = ("inference", "grad")
+
+    def __init__(self, inference: bool, grad: bool):
+        self.inference = inference
+        self.grad = grad
+
+    @classmethod
+    def for_slots(cls, slots: list[Slot]) -> "Modes":
+        """The modes of the calling thread, for a run form of ``slots``."""
+        inference = torch.is_inference_mode_enabled() or any(slot.tensor.is_inference() for slot in slots)
+        return cls(inference, torch.is_grad_enabled())
+
+    @contextlib.contextmanager
+    def entered(self) -> Iterator[None]:
+        with torch.set_grad_enabled(self.grad), torch.inference_mode(self.inference):
+            yield
+
+
+def inference_mode_for(tensors) -> contextlib.AbstractContextManager:
+    """Inference mode where one of ``tensors`` is an inference tensor, for code that gives them new data
+    (see Modes); else the caller's modes, unchanged."""
+    return torch.inference_mode() if any(t.is_inference() for t in tensors) else contextlib.nullcontext()
+
+
 class StagingRing:
     """Pinned host slots the disk tier passes through on its way to a device with its own memory.
 
@@ -318,8 +354,11 @@ class StagingRing:
             for slot in slots:
                 home = slot.home_tensor()
                 nbytes = home.numel() * home.element_size()
-                staged = self.arena[offset:offset + nbytes].view(home.dtype).view(home.shape)
-                staged.copy_(home)
+                # Bytes, not weights: inference mode writes an arena made in it (an inference tensor) as
+                # well as one made outside, whatever mode the block's run form is made in.
+                with torch.inference_mode():
+                    staged = self.arena[offset:offset + nbytes].view(home.dtype).view(home.shape)
+                    staged.copy_(home)
                 if slot.pages is not None:
                     slot.pages.release()
                 out.append(device.to_device(staged, slot.dtype))  # converted on the device, after the copy
@@ -328,6 +367,47 @@ class StagingRing:
             event.record(device.current_stream())
             self._free[index] = event
         return out
+
+
+class Prefetches:
+    """The prefetches of one Runtime: the reader thread, the side stream, and the blocks read ahead
+    (``pending``: a hook's run form, or the Future of it the reader thread works on, by id(hook)).
+
+    It holds nothing of the pipeline, so the finalizer of an optimized pipeline that is dropped
+    without restore can keep it, and ``settle`` it before the pinned arenas are given back: the
+    learned order wraps around (the last streamed block prefetches the first), so when a stage ends
+    a read and a copy from the arenas may still be under way, and a block read ahead for a forward
+    that never comes holds device memory until it is dropped.
+    """
+
+    def __init__(self, device: DeviceRuntime):
+        self.device = device
+        self.pending: dict[int, Future | tuple] = {}
+        self._pool: ThreadPoolExecutor | None = None
+        self._stream = None
+
+    def stream(self):
+        if self._stream is None:
+            self._stream = self.device.new_stream()
+        return self._stream
+
+    def pool(self) -> ThreadPoolExecutor:
+        if self._pool is None:
+            self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix=READER_THREAD)
+        return self._pool
+
+    def take(self, hook) -> Future | tuple | None:
+        return self.pending.pop(id(hook), None)
+
+    def settle(self) -> None:
+        """Wait for the reader thread's work and for every copy queued on the device, and drop the
+        blocks read ahead: after this nothing reads the pinned arenas or holds a prefetched block."""
+        pool, self._pool = self._pool, None
+        if pool is not None:
+            # A collection can run this finalizer on the reader thread itself, which cannot wait for itself.
+            pool.shutdown(wait=not threading.current_thread().name.startswith(READER_THREAD))
+        self.device.synchronize()
+        self.pending.clear()
 
 
 class Runtime:
@@ -356,11 +436,9 @@ class Runtime:
         self.next_of: dict[int, "SwapHook"] = {}
         self.last: "SwapHook | None" = None
         self.ring: StagingRing | None = None
+        self.prefetches = Prefetches(device)
         self._finished: deque = deque()  # events after forwards whose blocks' memory may be in use
         self._running = 0  # streamed blocks inside their forward now
-        self._pool: ThreadPoolExecutor | None = None
-        self._stream = None
-        self._lock = threading.Lock()
 
     def __deepcopy__(self, memo):
         # A copy gets its own prefetcher and learns its own order; threads and streams cannot be copied.
@@ -372,16 +450,6 @@ class Runtime:
     @property
     def separate_memory(self) -> bool:
         return self.device_runtime.separate_memory
-
-    def stream(self):
-        if self._stream is None:
-            self._stream = self.device_runtime.new_stream()
-        return self._stream
-
-    def pool(self) -> ThreadPoolExecutor:
-        if self._pool is None:
-            self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="memfit-prefetch")
-        return self._pool
 
     def entered(self, hook: "SwapHook") -> None:
         if self.last is not None and self.last is not hook:
@@ -409,9 +477,7 @@ class Runtime:
             self._finished.append(event)
 
     def close(self) -> None:
-        if self._pool is not None:
-            self._pool.shutdown(wait=True)
-            self._pool = None
+        self.prefetches.settle()
         self._finished.clear()
 
 
@@ -429,15 +495,18 @@ class SwapHook(ModuleHook):
         self.block = block
         self.slots = slots
         self.runtime = runtime
-        self._pending: Future | tuple | None = None
         self._depth = 0  # a module re-entered (rare; e.g. a shared submodule) swaps once
 
     @property
     def reads_files(self) -> bool:
         return any(slot.kind == SlotKind.MMAP for slot in self.slots)
 
-    def _materialize(self) -> list[torch.Tensor]:
-        """The run form of every slot; on a GPU queued on the current stream."""
+    def _materialize(self, modes: Modes) -> list[torch.Tensor]:
+        """The run form of every slot, made in ``modes``; on a GPU queued on the current stream."""
+        with modes.entered():
+            return self._run_form()
+
+    def _run_form(self) -> list[torch.Tensor]:
         started = time.perf_counter()
         device = self.runtime.device_runtime
         ring = self.runtime.ring
@@ -464,37 +533,41 @@ class SwapHook(ModuleHook):
                     "device", sum(t.numel() * t.element_size() for t in out), started, time.perf_counter())
         return out
 
-    def _copy_on(self, stream) -> tuple[list[torch.Tensor], object]:
+    def _copy_on(self, stream, modes: Modes) -> tuple[list[torch.Tensor], object]:
         device = self.runtime.device_runtime
         with device.use_stream(stream):
-            tensors = self._materialize()
+            tensors = self._materialize(modes)
             event = device.new_event()
             event.record(stream)
         return tensors, event
 
     def start_prefetch(self) -> None:
-        if self._pending is not None or self._depth:
+        prefetches = self.runtime.prefetches
+        if id(self) in prefetches.pending or self._depth:
             return
         device = self.runtime.device_runtime
+        modes = Modes.for_slots(self.slots)  # this thread's, for the reader thread too
         if device.separate_memory:
             self.runtime.before_onload()
-            stream = self.runtime.stream()
+            stream = prefetches.stream()
             stream.wait_stream(device.current_stream())
             if self.reads_files:
                 # Reading the file into the ring is host work: the reader thread does it (and queues
                 # the copy after it) while this thread goes on queuing the current block's kernels.
-                self._pending = self.runtime.pool().submit(self._copy_on, stream)
+                pending = prefetches.pool().submit(self._copy_on, stream, modes)
             else:
-                self._pending = self._copy_on(stream)
+                pending = self._copy_on(stream, modes)
         else:
-            self._pending = self.runtime.pool().submit(self._materialize)
+            pending = prefetches.pool().submit(self._materialize, modes)
+        prefetches.pending[id(self)] = pending
 
     def _take(self) -> list[torch.Tensor]:
-        pending, self._pending = self._pending, None
+        pending = self.runtime.prefetches.take(self)
         device = self.runtime.device_runtime
         if pending is None:
             self.runtime.before_onload()
-            return self._materialize()  # queued on the current stream: later work there sees it
+            # queued on the current stream: later work there sees it
+            return self._materialize(Modes.for_slots(self.slots))
         if isinstance(pending, Future):
             pending = pending.result()
             if not device.separate_memory:
@@ -526,7 +599,7 @@ class SwapHook(ModuleHook):
         self.runtime.finished()
 
     def deinitialize(self, module) -> None:
-        pending, self._pending = self._pending, None
+        pending = self.runtime.prefetches.take(self)
         if isinstance(pending, Future):
             pending.result()
 
@@ -537,7 +610,6 @@ class SwapHook(ModuleHook):
         memo[id(self)] = new
         new.block = self.block
         new.slots = copy.deepcopy(self.slots, memo)
-        new.runtime = copy.deepcopy(self.runtime, memo)
-        new._pending = None  # a prefetch in flight belongs to the original
+        new.runtime = copy.deepcopy(self.runtime, memo)  # with no prefetch in flight: those are the original's
         new._depth = 0
         return new

@@ -19,7 +19,9 @@ What it models, after how a GPU behaves (memfit.devices.DeviceRuntime is the int
     known complete only up to events the host synchronized, so a host that runs ahead of the
     "GPU" without bound sees reserved memory grow, as on a real one.
   * Pinned memory: ``pinned_arena`` counts its bytes; copies from memory outside every arena are
-    counted in ``pageable_copy_bytes`` (on a real GPU they are synchronous, slow, and staged).
+    counted in ``pageable_copy_bytes`` (on a real GPU they are synchronous, slow, and staged). An
+    arena given back (``release_arena``) while a queued copy has yet to read it is counted in
+    ``released_while_read``: a GPU's copy engine would read pages no longer locked, or freed.
   * Activations computed by torch are not counted: only what memfit moves is.
   * The current stream is per thread (``use_stream``), as torch.cuda's is, so a reader thread can
     queue copies on a side stream while the main thread computes.
@@ -201,6 +203,8 @@ class FakeCudaRuntime(DeviceRuntime):
         self.bytes_in_flight = 0
         self.max_bytes_in_flight = 0
         self.pageable_copy_bytes = 0
+        self.released_while_read = 0
+        self._reads: dict[int, int] = {}  # arena address -> copies from it queued and not yet run
         self.copies = 0
 
     # --- streams and events ----------------------------------------------------------------------
@@ -239,8 +243,11 @@ class FakeCudaRuntime(DeviceRuntime):
         nbytes = host.numel() * host.element_size()
         with self._lock:
             self.copies += 1
-            if not self._is_pinned(host):
+            arena = self._arena_of(host)
+            if arena is None:
                 self.pageable_copy_bytes += nbytes
+            else:
+                self._reads[arena] = self._reads.get(arena, 0) + 1
             self.bytes_in_flight += nbytes
             self.max_bytes_in_flight = max(self.max_bytes_in_flight, self.bytes_in_flight)
             self._allocations.append(_Allocation(target))
@@ -252,6 +259,8 @@ class FakeCudaRuntime(DeviceRuntime):
                 target.copy_(host)
             with self._lock:
                 self.bytes_in_flight -= nbytes
+                if arena in self._reads:  # not when given back meanwhile (counted then)
+                    self._reads[arena] -= 1
 
         self.current_stream().enqueue(copy)
         return target
@@ -264,12 +273,14 @@ class FakeCudaRuntime(DeviceRuntime):
 
     def release_arena(self, arena: torch.Tensor) -> None:
         with self._lock:
-            self._arenas.pop(arena.data_ptr(), None)
+            if self._arenas.pop(arena.data_ptr(), None) is not None and self._reads.pop(arena.data_ptr(), 0):
+                self.released_while_read += 1
 
-    def _is_pinned(self, tensor: torch.Tensor) -> bool:
+    def _arena_of(self, tensor: torch.Tensor) -> int | None:
+        """The address of the pinned arena ``tensor`` lies in, or None (pageable memory)."""
         begin = tensor.data_ptr()
         end = begin + tensor.numel() * tensor.element_size()
-        return any(start <= begin and end <= start + size for start, size in self._arenas.items())
+        return next((start for start, size in self._arenas.items() if start <= begin and end <= start + size), None)
 
     # --- memory ----------------------------------------------------------------------------------
 
