@@ -19,7 +19,7 @@ from memfit.run import runner as runner_module
 from memfit.run.report import RunReport
 from memfit.run.options import RunOptions
 from memfit.run.runner import OOM_SHRINK, Stage, StageRunner
-from memfit.run.timeline import Timeline
+from memfit.run.timeline import BUDGET_COLOUR, Timeline
 
 MiB, GiB = 2**20, 2**30
 RUN = dict(prompt="a red circle", steps=2, width=32, height=32, progress=False)
@@ -174,8 +174,18 @@ def test_timeline_records_disk_reads_stages_and_memory(tiny_models, tmp_path):
     assert data["moves"][0]["from_tier"] == "disk" and data["stages"][0]["stage"] == "denoise"
     png = timeline.write(tmp_path / "t.png")
     assert Image.open(png).size == (1000, 520)
+    assert BUDGET_COLOUR not in set(Image.open(png).convert("RGB").getdata())  # no stage had a budget
+    timeline.stages[0].budget = 2 * timeline.stages[0].planned_peak
+    budget_line = [xy for xy, colour in _pixels(timeline.write(tmp_path / "b.png")) if colour == BUDGET_COLOUR]
+    rows = {y for _, y in budget_line}
+    assert budget_line and max(rows) - min(rows) <= 1  # one horizontal line (2 px wide), over the stage's span
     with pytest.raises(MemfitError, match=r"\.json.*\.png"):
         timeline.write(tmp_path / "t.txt")
+
+
+def _pixels(png):
+    image = Image.open(png).convert("RGB")
+    return [((i % image.width, i // image.width), colour) for i, colour in enumerate(image.getdata())]
 
 
 def test_cpu_watch_warns_once_per_stage_before_the_limit(capsys):

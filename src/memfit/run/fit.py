@@ -59,6 +59,7 @@ class StageFit:
     strategy:       how the stage holds its activations ("" where nothing was planned);
     planned_peak:   the peak the plan predicts for the process (None where nothing was planned);
     streamed_bytes: weights the plan left off the device (streamed);
+    tiers:          per planned component, its weights' bytes by tier ({"unet": {"device": .., "disk": ..}});
     compiled:       the compile records of the load (they fill in as entries compile during the stage);
     notes:          what the run report says about it, in order.
     """
@@ -66,6 +67,7 @@ class StageFit:
     strategy: StrategyKind | str = ""
     planned_peak: int | None = None
     streamed_bytes: int = 0
+    tiers: Mapping[str, Mapping[str, int]] = dataclasses.field(default_factory=dict)
     compiled: tuple = ()
     notes: tuple[str, ...] = ()
 
@@ -244,8 +246,12 @@ def _plan_and_place(pipe, folder: ModelFolder, options: RunOptions, *, stage: st
             f"{format_bytes(planned_stage.streamed_from_disk_bytes)} streamed from disk (memory-mapped), "
             f"activations {format_bytes(planned_stage.activation_bytes)}"
         )
+    tiers: dict[str, dict[str, int]] = {}
+    for placement in stage_plan.placements:
+        by_tier = tiers.setdefault(placement.component, {})
+        by_tier[str(placement.where)] = by_tier.get(str(placement.where), 0) + placement.bytes
     return StageFit(strategy=strategy.name, planned_peak=already_used + stage_plan.peak_bytes - read_ahead,
-                    streamed_bytes=streamed, notes=tuple(notes))
+                    streamed_bytes=streamed, tiers=tiers, notes=tuple(notes))
 
 
 def _compile_blocks(pipe, folder: ModelFolder, options: RunOptions, stage: str, block_paths: dict[str, list[str]],

@@ -27,6 +27,9 @@ class StageReport:
     # counts only its running block, the rest is page cache) and the activation strategy it chose.
     planned_peak_bytes: int | None = None
     strategy: str = ""
+    # Under a budget: per planned component, its weights' bytes by tier ("device": resident, "host" and
+    # "disk": streamed from there), e.g. {"unet": {"device": 2**30, "disk": 2**31}}.
+    tiers: dict = field(default_factory=dict)
     # On a device with memory of its own (a GPU): memfit.run.memory.DevicePeaks.to_dict() (peak allocated
     # and reserved memory while running and while loading, pinned host bytes, peak RSS, allocator
     # retries); None on the CPU, where peak_bytes is the peak RSS and says it all.
@@ -58,10 +61,10 @@ class RunReport:
         on_device = any(s.device_memory is not None for s in self.stages)
         memory = ("peak allocated", "peak reserved", "load peak", "pinned", "peak RSS") if on_device else ("peak RSS",)
         planned = any(s.planned_peak_bytes is not None for s in self.stages)
-        header = ("stage", "components resident", "wall s", *memory, "weights") + (("planned peak", "strategy") if planned else ())
+        header = ("stage", "components", "wall s", *memory, "weights") + (("planned peak", "strategy") if planned else ())
         rows = []
         for s in self.stages:
-            row = (s.stage, ", ".join(s.components) or ("-" if not s.note else f"- ({s.note})"), f"{s.seconds:.2f}",
+            row = (s.stage, _components_cell(s), f"{s.seconds:.2f}",
                    *_memory_cells(s, on_device), format_bytes(s.weights_bytes))
             if planned:
                 row += ("-" if s.planned_peak_bytes is None else format_bytes(s.planned_peak_bytes), s.strategy or "-")
@@ -85,6 +88,25 @@ class RunReport:
 
         text = json.dumps(self.to_dict(), indent=2) + "\n"
         write_atomically(path, lambda tmp: Path(tmp).write_text(text))
+
+
+_TIER_WORDS = {"device": "resident", "host": "from host", "disk": "from disk"}
+
+
+def _components_cell(stage: StageReport) -> str:
+    """The stage's components; a planned one that streams says how many of its bytes are where, e.g.
+    "unet (1.00 GiB resident, 2.00 GiB from disk)"."""
+    if not stage.components:
+        return "-" if not stage.note else f"- ({stage.note})"
+    cells = []
+    for label in stage.components:
+        by_tier = stage.tiers.get(label.rpartition(".")[2], {})
+        if any(by_tier.get(tier) for tier in ("host", "disk")):
+            parts = ", ".join(f"{format_bytes(by_tier[tier])} {words}" for tier, words in _TIER_WORDS.items()
+                              if by_tier.get(tier))
+            label = f"{label} ({parts})"
+        cells.append(label)
+    return ", ".join(cells)
 
 
 def _memory_cells(stage: StageReport, on_device: bool) -> tuple[str, ...]:

@@ -107,6 +107,16 @@ class StageContext:
         """Weights the stage's plans left off the device (streamed)."""
         return sum(fit.streamed_bytes for fit in self.fits)
 
+    @property
+    def tiers(self) -> dict[str, dict[str, int]]:
+        """Per planned component, its weights' bytes by tier, over every load of the stage."""
+        tiers: dict[str, dict[str, int]] = {}
+        for fit in self.fits:
+            for component, by_tier in fit.tiers.items():
+                for tier, size in by_tier.items():
+                    tiers.setdefault(component, {})[tier] = tiers.get(component, {}).get(tier, 0) + size
+        return tiers
+
     def load(self, folder: ModelFolder, names, *, plan_as: str | None = None, shared: Mapping[str, Any] | None = None,
              label: str = "", pipeline_class: str | None = None, external: Mapping[str, Any] | None = None,
              loras=()):
@@ -341,7 +351,7 @@ class StageRunner:
         self.report.stages.append(StageReport(
             stage.name, context.components, seconds, peak.peak_bytes, peak.start_bytes, weights, peak.method,
             note=context.note, planned_peak_bytes=context.planned_peak, strategy=str(context.strategy),
-            device_memory=None if peak.device_peaks is None else peak.device_peaks.to_dict(),
+            tiers=context.tiers, device_memory=None if peak.device_peaks is None else peak.device_peaks.to_dict(),
         ))
         report_records(self.report, context.compiled)
         if self.options.pool is not None:

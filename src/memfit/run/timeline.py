@@ -33,9 +33,10 @@ from memfit.plan.budget import own_cgroup_usage
 from memfit.run.memory import current_rss
 from memfit.sizes import format_bytes
 
-__all__ = ["Move", "Sample", "StageSpan", "Timeline", "WARN_FRACTION", "record_move"]
+__all__ = ["BUDGET_COLOUR", "Move", "Sample", "StageSpan", "Timeline", "WARN_FRACTION", "record_move"]
 
 WARN_FRACTION = 0.92  # of the cgroup limit: past this the kernel's reclaim is struggling, a kill is near
+BUDGET_COLOUR = (200, 0, 200)  # each stage's budget in the plot
 
 _active: "Timeline | None" = None
 _active_lock = threading.Lock()
@@ -187,8 +188,8 @@ class Timeline:
         return path
 
     def _plot(self, path: Path) -> None:
-        """Memory over time (one line per series), stage boundaries (grey), each stage's planned peak
-        (red dashes), the cgroup limit (black), and weight movements as ticks along the bottom
+        """Memory over time (one line per series), stage boundaries (grey), each stage's budget (magenta)
+        and planned peak (red dashes), the cgroup limit (black), and weight movements as ticks along the bottom
         (orange from disk, blue from host). Drawn with Pillow, which memfit needs anyway for PNGs."""
         from PIL import Image, ImageDraw
 
@@ -200,7 +201,7 @@ class Timeline:
                   for key in ("rss", "cgroup", "allocated", "reserved")}
         series = {key: points for key, points in series.items() if points}
         values = [v for points in series.values() for _, v in points]
-        values += [s["planned_peak"] for s in data["stages"] if s["planned_peak"] is not None]
+        values += [s[key] for s in data["stages"] for key in ("planned_peak", "budget") if s[key] is not None]
         values += [data["cgroup_limit"]] if data["cgroup_limit"] else []
         t_end = max([self.now() if not data["samples"] else data["samples"][-1]["t"], 1e-3])
         y_max = max(values + [1]) * 1.08
@@ -222,8 +223,10 @@ class Timeline:
         for i, span in enumerate(data["stages"]):
             draw.line([x(span["start"]), top, x(span["start"]), height - bottom], fill=(160, 160, 160))
             draw.text((x(span["start"]) + 3, top + 3 + 12 * (i % 4)), span["stage"], fill=(90, 90, 90))
+            end = span["end"] if span["end"] is not None else t_end
+            if span["budget"] is not None:
+                draw.line([x(span["start"]), y(span["budget"]), x(end), y(span["budget"])], fill=BUDGET_COLOUR, width=2)
             if span["planned_peak"] is not None:
-                end = span["end"] if span["end"] is not None else t_end
                 for a in range(int(x(span["start"])), int(x(end)), 8):
                     draw.line([a, y(span["planned_peak"]), min(a + 4, x(end)), y(span["planned_peak"])], fill="red")
         if data["cgroup_limit"]:
@@ -233,6 +236,7 @@ class Timeline:
             if len(points) > 1:
                 draw.line([(x(t), y(v)) for t, v in points], fill=colours[key], width=2)
         legend = [(name, colours[name]) for name in series] + [("planned peak", (255, 0, 0))]
+        legend += [("budget", BUDGET_COLOUR)] if any(s["budget"] is not None for s in data["stages"]) else []
         legend += [("cgroup limit", (0, 0, 0))] if data["cgroup_limit"] else []
         for i, (name, colour) in enumerate(legend):
             draw.text((left + 10 + 130 * i, height - 30), name, fill=colour)
