@@ -15,6 +15,9 @@ from memfit.sizes import parse_size
 from memfit.errors import MemfitError
 from memfit.plan.meta import measure_component
 
+# The figures below are the plans' own: the memory this process holds is counted by the tests that say so.
+pytestmark = pytest.mark.usefixtures("nothing_in_use")
+
 
 def run(argv, capsys):
     parser = argparse.ArgumentParser(prog="memfit")
@@ -38,7 +41,7 @@ def test_sdxl_table_fits_the_budget(capsys):
 
 
 def test_sdxl_json_places_every_measured_block_within_budget(capsys):
-    report = run_json(["--arch", "sdxl", "--budget", "4GiB", "--dtype", "bf16"], capsys)
+    report = run_json(["--arch", "sdxl", "--budget", "4GiB", "--dtype", "bf16", "--device", "cuda"], capsys)
     plan = report["plan"]
     assert all(stage["peak_bytes"] <= 4 * 2**30 for stage in plan["stages"])
     unet = get_arch("sdxl").component("unet")
@@ -207,7 +210,8 @@ def test_broken_json_names_the_file_and_line(tiny_pipeline, capsys):
 
 
 def test_host_and_disk_flags_reach_the_planner(capsys):
-    report = run_json(["--arch", "flux", "--budget", "8GiB", "--host", "16GiB", "--disk", "/var/tmp/mf"], capsys)
+    report = run_json(["--arch", "flux", "--budget", "8GiB", "--host", "16GiB", "--disk", "/var/tmp/mf", "--device",
+                       "cuda"], capsys)
     plan = report["plan"]
     assert plan["budget"] == {"device": 8 * 2**30, "host": parse_size("16GiB"), "disk": "/var/tmp/mf"}
     assert plan["host_peak_bytes"] <= 16 * 2**30
@@ -224,10 +228,11 @@ def test_the_json_plan_replays_through_optimize_with_plain_diffusers_bits(tiny_m
     model = tiny_models("sd")
     size = ["--model", model, "--width", "32", "--height", "32", "--steps", "2"]
     roomy = {s["name"]: s for s in run_json([*size, "--budget", "1GiB"], capsys)["plan"]["stages"]}["denoise"]
-    # Half the UNet fits beside the denoise activations; a tenth of it on the host, the rest on disk.
+    # Half the UNet fits beside the denoise activations; a tenth of it on the host, the rest on disk (a GPU's
+    # tiers: on the CPU a run streams from the model's files, with no host tier).
     weights = roomy["resident_bytes"]
     report = run_json([*size, "--budget", str(roomy["activation_bytes"] + weights // 2), "--host", str(weights // 10),
-                       "--disk", str(tmp_path)], capsys)
+                       "--disk", str(tmp_path), "--device", "cuda"], capsys)
     assert {p["where"] for s in report["plan"]["stages"] for p in s["placements"]} == {"device", "host", "disk"}
     saved = tmp_path / "plan.json"
     saved.write_text(json.dumps(report))
@@ -245,3 +250,32 @@ def test_the_json_plan_replays_through_optimize_with_plain_diffusers_bits(tiny_m
     saved.write_text("{")
     with pytest.raises(MemfitError, match=r"plan\.json is not JSON"):
         optimize(pipe, plan=saved)
+
+
+def test_plan_and_generate_agree_on_a_cpu(tiny_models, monkeypatch, capsys):
+    """On the CPU a plan counts the memory the process holds before any weight, as a run does (the
+    process's figure fixed here, as --process-memory fixes it), refuses a budget below the run's floor
+    with the run's own message and streams from the model's files, not from a host tier."""
+    import memfit
+    from memfit.devices import DeviceRuntime
+    from memfit.plan.budget import BudgetTooSmall
+
+    held = 300 * 2**20
+    monkeypatch.setattr(DeviceRuntime, "memory_in_use", lambda self: held)
+    model = tiny_models("sd")
+    size = ["--model", model, "--width", "64", "--height", "64", "--steps", "2"]
+    with pytest.raises(BudgetTooSmall) as planned:
+        run([*size, "--budget", str(held + 2**20)], capsys)
+    with pytest.raises(BudgetTooSmall) as generated:
+        memfit.generate("a red circle", model=model, width=64, height=64, steps=2, budget=held + 2**20,
+                        device="cpu", progress=False)
+    assert str(planned.value) == str(generated.value)
+    assert "for this process" in str(planned.value)
+
+    needed = planned.value.needed
+    report = run_json([*size, "--budget", str(needed)], capsys)
+    assert report["process_bytes"] == held and report["device"] == "cpu"
+    assert report["plan"]["budget"]["device"] == needed - held and report["plan"]["budget"]["host"] == 0
+    assert {p["where"] for s in report["plan"]["stages"] for p in s["placements"]} <= {"device", "disk"}
+    fixed = run_json([*size, "--budget", str(needed), "--process-memory", "0"], capsys)
+    assert fixed["process_bytes"] == 0 and fixed["plan"]["budget"]["device"] == needed

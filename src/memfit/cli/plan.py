@@ -6,7 +6,14 @@
 
 With no --budget (or --budget auto) the budget is what this machine (its container, its GPU) can
 spare now, as a run would detect it; the output's first line says where it came from. An explicit
-budget is not checked against this machine: plan for any machine.
+budget is not checked against this machine's size: plan for any machine (--device cpu or cuda, by
+default this machine's).
+
+A plan is made as `memfit generate` makes it, so both give the same verdict and the same numbers:
+the memory a memfit process holds before any weight (Python, torch, the libraries: measured here,
+or --process-memory) is counted in the budget, a budget below the run's floor is refused with the
+same message, and on the CPU whatever is not resident streams from the model's own files (no host
+tier), as a run streams it.
 
 The architecture comes from a built-in config (archs.py) or from a diffusers folder's
 model_index.json plus each component's config.json; meta.py sizes it, planner.py places it. Each
@@ -19,15 +26,17 @@ from __future__ import annotations
 
 import argparse
 import json
+from types import SimpleNamespace
 from typing import Any
 
 from memfit.cli.run_args import COMPONENT_HELP, CONFIG_HELP, parse_components
 from memfit.errors import MemfitError
 from memfit.models.archs import ARCHS, get_arch
-from memfit.plan.budget import Budget
+from memfit.plan.budget import Budget, BudgetTooSmall, stage_budget
 from memfit.plan.planner import Plan, make_plan
 from memfit.plan.stages import DEFAULT_STEPS, choose_strategies, planned_models, stage_options
-from memfit.sizes import format_bytes
+from memfit.run.fit import check_budget_floor
+from memfit.sizes import format_bytes, parse_size
 
 __all__ = ["register", "run_plan"]
 
@@ -50,7 +59,13 @@ def register(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
     parser.add_argument("--component", action="append", metavar="NAME=FILE", help=COMPONENT_HELP)
     parser.add_argument("--budget", default="auto", help="device memory budget, e.g. 4GiB, 6GB (=6*10^9), 512MiB; "
                         "auto (default): what this machine can spare now")
-    parser.add_argument("--host", help="host RAM for weights parked off the device (default: unlimited)")
+    parser.add_argument("--device", choices=("cpu", "cuda"), help="the device to plan for (default: this machine's, "
+                        "as memfit generate picks it)")
+    parser.add_argument("--process-memory", metavar="SIZE", help="what a memfit process holds before any weight "
+                        "(Python, torch, the libraries), counted in the budget as a run counts it; default: measured "
+                        "here (on a GPU: 0, a run's device starts empty)")
+    parser.add_argument("--host", help="on a GPU: host RAM for weights parked off the device (default: what this "
+                        "machine has available, or unlimited where it has no GPU)")
     parser.add_argument("--disk", metavar="DIR", help="directory for memory-mapped weights (enables the disk tier)")
     parser.add_argument("--dtype", choices=("fp32", "bf16", "fp16"), default="fp32",
                         help="weight dtype (default fp32, as memfit generate)")
@@ -77,17 +92,30 @@ def run_plan(args: argparse.Namespace) -> int:
         from memfit.compile.precision import describe_precision
 
         precision_line = describe_precision(args.precision, args.dtype)
-    budget, source = _budget(args)
+    runtime = _runtime(args.device)
+    held = _process_memory(args, runtime)
+    budget, source = _budget(args, runtime, held)
+    if budget.device is not None and str(args.budget).strip().lower() != "auto":
+        # As memfit generate refuses an explicit budget below the run's floor: the same check, the same message.
+        check_budget_floor(adapter, SimpleNamespace(width=width, height=height, steps=args.steps), args.dtype,
+                           budget, _Holding(runtime, held))
+    room = _room(budget, runtime, held, _stream_from(args, runtime))
     options = stage_options(adapter, dtype=args.dtype, width=width, height=height, steps=args.steps)
-    stages, strategies = choose_strategies(options, budget, prefetch=args.prefetch)
-    plan = make_plan(stages, budget, prefetch=args.prefetch)
+    try:
+        stages, strategies = choose_strategies(options, room, prefetch=args.prefetch)
+        plan = make_plan(stages, room, prefetch=args.prefetch)
+    except BudgetTooSmall as exc:
+        raise exc.counting(budget.device, held) if held else exc from None
     if args.json:
         extra = {"precision": precision_line} if precision_line else {}
         print(json.dumps({**_report(name, args.dtype, width, height, plan, strategies), "budget_source": source,
-                          **extra}, indent=2))
+                          "device": runtime.name, "process_bytes": held, **extra}, indent=2))
     else:
-        print(f"{name}: {description}; {width}x{height}, {args.dtype}, {args.steps} steps")
+        print(f"{name}: {description}; {width}x{height}, {args.dtype}, {args.steps} steps, on {runtime.name}")
         print(f"budget: {source}")
+        if held:
+            print(f"this process: {format_bytes(held)} before any weight (Python, torch, the libraries), counted in "
+                  "the budget as a run counts it; the peaks below are the stages' own, on top of it")
         print(plan.table())
         for stage_options_, (stage, chosen) in zip(options, strategies.items()):
             if len(stage_options_) > 1:
@@ -101,25 +129,87 @@ def run_plan(args: argparse.Namespace) -> int:
     return 0
 
 
-def _budget(args: argparse.Namespace) -> tuple[Budget, str]:
-    """The budget to plan with and where it came from. auto: as a run on this machine detects it (on a
-    CPU-only machine host RAM is the device, so what does not fit streams from the model's files)."""
+class _Holding:
+    """A device runtime whose process holds ``held`` bytes before any weight (the figure a plan counts)."""
+
+    def __init__(self, runtime, held: int):
+        self._runtime, self._held = runtime, held
+
+    def __getattr__(self, name):
+        return getattr(self._runtime, name)
+
+    def memory_in_use(self) -> int:
+        return self._held
+
+
+def _runtime(device: str | None):
+    """The device to plan for, as a run's runtime; a GPU need not be here (plan for any machine)."""
+    from memfit.devices import CpuRuntime, runtime_for
+    from memfit.run.options import default_device
+
+    if (device or default_device().type) == "cpu":
+        return CpuRuntime()
+    return runtime_for("cuda") if _gpu_here() else _PlannedGpu()
+
+
+class _PlannedGpu:
+    """A GPU planned for, present on this machine or not: memory of its own, streamed to, empty at first."""
+
+    name = "cuda"
+    separate_memory = True
+    can_stream = True
+
+    def memory_in_use(self) -> int:
+        return 0
+
+
+def _room(budget: Budget, runtime, held: int, stream_from: str | None) -> Budget:
+    """What the stages' weights and activations get of ``budget``, by the rule a run follows
+    (memfit.plan.budget.stage_budget). With no GPU here to read the host's RAM from, a planned GPU's
+    host tier is --host, or unlimited."""
+    from memfit.devices import CpuRuntime
+
+    if isinstance(runtime, _PlannedGpu):
+        limit = stage_budget(Budget(device=budget.device), CpuRuntime(), already_used=held).device
+        return Budget(device=limit, host=budget.host, disk=budget.disk)
+    return stage_budget(budget, runtime, already_used=held, stream_from=stream_from)
+
+
+def _process_memory(args: argparse.Namespace, runtime) -> int:
+    if args.process_memory is not None:
+        return parse_size(args.process_memory)
+    return runtime.memory_in_use()
+
+
+def _stream_from(args: argparse.Namespace, runtime) -> str | None:
+    """On the CPU a run streams what is not resident from the model's own files; so does its plan."""
+    if runtime.separate_memory:
+        return None
+    return args.disk or args.model or "(the model's safetensors files)"
+
+
+def _budget(args: argparse.Namespace, runtime, held: int) -> tuple[Budget, str]:
+    """The budget to plan with and where it came from. auto: as a run on this machine detects it (what is
+    free now and the ``held`` bytes this process holds). On a GPU with no --host, the host tier is what
+    this machine has available (unlimited where it has no GPU)."""
     from memfit.plan.budget import AUTO, resolve_budget
 
     if str(args.budget).strip().lower() != AUTO:
         budget = Budget(device=args.budget, host=args.host, disk=args.disk)
         return budget, f"explicit: device {format_bytes(budget.device)}"
-    import torch
-
-    device = "cuda" if torch.cuda.is_available() else "cpu"
-    resolved = resolve_budget(AUTO, device)
+    if runtime.separate_memory and not _gpu_here():
+        raise MemfitError("--budget auto detects what this machine can spare, and it has no GPU to plan --device cuda "
+                          "for: give --budget SIZE (and --host SIZE) for the GPU you plan for.")
+    resolved = resolve_budget(AUTO, runtime, in_use=held)
     detected = resolved.budget
-    if device == "cpu":
-        disk = args.disk or args.model or "(the model's safetensors files)"
-        budget = Budget(device=detected.device, host=0, disk=disk)
-    else:
-        budget = Budget(device=detected.device, host=detected.host if args.host is None else args.host, disk=args.disk)
-    return budget, resolved.source
+    host = detected.host if args.host is None else args.host
+    return Budget(device=detected.device, host=host, disk=args.disk), resolved.source
+
+
+def _gpu_here() -> bool:
+    from memfit.devices import cuda_device_count
+
+    return cuda_device_count() > 0
 
 
 def _source(args: argparse.Namespace):

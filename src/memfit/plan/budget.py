@@ -131,6 +131,12 @@ class BudgetTooSmall(StageDoesNotFit):
             f"{'' if above else ' or more'}{advice}."
         )
 
+    def counting(self, given: int, held: int, what: str = "Python, torch, the libraries") -> "BudgetTooSmall":
+        """This refusal of what was left for a stage, again for the ``given`` budget the user passed, of
+        which the process already ``held`` that much (``what``)."""
+        return BudgetTooSmall(given, held + self.needed, f"{format_bytes(held)} for this process ({what}), plus "
+                              f"{format_bytes(self.needed)} for {self.parts}", self.advice)
+
 
 def stage_budget(budget: Budget, device, *, already_used: int = 0, stream_from: str | None = None,
                  loaded: bool = False, host_in_use: int = 0) -> Budget:

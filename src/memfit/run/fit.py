@@ -158,12 +158,8 @@ def _plan_and_place(pipe, folder: ModelFolder, options: RunOptions, *, stage: st
                 pipe, room, stage, int(activations * margin), parts, skip=compiled, dtype=dtype, device=runtime))
         except BudgetTooSmall as exc:
             # The planner saw only what is left for the stage: refused again with the budget the user gave.
-            held = already_used + extra
-            raise BudgetTooSmall(
-                budget.device, held + exc.needed,
-                f"{format_bytes(held)} for this process (Python, torch, the libraries"
-                + (", what its compiled blocks need beyond their weights" if extra else "")
-                + f"), plus {format_bytes(exc.needed)} for {exc.parts}", exc.advice) from exc
+            raise exc.counting(budget.device, already_used + extra, "Python, torch, the libraries"
+                               + (", what its compiled blocks need beyond their weights" if extra else "")) from exc
         except MemfitError as exc:
             raise StageDoesNotFit(
                 f"{exc} These figures leave out the {format_bytes(already_used + extra)} this process already "
@@ -309,7 +305,7 @@ def place_whole(pipe, runtime: DeviceRuntime) -> None:
     runtime.synchronize()
 
 
-def check_budget_floor(folder: ModelFolder, settings: Settings, dtype: str, budget: Budget | None,
+def check_budget_floor(adapter, settings: Settings, dtype: str, budget: Budget | None,
                        runtime: DeviceRuntime) -> None:
     """Refuse, before any stage runs, a budget below the smallest that can work for the whole run.
 
@@ -323,7 +319,7 @@ def check_budget_floor(folder: ModelFolder, settings: Settings, dtype: str, budg
     if budget is None or budget.device is None:
         return
     try:
-        options = stage_options(folder.adapter, dtype=dtype, width=settings.width, height=settings.height,
+        options = stage_options(adapter, dtype=dtype, width=settings.width, height=settings.height,
                                 steps=settings.steps)
     except MemfitError:
         return  # a class the planner cannot size: each stage's own check still applies

@@ -200,7 +200,7 @@ def generate(
                        notes=source_notes(folder))
     runner = StageRunner(options, report=report, settings=settings, guided=guided)
     if runner.resolved.mode == "explicit":  # an automatic budget is what there is: nothing to name instead
-        check_budget_floor(folder, settings, dtype, runner.budget, options.runtime)
+        check_budget_floor(adapter, settings, dtype, runner.budget, options.runtime)
     if sampler is not None:  # refused before anything loads when it does not fit the model
         from memfit.run.samplers import resolve_sampler
 
