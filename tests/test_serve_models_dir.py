@@ -50,8 +50,10 @@ def a1111(tiny_models, tmp_path_factory):
              "diffusers": Path(shutil.copytree(config, checkpoints / "tiny-diffusers"))}
     whole = paths["alpha"].read_bytes()
     (checkpoints / "half-copied.safetensors").write_bytes(whole[:len(whole) // 2])
-    (root / "VAE").mkdir()
-    shutil.copy(config / "vae" / "diffusion_pytorch_model.safetensors", root / "VAE" / "tiny-vae.safetensors")
+    (root / "VAE").mkdir()  # beta's VAE (other weights than alpha's), and one of another family (16 latent channels)
+    shutil.copy(scratch / "other" / "vae" / "diffusion_pytorch_model.safetensors", root / "VAE" / "tiny-vae.safetensors")
+    shutil.copy(Path(tiny_models("flux")) / "vae" / "diffusion_pytorch_model.safetensors",
+                root / "VAE" / "flux-vae.safetensors")
     (root / "Lora").mkdir()
     save_file({"lora_unet_down.alpha": torch.ones(1)}, root / "Lora" / "style.safetensors", metadata=LORA_METADATA)
     return root, config, paths
@@ -83,13 +85,14 @@ def _title(name: str, path: Path) -> str:
     return f"{name} [{_sha256(path)[:10]}]"
 
 
-def _expected_png(model: Path, config: Path | None, seed: int) -> bytes:
+def _expected_png(model: Path, config: Path | None, seed: int, components: dict | None = None) -> bytes:
     """What memfit generate writes from ``model`` for the request webuiapi sends (its default sampler)."""
     import memfit
     from memfit.run.media import png_bytes
 
     result = memfit.generate(PROMPTS["prompt"], model=model, config=config, negative_prompt=PROMPTS["negative_prompt"],
-                             steps=2, guidance=3.5, width=32, height=32, seed=seed, sampler="Euler a", progress=False)
+                             steps=2, guidance=3.5, width=32, height=32, seed=seed, sampler="Euler a", progress=False,
+                             components=components)
     return png_bytes(result.images[0], result.metadata)
 
 
@@ -113,7 +116,8 @@ def test_lists_checkpoints_vaes_and_loras_as_a1111_does(served, a1111):
     assert api.util_get_current_model() == listed[0]["title"] == models["selected"]
     half = next(c for c in models["checkpoints"] if c["name"] == "half-copied.safetensors")
     assert half["kind"] == "file" and "truncated" in half["error"] and half["pipeline"] is None
-    assert api.get_sd_vae() == [{"model_name": "tiny-vae.safetensors", "filename": str(root / "VAE" / "tiny-vae.safetensors")}]
+    assert api.get_sd_vae() == [{"model_name": name, "filename": str(root / "VAE" / name)}
+                                for name in ("flux-vae.safetensors", "tiny-vae.safetensors")]
     lora = api.get_loras()
     assert lora == [{"name": "style", "alias": "tiny_style", "path": str(root / "Lora" / "style.safetensors"),
                      "metadata": {"ss_sd_model_name": "sd15", "ss_tag_frequency": {"shapes": {"circle": 3}},
@@ -175,12 +179,34 @@ def test_only_listed_checkpoints_and_the_own_vae_are_accepted(served, a1111):
     assert half.status_code == 422 and "cannot be served" in half.json()["detail"] and "truncated" in half.json()["detail"]
     body = {**PROMPTS, **SMALL, "override_settings": {"sd_model_checkpoint": "nope"}}
     assert httpx.post(url + "/sdapi/v1/txt2img", json=body).status_code == 422
-    vae = httpx.post(url + "/sdapi/v1/options", json={"sd_vae": "tiny-vae.safetensors"})
-    assert vae.status_code == 422 and "cannot apply a VAE file" in vae.json()["detail"]
+    vae = httpx.post(url + "/sdapi/v1/options", json={"sd_vae": "flux-vae.safetensors"})
+    assert vae.status_code == 422 and "flux-vae.safetensors" in vae.json()["detail"]
+    assert "does not fit" in vae.json()["detail"]  # another family's VAE: what it lacks is named
     body = {**PROMPTS, **SMALL, "override_settings": {"sd_vae": "elsewhere.pt"}}
     assert "not a VAE this server lists" in httpx.post(url + "/sdapi/v1/txt2img", json=body).json()["detail"]
     assert httpx.post(url + "/sdapi/v1/options", json={"sd_vae": "None"}).status_code == 200
     assert api.get_options()["sd_vae"] == "None" and api.util_get_current_model() == current
+
+
+@pytest.mark.slow
+def test_a_listed_vae_file_replaces_the_checkpoints_own(served, a1111):
+    """sd_vae naming a VAE file (in options, or for one request in override_settings) makes the image
+    `memfit generate --model FILE --component vae=VAE` makes; "None" goes back to the checkpoint's own."""
+    api, url = served
+    root, config, paths = a1111
+    _models(url)
+    alpha = _title("alpha.safetensors", paths["alpha"])
+    api.util_set_model(alpha)
+    assert httpx.post(url + "/sdapi/v1/options", json={"sd_vae": "None"}).status_code == 200
+    own = api.txt2img(seed=11, **PROMPTS, **SMALL)
+    expected = _expected_png(paths["alpha"], config, 11, {"vae": root / "VAE" / "tiny-vae.safetensors"})
+    once = api.txt2img(seed=11, override_settings={"sd_vae": "tiny-vae.safetensors"}, **PROMPTS, **SMALL)
+    assert api.get_options()["sd_vae"] == "None"  # restored afterwards, as A1111 does by default
+    assert httpx.post(url + "/sdapi/v1/options", json={"sd_vae": "tiny-vae.safetensors"}).status_code == 200
+    kept = api.txt2img(seed=11, **PROMPTS, **SMALL)
+    assert _png(once) == _png(kept) == expected != _png(own)
+    assert httpx.post(url + "/sdapi/v1/options", json={"sd_vae": "None"}).status_code == 200
+    assert _png(api.txt2img(seed=11, **PROMPTS, **SMALL)) == _png(own)
 
 
 @pytest.mark.slow

@@ -97,9 +97,11 @@ def _config_for(path: Path, configs: dict[str, Path]) -> Path | None:
         return None
 
 
-def open_entry(entry: ModelEntry, *, configs: dict[str, Path] | None = None, allow_pickle: bool = False) -> ModelFolder:
+def open_entry(entry: ModelEntry, *, configs: dict[str, Path] | None = None, allow_pickle: bool = False,
+               vae: Path | None = None) -> ModelFolder:
     """The model ``entry`` names, opened and its weight files checked as memfit serve checks its --model;
-    MemfitError saying what is wrong otherwise. ``configs``: pipeline class -> --config folder."""
+    MemfitError saying what is wrong otherwise. ``configs``: pipeline class -> --config folder; ``vae``: a VAE
+    file read instead of the model's own VAE (A1111's sd_vae)."""
     from memfit.plan.stages import planned_models
 
     if entry.kind == "split":
@@ -110,7 +112,8 @@ def open_entry(entry: ModelEntry, *, configs: dict[str, Path] | None = None, all
     configs = configs or {}
     config = _config_for(entry.path, configs) if entry.kind == "file" else None
     try:
-        folder = open_model_path(entry.path, config=config, allow_pickle=allow_pickle)
+        folder = open_model_path(entry.path, config=config, allow_pickle=allow_pickle,
+                                 components={"vae": vae} if vae is not None else None)
     except MemfitError as exc:
         if entry.kind != "file" or config is not None or not configs:
             raise

@@ -30,6 +30,7 @@ import secrets
 import time
 from dataclasses import dataclass, replace
 from importlib import resources
+from pathlib import Path
 from typing import Any, Literal
 
 from fastapi import FastAPI, HTTPException, Request
@@ -44,7 +45,7 @@ from memfit.run.generate import check_conditioning
 from memfit.run.media import png_bytes
 from memfit.run.samplers import SAMPLERS, resolve_sampler, sampler_label, sampler_names, schedules_for, split_sampler
 from memfit.run.session import Session
-from memfit.serve.checkpoints import Checkpoints, describe_lora, short_name
+from memfit.serve.checkpoints import OWN_VAE, Checkpoints, describe_lora, short_name
 from memfit.serve.costs import Measured, StepTimes, check_seconds
 from memfit.serve.guards import BasicAuth, BodyLimit
 from memfit.serve.infotext import image_text, infotext, read_parameters
@@ -166,10 +167,8 @@ IMG2IMG_HARMLESS = {"resize_mode": (0,), "include_init_images": (False,), "mask_
                     "inpaint_full_res_padding": (0,), "inpainting_mask_invert": (0,),
                     "initial_noise_multiplier": (1,), "image_cfg_scale": (1.5,), "latent_mask": (),
                     "mask_round": (True,)}
-# The settings memfit acts on, in POST /sdapi/v1/options and a request's override_settings; sd_vae only as the
-# checkpoint's own VAE ("Automatic" finds no VAE file named after the checkpoint: memfit cannot apply one yet).
+# The settings memfit acts on, in POST /sdapi/v1/options and a request's override_settings.
 SETTINGS_ACTED_ON = ("sd_model_checkpoint", "sd_vae")
-OWN_VAE = ("Automatic", "None")
 MASK_ONLY = {"mask_blur", "mask_blur_x", "mask_blur_y", "inpainting_fill", "inpaint_full_res",
              "inpaint_full_res_padding", "inpainting_mask_invert", "latent_mask", "mask_round"}
 
@@ -234,8 +233,8 @@ def create_app(served: Session | Checkpoints, *, limits: Limits = Limits(), auth
         """One request's job, checked, queued, waited for and answered: txt2img, or img2img for an Img2ImgRequest."""
         _check_prompts(body)
         conditioning = await _conditioning(body) if isinstance(body, Img2ImgRequest) else None
-        entry = _overridden(body)
-        folder = await _opened(entry)
+        entry, vae = _overridden(body)
+        folder = await _opened(entry, vae)
         notes = []
         if conditioning is not None:
             image, notes = await _init_image_sized(conditioning.image, folder)
@@ -244,7 +243,7 @@ def create_app(served: Session | Checkpoints, *, limits: Limits = Limits(), auth
                                     None if conditioning is None else body.denoising_strength)
         estimate, check_pace = _priced(entry, folder, runs)
         for run in runs:
-            run["checkpoint"] = entry
+            run["checkpoint"], run["vae"] = entry, vae
         job = Job(runs, check_pace=check_pace, **({"id": body.force_task_id} if body.force_task_id else {}))
         if body.force_task_id and queue.get(body.force_task_id) is not None:
             raise HTTPException(422, f"force_task_id {body.force_task_id!r} is already in use; send a new id or none.")
@@ -424,12 +423,13 @@ def create_app(served: Session | Checkpoints, *, limits: Limits = Limits(), auth
         options = await _json_object(request)
         vae = _vae(options, "sd_vae")
         checkpoint = options.get("sd_model_checkpoint")
-        if checkpoint is not None:
-            entry = _find(checkpoint, "sd_model_checkpoint")
+        if checkpoint is not None or vae is not None:
+            entry = checkpoints.selected if checkpoint is None else _find(checkpoint, "sd_model_checkpoint")
             try:  # waits for the running request, as A1111's switch does
-                await asyncio.to_thread(checkpoints.select, entry)
+                await asyncio.to_thread(checkpoints.select, entry, checkpoints.vae_file(vae or settings["sd_vae"]))
             except MemfitError as exc:
-                raise HTTPException(422, str(exc)) from exc
+                raise HTTPException(422, f"sd_vae {vae!r} cannot be used with {checkpoints.title(entry)!r}: {exc}"
+                                    if vae is not None and vae not in OWN_VAE else str(exc)) from exc
         if vae is not None:
             settings["sd_vae"] = vae
         return None
@@ -535,18 +535,19 @@ def create_app(served: Session | Checkpoints, *, limits: Limits = Limits(), auth
             raise HTTPException(422, f"{field}: {exc}") from exc
 
     def _vae(options: dict, field: str) -> str | None:
-        """The sd_vae a request sets (None: it sets none); HTTP 422 for a VAE memfit cannot apply."""
+        """The sd_vae a request sets (None: it sets none); HTTP 422 for one this server does not list."""
         vae = options.get("sd_vae")
-        if vae is None or vae in OWN_VAE:
-            return vae
-        own = 'send "Automatic" or "None" (the checkpoint\'s own VAE)'
-        if vae in (file.name for file in checkpoints.listing.vaes):
-            raise HTTPException(422, f"{field} {vae!r}: memfit cannot apply a VAE file to a checkpoint yet; {own}.")
-        raise HTTPException(422, f"{field} {vae!r} is not a VAE this server lists; {own}.")
+        if vae is not None:
+            try:
+                checkpoints.vae_file(vae)
+            except MemfitError as exc:
+                raise HTTPException(422, f"{field}: {exc}") from exc
+        return vae
 
-    def _overridden(body: Txt2ImgRequest) -> ModelEntry:
-        """The checkpoint a request runs on: its override_settings' sd_model_checkpoint, else the selected one.
-        With override_settings_restore_afterwards false the override stays selected, as in A1111."""
+    def _overridden(body: Txt2ImgRequest) -> tuple[ModelEntry, Path | None]:
+        """The checkpoint a request runs on and the VAE file it reads instead of the checkpoint's own (None: its
+        own): its override_settings' sd_model_checkpoint and sd_vae, else the selected ones. With
+        override_settings_restore_afterwards false the overrides stay selected, as in A1111."""
         extra = body.model_extra or {}
         overrides = extra.get("override_settings") or {}
         if not isinstance(overrides, dict):
@@ -558,11 +559,11 @@ def create_app(served: Session | Checkpoints, *, limits: Limits = Limits(), auth
             checkpoints.selected = entry
             if vae is not None:
                 settings["sd_vae"] = vae
-        return entry
+        return entry, checkpoints.vae_file(vae or settings["sd_vae"])
 
-    async def _opened(entry: ModelEntry) -> ModelFolder:
+    async def _opened(entry: ModelEntry, vae: Path | None = None) -> ModelFolder:
         try:
-            return await asyncio.to_thread(checkpoints.folder, entry)
+            return await asyncio.to_thread(checkpoints.folder, entry, vae)
         except MemfitError as exc:
             raise HTTPException(422, str(exc)) from exc
 

@@ -14,7 +14,8 @@ Hashes are read by a background thread, the selected checkpoint's first, and kep
 One Session is open at a time. Switching releases the open Session's stages first, then opens the
 new model (its stages are planned inside the budget when they run, with the memory in use then)
 and keeps it warm. Each request runs on the checkpoint selected when it arrived (``selected``, A1111's
-sd_model_checkpoint), or on the one its override_settings name.
+sd_model_checkpoint), or on the one its override_settings name, with the VAE file its sd_vae names read
+instead of the checkpoint's own (``vae_file``; a different VAE is a switch too).
 """
 
 from __future__ import annotations
@@ -33,7 +34,9 @@ from memfit.models.library import Listing, ModelEntry, ModelsDir, NamedFile, con
 from memfit.run.session import Session
 from memfit.safetensors_header import read_header
 
-__all__ = ["Checkpoints", "describe_lora", "short_name"]
+__all__ = ["Checkpoints", "OWN_VAE", "describe_lora", "short_name"]
+
+OWN_VAE = ("Automatic", "None")  # A1111's sd_vae values that keep the checkpoint's own VAE
 
 
 class Checkpoints:
@@ -48,6 +51,7 @@ class Checkpoints:
         self.session = session
         self.current = self.selected = entry or replace(ModelEntry.for_path(session.folder.path),
                                                         pipeline=session.folder.class_name)
+        self.current_vae: Path | None = None  # the VAE file the open Session reads instead of its model's own
         self.library = library
         self.pinned = pinned
         self.listing = listing or Listing([self.current], [], [])
@@ -127,6 +131,19 @@ class Checkpoints:
                               "POST /sdapi/v1/refresh-loras rescans the models folder).")
         return found
 
+    def vae_file(self, name: str) -> Path | None:
+        """The VAE file A1111's sd_vae ``name`` selects: None for the checkpoint's own ("Automatic", "None": a
+        NAME.vae.safetensors beside the checkpoint is not looked for); MemfitError for one not listed."""
+        if name in OWN_VAE:
+            return None
+        found = next((vae.path for vae in self.listing.vaes if vae.name == name), None)
+        if found is None:
+            listed = ", ".join(repr(vae.name) for vae in self.listing.vaes) or "none (start memfit serve with " \
+                "--models-dir DIR, whose VAE/ or vae/ folder holds the VAE files)"
+            raise MemfitError(f"{name!r} is not a VAE this server lists; send \"Automatic\" or \"None\" (the "
+                              f"checkpoint's own VAE) or one of the VAE files listed: {listed}.")
+        return found
+
     def refresh(self) -> None:
         """List the models folder again (a new file, a finished copy); the open Session is kept."""
         if self.library is not None:
@@ -137,36 +154,39 @@ class Checkpoints:
             self._queue_hashes()
 
     # ---- running -------------------------------------------------------------------------------
-    def folder(self, entry: ModelEntry) -> ModelFolder:
-        """``entry``'s model, opened: the open Session's, or opened now (its header and configs: what a request is
-        checked against). Nothing opened is kept beside the open Session, whose budget would not count it."""
-        if entry.path == self.current.path:
+    def folder(self, entry: ModelEntry, vae: Path | None = None) -> ModelFolder:
+        """``entry``'s model with ``vae`` (a VAE file) for its own, opened: the open Session's, or opened now (its
+        header and configs: what a request is checked against). Nothing opened is kept beside the open
+        Session, whose budget would not count it."""
+        if (entry.path, vae) == (self.current.path, self.current_vae):
             return self.session.folder
         library = self.library
         return open_entry(entry, configs=library.configs if library else None,
-                          allow_pickle=self._options.get("allow_pickle", False))
+                          allow_pickle=self._options.get("allow_pickle", False), vae=vae)
 
-    def select(self, entry: ModelEntry) -> None:
-        """Make ``entry`` the checkpoint requests run on (A1111's sd_model_checkpoint), switching to it now."""
+    def select(self, entry: ModelEntry, vae: Path | None = None) -> None:
+        """Make ``entry`` the checkpoint requests run on (A1111's sd_model_checkpoint), switching to it (with the
+        VAE file ``vae``, None: its own) now."""
         with self._run_lock:
-            self._switch(entry)
+            self._switch(entry, vae)
             self.selected = entry
 
-    def generate(self, prompt: str, *, checkpoint: ModelEntry | None = None, **settings):
-        """Session.generate on ``checkpoint`` (default: the selected one), switching to it first if needed."""
+    def generate(self, prompt: str, *, checkpoint: ModelEntry | None = None, vae: Path | None = None, **settings):
+        """Session.generate on ``checkpoint`` (default: the selected one) with the VAE file ``vae`` (None: its
+        own), switching to them first if needed."""
         with self._run_lock:
-            return self._switch(checkpoint or self.selected).generate(prompt, **settings)
+            return self._switch(checkpoint or self.selected, vae).generate(prompt, **settings)
 
     def close(self) -> None:
         self._to_hash.put(None)
         self.session.close()
 
-    def _switch(self, entry: ModelEntry) -> Session:
-        if entry.path != self.current.path:
-            folder = self.folder(entry)
+    def _switch(self, entry: ModelEntry, vae: Path | None = None) -> Session:
+        if (entry.path, vae) != (self.current.path, self.current_vae):
+            folder = self.folder(entry, vae)
             self.session.close()  # the old stages go before the new model's are planned
             self.session = Session(folder, **self._options)
-            self.current = entry
+            self.current, self.current_vae = entry, vae
         return self.session
 
     # ---- hashes --------------------------------------------------------------------------------
