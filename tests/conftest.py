@@ -163,3 +163,23 @@ def smallest_budget(**generate_kwargs) -> int:
                 raise
             budget = int(found.group(1))
     raise AssertionError("no budget found")
+
+
+def with_staging_ring(run, device_budget: int, disk):
+    """``run(budget)`` on a GPU with weights streamed from ``disk`` and no host RAM for them: the host budget
+    only the pinned staging ring the disk tier streams through needs (the smallest the planner names)."""
+    import re
+
+    import memfit
+    from memfit.errors import MemfitError
+
+    host = 0
+    for _ in range(4):
+        try:
+            return run(memfit.Budget(device=device_budget, host=host, disk=str(disk)))
+        except MemfitError as exc:
+            found = re.search(r"cannot hold the pinned staging ring.*host budget to at least (\d+) bytes", str(exc))
+            if not found:
+                raise
+            host = int(found.group(1))
+    raise AssertionError("no host budget found for the staging ring")

@@ -14,7 +14,7 @@ import importlib.util
 import pytest
 
 import memfit
-from conftest import smallest_budget
+from conftest import smallest_budget, with_staging_ring
 from memfit.models.families import ADAPTERS
 from memfit.models.lora import check_loras
 from memfit.testing import diffusers_output, max_pixel_difference
@@ -49,12 +49,14 @@ def _matches_diffusers(model, loras, kind):
 
 def _streams_and_matches(model, loras, kind, streamed_plans, reference, device=None):
     """The same under the smallest budget, which streams the denoiser's weights from its files (on a GPU from
-    disk, host=0)."""
+    disk, the host holding only the staging ring)."""
     budget = smallest_budget(model=model, loras=loras, **BASE, **SETTINGS[kind])
-    if device is not None:
-        budget = memfit.Budget(device=budget, host=0, disk=model)
     streamed_plans.clear()
-    ours = _generate(model, loras, kind, budget=budget, device=device)
+    if device is None:
+        ours = _generate(model, loras, kind, budget=budget)
+    else:
+        ours = with_staging_ring(lambda gpu_budget: _generate(model, loras, kind, budget=gpu_budget, device=device),
+                                 budget, model)
     assert max_pixel_difference(_output(ours), reference) == 0
     streamed = {plan.stages[0].name: plan.stages[0].streamed_from_disk_bytes for plan in streamed_plans}
     assert streamed["denoise"] > 0, streamed

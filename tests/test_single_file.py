@@ -122,7 +122,7 @@ def test_sdxl_equals_diffusers_single_file_and_the_folder(xl_checkpoint):
 def test_sdxl_streams_from_the_file_keeping_the_projection_it_computed(xl_checkpoint, streamed_plans):
     """The bigG encoder's q, k and v are row slices of its fused in_proj (views that stream); its projection
     is stored transposed, so it alone is computed, kept in memory and counted as resident."""
-    from conftest import smallest_budget
+    from conftest import smallest_budget, with_staging_ring
 
     from memfit.run.executor import live_blocks
 
@@ -148,8 +148,8 @@ def test_sdxl_streams_from_the_file_keeping_the_projection_it_computed(xl_checkp
     from memfit.testing.fake_cuda import fake_cuda
 
     with fake_cuda(lazy=True) as gpu:
-        on_gpu = memfit.generate(model=path, config=folder, device="cuda", progress=False,
-                                 budget=memfit.Budget(device=budget, host=0, disk=str(path)), **SETTINGS)
+        on_gpu = with_staging_ring(lambda gpu_budget: memfit.generate(
+            model=path, config=folder, device="cuda", progress=False, budget=gpu_budget, **SETTINGS), budget, path)
         assert gpu.copies > 0
     assert np.array_equal(_pixels(on_gpu), expected)
 
@@ -195,8 +195,9 @@ def test_plan_sizes_the_file_from_its_header_as_the_folder(checkpoint, capsys):
     folder, path = checkpoint
     plans = []
     for model in ([str(path), "--config", str(folder)], [str(folder)]):
-        assert main(["plan", "--model", *model, "--budget", "70MiB", "--json"]) == 0
+        assert main(["plan", "--model", *model, "--budget", "70MiB", "--process-memory", "0", "--json"]) == 0
         plans.append(json.loads(capsys.readouterr().out)["plan"])
+    assert [plan["budget"].pop("disk") for plan in plans] == [str(path), str(folder)]  # each streams from its own
     assert plans[0] == plans[1]
 
 
@@ -317,7 +318,7 @@ def test_a_checkpoints_vae_and_a_folders_bigg_encoder_from_files(checkpoint, oth
     assert model.component_fingerprint("text_encoder_2") != model.component_fingerprint("text_encoder")
     plans = []
     for extra in (["--component", f"vae={other_vae[1]}"], []):
-        assert main(["plan", "--model", str(folder), *extra, "--budget", "70MiB", "--json"]) == 0
+        assert main(["plan", "--model", str(folder), *extra, "--budget", "70MiB", "--process-memory", "0", "--json"]) == 0
         plans.append(json.loads(capsys.readouterr().out)["plan"])
     assert plans[0] == plans[1]
 
