@@ -180,6 +180,24 @@ def _vae_with_latent_channels(channels):
     return make
 
 
+def _flux_transformer_of_width(width):
+    """The tiny Flux run with its transformer replaced by one ``width`` wide, in Black Forest Labs' keys (as
+    ComfyUI's flux1-dev.safetensors)."""
+    def make(model, tmp):
+        from diffusers import FluxTransformer2DModel
+
+        from memfit.testing.single_file import flux_bfl_state_dict
+
+        transformer = FluxTransformer2DModel(patch_size=1, in_channels=16, num_layers=1, num_single_layers=1,
+                                             attention_head_dim=16, num_attention_heads=width // 16,
+                                             joint_attention_dim=16, pooled_projection_dim=16, axes_dims_rope=(4, 4, 8))
+        path = tmp / "flux1-dev.safetensors"
+        save_file({k: v.contiguous() for k, v in flux_bfl_state_dict(transformer).items()}, path)
+        return {"family": "flux", "args": ["--prompt", "a red circle", "--component", f"transformer={path}"]}
+
+    return make
+
+
 # -- LoRA faults (--lora FILE[:SCALE]) ----------------------------------------------------------
 
 def lora(make_file):
@@ -278,6 +296,8 @@ CASES = [
      "holds no AutoencoderKL in a layout memfit reads"),
     ("component-vae-of-another-family", component("vae", _vae_with_latent_channels(16)),
      "has 16 latent channels where the model's has 4"),
+    ("component-flux-transformer-of-another-width", _flux_transformer_of_width(64),
+     "the file's FluxTransformer2DModel has width 64 where the model's has width 32 (tensor 'time_in.in_layer.weight' in "),
     ("lora-file-missing", lora(lambda model, tmp: tmp / "no-such-lora.safetensors"),
      "no-such-lora.safetensors: no such file"),
     ("lora-of-another-family", lora(_flux_lora),

@@ -1,14 +1,16 @@
 """Models whose weights are single files: an all-in-one checkpoint (AUTOMATIC1111's and ComfyUI's ``checkpoints``),
-or a model's components replaced by files of their own (``--component vae=FILE``: ComfyUI's split layout,
-Forge's VAE / text encoder choice).
+a Flux transformer alone in its file (ComfyUI's ``diffusion_models``), or a model's components replaced by
+files of their own (``--component vae=FILE``: ComfyUI's split layout, Forge's VAE / text encoder choice).
 
 Either is a config folder plus one weight source per component (SingleFileModel): a diffusers folder
 gives the configs, scheduler and tokenizers (memfit.models.single_file_configs finds one for a
 checkpoint) and the weights of the components read from nowhere else; each other component is read
 from its file, in the key layout found there (memfit.models.weight_layouts: a UNet or VAE in its
-original LDM layout or diffusers', a CLIP encoder in transformers' or OpenCLIP's). A checkpoint's
-family is found from the tensor names and shapes in its header alone, by diffusers' own
-``infer_diffusers_model_type``.
+original LDM layout or diffusers', a CLIP encoder in transformers' or OpenCLIP's, a Flux transformer in
+Black Forest Labs' or diffusers', a T5 encoder in transformers'). A checkpoint's family is found from
+the tensor names and shapes in its header alone, by diffusers' own ``infer_diffusers_model_type``; a
+family's file may lack some of its models (a Flux file is mostly the transformer alone), which then
+come from the config folder or from ``--component`` files.
 
 Streamed in place: a component's tensors are memory-mapped views of the file
 (memfit.safetensors_header.MappedFile), converted to diffusers' names by diffusers' own converters.
@@ -33,7 +35,8 @@ import torch
 from memfit.errors import MemfitError
 from memfit.models.folder import (PICKLE_SUFFIXES, ModelFolder, check_weight_entries, load_tensors_only,
                                   pickle_refused, size_mismatch)
-from memfit.models.weight_layouts import LDM_UNET, LDM_VAE, OPEN_CLIP, TRANSFORMERS_CLIP, Layout, group_counts
+from memfit.models.weight_layouts import (BFL_FLUX, LDM_UNET, LDM_VAE, OPEN_CLIP, TRANSFORMERS_CLIP, TRANSFORMERS_T5,
+                                          Layout, group_counts)
 from memfit.plan.meta import is_model_class
 from memfit.safetensors_header import MappedFile, check_complete
 
@@ -45,10 +48,25 @@ PLACES_ATTR = "_memfit_file_places"
 
 @dataclass(frozen=True)
 class Part:
-    """One model of a family's file: the prefix its tensors share there, and their layout."""
+    """One model of a family's file: the prefixes its tensors may share there (an empty one: the file holds it
+    alone), their layout, and whether the family's files may lack it (``optional``: the config folder or a
+    ``--component`` file gives it then; ``usual_file`` names the file users keep it in, for the message when
+    neither does)."""
 
-    prefix: str
+    prefixes: tuple[str, ...]
     layout: Layout
+    optional: bool = False
+    usual_file: str = ""
+
+    def place(self, keys) -> str | None:
+        """The prefix this part's tensors have in a file of tensor ``keys`` (where its layout's marker is); None
+        when the file does not hold it."""
+        return next((prefix for prefix in self.prefixes
+                     if any(prefix + marker in keys for marker in self.layout.markers)), None)
+
+    def describe(self, name: str) -> str:
+        """e.g. "model.diffusion_model.* or the transformer alone" for component ``name``."""
+        return " or ".join(f"{prefix}*" if prefix else f"the {name} alone" for prefix in self.prefixes)
 
 
 @dataclass(frozen=True)
@@ -64,29 +82,43 @@ class Family:
     files: tuple[str, ...]
 
     def describe(self) -> str:
-        return f"{self.label} ({', '.join(part.prefix + '*' for part in self.parts.values())})"
+        needed = ", ".join(part.describe(name) for name, part in self.parts.items() if not part.optional)
+        optional = ", ".join(part.describe(name) for name, part in self.parts.items() if part.optional)
+        return f"{self.label} ({needed}{'; optional: ' + optional if optional else ''})"
 
 
-_UNET = Part("model.diffusion_model.", LDM_UNET)
-_VAE = Part("first_stage_model.", LDM_VAE)
+_UNET = Part(("model.diffusion_model.",), LDM_UNET)
+_VAE = Part(("first_stage_model.",), LDM_VAE)
+# ComfyUI's files: flux1-dev.safetensors holds the transformer alone, in Black Forest Labs' keys; an
+# all-in-one Flux checkpoint has it under model.diffusion_model. beside the VAE and both text encoders,
+# under the prefixes diffusers' single-file loading reads them from.
+_FLUX_PARTS = {"transformer": Part(("model.diffusion_model.", ""), BFL_FLUX),
+               "vae": Part(("vae.",), LDM_VAE, optional=True, usual_file="ae.safetensors"),
+               "text_encoder": Part(("text_encoders.clip_l.transformer.",), TRANSFORMERS_CLIP, optional=True,
+                                    usual_file="clip_l.safetensors"),
+               "text_encoder_2": Part(("text_encoders.t5xxl.transformer.",), TRANSFORMERS_T5, optional=True,
+                                      usual_file="t5xxl_fp16.safetensors")}
+_FLUX_FILES = ("scheduler", "tokenizer", "tokenizer_2")
 
 FAMILIES = {
     "v1": Family("v1", "Stable Diffusion 1.x", "StableDiffusionPipeline",
-                 {"unet": _UNET, "vae": _VAE, "text_encoder": Part("cond_stage_model.transformer.", TRANSFORMERS_CLIP)},
+                 {"unet": _UNET, "vae": _VAE, "text_encoder": Part(("cond_stage_model.transformer.",), TRANSFORMERS_CLIP)},
                  ("scheduler", "tokenizer")),
     "xl_base": Family("xl_base", "Stable Diffusion XL", "StableDiffusionXLPipeline",
                       {"unet": _UNET, "vae": _VAE,
-                       "text_encoder": Part("conditioner.embedders.0.transformer.", TRANSFORMERS_CLIP),
-                       "text_encoder_2": Part("conditioner.embedders.1.model.", OPEN_CLIP)},
+                       "text_encoder": Part(("conditioner.embedders.0.transformer.",), TRANSFORMERS_CLIP),
+                       "text_encoder_2": Part(("conditioner.embedders.1.model.",), OPEN_CLIP)},
                       ("scheduler", "tokenizer", "tokenizer_2")),
     # SD 2's OpenCLIP encoder: its file holds a layer more than the model runs (the penultimate layer's
     # output is used) and a projection it does not use; both are left out, as diffusers leaves them.
     "v2": Family("v2", "Stable Diffusion 2.x", "StableDiffusionPipeline",
-                 {"unet": _UNET, "vae": _VAE, "text_encoder": Part("cond_stage_model.model.", OPEN_CLIP)},
+                 {"unet": _UNET, "vae": _VAE, "text_encoder": Part(("cond_stage_model.model.",), OPEN_CLIP)},
                  ("scheduler", "tokenizer")),
     "xl_refiner": Family("xl_refiner", "Stable Diffusion XL refiner", "StableDiffusionXLImg2ImgPipeline",
-                         {"unet": _UNET, "vae": _VAE, "text_encoder_2": Part("conditioner.embedders.0.model.", OPEN_CLIP)},
+                         {"unet": _UNET, "vae": _VAE, "text_encoder_2": Part(("conditioner.embedders.0.model.",), OPEN_CLIP)},
                          ("scheduler", "tokenizer_2")),
+    "flux-dev": Family("flux-dev", "Flux.1 [dev]", "FluxPipeline", _FLUX_PARTS, _FLUX_FILES),
+    "flux-schnell": Family("flux-schnell", "Flux.1 [schnell]", "FluxPipeline", _FLUX_PARTS, _FLUX_FILES),
 }
 
 
@@ -110,12 +142,12 @@ def detect_family(path: Path, shapes: dict[str, tuple[torch.dtype, list[int]]]) 
     family = FAMILIES.get(model_type)
     supported = "; ".join(f.describe() for f in FAMILIES.values())
     if family is not None:
-        missing = [part.prefix + "*" for part in family.parts.values()
-                   if not any(key.startswith(part.prefix) for key in shapes)]
+        absent = {name: part for name, part in family.parts.items() if part.place(shapes) is None}
+        missing = [part.describe(name) for name, part in absent.items() if not part.optional]
         if not missing:
             return family
         # diffusers calls whatever it does not recognise "v1": only the keys tell.
-        if len(missing) < len(family.parts):
+        if len(absent) < len(family.parts):
             raise MemfitError(
                 f"{path} holds part of a {family.label} checkpoint but no {', '.join(missing)} tensors; memfit opens "
                 f"all-in-one checkpoints, which hold every model of the pipeline (supported: {supported}).")
@@ -296,7 +328,8 @@ class SingleFileModel(ModelFolder):
     def open_file(cls, path: str | Path, *, config: str | Path | None = None, allow_pickle: bool = False,
                   config_flag: str = "--config") -> "SingleFileModel":
         """Open the checkpoint ``path``: its family from the header, its configs from ``config`` (a diffusers
-        folder of that family, the user's ``config_flag``) or where memfit.models.single_file_configs finds them."""
+        folder of that family, the user's ``config_flag``) or where memfit.models.single_file_configs finds them.
+        The family's models the file lacks (optional parts) are read from that folder."""
         from memfit.models.single_file_configs import find_configs
 
         path = Path(path).expanduser()
@@ -322,7 +355,9 @@ class SingleFileModel(ModelFolder):
                               if name in family.parts or not is_model_class(*value)}
         configs.check_layout()
         configs.require_configs(family.parts)
-        weights = {name: ComponentWeights(checkpoint, part.prefix, part.layout) for name, part in family.parts.items()}
+        places = {name: part.place(checkpoint.shapes) for name, part in family.parts.items()}
+        weights = {name: ComponentWeights(checkpoint, places[name], part.layout) for name, part in family.parts.items()
+                   if places[name] is not None}
         return cls(path, configs.class_name, configs.components, configs.configs, configs.defaults,
                    allow_pickle=allow_pickle, family=family, config_dir=config_dir, config_source=source,
                    config_components=listed, config_flag=config_flag, weights=weights)
@@ -393,6 +428,9 @@ class SingleFileModel(ModelFolder):
         if self.family is not None:
             notes.append(f"model: {self.path.name}, a {self.family.label} single-file checkpoint ({self.class_name}); "
                          f"configs and tokenizers from {self.config_source}")
+            absent = [name for name in self.family.parts if name not in self.weights]
+            if absent:
+                notes.append(f"{', '.join(absent)} not in the file: read from {self.config_dir}")
         replaced = [f"{name} from {weights.path} ({weights.layout.name} layout)" for name, weights in self.weights.items()
                     if weights.path != self.path]
         if replaced:
@@ -417,8 +455,19 @@ class SingleFileModel(ModelFolder):
         return self._fingerprints[name]
 
     def check_weights(self, names) -> None:
-        """Files were checked when opened (a truncated file, a pickle without allow_pickle); the rest as a folder's."""
-        super().check_weights([name for name in names if name not in self.weights])
+        """Files were checked when opened (a truncated file, a pickle without allow_pickle); the rest as a folder's.
+        A model the checkpoint lacks (a Flux transformer alone in its file) is read from the config folder, which
+        may hold only configs: refused then, naming the --component flag that gives it."""
+        from_folder = [name for name in names if name not in self.weights]
+        lacking = [name for name in (self.family.parts if self.family is not None else ())
+                   if name not in self.weights and not self.weight_files(name)]
+        if any(name in lacking for name in from_folder):
+            models = ", ".join(f"{name} ({self.components[name][1]})" for name in lacking)
+            flags = ", ".join(f"--component {name}=FILE (e.g. {self.family.parts[name].usual_file or 'a .safetensors'})"
+                              for name in lacking)
+            raise MemfitError(f"{self.path} holds no {models}, and {self.config_dir} holds no weights for them: give "
+                              f"{flags}, or {self.config_flag} a diffusers folder that holds their weights.")
+        super().check_weights(from_folder)
 
     def weight_files(self, name: str) -> list[Path]:
         return [self.weights[name].path] if name in self.weights else super().weight_files(name)
@@ -463,6 +512,8 @@ class SingleFileModel(ModelFolder):
             if mismatch is None:
                 raise MemfitError(f"Could not load {name} ({class_name}) from {weights.path}: {exc}") from None
             raise MemfitError(self._mismatch(name, weights, converted, source, mismatch, config_file)) from None
+        if library == "transformers":
+            module.tie_weights()  # as from_pretrained: a tied tensor (T5's embed_tokens) given once is shared again
         # Missing, unexpected: as a folder's; a stray dtype is cast like every other tensor, as diffusers does.
         check_weight_entries(module, name, self.config_dir / name, entries, weights.path, one_dtype=False)
         if probe:
@@ -488,21 +539,26 @@ class SingleFileModel(ModelFolder):
 
 
 # What tells two sizes of a component apart, in words: (how it reads, the live tensor and its dimension that
-# are it, the config's key for it).
-_SIZE_NAMES = {"AutoencoderKL": ("{} latent channels", "decoder.conv_in.weight", 1, "latent_channels"),
-               "CLIPTextModel": ("width {}", "token_embedding.weight", 1, "hidden_size"),
-               "CLIPTextModelWithProjection": ("width {}", "token_embedding.weight", 1, "hidden_size")}
+# are it, its value in the config).
+_SIZE_NAMES = {
+    "AutoencoderKL": ("{} latent channels", "decoder.conv_in.weight", 1, lambda config: config.get("latent_channels")),
+    "CLIPTextModel": ("width {}", "token_embedding.weight", 1, lambda config: config.get("hidden_size")),
+    "CLIPTextModelWithProjection": ("width {}", "token_embedding.weight", 1, lambda config: config.get("hidden_size")),
+    "FluxTransformer2DModel": ("width {}", "x_embedder.weight", 0,
+                               lambda config: config.get("num_attention_heads", 0) * config.get("attention_head_dim", 0)),
+    "T5EncoderModel": ("width {}", "shared.weight", 1, lambda config: config.get("d_model")),
+}
 
 
 def _size_named(class_name: str, converted: dict, config: dict) -> str:
     """e.g. "the file's AutoencoderKL has 16 latent channels where the model's has 4 latent channels", when the
     file's size differs there."""
-    words, live, dimension, config_key = _SIZE_NAMES.get(class_name, (None, None, None, None))
+    words, live, dimension, configured = _SIZE_NAMES.get(class_name, (None, None, None, None))
     found = next((tensor for key, tensor in converted.items() if key.endswith(live)), None) if words else None
-    if found is None or found.ndim <= dimension or found.shape[dimension] == config.get(config_key):
+    if found is None or found.ndim <= dimension or found.shape[dimension] == configured(config):
         return ""
     return (f"the file's {class_name} has {words.format(found.shape[dimension])} where the model's has "
-            f"{words.format(config.get(config_key))}")
+            f"{words.format(configured(config))}")
 
 
 def _hash_tensor(tensor: torch.Tensor) -> str:

@@ -1,8 +1,10 @@
 """The key layouts a model's weights are stored in outside a diffusers folder, and their conversion to diffusers' names.
 
-A Stable Diffusion UNet or VAE is stored in its original (LDM) layout or in diffusers' own; a CLIP
-text encoder in transformers' layout or, for the OpenCLIP-trained ones (SD 2's, SDXL's bigG), in
-OpenCLIP's. A layout is known by a marker, one tensor name only it has; where that name is found
+A Stable Diffusion UNet or VAE is stored in its original (LDM) layout or in diffusers' own (Flux's
+VAE, ``ae.safetensors``, is an LDM VAE too); a CLIP text encoder in transformers' layout or, for the
+OpenCLIP-trained ones (SD 2's, SDXL's bigG), in OpenCLIP's; a Flux transformer in Black Forest Labs'
+original layout (``flux1-dev.safetensors``) or diffusers'; a T5 encoder in transformers' layout
+(``t5xxl_fp16.safetensors``). A layout is known by a marker, one tensor name only it has; where that name is found
 in a file fixes the prefix the component's tensors share there (``first_stage_model.`` in an
 all-in-one checkpoint, nothing in a file of its own), so the same layout reads a component alone
 or out of a whole checkpoint.
@@ -19,8 +21,8 @@ from typing import Callable
 
 import torch
 
-__all__ = ["COMPONENT_LAYOUTS", "LDM_UNET", "LDM_VAE", "Layout", "OPEN_CLIP", "TRANSFORMERS_CLIP", "find_layouts",
-           "group_counts"]
+__all__ = ["BFL_FLUX", "COMPONENT_LAYOUTS", "LDM_UNET", "LDM_VAE", "Layout", "OPEN_CLIP", "TRANSFORMERS_CLIP",
+           "TRANSFORMERS_T5", "find_layouts", "group_counts"]
 
 
 def _convert_unet(tensors: dict, config: dict, module) -> dict:
@@ -91,6 +93,85 @@ def _convert_open_clip(tensors: dict, config: dict, module) -> dict:
     return _text_model_names(converted, module)
 
 
+# Black Forest Labs' module names -> diffusers' (tensor names end in .weight or .bias; a norm's .scale is
+# diffusers' .weight), as diffusers' convert_flux_transformer_checkpoint_to_diffusers renames them.
+_FLUX_RENAMES = {
+    "time_in.in_layer": "time_text_embed.timestep_embedder.linear_1",
+    "time_in.out_layer": "time_text_embed.timestep_embedder.linear_2",
+    "vector_in.in_layer": "time_text_embed.text_embedder.linear_1",
+    "vector_in.out_layer": "time_text_embed.text_embedder.linear_2",
+    "guidance_in.in_layer": "time_text_embed.guidance_embedder.linear_1",
+    "guidance_in.out_layer": "time_text_embed.guidance_embedder.linear_2",
+    "txt_in": "context_embedder", "img_in": "x_embedder", "final_layer.linear": "proj_out",
+}
+_FLUX_DOUBLE_RENAMES = {
+    "img_mod.lin": "norm1.linear", "txt_mod.lin": "norm1_context.linear",
+    "img_attn.norm.query_norm": "attn.norm_q", "img_attn.norm.key_norm": "attn.norm_k",
+    "txt_attn.norm.query_norm": "attn.norm_added_q", "txt_attn.norm.key_norm": "attn.norm_added_k",
+    "img_mlp.0": "ff.net.0.proj", "img_mlp.2": "ff.net.2", "txt_mlp.0": "ff_context.net.0.proj",
+    "txt_mlp.2": "ff_context.net.2", "img_attn.proj": "attn.to_out.0", "txt_attn.proj": "attn.to_add_out",
+}
+_FLUX_SINGLE_RENAMES = {"modulation.lin": "norm.linear", "norm.query_norm": "attn.norm_q",
+                        "norm.key_norm": "attn.norm_k", "linear2": "proj_out"}
+# A double block's fused projections, split in three equal row ranges.
+_FLUX_FUSED = {"img_attn.qkv": ("attn.to_q", "attn.to_k", "attn.to_v"),
+               "txt_attn.qkv": ("attn.add_q_proj", "attn.add_k_proj", "attn.add_v_proj")}
+_FLUX_SINGLE_FUSED = ("attn.to_q", "attn.to_k", "attn.to_v", "proj_mlp")
+
+
+def _convert_flux(tensors: dict, config: dict, module) -> dict:
+    """Black Forest Labs' layout (``flux1-dev.safetensors``, ComfyUI's ``diffusion_models``) in diffusers' names.
+
+    As diffusers' convert_flux_transformer_checkpoint_to_diffusers, except that the fused projections
+    are row slices (views of the file, where diffusers copies them) and a single block's fused q, k, v
+    and MLP input is split at the width the file itself has (the fused tensor's column count), where
+    diffusers assumes the real model's 3072: a tiny model converts, and a file of another width than
+    the config is refused by loading, naming both shapes. The final norm's modulation is stored as
+    (shift, scale) and diffusers' as (scale, shift): its weight and bias, concatenated anew, are the
+    two tensors materialized. A name this table does not know is kept, so loading names it as extra.
+    """
+    converted = {}
+    for key, value in tensors.items():
+        path, _, leaf = key.rpartition(".")
+        leaf = "weight" if leaf == "scale" and path.endswith("_norm") else leaf
+        block = path.split(".", 2)
+        if block[0] in ("double_blocks", "single_blocks") and len(block) == 3:
+            kind, index, inner = block
+            head = f"transformer_blocks.{index}." if kind == "double_blocks" else f"single_transformer_blocks.{index}."
+            if kind == "double_blocks" and inner in _FLUX_FUSED:
+                for name, rows in zip(_FLUX_FUSED[inner], value.chunk(3)):
+                    converted[f"{head}{name}.{leaf}"] = rows
+                continue
+            weight = tensors.get(f"{path}.weight")
+            if kind == "single_blocks" and inner == "linear1" and weight is not None and weight.ndim == 2 \
+                    and value.shape[0] > 3 * weight.shape[1]:
+                width = weight.shape[1]
+                sizes = (width, width, width, value.shape[0] - 3 * width)
+                for name, rows in zip(_FLUX_SINGLE_FUSED, value.split(sizes)):
+                    converted[f"{head}{name}.{leaf}"] = rows
+                continue
+            renames = _FLUX_DOUBLE_RENAMES if kind == "double_blocks" else _FLUX_SINGLE_RENAMES
+            converted[f"{head}{renames.get(inner, inner)}.{leaf}"] = value
+        elif path == "final_layer.adaLN_modulation.1":
+            shift, scale = value.chunk(2)
+            converted[f"norm_out.linear.{leaf}"] = torch.cat([scale, shift])
+        else:
+            converted[f"{_FLUX_RENAMES.get(path, path)}.{leaf}"] = value
+    return converted
+
+
+def _convert_t5(tensors: dict, config: dict, module) -> dict:
+    """transformers' layout (ComfyUI's ``t5xxl_fp16.safetensors``): the names as they are, the token embedding
+    once. T5EncoderModel's ``encoder.embed_tokens`` is tied to ``shared``: files hold either name or both, and
+    the model is given ``shared`` alone and tied after loading (as from_pretrained ties it), so the weights
+    check and the disk tier see one tensor."""
+    converted = dict(tensors)
+    embedding = converted.pop("encoder.embed_tokens.weight", None)
+    if embedding is not None:
+        converted.setdefault("shared.weight", embedding)
+    return converted
+
+
 @dataclass(frozen=True)
 class Layout:
     """A way a component's weights are stored: ``name`` for messages; ``markers``, tensor names only this layout
@@ -110,6 +191,8 @@ LDM_VAE = Layout("LDM", ("encoder.norm_out.weight",), _convert_vae)
 TRANSFORMERS_CLIP = Layout("transformers", ("text_model.embeddings.token_embedding.weight",
                                             "embeddings.token_embedding.weight"), _convert_clip)
 OPEN_CLIP = Layout("OpenCLIP", ("positional_embedding",), _convert_open_clip)
+BFL_FLUX = Layout("Black Forest Labs", ("double_blocks.0.img_attn.qkv.weight",), _convert_flux)
+TRANSFORMERS_T5 = Layout("transformers", ("encoder.block.0.layer.0.SelfAttention.q.weight",), _convert_t5)
 
 # The layouts memfit reads a component's file in, by the component's class.
 COMPONENT_LAYOUTS = {
@@ -117,6 +200,8 @@ COMPONENT_LAYOUTS = {
     "AutoencoderKL": (LDM_VAE, Layout("diffusers", ("encoder.conv_norm_out.weight",), _as_stored)),
     "CLIPTextModel": (TRANSFORMERS_CLIP, OPEN_CLIP),
     "CLIPTextModelWithProjection": (TRANSFORMERS_CLIP, OPEN_CLIP),
+    "FluxTransformer2DModel": (BFL_FLUX, Layout("diffusers", ("transformer_blocks.0.attn.to_q.weight",), _as_stored)),
+    "T5EncoderModel": (TRANSFORMERS_T5,),
 }
 
 

@@ -8,6 +8,14 @@ build the tiny SDXL as kind "sdxl_single_file" for diffusers to read it back). `
 pipeline's weights that way, by the inverse of diffusers' own converters
 (diffusers.loaders.single_file_utils), and checks the round trip: diffusers' converters turn the
 file back into exactly the folder's tensors.
+
+ComfyUI keeps Flux as split files: the transformer alone in Black Forest Labs' original keys
+(``flux1-dev.safetensors``), the VAE in LDM keys with no prefix (``ae.safetensors``), CLIP-L and T5-XXL in
+transformers' keys (``clip_l.safetensors``, ``t5xxl_fp16.safetensors``); its all-in-one Flux checkpoints
+hold those under ``model.diffusion_model.``, ``vae.``, ``text_encoders.clip_l.transformer.`` and
+``text_encoders.t5xxl.transformer.``. ``save_flux_files`` and ``save_flux_checkpoint`` write a tiny Flux
+folder that way (``flux_bfl_state_dict``: diffusers' Flux conversion run backwards; diffusers' own
+converter assumes the real model's width, 3072, so a tiny file cannot go through it).
 """
 
 from __future__ import annotations
@@ -17,7 +25,8 @@ from pathlib import Path
 
 import torch
 
-__all__ = ["ldm_state_dict", "ldm_vae_state_dict", "save_single_file"]
+__all__ = ["FLUX_FILE_NAMES", "FLUX_PREFIXES", "flux_bfl_state_dict", "ldm_state_dict", "ldm_vae_state_dict", "save_flux_checkpoint", "save_flux_files",
+           "save_single_file"]
 
 # A few of the tensors real SD files carry beside the models (the training schedule, the
 # text encoder's position ids): a loader must leave them alone.
@@ -222,3 +231,108 @@ def _check_round_trip(pipe, state: dict[str, torch.Tensor]) -> None:
                                                                  extra[:5])
         for key, value in original.items():
             assert torch.equal(tensors[key], value), (name, key)
+
+
+# -- Flux, as ComfyUI keeps it ------------------------------------------------------------------------
+
+# diffusers' module names -> Black Forest Labs' (read off diffusers' convert_flux_transformer_checkpoint_to_diffusers).
+_FLUX_TOP = {"time_text_embed.timestep_embedder.linear_1": "time_in.in_layer",
+             "time_text_embed.timestep_embedder.linear_2": "time_in.out_layer",
+             "time_text_embed.text_embedder.linear_1": "vector_in.in_layer",
+             "time_text_embed.text_embedder.linear_2": "vector_in.out_layer",
+             "time_text_embed.guidance_embedder.linear_1": "guidance_in.in_layer",
+             "time_text_embed.guidance_embedder.linear_2": "guidance_in.out_layer",
+             "context_embedder": "txt_in", "x_embedder": "img_in", "proj_out": "final_layer.linear"}
+_FLUX_BLOCKS = {
+    "transformer_blocks": ("double_blocks", {
+        "norm1.linear": "img_mod.lin", "norm1_context.linear": "txt_mod.lin",
+        "attn.norm_q": "img_attn.norm.query_norm", "attn.norm_k": "img_attn.norm.key_norm",
+        "attn.norm_added_q": "txt_attn.norm.query_norm", "attn.norm_added_k": "txt_attn.norm.key_norm",
+        "ff.net.0.proj": "img_mlp.0", "ff.net.2": "img_mlp.2", "ff_context.net.0.proj": "txt_mlp.0",
+        "ff_context.net.2": "txt_mlp.2", "attn.to_out.0": "img_attn.proj", "attn.to_add_out": "txt_attn.proj"},
+        {"img_attn.qkv": ("attn.to_q", "attn.to_k", "attn.to_v"),
+         "txt_attn.qkv": ("attn.add_q_proj", "attn.add_k_proj", "attn.add_v_proj")}),
+    "single_transformer_blocks": ("single_blocks", {
+        "norm.linear": "modulation.lin", "attn.norm_q": "norm.query_norm", "attn.norm_k": "norm.key_norm",
+        "proj_out": "linear2"},
+        {"linear1": ("attn.to_q", "attn.to_k", "attn.to_v", "proj_mlp")}),
+}
+
+
+def flux_bfl_state_dict(transformer) -> dict[str, torch.Tensor]:
+    """A FluxTransformer2DModel's tensors in Black Forest Labs' original keys: each double block's q, k and v
+    fused in one ``qkv``, each single block's q, k, v and MLP input in ``linear1``, the final norm's modulation
+    as (shift, scale), a norm's weight as ``scale``. Any width: works on the meta device too."""
+    state = transformer.state_dict()
+    out, fused = {}, {}
+    for key, tensor in state.items():
+        path, _, leaf = key.rpartition(".")
+        parts = path.split(".", 2)
+        if parts[0] in _FLUX_BLOCKS:
+            kind, renames, fusions = _FLUX_BLOCKS[parts[0]]
+            head = f"{kind}.{parts[1]}."
+            target = next(((name, members.index(parts[2])) for name, members in fusions.items()
+                           if parts[2] in members), None)
+            if target is not None:
+                slots = fused.setdefault(f"{head}{target[0]}.{leaf}", [None] * len(fusions[target[0]]))
+                slots[target[1]] = tensor
+                continue
+            old = renames[parts[2]]
+            out[f"{head}{old}.{'scale' if old.endswith('_norm') else leaf}"] = tensor
+        elif path == "norm_out.linear":
+            scale, shift = tensor.chunk(2)
+            out[f"final_layer.adaLN_modulation.1.{leaf}"] = torch.cat([shift, scale])
+        else:
+            out[f"{_FLUX_TOP[path]}.{leaf}"] = tensor
+    out.update({key: torch.cat(slots) for key, slots in fused.items()})
+    return out
+
+
+def _clip_l_state(encoder) -> dict[str, torch.Tensor]:
+    """A CLIP-L text encoder as ComfyUI's clip_l.safetensors holds it: transformers' names under text_model."""
+    state = {("" if key.startswith("text_model.") else "text_model.") + key: tensor
+             for key, tensor in encoder.state_dict().items()}
+    state["text_model.embeddings.position_ids"] = torch.arange(encoder.config.max_position_embeddings)[None]
+    return state
+
+
+def _t5_state(encoder) -> dict[str, torch.Tensor]:
+    """A T5 encoder as t5xxl_fp16.safetensors holds it: transformers' names, the tied token embedding once."""
+    return {key: tensor for key, tensor in encoder.state_dict().items() if key != "encoder.embed_tokens.weight"}
+
+
+def _flux_states(folder: Path) -> dict[str, dict[str, torch.Tensor]]:
+    import diffusers
+
+    pipe = diffusers.FluxPipeline.from_pretrained(folder)
+    return {"transformer": flux_bfl_state_dict(pipe.transformer), "vae": ldm_vae_state_dict(pipe.vae),
+            "text_encoder": _clip_l_state(pipe.text_encoder), "text_encoder_2": _t5_state(pipe.text_encoder_2)}
+
+
+def _save(state: dict[str, torch.Tensor], path: Path) -> Path:
+    from safetensors.torch import save_file
+
+    save_file({key: tensor.contiguous() for key, tensor in state.items()}, path)
+    return path
+
+
+# The names ComfyUI's models folder gives Flux's split files.
+FLUX_FILE_NAMES = {"transformer": "flux1-dev.safetensors", "vae": "ae.safetensors", "text_encoder": "clip_l.safetensors",
+                   "text_encoder_2": "t5xxl_fp16.safetensors"}
+# Where ComfyUI's all-in-one Flux checkpoints keep each model.
+FLUX_PREFIXES = {"transformer": "model.diffusion_model.", "vae": "vae.", "text_encoder": "text_encoders.clip_l.transformer.",
+                 "text_encoder_2": "text_encoders.t5xxl.transformer."}
+
+
+def save_flux_files(folder: str | Path, out: str | Path) -> dict[str, Path]:
+    """Write the tiny Flux diffusers folder ``folder`` as ComfyUI's split files in ``out``; component -> file."""
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    return {name: _save(state, out / FLUX_FILE_NAMES[name]) for name, state in _flux_states(Path(folder)).items()}
+
+
+def save_flux_checkpoint(folder: str | Path, path: str | Path) -> Path:
+    """Write the tiny Flux diffusers folder ``folder`` as one all-in-one checkpoint in ComfyUI's prefixes."""
+    states = _flux_states(Path(folder))
+    return _save({FLUX_PREFIXES[name] + key: tensor for name, state in states.items() for key, tensor in state.items()},
+                 Path(path))
