@@ -26,7 +26,6 @@ The model (real size, random weights; rebuilt when absent) lives outside the rep
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import shutil
 import statistics
