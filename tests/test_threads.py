@@ -125,14 +125,14 @@ def test_asked_for_and_omp_num_threads_come_first(tmp_path):
         threads.ThreadCount(1, "CPU quota 1 of 2 CPUs")
 
 
-@pytest.mark.parametrize("value", [0, -2, "x", "1.5", 1.5, True, 10**6, ""])
+@pytest.mark.parametrize("value", [0, -2, "x", "1.5", 1.5, 2.0, True, 10**6, "", "--3", "0x10"])
 def test_a_thread_count_that_is_no_count_is_refused(value):
     with pytest.raises(MemfitError, match=r"--threads"):
         check_threads(value)
 
 
 def test_a_thread_count_is_taken_as_a_number_or_its_text():
-    assert check_threads(None) is None and check_threads(3) == 3 and check_threads("2") == 2
+    assert check_threads(None) is None and check_threads(3) == 3 and check_threads(" 2 ") == 2
 
 
 @pytest.mark.parametrize("command", ["generate", "encode", "serve", "batch"])

@@ -58,11 +58,13 @@ def check_threads(value) -> int | None:
     """``--threads`` / ``threads=`` as a count: a whole number from 1 to MAX_THREADS, or None (memfit picks)."""
     if value is None:
         return None
-    text = str(value).strip()
-    if isinstance(value, bool) or not (isinstance(value, int) or text.lstrip("+-").isdigit()):
+    try:
+        if isinstance(value, bool) or not isinstance(value, (int, str)):
+            raise ValueError(value)  # True is an int to Python, 2.0 a float: neither is a count the user wrote
+        count = int(value)
+    except ValueError:
         raise MemfitError(f"--threads {value} is not a whole number; give a count of threads such as 1 or 4, or "
-                          "leave it out to use the CPUs this process may use.")
-    count = int(text)
+                          "leave it out to use the CPUs this process may use.") from None
     if count < 1:
         raise MemfitError(f"--threads {value}: give at least 1 thread, or leave it out to use the CPUs this process "
                           "may use.")
@@ -127,8 +129,7 @@ def usable_cpus(*, affinity: set[int] | None = None, proc_root: str | os.PathLik
     rounded down, at least 1. ``affinity`` defaults to the process's own (all CPUs where the platform
     cannot say)."""
     machine = os.cpu_count() or 1
-    if affinity is None:
-        affinity = set(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else set(range(machine))
+    affinity = _own_affinity() if affinity is None else affinity
     allowed = max(1, len(affinity))
     quota = cpu_quota(proc_root=proc_root, sys_root=sys_root)
     if quota is not None and quota < allowed:
@@ -137,6 +138,13 @@ def usable_cpus(*, affinity: set[int] | None = None, proc_root: str | os.PathLik
     if allowed < machine:
         return allowed, f"affinity {allowed} of {machine} CPUs"
     return allowed, f"{allowed} CPU{'s' if allowed > 1 else ''}"
+
+
+def _own_affinity() -> set[int]:
+    """The CPUs this process may run on (every CPU where the platform cannot say: macOS, Windows)."""
+    if hasattr(os, "sched_getaffinity"):
+        return set(os.sched_getaffinity(0))
+    return set(range(os.cpu_count() or 1))
 
 
 @dataclass(frozen=True)
@@ -203,8 +211,7 @@ def choose_threads(asked: int | None = None, *, environ=None, affinity: set[int]
     environ = os.environ if environ is None else environ
     if environ.get("OMP_NUM_THREADS", "").strip().isdigit() and int(environ["OMP_NUM_THREADS"]) >= 1:
         return ThreadCount(int(environ["OMP_NUM_THREADS"]), "OMP_NUM_THREADS")
-    if affinity is None:
-        affinity = set(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else set(range(os.cpu_count() or 1))
+    affinity = _own_affinity() if affinity is None else affinity
     count, why = usable_cpus(affinity=affinity, proc_root=proc_root, sys_root=sys_root)
     if count == 1:
         return ThreadCount(1, why)
@@ -217,7 +224,8 @@ def choose_threads(asked: int | None = None, *, environ=None, affinity: set[int]
 
 @contextlib.contextmanager
 def torch_threads(count: int):
-    """torch computes with ``count`` threads inside the block; its count before is put back after."""
+    """torch computes with ``count`` threads inside the block; its count before is put back after, and the next
+    look at /proc/stat starts there (the next run measures what others did from the end of this one)."""
     import torch
 
     before = torch.get_num_threads()
