@@ -58,13 +58,10 @@ def check_threads(value) -> int | None:
     """``--threads`` / ``threads=`` as a count: a whole number from 1 to MAX_THREADS, or None (memfit picks)."""
     if value is None:
         return None
-    try:
-        if isinstance(value, bool) or not isinstance(value, (int, str)):
-            raise ValueError(value)  # True is an int to Python, 2.0 a float: neither is a count the user wrote
-        count = int(value)
-    except ValueError:
+    count = _whole_number(value)
+    if count is None:
         raise MemfitError(f"--threads {value} is not a whole number; give a count of threads such as 1 or 4, or "
-                          "leave it out to use the CPUs this process may use.") from None
+                          "leave it out to use the CPUs this process may use.")
     if count < 1:
         raise MemfitError(f"--threads {value}: give at least 1 thread, or leave it out to use the CPUs this process "
                           "may use.")
@@ -72,6 +69,17 @@ def check_threads(value) -> int | None:
         raise MemfitError(f"--threads {value} is more than memfit takes ({MAX_THREADS}); give at most the CPUs this "
                           "machine has, or leave it out.")
     return count
+
+
+def _whole_number(value) -> int | None:
+    """``value`` as an int if it is one or its text is; None otherwise (True is an int to Python and 2.0 a
+    float: neither is a count anyone wrote)."""
+    if isinstance(value, int) and not isinstance(value, bool):
+        return value
+    if isinstance(value, str):
+        with contextlib.suppress(ValueError):
+            return int(value)
+    return None
 
 
 def cpu_quota(*, proc_root: str | os.PathLike = "/proc", sys_root: str | os.PathLike = "/sys") -> float | None:
