@@ -64,7 +64,7 @@ def _run_batch(threads: int | None, scratch: Path, jobs: int, steps: int | None)
     wall = time.perf_counter() - started
     results = [json.loads(raw) for raw in (out / "results.jsonl").read_text().splitlines()]
     return {"jobs": sum(r["seconds"] for r in results), "wall": wall, "load_before": load,
-            "image": out / "job0.png"}
+            "threads": [r.get("threads") for r in results], "image": out / "job0.png"}
 
 
 def main() -> None:
@@ -149,7 +149,7 @@ def batch_main(args) -> None:
                 differences.append(max_difference(result.pop("image"), reference))
                 runs[label[config]].append(result)
                 print(f"round {round_ + 1} {label[config]}: batch {result['wall']:.1f} s, jobs {result['jobs']:.1f} s, "
-                      f"load {result['load_before']}", flush=True)
+                      f"threads {result['threads']}, load {result['load_before']}", flush=True)
     median = {name: statistics.median(r["wall"] for r in values) for name, values in runs.items()}
     median_jobs = {name: statistics.median(r["jobs"] for r in values) for name, values in runs.items()}
     best = min((name for name in runs if name != "default"), key=median.get)

@@ -192,10 +192,11 @@ def test_the_json_report_and_a_session_carry_the_count(tiny_models, tmp_path):
         Session(tiny_models("sd"), threads=0)
 
 
-def test_a_batch_workers_session_gets_the_count(tiny_models, tmp_path):
-    from memfit.batch import BatchOptions
-    from memfit.batch.worker import BatchWorker
-
-    options = BatchOptions(tiny_models("sd"), out=tmp_path, threads=1)
-    worker = BatchWorker(options.model, name="local", **options.worker_kwargs())
-    assert worker.session.threads == 1
+def test_a_batch_runs_its_jobs_with_the_count_and_records_it(tiny_models, tmp_path):
+    jobs = tmp_path / "jobs.jsonl"
+    jobs.write_text("".join(json.dumps({"id": f"j{i}", "prompt": "x", "steps": 1, "width": 32, "height": 32}) + "\n"
+                            for i in range(2)))
+    assert main(["batch", str(jobs), "--model", tiny_models("sd"), "--out", str(tmp_path / "out"), "--quiet",
+                 "--threads", "1"]) == 0
+    lines = [json.loads(raw) for raw in (tmp_path / "out" / "results.jsonl").read_text().splitlines()]
+    assert [line["threads"] for line in lines] == [1, 1]

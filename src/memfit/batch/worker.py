@@ -64,4 +64,5 @@ class BatchWorker:
             return JobOutput(job.id, job.key, self.name, time.perf_counter() - started,
                              error=f"{type(exc).__name__}: {exc}{where}")
         return JobOutput(job.id, job.key, self.name, time.perf_counter() - started, png=png,
-                         seed=result.settings.seed, peak_bytes=result.report.peak_bytes)
+                         seed=result.settings.seed, peak_bytes=result.report.peak_bytes,
+                         threads=result.report.threads.get("count"))
