@@ -2,9 +2,9 @@
 
 torch starts with one thread per core the machine has (or OMP_NUM_THREADS). Its OpenMP threads wait
 for each other, spinning, at the end of every operation, so a thread that has to share its core
-with another process holds all of them up: on a shared 2-core machine one image's denoising took
-20.1 s with torch's 2 threads against 1.3 s with one (docs/threads.md). So unless the caller names a
-count (``--threads N``, ``threads=N``), a run computes with:
+with another process holds all of them up: on 2 cores shared with other work the demo model's
+denoising took 15.7 s with torch's 2 threads against 0.95 s with one (docs/threads_demo.md). So unless
+the caller names a count (``--threads N``, ``threads=N``), a run computes with:
 
 1. OMP_NUM_THREADS, where it is set: the user's own choice, or Ray's (it sets it in each worker to
    the CPUs the worker reserved, rounded down: workers sharing a machine split it as they reserved it);
@@ -205,7 +205,7 @@ def busy_cpus_of_others(cpus: set[int], *, proc_root: str | os.PathLike = "/proc
     return max(0.0, others / max(end.at - start.at, 1e-3))
 
 
-def note_run_ended(*, proc_root: str | os.PathLike = "/proc") -> None:
+def _note_run_ended(*, proc_root: str | os.PathLike = "/proc") -> None:
     """Start the next look at /proc/stat now: the next run measures others' use from the end of this one."""
     global _last_sample
     _last_sample = _sample(Path(proc_root)) or _last_sample
@@ -244,4 +244,4 @@ def torch_threads(count: int):
     finally:
         if torch.get_num_threads() != before:
             torch.set_num_threads(before)
-        note_run_ended()
+        _note_run_ended()
