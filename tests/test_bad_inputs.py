@@ -314,6 +314,8 @@ CASES = [
      "reaches at most 512x512 with 125 frames"),
     ("embeddings-of-another-text-encoder", embeddings_of_another_text_encoder, "were made by a different text encoder"),
     ("budget-garbage", args("--budget", "lots"), "lots"),
+    ("threads-zero", args("--threads", "0"), "--threads 0: give at least 1 thread"),
+    ("threads-not-a-number", args("--threads", "two"), "--threads two is not a whole number"),
     ("precision-garbage", args("--precision", "fp64"), "--precision"),
     ("precision-for-eager", args("--precision", "bf16"), "--precision bf16 differs from --dtype fp32"),
     ("cache-mode-garbage", args(env={"MEMFIT_CACHE": "sometimes"}), "MEMFIT_CACHE"),

@@ -42,6 +42,7 @@ class JobOutput:
     seed: int | None = None
     peak_bytes: int | None = None
     error: str | None = None
+    threads: int | None = None  # the threads torch computed with (memfit.run.threads)
 
     @property
     def ok(self) -> bool:
@@ -125,7 +126,7 @@ class BatchOutput:
         else:
             line.update(file=None, seed=job.seed, error=output.error)
         line.update(seconds=round(output.seconds, 3), worker=output.worker, peak_bytes=output.peak_bytes,
-                    attempts=attempts)
+                    threads=output.threads, attempts=attempts)
         data = (json.dumps(line, ensure_ascii=False) + "\n").encode("utf-8")
         fd = os.open(self.results, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
         try:

@@ -25,7 +25,7 @@ class BatchWorker:
 
     def __init__(self, model, *, dtype: str = "fp32", device=None, budget="auto", backend=None,
                  fallback: str | None = None, allow_pickle: bool = False, config=None, components=None,
-                 name: str | None = None):
+                 threads: int | None = None, name: str | None = None):
         import torch
 
         from memfit.run.options import default_device
@@ -34,7 +34,7 @@ class BatchWorker:
         device = torch.device(device) if device is not None else default_device()
         # "auto" is resolved by each run on this worker's own machine (memfit.plan.budget).
         self.session = Session(model, dtype=dtype, device=device, budget=budget, backend=backend, fallback=fallback,
-                               allow_pickle=allow_pickle, config=config, components=components)
+                               allow_pickle=allow_pickle, config=config, components=components, threads=threads)
         self.name = f"{name + '@' if name else ''}{socket.gethostname()}:{os.getpid()}"
 
     def describe(self) -> dict:
@@ -64,4 +64,5 @@ class BatchWorker:
             return JobOutput(job.id, job.key, self.name, time.perf_counter() - started,
                              error=f"{type(exc).__name__}: {exc}{where}")
         return JobOutput(job.id, job.key, self.name, time.perf_counter() - started, png=png,
-                         seed=result.settings.seed, peak_bytes=result.report.peak_bytes)
+                         seed=result.settings.seed, peak_bytes=result.report.peak_bytes,
+                         threads=result.report.threads.get("count"))

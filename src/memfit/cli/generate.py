@@ -6,7 +6,7 @@ import argparse
 from pathlib import Path
 
 from memfit.atomic import check_writable
-from memfit.cli.run_args import add_model_args, add_run_args, parse_components, run_options
+from memfit.cli.run_args import THREADS_HELP, add_model_args, add_run_args, parse_components, run_options
 from memfit.errors import MemfitError
 
 __all__ = ["register"]
@@ -64,6 +64,7 @@ def register(commands: argparse._SubParsersAction) -> None:
     enc.add_argument("--out", required=True, help="embeddings file to write (.safetensors)")
     enc.add_argument("--report", help="also write the stage report as JSON here")
     enc.add_argument("--budget", default="auto", help="memory budget for the stage, as for generate (default auto)")
+    enc.add_argument("--threads", metavar="N", help=THREADS_HELP)
     enc.add_argument("--quiet", action="store_true")
     enc.set_defaults(func=_encode)
 
@@ -159,14 +160,16 @@ def _generate(args) -> int:
 
 def _encode(args) -> int:
     from memfit.run.generate import encode
+    from memfit.run.threads import check_threads
 
+    threads = check_threads(args.threads)
     out = _check_out_path(args.out, ".safetensors")
     if args.report:
         check_writable(args.report, "--report")
     embeddings, report = encode(
         args.prompt, model=args.model, negative_prompt=args.negative_prompt, dtype=args.dtype, device=args.device,
         budget=args.budget, allow_pickle=args.allow_pickle, config=args.config,
-        components=parse_components(args.component),
+        components=parse_components(args.component), threads=threads,
     )
     embeddings.save(out)
     if args.report:

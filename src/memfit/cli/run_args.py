@@ -7,10 +7,13 @@ import argparse
 
 from memfit.compile.backends.registry import list_backends
 
-__all__ = ["COMPONENT_HELP", "CONFIG_HELP", "add_model_args", "add_run_args", "parse_components", "run_options"]
+__all__ = ["COMPONENT_HELP", "CONFIG_HELP", "THREADS_HELP", "add_model_args", "add_run_args", "parse_components", "run_options"]
 
 BUDGET_HELP = ("memory budget for each stage (the process, weights and activations): auto (default: what this machine, "
                "container or GPU can spare now), none (no planning), or a size such as 2GiB or 6GB (=6*10^9 bytes)")
+
+THREADS_HELP = ("threads torch computes with (default: the CPUs this process may use: its affinity and cgroup CPU quota, "
+                "less those other processes keep busy; OMP_NUM_THREADS where set); the report says which")
 
 
 CONFIG_HELP = ("for a checkpoint file: a diffusers folder of its family to read configs, scheduler and tokenizers "
@@ -61,20 +64,23 @@ def add_model_args(parser: argparse.ArgumentParser, *, model_help: str = "", sev
 
 def add_run_args(parser: argparse.ArgumentParser, *, budget_note: str = "", **model_args) -> None:
     """add_model_args (``model_args`` its keywords), then --budget (``budget_note`` says what the command does
-    with it), --backend (the backends the registry knows, built-in and installed) and --fallback."""
+    with it), --backend (the backends the registry knows, built-in and installed), --fallback and --threads."""
     add_model_args(parser, **model_args)
     parser.add_argument("--budget", default="auto", help=BUDGET_HELP + (f"; {budget_note}" if budget_note else ""))
     parser.add_argument("--backend", help=f"compile with a backend: NAME ({', '.join(list_backends())}) or per "
                         "component, e.g. unet=openvino,vae=eager")
     parser.add_argument("--fallback", choices=("eager",), help="if a backend fails on a component, run it eagerly "
                         "(reported)")
+    # A string, checked by run_options: a bad count is memfit's one sentence, not argparse's usage text.
+    parser.add_argument("--threads", metavar="N", help=THREADS_HELP)
 
 
 def run_options(args: argparse.Namespace) -> dict:
     """The keyword arguments of add_run_args' flags, as memfit.generate, Session and BatchOptions take them."""
     from memfit.compile.entry_points import parse_backend_arg
+    from memfit.run.threads import check_threads
 
     return {"model": args.model, "config": args.config, "components": parse_components(args.component),
             "dtype": args.dtype, "device": args.device, "allow_pickle": args.allow_pickle,
             "budget": args.budget, "backend": parse_backend_arg(args.backend) if args.backend else None,
-            "fallback": args.fallback}
+            "fallback": args.fallback, "threads": check_threads(args.threads)}

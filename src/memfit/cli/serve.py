@@ -69,7 +69,11 @@ def _loopback(host: str) -> bool:
 
 
 def _check_limits(args) -> None:
-    """Refuse a port that is no port and limits that would refuse every request, each in one sentence."""
+    """Refuse a port that is no port, limits that would refuse every request and a thread count that is no count,
+    each in one sentence, before serve's own dependencies are imported."""
+    from memfit.run.threads import check_threads
+
+    check_threads(args.threads)
     if not 1 <= args.port <= 65535:
         raise MemfitError(f"--port {args.port} is not a port; give one from 1 to 65535 (default 7861).")
     for flag, value in (("--max-steps", args.max_steps), ("--max-pixels", args.max_pixels),

@@ -52,15 +52,16 @@ def encode(
     allow_pickle: bool = False,
     config: str | Path | None = None,
     components: dict[str, str | Path] | None = None,
+    threads: int | None = None,
 ) -> tuple[Embeddings, RunReport]:
-    """Run only the encode stage; the embeddings carry both guidance branches. ``model``, ``config`` and
-    ``components`` as memfit.generate's."""
+    """Run only the encode stage; the embeddings carry both guidance branches. ``model``, ``config``,
+    ``components`` and ``threads`` as memfit.generate's."""
     quiet_libraries()
     folder = open_model(model, allow_pickle=allow_pickle, config=config, components=components)
     if not folder.adapter.staged:
         raise MemfitError(_not_staged(folder, "encode prompts on their own"))
     options = RunOptions.build(device=device, dtype=dtype, budget=budget, backend=backend, fallback=fallback,
-                               progress=False, allow_pickle=allow_pickle)
+                               progress=False, allow_pickle=allow_pickle, threads=threads)
     settings = folder.adapter.resolve(prompt, negative_prompt, 1, None, 0, None, None, folder.defaults,
                                       makes_images=False)
     report = RunReport(device=str(options.device), dtype=dtype, model=str(folder.path), notes=source_notes(folder))
@@ -107,6 +108,7 @@ def generate(
     on_step: Callable[[str, int, int], None] | None = None,
     config: str | Path | None = None,
     components: dict[str, str | Path] | None = None,
+    threads: int | None = None,
 ) -> Generation:
     """Generate an image with a diffusers model folder or an all-in-one checkpoint file, one stage resident at a
     time.
@@ -145,6 +147,9 @@ def generate(
     `precision` ("fp32", "bf16", "fp16"; default: `dtype`) is the compute precision of a backend that has
     its own (OpenVINO), apart from the weights' `dtype`; any other backend, or none, must compute in
     `dtype` (memfit.compile.precision). It is recorded in the PNG.
+    `threads` is how many threads torch computes with during the run (default: the CPUs this process may
+    really use: its affinity, its cgroup's CPU quota, less those other processes keep busy; OMP_NUM_THREADS
+    where set: memfit.run.threads); torch's own count is put back when the run ends. The report says which.
     """
     quiet_libraries()
     if frames is not None and num_frames is not None and frames != num_frames:
@@ -163,7 +168,8 @@ def generate(
     if refiner is not None and (sampler is not None or pool is not None):
         raise MemfitError("--sampler and sessions do not combine with --refiner yet; leave them out.")
     options = RunOptions.build(device=device, dtype=dtype, budget=budget, backend=backend, fallback=fallback,
-                               progress=progress, allow_pickle=allow_pickle, pool=pool, on_step=on_step)
+                               progress=progress, allow_pickle=allow_pickle, pool=pool, on_step=on_step,
+                               threads=threads)
     if config is not None or components:
         model = open_model(model, allow_pickle=allow_pickle, config=config, components=components)
     if refiner is not None:

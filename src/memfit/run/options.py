@@ -16,6 +16,7 @@ import torch
 from memfit.devices import DeviceRuntime, cuda_device_count, runtime_for
 from memfit.dtypes import parse_dtype
 from memfit.errors import MemfitError
+from memfit.run.threads import check_threads
 
 __all__ = ["RunOptions", "StagePool", "default_device", "resolve_device"]
 
@@ -68,6 +69,8 @@ class RunOptions:
     pool:         a StagePool that keeps stages loaded between runs (a Session's), or None.
     on_step:      ``on_step(stage, 0, 0)`` as each stage starts and ``on_step(stage, done, total)`` as the
                   denoising loop advances; it may raise to stop the run.
+    threads:      the threads torch computes with during the run; None: the CPUs this process may use
+                  (memfit.run.threads).
     """
 
     dtype: str = "fp32"
@@ -80,13 +83,17 @@ class RunOptions:
     allow_pickle: bool = False
     pool: StagePool | None = None
     on_step: Callable[[str, int, int], None] | None = None
+    threads: int | None = None
 
     @classmethod
-    def build(cls, *, device: str | torch.device | DeviceRuntime | None = None, **options) -> "RunOptions":
-        """RunOptions with ``device`` checked to exist here (None: the GPU if there is one, else the CPU).
+    def build(cls, *, device: str | torch.device | DeviceRuntime | None = None, threads=None,
+              **options) -> "RunOptions":
+        """RunOptions with ``device`` checked to exist here (None: the GPU if there is one, else the CPU) and
+        ``threads`` to be a count.
 
         A memfit.devices runtime is taken as it is: tests pass runtime doubles this way.
         """
+        options["threads"] = check_threads(threads)
         if isinstance(device, DeviceRuntime):
             return cls(device=device.device, runtime=device, **options)
         resolved = resolve_device(device)

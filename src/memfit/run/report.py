@@ -52,6 +52,8 @@ class RunReport:
     notes: list[str] = field(default_factory=list)
     # Where the run's budget came from (memfit.plan.budget.ResolvedBudget.to_dict): mode, source, budget.
     budget: dict = field(default_factory=dict)
+    # The threads torch computed with and why (memfit.run.threads.ThreadCount.to_dict): count, source.
+    threads: dict = field(default_factory=dict)
 
     @property
     def peak_bytes(self) -> int:
@@ -74,6 +76,8 @@ class RunReport:
         lines.insert(1, "  ".join("-" * w for w in widths))
         if self.budget:
             lines.append(f"budget: {self.budget['source']}")
+        if self.threads:
+            lines.append(f"threads: {self.threads['count']} ({self.threads['source']})")
         lines += [f"note: {note}" for note in self.notes]
         return "\n".join(lines)
 

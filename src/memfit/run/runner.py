@@ -36,6 +36,7 @@ from memfit.run.fit import StageFit, fit_stage
 from memfit.run.memory import PeakMemory, release_freed_memory
 from memfit.run.options import RunOptions
 from memfit.run.report import RunReport, StageReport
+from memfit.run.threads import choose_threads, torch_threads
 from memfit.run.timeline import Timeline
 from memfit.sizes import format_bytes
 
@@ -272,7 +273,9 @@ class StageRunner:
     def run(self, stages: list[Stage]) -> dict[str, Any]:
         """Run ``stages`` in order; returns each stage's result by name."""
         results: dict[str, Any] = {}
-        with self.timeline:
+        threads = choose_threads(self.options.threads)
+        self.report.threads = threads.to_dict()
+        with torch_threads(threads.count), self.timeline:
             for stage in stages:
                 if self.options.on_step is not None:
                     # A cancellation point before anything of the stage loads: a caller that wants the run

@@ -42,6 +42,7 @@ from memfit.run.memory import release_freed_memory
 from memfit.run.options import default_device
 from memfit.run.runner import resident_bytes
 from memfit.run.stages import Generation, open_model
+from memfit.run.threads import check_threads
 
 __all__ = ["Interrupted", "Session", "WarmPool"]
 
@@ -128,13 +129,14 @@ class Session:
     def __init__(self, model: str | Path | None = None, *, dtype: str = "fp32", device: str | torch.device | None = None,
                  budget="auto", backend=None, fallback: str | None = None, warm: bool = True,
                  allow_pickle: bool = False, config: str | Path | None = None,
-                 components: dict[str, str | Path] | None = None):
+                 components: dict[str, str | Path] | None = None, threads: int | None = None):
         self.folder = open_model(model, allow_pickle=allow_pickle, config=config, components=components)
         self.dtype = dtype
         self.device = torch.device(device) if device is not None else default_device()
         self.budget = budget
         self.backend = backend
         self.fallback = fallback
+        self.threads = check_threads(threads)
         self.pool = WarmPool() if warm else None
         self._lock = threading.Lock()
 
@@ -146,7 +148,7 @@ class Session:
         with self._lock:
             return generate(prompt, model=self.folder, dtype=self.dtype, device=self.device, budget=self.budget,
                             backend=self.backend, fallback=self.fallback, progress=False, pool=self.pool,
-                            on_step=on_step, **settings)
+                            on_step=on_step, threads=self.threads, **settings)
 
     def warm_state(self) -> dict[str, Any]:
         """What is kept loaded, for reports: components, their weight bytes, and why not, where not."""
