@@ -21,12 +21,13 @@ import argparse
 import json
 from typing import Any
 
-from memfit.cli.run_args import COMPONENT_HELP, CONFIG_HELP, parse_components
+from memfit.cli.run_args import COMPONENT_HELP, CONFIG_HELP, check_budget, parse_components
 from memfit.errors import MemfitError
 from memfit.models.archs import ARCHS, get_arch
 from memfit.plan.budget import Budget
 from memfit.plan.planner import Plan, make_plan
 from memfit.plan.stages import DEFAULT_STEPS, choose_strategies, planned_models, stage_options
+from memfit.run.libraries import quiet_libraries
 from memfit.sizes import format_bytes
 
 __all__ = ["register", "run_plan"]
@@ -67,6 +68,8 @@ def register(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
 
 def run_plan(args: argparse.Namespace) -> int:
     """Print the plan for ``args`` (see ``register``); return the exit code. Raises MemfitError."""
+    check_budget(args.budget)
+    quiet_libraries()
     name, description, adapter = _source(args)
     width = args.width or adapter.default_size()
     height = args.height or adapter.default_size()

@@ -7,7 +7,8 @@ import argparse
 
 from memfit.compile.backends.registry import list_backends
 
-__all__ = ["COMPONENT_HELP", "CONFIG_HELP", "add_model_args", "add_run_args", "parse_components", "run_options"]
+__all__ = ["COMPONENT_HELP", "CONFIG_HELP", "add_model_args", "add_run_args", "check_budget", "parse_components",
+           "run_options"]
 
 BUDGET_HELP = ("memory budget for each stage (the process, weights and activations): auto (default: what this machine, "
                "container or GPU can spare now), none (no planning), or a size such as 2GiB or 6GB (=6*10^9 bytes)")
@@ -37,6 +38,15 @@ def parse_components(values: list[str] | None) -> dict[str, str] | None:
                               "component once.")
         components[name] = path
     return components or None
+
+
+def check_budget(value: str) -> None:
+    """Refuse a --budget that is neither auto, none nor a size, before a command imports torch (seconds); the run
+    resolves a good one itself (memfit.plan.budget.resolve_budget), with the same sentence for a bad one."""
+    from memfit.plan.budget import AUTO, NONE, Budget
+
+    if value.strip().lower() not in (AUTO, NONE):
+        Budget.of(value)
 
 
 def add_model_args(parser: argparse.ArgumentParser, *, model_help: str = "", several_configs: bool = False) -> None:
