@@ -294,6 +294,7 @@ CASES = [
      "reaches at most 512x512 with 125 frames"),
     ("embeddings-of-another-text-encoder", embeddings_of_another_text_encoder, "were made by a different text encoder"),
     ("budget-garbage", args("--budget", "lots"), "lots"),
+    ("budget-above-process-too-small", args("--budget", "+1KiB"), "is below the smallest that can work for this run"),
     ("precision-garbage", args("--precision", "fp64"), "--precision"),
     ("precision-for-eager", args("--precision", "bf16"), "--precision bf16 differs from --dtype fp32"),
     ("cache-mode-garbage", args(env={"MEMFIT_CACHE": "sometimes"}), "MEMFIT_CACHE"),

@@ -107,10 +107,11 @@ def run_plan(args: argparse.Namespace) -> int:
 def _budget(args: argparse.Namespace) -> tuple[Budget, str]:
     """The budget to plan with and where it came from. auto: as a run on this machine detects it (on a
     CPU-only machine host RAM is the device, so what does not fit streams from the model's files)."""
-    from memfit.plan.budget import AUTO, resolve_budget
+    from memfit.plan.budget import AUTO, above_process_size, resolve_budget
 
     if str(args.budget).strip().lower() != AUTO:
-        budget = Budget(device=args.budget, host=args.host, disk=args.disk)
+        # A plan leaves out the process's own memory, so "+SIZE" (on top of the process) plans as SIZE.
+        budget = Budget(device=above_process_size(args.budget) or args.budget, host=args.host, disk=args.disk)
         return budget, f"explicit: device {format_bytes(budget.device)}"
     import torch
 

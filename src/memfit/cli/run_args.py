@@ -11,7 +11,8 @@ __all__ = ["COMPONENT_HELP", "CONFIG_HELP", "add_model_args", "add_run_args", "c
            "run_options"]
 
 BUDGET_HELP = ("memory budget for each stage (the process, weights and activations): auto (default: what this machine, "
-               "container or GPU can spare now), none (no planning), or a size such as 2GiB or 6GB (=6*10^9 bytes)")
+               "container or GPU can spare now), none (no planning), a size such as 2GiB or 6GB (=6*10^9 bytes), or "
+               "+SIZE for what each stage adds on top of the process (its weights and activations), e.g. +64MiB")
 
 
 CONFIG_HELP = ("for a checkpoint file: a diffusers folder of its family to read configs, scheduler and tokenizers "
@@ -43,10 +44,10 @@ def parse_components(values: list[str] | None) -> dict[str, str] | None:
 def check_budget(value: str) -> None:
     """Refuse a --budget that is neither auto, none nor a size, before a command imports torch (seconds); the run
     resolves a good one itself (memfit.plan.budget.resolve_budget), with the same sentence for a bad one."""
-    from memfit.plan.budget import AUTO, NONE, Budget
+    from memfit.plan.budget import AUTO, NONE, Budget, above_process_size
 
     if value.strip().lower() not in (AUTO, NONE):
-        Budget.of(value)
+        Budget.of(above_process_size(value) or value)
 
 
 def add_model_args(parser: argparse.ArgumentParser, *, model_help: str = "", several_configs: bool = False) -> None:

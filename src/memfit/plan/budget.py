@@ -16,6 +16,7 @@ from memfit.errors import MemfitError
 from memfit.sizes import format_bytes, parse_size
 
 __all__ = [
+    "ABOVE_PROCESS",
     "AUTO",
     "NONE",
     "Budget",
@@ -27,6 +28,7 @@ __all__ = [
     "available_host_memory",
     "cgroup_free_memory",
     "StageDoesNotFit",
+    "above_process_size",
     "detect",
     "device_reserve",
     "host_reserve",
@@ -34,6 +36,7 @@ __all__ = [
     "read_host_memory",
     "resolve_budget",
     "stage_budget",
+    "stage_start_budget",
 ]
 
 # What detection leaves unused. On a GPU the CUDA context, the caching allocator's fragmentation and
@@ -48,6 +51,10 @@ _MIN_DEVICE_RESERVE = 256 * 2**20
 
 AUTO = "auto"  # detect what this machine (container, GPU) can spare at the start of the run
 NONE = "none"  # no budget: planning off, every component loads whole
+# "+SIZE": a device budget for what each stage adds to what the process holds as the stage starts (its weights
+# and activations), leaving out the process itself (Python, torch, the libraries: some 400 MiB on a CPU, more or
+# less from machine to machine). One such budget plans a model the same way on every machine.
+ABOVE_PROCESS = "above-process"
 
 # cgroup v1 reports "no limit" as a page-rounded LONG_MAX (9223372036854771712); anything this
 # large (1 PiB) cannot be a real limit on one machine.
@@ -150,6 +157,19 @@ def stage_budget(budget: Budget, device, *, already_used: int = 0, stream_from: 
     return Budget(device=limit, host=host, disk=disk)
 
 
+def above_process_size(value: object) -> str | None:
+    """The SIZE of a "+SIZE" budget (ABOVE_PROCESS), or None for any other value."""
+    if isinstance(value, str) and value.strip().startswith("+"):
+        return value.strip()[1:]
+    return None
+
+
+def stage_start_budget(budget: Budget, in_use: int) -> Budget:
+    """A "+SIZE" budget as the whole-process budget of a stage that starts with ``in_use`` bytes held, which is
+    what stage_budget and the planner take."""
+    return dataclasses.replace(budget, device=in_use + budget.device)
+
+
 def _parse_field(field: str, raw: object) -> int:
     try:
         return parse_size(raw)  # type: ignore[arg-type]
@@ -212,7 +232,8 @@ class HostMemory:
 @dataclasses.dataclass(frozen=True)
 class ResolvedBudget:
     """A budget as a run uses it: ``budget`` is None for "none"; ``source`` says where it came from
-    in one line for the report and ``memfit plan``; ``mode`` is "auto", "explicit" or "none"."""
+    in one line for the report and ``memfit plan``; ``mode`` is "auto", "explicit", "none" or ABOVE_PROCESS
+    (``budget`` then counts only what a stage adds: stage_start_budget)."""
 
     budget: Budget | None
     source: str
@@ -231,8 +252,8 @@ def resolve_budget(
     proc_root: str | os.PathLike = "/proc",
     sys_root: str | os.PathLike = "/sys",
 ) -> ResolvedBudget:
-    """Turn what the user passed (``"auto"`` or None, ``"none"``, a size, a mapping, a Budget) into
-    the budget a run plans with, and say where it came from.
+    """Turn what the user passed (``"auto"`` or None, ``"none"``, a size, ``"+SIZE"``, a mapping, a Budget)
+    into the budget a run plans with, and say where it came from.
 
     ``in_use`` is what this process already holds on ``device`` (RSS on the CPU, allocated memory on
     a GPU): a budget bounds the whole process, so detection adds it to the free room it measures.
@@ -247,6 +268,11 @@ def resolve_budget(
         return detect(device, in_use=in_use, proc_root=proc_root, sys_root=sys_root)
     if isinstance(value, str) and value.strip().lower() == NONE:
         return ResolvedBudget(None, "none: no budget (planning off; every component loads whole)", NONE)
+    above = above_process_size(value)
+    if above is not None:
+        budget = Budget.of(above)
+        return ResolvedBudget(budget, f"explicit: device {format_bytes(budget.device)} above what this process holds "
+                              "as each stage starts", ABOVE_PROCESS)
     budget = Budget.of(value)
     cuda = _is_cuda(device)
     if budget.device is not None:
