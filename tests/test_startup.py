@@ -44,6 +44,9 @@ def test_help_imports_no_torch(args):
     ["generate", "--prompt", "x", "--timeline", "run.txt"],
     ["generate", "--prompt", "x", "--component", "vae"],
     ["generate"],  # nothing to draw
+    ["generate", "--prompt", "x", "--model", "/no/such/model"],
+    ["generate", "--prompt", "x", "--model", "/no/such/model.safetensors"],
+    ["plan", "--model", "/no/such/model"],
     ["encode", "--prompt", "x", "--out", "embeddings.txt"],
     ["plan", "--arch", "sdxl", "--budget", "banana"],
     ["serve", "--port", "-5"],

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from memfit.cli.run_args import add_run_args, check_budget, run_options
+from memfit.cli.run_args import add_run_args, check_budget, check_model_args, run_options
 from memfit.errors import MemfitError
 from memfit.models.limits import check_settings
 from memfit.run.libraries import quiet_libraries
@@ -51,6 +51,7 @@ def _batch(args) -> int:
         raise MemfitError(f"--cpus-per-worker {args.cpus_per_worker}: give a positive number of CPUs.")
     check_settings(steps=args.steps, guidance=args.guidance, seed=args.seed)  # the defaults of every job
     check_budget(args.budget)
+    check_model_args(args)
     quiet_libraries()
     from memfit.batch import BatchOptions, JobDefaults, run_batch
     from memfit.models.lora import check_loras

@@ -6,7 +6,8 @@ import argparse
 from pathlib import Path
 
 from memfit.atomic import check_writable
-from memfit.cli.run_args import add_model_args, add_run_args, check_budget, parse_components, run_options
+from memfit.cli.run_args import (add_model_args, add_run_args, check_budget, check_model_args, parse_components,
+                                 run_options)
 from memfit.errors import MemfitError
 from memfit.models.limits import check_settings
 from memfit.run.libraries import quiet_libraries
@@ -116,7 +117,7 @@ def _refuse_before_loading(args) -> None:
         raise MemfitError(f"--fps must be at least 1, got {args.fps}.")
     check_settings(steps=args.steps, guidance=args.guidance, seed=args.seed)
     check_budget(args.budget)
-    parse_components(args.component)
+    check_model_args(args)
 
 
 def _generate(args) -> int:
@@ -170,7 +171,7 @@ def _generate(args) -> int:
 def _encode(args) -> int:
     out = _check_out_path(args.out, ".safetensors")
     check_budget(args.budget)
-    parse_components(args.component)
+    check_model_args(args)
     quiet_libraries()
     from memfit.run.generate import encode
 

@@ -21,7 +21,7 @@ import argparse
 import json
 from typing import Any
 
-from memfit.cli.run_args import COMPONENT_HELP, CONFIG_HELP, check_budget, parse_components
+from memfit.cli.run_args import COMPONENT_HELP, CONFIG_HELP, check_budget, check_model_args, parse_components
 from memfit.errors import MemfitError
 from memfit.models.archs import ARCHS, get_arch
 from memfit.plan.budget import Budget
@@ -50,7 +50,8 @@ def register(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
     parser.add_argument("--config", metavar="DIR", help=CONFIG_HELP)
     parser.add_argument("--component", action="append", metavar="NAME=FILE", help=COMPONENT_HELP)
     parser.add_argument("--budget", default="auto", help="device memory budget, e.g. 4GiB, 6GB (=6*10^9), 512MiB; "
-                        "auto (default): what this machine can spare now")
+                        "auto (default): what this machine can spare now; +SIZE (generate's budget on top of the "
+                        "process) plans as SIZE")
     parser.add_argument("--host", help="host RAM for weights parked off the device (default: unlimited)")
     parser.add_argument("--disk", metavar="DIR", help="directory for memory-mapped weights (enables the disk tier)")
     parser.add_argument("--dtype", choices=("fp32", "bf16", "fp16"), default="fp32",
@@ -69,6 +70,7 @@ def register(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
 def run_plan(args: argparse.Namespace) -> int:
     """Print the plan for ``args`` (see ``register``); return the exit code. Raises MemfitError."""
     check_budget(args.budget)
+    check_model_args(args)
     quiet_libraries()
     name, description, adapter = _source(args)
     width = args.width or adapter.default_size()

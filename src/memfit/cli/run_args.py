@@ -7,8 +7,8 @@ import argparse
 
 from memfit.compile.backends.registry import list_backends
 
-__all__ = ["COMPONENT_HELP", "CONFIG_HELP", "add_model_args", "add_run_args", "check_budget", "parse_components",
-           "run_options"]
+__all__ = ["COMPONENT_HELP", "CONFIG_HELP", "add_model_args", "add_run_args", "check_budget", "check_model_args",
+           "parse_components", "run_options"]
 
 BUDGET_HELP = ("memory budget for each stage (the process, weights and activations): auto (default: what this machine, "
                "container or GPU can spare now), none (no planning), a size such as 2GiB or 6GB (=6*10^9 bytes), or "
@@ -48,6 +48,16 @@ def check_budget(value: str) -> None:
 
     if value.strip().lower() not in (AUTO, NONE):
         Budget.of(above_process_size(value) or value)
+
+
+def check_model_args(args: argparse.Namespace) -> None:
+    """Refuse a --model that does not exist and a malformed --component before a command imports torch (seconds);
+    opening the model checks the rest."""
+    from memfit.models.locate import refuse_missing_model
+
+    if args.model is not None:
+        refuse_missing_model(args.model)
+    parse_components(args.component)
 
 
 def add_model_args(parser: argparse.ArgumentParser, *, model_help: str = "", several_configs: bool = False) -> None:

@@ -118,7 +118,7 @@ def _log_to_stdout() -> logging.Logger:
 def _serve(args) -> int:
     _check_limits(args)
     check_bind(args.host, args.api_auth)
-    check_budget(args.budget)
+    check_budget(args.budget)  # not --model: with --models-dir it may be a name in DIR's listing
     quiet_libraries()
     try:
         import uvicorn
