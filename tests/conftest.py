@@ -9,7 +9,7 @@ os.environ["MEMFIT_CACHE_DIR"] = tempfile.mkdtemp(prefix="memfit-test-cache-")
 import pytest  # noqa: E402
 
 
-from memfit.cli.app import quiet_libraries  # noqa: E402
+from memfit.run.libraries import quiet_libraries  # noqa: E402
 
 quiet_libraries()
 

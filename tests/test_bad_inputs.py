@@ -316,6 +316,7 @@ CASES = [
     ("budget-garbage", args("--budget", "lots"), "lots"),
     ("threads-zero", args("--threads", "0"), "--threads 0: give at least 1 thread"),
     ("threads-not-a-number", args("--threads", "two"), "--threads two is not a whole number"),
+    ("budget-above-process-too-small", args("--budget", "+1KiB"), "is below the smallest that can work for this run"),
     ("precision-garbage", args("--precision", "fp64"), "--precision"),
     ("precision-for-eager", args("--precision", "bf16"), "--precision bf16 differs from --dtype fp32"),
     ("cache-mode-garbage", args(env={"MEMFIT_CACHE": "sometimes"}), "MEMFIT_CACHE"),

@@ -258,3 +258,15 @@ def test_report_table_says_where_the_budget_came_from():
                        budget={"mode": "auto", "source": "auto: cgroup limit 600.00 MiB - ...", "budget": None})
     assert "budget: auto: cgroup limit 600.00 MiB" in report.table()
     assert report.to_dict()["budget"]["mode"] == "auto"
+
+
+def test_a_budget_on_top_of_the_process_counts_only_what_a_stage_adds():
+    from memfit.plan.budget import ABOVE_PROCESS, stage_start_budget
+
+    resolved = resolve_budget(" +64MiB", "cpu", in_use=400 * 2**20)
+    assert resolved.mode == ABOVE_PROCESS and resolved.budget.device == 64 * 2**20
+    assert "64.00 MiB above what this process holds" in resolved.source
+    # a stage that starts with 450 MiB held may grow the process to 514 MiB
+    assert stage_start_budget(resolved.budget, 450 * 2**20).device == 514 * 2**20
+    with pytest.raises(MemfitError, match="Cannot read 'lots'"):
+        resolve_budget("+lots", "cpu")

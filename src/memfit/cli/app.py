@@ -1,8 +1,12 @@
 """The `memfit` command: one module per subcommand (generate and encode, plan, cache, serve, batch) registers its parser.
 
-Errors for bad input are MemfitErrors: printed as one sentence, exit status 2, no traceback
-unless --debug. A device running out of memory anywhere a run's stages do not handle it (torch's
-OutOfMemoryError) is printed the same way. Output files are written atomically, so a failed run leaves none behind.
+Building the parser imports no torch, diffusers or transformers (seconds of start-up): help and argument
+errors come at once, and each command imports them (and quiets them, memfit.run.libraries) only when it
+has refused what it can without a model.
+
+Errors for bad input are MemfitErrors: printed as one sentence, exit status 2, no traceback unless --debug.
+A device running out of memory anywhere a run's stages do not handle it (torch's OutOfMemoryError) is
+printed the same way. Output files are written atomically, so a failed run leaves none behind.
 """
 
 from __future__ import annotations
@@ -14,7 +18,6 @@ import warnings
 
 from memfit.cli import batch, cache, generate, plan, serve
 from memfit.errors import MemfitError
-from memfit.run.libraries import quiet_libraries
 from memfit.version import __version__
 
 
@@ -85,7 +88,6 @@ def main(argv: list[str] | None = None) -> int:
     previous = warnings.showwarning
     warnings.showwarning = _show_warning
     try:
-        quiet_libraries()
         return args.func(args)
     except MemfitError as exc:
         if args.debug:

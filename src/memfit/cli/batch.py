@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import argparse
 
-from memfit.cli.run_args import add_run_args, run_options
+from memfit.cli.run_args import add_run_args, check_budget, check_model_args, run_options
 from memfit.errors import MemfitError
+from memfit.models.limits import check_settings
+from memfit.run.libraries import quiet_libraries
 
 __all__ = ["register"]
 
@@ -43,13 +45,17 @@ def register(commands: argparse._SubParsersAction) -> None:
 
 
 def _batch(args) -> int:
-    from memfit.batch import BatchOptions, JobDefaults, run_batch
-    from memfit.models.lora import check_loras
-
     if args.workers is not None and args.workers < 1:
         raise MemfitError(f"--workers {args.workers}: give at least 1.")
     if args.cpus_per_worker <= 0:
         raise MemfitError(f"--cpus-per-worker {args.cpus_per_worker}: give a positive number of CPUs.")
+    check_settings(steps=args.steps, guidance=args.guidance, seed=args.seed)  # the defaults of every job
+    check_budget(args.budget)
+    check_model_args(args)
+    quiet_libraries()
+    from memfit.batch import BatchOptions, JobDefaults, run_batch
+    from memfit.models.lora import check_loras
+
     options = BatchOptions(
         **run_options(args), out=args.out,
         defaults=JobDefaults(negative_prompt=args.negative_prompt, seed=args.seed, steps=args.steps,

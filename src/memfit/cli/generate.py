@@ -6,8 +6,11 @@ import argparse
 from pathlib import Path
 
 from memfit.atomic import check_writable
-from memfit.cli.run_args import THREADS_HELP, add_model_args, add_run_args, parse_components, run_options
+from memfit.cli.run_args import (THREADS_HELP, add_model_args, add_run_args, check_budget, check_model_args,
+                                 parse_components, run_options)
 from memfit.errors import MemfitError
+from memfit.models.limits import check_settings
+from memfit.run.libraries import quiet_libraries
 
 __all__ = ["register"]
 
@@ -105,15 +108,23 @@ def _output_path(args, model) -> Path:
     return check_writable(out)
 
 
-def _generate(args) -> int:
-    from memfit.run.generate import generate
-
+def _refuse_before_loading(args) -> None:
+    """Refuse what needs no model at once: before torch and diffusers are imported, which takes seconds."""
     if args.timeline and Path(args.timeline).suffix.lower() not in (".json", ".png"):
         raise MemfitError(f"--timeline {args.timeline} should end in .json (the events) or .png (a plot).")
     if args.prompt is None and args.embeddings is None:
         raise MemfitError("Nothing to draw: pass --prompt TEXT, or --embeddings FILE from memfit encode.")
     if args.fps is not None and args.fps < 1:
         raise MemfitError(f"--fps must be at least 1, got {args.fps}.")
+    check_settings(steps=args.steps, guidance=args.guidance, seed=args.seed)
+    check_budget(args.budget)
+    check_model_args(args)
+
+
+def _generate(args) -> int:
+    _refuse_before_loading(args)
+    quiet_libraries()  # before the imports below: transformers warns as its image processors are imported
+    from memfit.run.generate import generate
     from memfit.run.stages import open_model
 
     # Opened once: a checkpoint file's configs are found (and a pickle read) here, not again in generate.
@@ -159,11 +170,14 @@ def _generate(args) -> int:
 
 
 def _encode(args) -> int:
+    out = _check_out_path(args.out, ".safetensors")
+    check_budget(args.budget)
+    check_model_args(args)
+    quiet_libraries()
     from memfit.run.generate import encode
     from memfit.run.threads import check_threads
 
     threads = check_threads(args.threads)
-    out = _check_out_path(args.out, ".safetensors")
     if args.report:
         check_writable(args.report, "--report")
     embeddings, report = encode(

@@ -29,13 +29,13 @@ import json
 from types import SimpleNamespace
 from typing import Any
 
-from memfit.cli.run_args import COMPONENT_HELP, CONFIG_HELP, parse_components
+from memfit.cli.run_args import COMPONENT_HELP, CONFIG_HELP, check_budget, check_model_args, parse_components
 from memfit.errors import MemfitError
 from memfit.models.archs import ARCHS, get_arch
 from memfit.plan.budget import Budget, BudgetTooSmall, stage_budget
 from memfit.plan.planner import Plan, make_plan
 from memfit.plan.stages import DEFAULT_STEPS, choose_strategies, planned_models, stage_options
-from memfit.run.fit import check_budget_floor
+from memfit.run.libraries import quiet_libraries
 from memfit.sizes import format_bytes, parse_size
 
 __all__ = ["register", "run_plan"]
@@ -58,7 +58,8 @@ def register(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
     parser.add_argument("--config", metavar="DIR", help=CONFIG_HELP)
     parser.add_argument("--component", action="append", metavar="NAME=FILE", help=COMPONENT_HELP)
     parser.add_argument("--budget", default="auto", help="device memory budget, e.g. 4GiB, 6GB (=6*10^9), 512MiB; "
-                        "auto (default): what this machine can spare now")
+                        "auto (default): what this machine can spare now; +SIZE: SIZE on top of the memory this process "
+                        "holds, as memfit generate takes it")
     parser.add_argument("--device", choices=("cpu", "cuda"), help="the device to plan for (default: this machine's, "
                         "as memfit generate picks it)")
     parser.add_argument("--process-memory", metavar="SIZE", help="what a memfit process holds before any weight "
@@ -82,6 +83,9 @@ def register(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
 
 def run_plan(args: argparse.Namespace) -> int:
     """Print the plan for ``args`` (see ``register``); return the exit code. Raises MemfitError."""
+    check_budget(args.budget)
+    check_model_args(args)
+    quiet_libraries()
     name, description, adapter = _source(args)
     width = args.width or adapter.default_size()
     height = args.height or adapter.default_size()
@@ -92,13 +96,19 @@ def run_plan(args: argparse.Namespace) -> int:
         from memfit.compile.precision import describe_precision
 
         precision_line = describe_precision(args.precision, args.dtype)
+    from memfit.plan.budget import above_process_size
+    from memfit.run.fit import check_budget_floor
+
     runtime = _runtime(args.device)
+    on_top = above_process_size(args.budget) is not None  # "+SIZE": the process's memory is not in the budget
     held = _process_memory(args, runtime)
     budget, source = _budget(args, runtime, held)
     if budget.device is not None and str(args.budget).strip().lower() != "auto":
         # As memfit generate refuses an explicit budget below the run's floor: the same check, the same message.
         check_budget_floor(adapter, SimpleNamespace(width=width, height=height, steps=args.steps), args.dtype,
-                           budget, _Holding(runtime, held))
+                           budget, _Holding(runtime, held), above_process=on_top)
+    if on_top:
+        held = 0
     room = _room(budget, runtime, held, _stream_from(args, runtime))
     options = stage_options(adapter, dtype=args.dtype, width=width, height=height, steps=args.steps)
     try:
@@ -192,8 +202,11 @@ def _budget(args: argparse.Namespace, runtime, held: int) -> tuple[Budget, str]:
     """The budget to plan with and where it came from. auto: as a run on this machine detects it (what is
     free now and the ``held`` bytes this process holds). On a GPU with no --host, the host tier is what
     this machine has available (unlimited where it has no GPU)."""
-    from memfit.plan.budget import AUTO, resolve_budget
+    from memfit.plan.budget import AUTO, above_process_size, resolve_budget
 
+    if above_process_size(args.budget) is not None:
+        budget = Budget(device=above_process_size(args.budget), host=args.host, disk=args.disk)
+        return budget, f"explicit: +{format_bytes(budget.device)} on top of this process, as each stage starts"
     if str(args.budget).strip().lower() != AUTO:
         budget = Budget(device=args.budget, host=args.host, disk=args.disk)
         return budget, f"explicit: device {format_bytes(budget.device)}"

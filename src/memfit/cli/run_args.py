@@ -7,10 +7,12 @@ import argparse
 
 from memfit.compile.backends.registry import list_backends
 
-__all__ = ["COMPONENT_HELP", "CONFIG_HELP", "THREADS_HELP", "add_model_args", "add_run_args", "parse_components", "run_options"]
+__all__ = ["COMPONENT_HELP", "CONFIG_HELP", "THREADS_HELP", "add_model_args", "add_run_args", "check_budget",
+           "check_model_args", "parse_components", "run_options"]
 
 BUDGET_HELP = ("memory budget for each stage (the process, weights and activations): auto (default: what this machine, "
-               "container or GPU can spare now), none (no planning), or a size such as 2GiB or 6GB (=6*10^9 bytes)")
+               "container or GPU can spare now), none (no planning), a size such as 2GiB or 6GB (=6*10^9 bytes), or "
+               "+SIZE for what each stage adds on top of the process (its weights and activations), e.g. +64MiB")
 
 THREADS_HELP = ("threads torch computes with (default: the CPUs this process may use: its affinity and cgroup CPU quota, "
                 "less those other processes keep busy; OMP_NUM_THREADS where set); the report says which")
@@ -40,6 +42,25 @@ def parse_components(values: list[str] | None) -> dict[str, str] | None:
                               "component once.")
         components[name] = path
     return components or None
+
+
+def check_budget(value: str) -> None:
+    """Refuse a --budget that is neither auto, none nor a size, before a command imports torch (seconds); the run
+    resolves a good one itself (memfit.plan.budget.resolve_budget), with the same sentence for a bad one."""
+    from memfit.plan.budget import AUTO, NONE, Budget, above_process_size
+
+    if value.strip().lower() not in (AUTO, NONE):
+        Budget.of(above_process_size(value) or value)
+
+
+def check_model_args(args: argparse.Namespace) -> None:
+    """Refuse a --model that does not exist and a malformed --component before a command imports torch (seconds);
+    opening the model checks the rest."""
+    from memfit.models.locate import refuse_missing_model
+
+    if args.model is not None:
+        refuse_missing_model(args.model)
+    parse_components(args.component)
 
 
 def add_model_args(parser: argparse.ArgumentParser, *, model_help: str = "", several_configs: bool = False) -> None:

@@ -13,8 +13,9 @@ import signal
 import socket
 import sys
 
-from memfit.cli.run_args import add_run_args, run_options
+from memfit.cli.run_args import add_run_args, check_budget, run_options
 from memfit.errors import MemfitError
+from memfit.run.libraries import quiet_libraries
 from memfit.sizes import parse_size
 
 __all__ = ["register"]
@@ -121,6 +122,8 @@ def _log_to_stdout() -> logging.Logger:
 def _serve(args) -> int:
     _check_limits(args)
     check_bind(args.host, args.api_auth)
+    check_budget(args.budget)  # not --model: with --models-dir it may be a name in DIR's listing
+    quiet_libraries()
     try:
         import uvicorn
 

@@ -22,6 +22,7 @@ import torch
 
 from memfit.errors import MemfitError
 from memfit.models.checkpoint_keys import loaded_names
+from memfit.models.locate import PICKLE_SUFFIXES, refuse_missing_model
 from memfit.safetensors_header import check_complete
 from memfit.models.families import PipelineAdapter, adapter_for
 
@@ -47,7 +48,6 @@ def check_safetensors(path: Path) -> None:
 # The libraries whose classes memfit loads. Any other name in model_index.json is a module to
 # import (code shipped with or named by the model): memfit never runs code from a model folder.
 LIBRARIES = ("diffusers", "transformers")
-PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt")
 _CONVERT = ("convert it to safetensors: python -c \"import torch, safetensors.torch as s; "
             "s.save_file(torch.load('{src}', weights_only=True), '{dst}')\"")
 
@@ -237,8 +237,7 @@ class ModelFolder:
     @classmethod
     def open(cls, path: str | Path) -> "ModelFolder":
         path = Path(path).expanduser()
-        if not path.exists():
-            raise MemfitError(f"Model folder {path} does not exist; pass the folder that holds model_index.json.")
+        refuse_missing_model(path)
         if not path.is_dir():
             raise MemfitError(f"{path} is a file, not a model folder; pass the diffusers folder that holds model_index.json.")
         index_path = path / "model_index.json"

@@ -27,7 +27,8 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 from memfit.errors import MemfitError
-from memfit.models.folder import PICKLE_SUFFIXES, ModelFolder
+from memfit.models.folder import ModelFolder
+from memfit.models.locate import PICKLE_SUFFIXES
 from memfit.models.model_path import open_model_path
 from memfit.safetensors_header import MappedFile, read_header
 

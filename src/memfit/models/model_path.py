@@ -6,7 +6,8 @@ from pathlib import Path
 
 from memfit.errors import MemfitError
 from memfit.models.folder import ModelFolder
-from memfit.models.single_file import SingleFileModel, is_single_file
+from memfit.models.locate import is_single_file
+from memfit.models.single_file import SingleFileModel
 
 __all__ = ["open_model_path", "with_components"]
 

@@ -33,15 +33,15 @@ from pathlib import Path
 import torch
 
 from memfit.errors import MemfitError
-from memfit.models.folder import (PICKLE_SUFFIXES, ModelFolder, check_weight_entries, load_tensors_only,
-                                  pickle_refused, size_mismatch)
+from memfit.models.folder import ModelFolder, check_weight_entries, load_tensors_only, pickle_refused, size_mismatch
+from memfit.models.locate import PICKLE_SUFFIXES, refuse_missing_model
 from memfit.models.weight_layouts import (BFL_FLUX, LDM_UNET, LDM_VAE, OPEN_CLIP, TRANSFORMERS_CLIP, TRANSFORMERS_T5,
                                           Layout, group_counts)
 from memfit.plan.meta import is_model_class
 from memfit.safetensors_header import MappedFile, check_complete
 
 __all__ = ["FAMILIES", "ComponentWeights", "Family", "FilePlaces", "SingleFileModel", "TensorPlace", "detect_family", "file_places",
-           "is_single_file", "record_places"]
+           "record_places"]
 
 PLACES_ATTR = "_memfit_file_places"
 
@@ -120,12 +120,6 @@ FAMILIES = {
     "flux-dev": Family("flux-dev", "Flux.1 [dev]", "FluxPipeline", _FLUX_PARTS, _FLUX_FILES),
     "flux-schnell": Family("flux-schnell", "Flux.1 [schnell]", "FluxPipeline", _FLUX_PARTS, _FLUX_FILES),
 }
-
-
-def is_single_file(path: str | Path) -> bool:
-    """Whether ``path`` names a checkpoint file (safetensors or pickle) rather than a model folder."""
-    path = Path(path).expanduser()
-    return path.suffix in (".safetensors", *PICKLE_SUFFIXES) and not path.is_dir()
 
 
 def detect_family(path: Path, shapes: dict[str, tuple[torch.dtype, list[int]]]) -> Family:
@@ -333,9 +327,7 @@ class SingleFileModel(ModelFolder):
         from memfit.models.single_file_configs import find_configs
 
         path = Path(path).expanduser()
-        if not path.exists():
-            raise MemfitError(f"Checkpoint {path} does not exist; pass an all-in-one .safetensors file or a diffusers "
-                              "model folder.")
+        refuse_missing_model(path)
         checkpoint = _Checkpoint(path, allow_pickle)
         family = detect_family(path, checkpoint.shapes)
         config_dir, source = find_configs(path, family, config, config_flag)

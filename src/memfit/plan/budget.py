@@ -16,6 +16,7 @@ from memfit.errors import MemfitError
 from memfit.sizes import format_bytes, parse_size, round_up_mib
 
 __all__ = [
+    "ABOVE_PROCESS",
     "AUTO",
     "NONE",
     "Budget",
@@ -28,6 +29,7 @@ __all__ = [
     "cgroup_free_memory",
     "BudgetTooSmall",
     "StageDoesNotFit",
+    "above_process_size",
     "detect",
     "device_reserve",
     "host_reserve",
@@ -35,6 +37,7 @@ __all__ = [
     "read_host_memory",
     "resolve_budget",
     "stage_budget",
+    "stage_start_budget",
 ]
 
 # What detection leaves unused. On a GPU the CUDA context, the caching allocator's fragmentation and
@@ -49,6 +52,10 @@ _MIN_DEVICE_RESERVE = 256 * 2**20
 
 AUTO = "auto"  # detect what this machine (container, GPU) can spare at the start of the run
 NONE = "none"  # no budget: planning off, every component loads whole
+# "+SIZE": a device budget for what each stage adds to what the process holds as the stage starts (its weights
+# and activations), leaving out the process itself (Python, torch, the libraries: some 400 MiB on a CPU, more or
+# less from machine to machine). One such budget plans a model the same way on every machine.
+ABOVE_PROCESS = "above-process"
 
 # cgroup v1 reports "no limit" as a page-rounded LONG_MAX (9223372036854771712); anything this
 # large (1 PiB) cannot be a real limit on one machine.
@@ -122,12 +129,16 @@ class BudgetTooSmall(StageDoesNotFit):
     beside a stage's own floor) can refuse again in the same form with the user's figures.
     """
 
-    def __init__(self, given: int, needed: int, parts: str, advice: str = "", *, above: bool = False):
+    def __init__(self, given: int, needed: int, parts: str, advice: str = "", *, above: bool = False,
+                 on_top: bool = False):
+        """``above``: more than ``needed`` is needed (how much more is not known here); ``on_top``: the budget was
+        given as "+SIZE", on top of what the process holds, and so are the figures named."""
         self.given, self.needed, self.parts, self.advice = given, needed, parts, advice
+        plus = "+" if on_top else ""
         super().__init__(
-            f"The budget of {format_bytes(given)} is below the smallest that can work for this run: the smallest "
-            f"budget that works is {'above ' if above else ''}{needed} bytes ({format_bytes(needed)}: {parts}). "
-            f"Give --budget {'more than ' if above else ''}{round_up_mib(needed)}MiB"
+            f"The budget of {plus}{format_bytes(given)} is below the smallest that can work for this run: the smallest "
+            f"budget that works is {'above ' if above else ''}{plus}{needed} bytes ({plus}{format_bytes(needed)}: "
+            f"{parts}). Give --budget {'more than ' if above else ''}{plus}{round_up_mib(needed)}MiB"
             f"{'' if above else ' or more'}{advice}."
         )
 
@@ -172,6 +183,19 @@ def stage_budget(budget: Budget, device, *, already_used: int = 0, stream_from: 
     else:
         host = budget.host
     return Budget(device=limit, host=host, disk=disk)
+
+
+def above_process_size(value: object) -> str | None:
+    """The SIZE of a "+SIZE" budget (ABOVE_PROCESS), or None for any other value."""
+    if isinstance(value, str) and value.strip().startswith("+"):
+        return value.strip()[1:]
+    return None
+
+
+def stage_start_budget(budget: Budget, in_use: int) -> Budget:
+    """A "+SIZE" budget as the whole-process budget of a stage that starts with ``in_use`` bytes held, which is
+    what stage_budget and the planner take."""
+    return dataclasses.replace(budget, device=in_use + budget.device)
 
 
 def _parse_field(field: str, raw: object) -> int:
@@ -236,7 +260,8 @@ class HostMemory:
 @dataclasses.dataclass(frozen=True)
 class ResolvedBudget:
     """A budget as a run uses it: ``budget`` is None for "none"; ``source`` says where it came from
-    in one line for the report and ``memfit plan``; ``mode`` is "auto", "explicit" or "none"."""
+    in one line for the report and ``memfit plan``; ``mode`` is "auto", "explicit", "none" or ABOVE_PROCESS
+    (``budget`` then counts only what a stage adds: stage_start_budget)."""
 
     budget: Budget | None
     source: str
@@ -255,8 +280,8 @@ def resolve_budget(
     proc_root: str | os.PathLike = "/proc",
     sys_root: str | os.PathLike = "/sys",
 ) -> ResolvedBudget:
-    """Turn what the user passed (``"auto"`` or None, ``"none"``, a size, a mapping, a Budget) into
-    the budget a run plans with, and say where it came from.
+    """Turn what the user passed (``"auto"`` or None, ``"none"``, a size, ``"+SIZE"``, a mapping, a Budget)
+    into the budget a run plans with, and say where it came from.
 
     ``in_use`` is what this process already holds on ``device`` (RSS on the CPU, allocated memory on
     a GPU): a budget bounds the whole process, so detection adds it to the free room it measures.
@@ -271,6 +296,11 @@ def resolve_budget(
         return detect(device, in_use=in_use, proc_root=proc_root, sys_root=sys_root)
     if isinstance(value, str) and value.strip().lower() == NONE:
         return ResolvedBudget(None, "none: no budget (planning off; every component loads whole)", NONE)
+    above = above_process_size(value)
+    if above is not None:
+        budget = Budget.of(above)
+        return ResolvedBudget(budget, f"explicit: device {format_bytes(budget.device)} above what this process holds "
+                              "as each stage starts", ABOVE_PROCESS)
     budget = Budget.of(value)
     cuda = _is_cuda(device)
     if budget.device is not None:

@@ -20,6 +20,7 @@ from memfit.run.embeddings import Embeddings
 from memfit.run.libraries import quiet_libraries
 from memfit.run.memory import collects_only_its_own_garbage
 from memfit.run.report import RunReport
+from memfit.plan.budget import ABOVE_PROCESS
 from memfit.run.fit import check_budget_floor
 from memfit.run.options import RunOptions, StagePool
 from memfit.run.runner import StageRunner
@@ -205,8 +206,10 @@ def generate(
     report = RunReport(device=str(options.device), dtype=dtype, model=str(folder.path), settings=settings.__dict__.copy(),
                        notes=source_notes(folder))
     runner = StageRunner(options, report=report, settings=settings, guided=guided)
-    if runner.resolved.mode == "explicit":  # an automatic budget is what there is: nothing to name instead
-        check_budget_floor(adapter, settings, dtype, runner.budget, options.runtime)
+    # An automatic budget is what there is: nothing to name instead.
+    if runner.resolved.mode in ("explicit", ABOVE_PROCESS):
+        check_budget_floor(adapter, settings, dtype, runner.budget, options.runtime,
+                           above_process=runner.resolved.mode == ABOVE_PROCESS)
     if sampler is not None:  # refused before anything loads when it does not fit the model
         from memfit.run.samplers import resolve_sampler
 

@@ -69,7 +69,8 @@ def _check_pair(base: ModelFolder, refiner: ModelFolder, refiner_start: float) -
 
 def _refiner_model(refiner: str | Path | ModelFolder, config: str | Path | None, allow_pickle: bool):
     """The refiner as given, or a refiner checkpoint file opened with its configs (--refiner-config)."""
-    from memfit.models.single_file import SingleFileModel, is_single_file
+    from memfit.models.locate import is_single_file
+    from memfit.models.single_file import SingleFileModel
 
     if isinstance(refiner, ModelFolder):
         return refiner

@@ -31,7 +31,7 @@ from memfit.compile.entry_points import report_records, served_by_own_weights
 from memfit.errors import MemfitError
 from memfit.models.families import Settings
 from memfit.models.folder import ModelFolder
-from memfit.plan.budget import AUTO, Budget, StageDoesNotFit, resolve_budget
+from memfit.plan.budget import ABOVE_PROCESS, AUTO, Budget, StageDoesNotFit, resolve_budget, stage_start_budget
 from memfit.run.fit import StageFit, fit_stage
 from memfit.run.memory import PeakMemory, release_freed_memory
 from memfit.run.options import RunOptions
@@ -336,8 +336,10 @@ class StageRunner:
         self.runtime.empty_cache()
 
     def _attempt(self, stage: Stage, results: dict[str, Any], budget: Budget | None):
-        context = StageContext(self, stage.name, budget)
         release_freed_memory()
+        if budget is not None and self.resolved.mode == ABOVE_PROCESS:
+            budget = stage_start_budget(budget, self.runtime.memory_in_use())  # what this stage adds, on top
+        context = StageContext(self, stage.name, budget)
         self.timeline.stage_started(stage.name, None if budget is None else budget.device)
         with PeakMemory(self.runtime) as peak:
             self._peak = peak

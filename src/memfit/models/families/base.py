@@ -17,6 +17,7 @@ from typing import Any, ClassVar
 import torch
 
 from memfit.errors import MemfitError
+from memfit.models.limits import MAX_SIDE, check_settings
 
 # What a text-to-image decode runs of an AutoencoderKL: the decoder, and the VAE's top-level "rest"
 # block, which holds post_quant_conv (run on the latents right before the decoder) and quant_conv
@@ -31,10 +32,6 @@ TASK_FLAGS = {IMG2IMG: "--image", INPAINT: "--mask", CONTROLNET: "--control-imag
 DENOISE_COMPANIONS = ("controlnet",)
 
 # The names diffusers pipelines give their denoisers (Wan 2.2 has two experts: transformer, transformer_2).
-# Upper limits that catch typos before they reach an allocator (--width 1000000 would ask for terabytes).
-MAX_SIDE = 16384
-MAX_STEPS = 10000
-
 DENOISER_NAMES = ("unet", "transformer", "transformer_2", "prior")
 
 
@@ -271,15 +268,8 @@ class PipelineAdapter:
             raise MemfitError("The prompt is empty: pass a description of the image, e.g. --prompt \"a red circle\".")
         steps = int(steps if steps is not None else defaults.get("steps", call_defaults.get("num_inference_steps", 50)))
         guidance = float(guidance if guidance is not None else defaults.get("guidance", call_defaults.get("guidance_scale", 1.0)))
-        if steps < 1:
-            raise MemfitError(f"--steps must be at least 1, got {steps}.")
-        if steps > MAX_STEPS:
-            raise MemfitError(f"--steps {steps} is more than memfit takes ({MAX_STEPS}); use fewer steps.")
-        if not math.isfinite(guidance):
-            raise MemfitError(f"--guidance {guidance} is not a finite number; use a scale such as 1 (off) or 7.5.")
         seed = int(seed)
-        if not -(2**63) <= seed < 2**64:
-            raise MemfitError(f"--seed {seed} is outside the range torch's generator takes (0 to 2**64 - 1).")
+        check_settings(steps=steps, guidance=guidance, seed=seed)
         size = self.default_size()
         width = int(width if width is not None else defaults.get("width", size))
         height = int(height if height is not None else defaults.get("height", size))
