@@ -38,7 +38,7 @@ def test_a_refusal_names_the_budget_given_and_a_smallest_budget_that_works(tiny_
     still names the budget the user passed (not what was left of it) and a budget that includes that
     memory: passing the budget it names gets past that refusal."""
     if not floor_checked:
-        monkeypatch.setattr(memfit.run.generate, "check_budget_floor", lambda *args: None)
+        monkeypatch.setattr(memfit.run.generate, "check_budget_floor", lambda *args, **kwargs: None)
     given = HELD + 64 * 1024
     message = _refusal(model=tiny_models("sd"), budget=given)
     assert message.startswith(f"The budget of {format_bytes(given)} is below the smallest that can work"), message

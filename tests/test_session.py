@@ -75,7 +75,7 @@ def test_the_pool_lets_go_when_kept_stages_would_make_a_stage_stream(tmp_path, m
 
     # The up-front floor check allows for ~1/8 growth of this process (what a cold CPU run gains), more
     # than this budget's margin over the planned denoise stage; the pool is what is tested here.
-    monkeypatch.setattr(generate_module, "check_budget_floor", lambda *args: None)
+    monkeypatch.setattr(generate_module, "check_budget_floor", lambda *args, **kwargs: None)
 
     model = save_pipeline("sd", tmp_path / "sd", seed=0, scale=4, text_layers=32)
     # Measured, so the test holds whatever this process already holds: what the denoise stage plans

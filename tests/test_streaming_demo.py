@@ -37,5 +37,5 @@ def test_a_budget_on_top_of_the_process_below_the_floor_names_the_one_that_works
     assert main(["generate", "--device", "cpu", "--prompt", "a red circle", "--budget", "+20MiB", "--quiet"]) == 2
     err = capsys.readouterr().err
     assert "The budget of +20.00 MiB is below the smallest that can work" in err, err
-    assert re.search(r"give --budget \+\d+MiB or more", err), err
+    assert re.search(r"Give --budget \+\d+MiB or more", err), err
     assert not (tmp_path / "memfit.png").exists()
