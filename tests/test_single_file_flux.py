@@ -162,3 +162,39 @@ def test_an_all_in_one_flux_checkpoint(flux, tmp_path, capsys):
         plans.append(json.loads(capsys.readouterr().out)["plan"])
     assert [plan["budget"].pop("disk") for plan in plans] == [str(path), str(folder)]  # each streams from its own
     assert plans[0] == plans[1]
+
+
+def test_a_comfyui_models_folder_pairs_a_flux_transformer_with_its_files(flux, tiny_models, tmp_path):
+    """memfit serve --models-dir over ComfyUI's split layout: the transformer in diffusion_models/ is paired, by
+    family, with the VAE and text encoders of vae/ and text_encoders/ that fit it (an SD VAE listed first is
+    passed over), and runs as --component would run them; a missing one is the entry's reason."""
+    import shutil
+
+    from memfit.models.library import ModelsDir, config_folders, open_entry
+
+    folder, files, image = flux
+    configs_only = tmp_path / "configs"
+    shutil.copytree(folder, configs_only, ignore=shutil.ignore_patterns("*.safetensors"))
+    models = tmp_path / "ComfyUI" / "models"
+    for sub, names in {"diffusion_models": ["transformer"], "vae": ["vae"],
+                       "text_encoders": ["text_encoder", "text_encoder_2"]}.items():
+        (models / sub).mkdir(parents=True)
+        for name in names:
+            (models / sub / files[name].name).symlink_to(files[name])
+    shutil.copy(Path(tiny_models("sd")) / "vae" / "diffusion_pytorch_model.safetensors", models / "vae" / "a-sd.safetensors")
+    library = ModelsDir(models.parent, configs=config_folders([configs_only]))
+    entry = next(entry for entry in library.scan().checkpoints if entry.kind == "split")
+    paired = {name: path.name for name, path in entry.components}
+    assert (entry.name, entry.error, entry.pipeline) == ("diffusion_models/flux1-dev.safetensors", "", "FluxPipeline")
+    assert paired == {"vae": "ae.safetensors", "text_encoder": "clip_l.safetensors",
+                      "text_encoder_2": "t5xxl_fp16.safetensors"}
+    model = open_entry(entry, configs=library.configs)
+    assert [path.name for path in model.weight_files("text_encoder_2")] == ["t5xxl_fp16.safetensors"]
+    ours = memfit.generate(model=entry.path, config=configs_only, components=dict(entry.components), budget="none",
+                           progress=False, **SETTINGS)
+    assert np.array_equal(_pixels(ours), image)
+
+    (models / "text_encoders" / files["text_encoder_2"].name).unlink()
+    lacking = next(entry for entry in library.scan().checkpoints if entry.kind == "split")
+    assert "no file of the models folder fits its text_encoder_2 (T5EncoderModel, e.g. t5xxl_fp16.safetensors) in " \
+           "text_encoders/" in lacking.error and not lacking.pipeline

@@ -16,8 +16,10 @@ Every checkpoint is opened when listed, as ``memfit generate --model`` opens it 
 family and configs; a diffusers folder's layout and weight files), so one memfit cannot serve (a
 half-copied file, an unknown layout, a pickle without --allow-pickle) is listed with the reason
 instead of dropped, and never found out at the first request. A denoiser alone (ComfyUI's split
-layout: a Flux transformer beside its VAE and text encoders in other folders) is listed with the
-reason it cannot be served yet.
+layout: a Flux transformer in diffusion_models/ beside its VAE in vae/ and its text encoders in
+text_encoders/) is paired with them by family: for each model its family needs that neither the file
+nor its config folder holds, the first file of the folder that fits it (the same check as
+``--component NAME=FILE``); one nothing fits is listed with the reason.
 """
 
 from __future__ import annotations
@@ -40,8 +42,6 @@ ROLES = {"stable-diffusion": "checkpoints", "checkpoints": "checkpoints", "diffu
 WEIGHT_SUFFIXES = (".safetensors", *PICKLE_SUFFIXES)
 # Formats users keep beside the others that memfit cannot read yet: listed with that reason.
 UNREAD_SUFFIXES = (".sft", ".gguf")
-SPLIT_REASON = ("a denoiser alone (the split layout: its VAE and text encoders are other files); memfit cannot pair "
-                "split files yet: serve an all-in-one checkpoint or a diffusers folder of the model")
 
 
 @dataclass(frozen=True)
@@ -55,6 +55,8 @@ class ModelEntry:
     kind: str
     error: str = ""
     pipeline: str = ""
+    # A denoiser alone: the files of the models paired with it ((component, file) pairs, as --component gives them).
+    components: tuple[tuple[str, Path], ...] = ()
 
     @classmethod
     def for_path(cls, path: str | Path) -> "ModelEntry":
@@ -105,18 +107,16 @@ def open_entry(entry: ModelEntry, *, configs: dict[str, Path] | None = None, all
     file read instead of the model's own VAE (A1111's sd_vae)."""
     from memfit.plan.stages import planned_models
 
-    if entry.kind == "split":
-        raise MemfitError(f"{entry.path} is {SPLIT_REASON}.")
     if entry.path.suffix in UNREAD_SUFFIXES:
         raise MemfitError(f"{entry.path} is a {entry.path.suffix} file, which memfit cannot read yet; memfit opens "
                           ".safetensors checkpoints (and pickle ones with --allow-pickle) and diffusers folders.")
     configs = configs or {}
-    config = _config_for(entry.path, configs) if entry.kind == "file" else None
+    config = _config_for(entry.path, configs) if entry.kind != "diffusers" else None
+    components = {**dict(entry.components), **({"vae": vae} if vae is not None else {})}
     try:
-        folder = open_model_path(entry.path, config=config, allow_pickle=allow_pickle,
-                                 components={"vae": vae} if vae is not None else None)
+        folder = open_model_path(entry.path, config=config, allow_pickle=allow_pickle, components=components or None)
     except MemfitError as exc:
-        if entry.kind != "file" or config is not None or not configs:
+        if entry.kind == "diffusers" or config is not None or not configs:
             raise
         raise MemfitError(f"{exc} (The --config folders given are for {', '.join(configs)}, not its family.)") from None
     folder.check_layout()
@@ -165,10 +165,11 @@ class ModelsDir:
                     vaes.append(NamedFile(path.name, path))
                 else:
                     found.append(ModelEntry(name, path, "diffusers" if path.is_dir() else "file"))
-        for root in (path for path, role in roles.items() if role == "split"):
-            found += [ModelEntry(path.relative_to(base).as_posix(), path, "split", error=f"{path} is {SPLIT_REASON}.")
-                      for path in _walk(root)]
         vaes += [NamedFile(path.name, path) for root, role in roles.items() if role == "vae" for path in _walk(root)]
+        parts = [path for root, role in roles.items() if role == "parts" for path in _walk(root)]
+        for root in (path for path, role in roles.items() if role == "split"):
+            found += [self._paired(ModelEntry(path.relative_to(base).as_posix(), path, "split"),
+                                   [vae.path for vae in vaes], parts) for path in _walk(root)]
         loras = {}
         for root in (path for path, role in roles.items() if role == "lora"):
             for path in _walk(root):
@@ -176,6 +177,41 @@ class ModelsDir:
                     loras.setdefault(path.stem, NamedFile(path.stem, path))
         checkpoints = [entry if entry.error else _probe(entry, self.configs, self.allow_pickle) for entry in found]
         return Listing(checkpoints, sorted(vaes, key=lambda f: _natural_key(f.name)), list(loras.values()))
+
+
+    def _paired(self, entry: ModelEntry, vaes: list[Path], parts: list[Path]) -> ModelEntry:
+        """The denoiser alone ``entry`` with, for each model its family needs that neither its file nor its
+        config folder holds, the first of ``vaes`` (for the VAE) or ``parts`` (text encoders) that fits it."""
+        from memfit.models.single_file import SingleFileModel
+
+        if entry.path.suffix != ".safetensors":
+            return entry  # opening it says why it cannot be served
+        try:
+            model = SingleFileModel.open_file(entry.path, config=_config_for(entry.path, self.configs),
+                                              allow_pickle=self.allow_pickle)
+        except MemfitError as exc:
+            return replace(entry, error=str(exc))
+        chosen: dict[str, Path] = {}
+        unpaired = []
+        family = model.family
+        for name in (family.parts if family is not None else ()):
+            if name in model.weights or model.weight_files(name):
+                continue
+            for candidate in vaes if name == "vae" else parts:
+                try:
+                    SingleFileModel.with_components(model, {name: candidate}, allow_pickle=self.allow_pickle)
+                except MemfitError:
+                    continue  # another family's, or another of this family's models
+                chosen[name] = candidate
+                break
+            else:
+                usual = family.parts[name].usual_file
+                unpaired.append(f"{name} ({model.components[name][1]}{', e.g. ' + usual if usual else ''}) in "
+                                f"{'vae/' if name == 'vae' else 'text_encoders/ or clip/'}")
+        if unpaired:
+            return replace(entry, error=f"{entry.path} is a {family.label} denoiser alone, and no file of the models "
+                                        f"folder fits its {'; '.join(unpaired)}: put that file there and refresh.")
+        return replace(entry, components=tuple(chosen.items()))
 
 
 def config_folders(configs) -> dict[str, Path]:

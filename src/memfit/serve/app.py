@@ -454,7 +454,8 @@ def create_app(served: Session | Checkpoints, *, limits: Limits = Limits(), auth
                 "selected": checkpoints.title(checkpoints.selected), "loaded": checkpoints.title(checkpoints.current),
                 "checkpoints": [{"title": checkpoints.title(entry), "name": entry.name, "kind": entry.kind,
                                  "filename": str(entry.path), "pipeline": entry.pipeline or None,
-                                 "sha256": checkpoints.sha256(entry), "error": entry.error or None}
+                                 "sha256": checkpoints.sha256(entry), "error": entry.error or None,
+                                 "components": {name: str(path) for name, path in entry.components}}
                                 for entry in checkpoints.listing.checkpoints]}
 
     @app.get("/", response_class=HTMLResponse)

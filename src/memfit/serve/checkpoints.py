@@ -191,7 +191,7 @@ class Checkpoints:
 
     # ---- hashes --------------------------------------------------------------------------------
     def _queue_hashes(self) -> None:
-        files = [entry.path for entry in (self.selected, *self.servable()) if entry.kind == "file"]
+        files = [entry.path for entry in (self.selected, *self.servable()) if entry.kind != "diffusers"]
         for path in dict.fromkeys(files):
             self._to_hash.put(path)
 
@@ -243,7 +243,7 @@ def describe_lora(lora: NamedFile) -> dict[str, Any]:
 
 def short_name(entry: ModelEntry) -> str:
     """A1111's name_for_extra: the file's stem, or the folder's name (what an image's info names as its model)."""
-    return entry.path.stem if entry.kind == "file" else entry.path.name
+    return entry.path.name if entry.kind == "diffusers" else entry.path.stem
 
 
 def _title(entry: ModelEntry, digest: str | None) -> str:
@@ -283,7 +283,7 @@ def _first(model, library: ModelsDir | None, listing: Listing | None) -> tuple[M
         listed = next((entry for entry in listing.checkpoints if entry.path.resolve() == path.resolve()), None)
         return (listed, False) if listed is not None else (ModelEntry.for_path(path), True)
     named = [entry for entry in listing.checkpoints if model in _names(entry, stored_sha256(entry.path)
-                                                                       if entry.kind == "file" else None)]
+                                                                       if entry.kind != "diffusers" else None)]
     if not named:
         raise MemfitError(f"--model {model} is neither a model path nor a checkpoint listed in {library.root} "
                           f"({', '.join(entry.name for entry in listing.checkpoints) or 'none'}).")
