@@ -5,6 +5,10 @@ os.environ["HF_HUB_OFFLINE"] = "1"  # tests must never reach a hub
 # Never the user's own store; each test also gets a store of its own (the autouse fixture below),
 # so a prompt-cache hit left by another test never changes what runs, whatever the order.
 os.environ["MEMFIT_CACHE_DIR"] = tempfile.mkdtemp(prefix="memfit-test-cache-")
+# memfit picks torch's thread count from the CPUs free as a run starts (memfit.run.threads); plain diffusers, the
+# tests' oracle, computes with torch's own count. Set before torch loads, one count serves both whatever the
+# machine's load, so their sums run in the same order and the images compare bitwise.
+os.environ.setdefault("OMP_NUM_THREADS", str(len(os.sched_getaffinity(0))))
 
 import pytest  # noqa: E402
 

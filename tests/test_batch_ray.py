@@ -3,6 +3,7 @@
 Ray is an optional extra (memfit[ray], not installed by `make test`'s set-up): skipped without it.
 """
 
+import dataclasses
 import json
 import re
 from pathlib import Path
@@ -54,17 +55,11 @@ def test_a_killed_worker_s_job_runs_again_elsewhere_and_nothing_is_lost_or_doubl
     assert not rerun["worker"].startswith(f"ray-{killed[0]}@")  # finished by another actor
     assert len({line["worker"] for line in lines}) >= 2
     assert not list(out.glob(".*.tmp"))
-    # Every image is the one local mode (and so memfit generate) makes for the job with the same
-    # torch threads: Ray gives an actor of 1 CPU one thread, and CPU kernels split their sums by threads.
+    # Every image is the one local mode (and so memfit generate) makes for the job with the same torch
+    # threads (the actors' OMP_NUM_THREADS), as CPU kernels split their sums by threads.
     reference = tmp_path / "local"
-    import torch
-
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        run_batch(path, _options(model, reference))
-    finally:
-        torch.set_num_threads(threads)
+    (threads,) = {line["threads"] for line in lines}
+    run_batch(path, dataclasses.replace(_options(model, reference), threads=threads))
     for i in range(10):
         assert (out / f"j{i}.png").read_bytes() == (reference / f"j{i}.png").read_bytes(), f"j{i}"
 

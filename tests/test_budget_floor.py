@@ -14,7 +14,7 @@ def test_the_first_refusal_names_a_budget_that_works(tiny_models, tmp_path, caps
     out = tmp_path / "a.png"
     assert main(["generate", "--model", tiny_models("sd"), *RUN, "--budget", "1MiB", "--out", str(out)]) == 2
     err = capsys.readouterr().err
-    named = re.search(r"give --budget (\d+)MiB or more", err)
+    named = re.search(r"Give --budget (\d+)MiB or more", err)
     assert named, err
     assert not out.exists()
     assert main(["generate", "--model", tiny_models("sd"), *RUN, "--budget", f"{named.group(1)}MiB",
