@@ -67,6 +67,31 @@ def _run_batch(threads: int | None, scratch: Path, jobs: int, steps: int | None)
             "threads": [r.get("threads") for r in results], "image": out / "job0.png"}
 
 
+def _interleaved(args, measure, describe) -> tuple[int, str, dict[str, list[dict]], list[int]]:
+    """memfit's default thread count and --threads 1..N, each measured by ``measure(threads, scratch)`` (None: the
+    default) in args.rounds rounds that alternate their order, after a one-thread warm-up run whose image every
+    result's is compared with: (usable CPUs, why, results by label, the largest per-pixel differences)."""
+    from common import max_difference
+
+    from memfit.run.threads import usable_cpus
+
+    cores, why = usable_cpus()
+    configs = [None, *range(1, cores + 1)]
+    label = {None: "default", **{n: f"--threads {n}" for n in range(1, cores + 1)}}
+    runs: dict[str, list[dict]] = {label[c]: [] for c in configs}
+    differences = []
+    with tempfile.TemporaryDirectory() as scratch:
+        reference = Path(scratch) / "reference.png"
+        _run(1, Path(scratch), args.steps)["image"].rename(reference)  # warm-up: the page cache holds the model
+        for round_ in range(args.rounds):
+            for config in configs if round_ % 2 == 0 else configs[::-1]:
+                result = measure(config, Path(scratch))
+                differences.append(max_difference(result.pop("image"), reference))
+                runs[label[config]].append(result)
+                print(f"round {round_ + 1} {label[config]}: {describe(result)}, load {result['load_before']}", flush=True)
+    return cores, why, runs, differences
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=7)
@@ -79,27 +104,12 @@ def main() -> None:
         return batch_main(args)
     from common import machine, write_outputs
 
-    from memfit.run.threads import usable_cpus
+    def describe(result: dict) -> str:
+        chosen = result["threads"]
+        return f"denoise {result['denoise']:.2f} s, threads {chosen['count']} ({chosen['source']})"
 
-    cores, why = usable_cpus()
-    configs = [None, *range(1, cores + 1)]
-    label = {None: "default", **{n: f"--threads {n}" for n in range(1, cores + 1)}}
-    runs: dict[str, list[dict]] = {label[c]: [] for c in configs}
-    differences = []
-    from common import max_difference
-
-    with tempfile.TemporaryDirectory() as scratch:
-        reference = Path(scratch) / "reference.png"
-        _run(1, Path(scratch), args.steps)["image"].rename(reference)  # warm-up: the page cache holds the model
-        for round_ in range(args.rounds):
-            order = configs if round_ % 2 == 0 else configs[::-1]
-            for config in order:
-                result = _run(config, Path(scratch), args.steps)
-                differences.append(max_difference(result.pop("image"), reference))
-                runs[label[config]].append(result)
-                chosen = result["threads"]
-                print(f"round {round_ + 1} {label[config]}: denoise {result['denoise']:.2f} s, "
-                      f"threads {chosen['count']} ({chosen['source']}), load {result['load_before']}", flush=True)
+    cores, why, runs, differences = _interleaved(args, lambda config, scratch: _run(config, scratch, args.steps),
+                                                 describe)
     median = {name: statistics.median(r["denoise"] for r in values) for name, values in runs.items()}
     median_stages = {name: statistics.median(r["stages"] for r in values) for name, values in runs.items()}
     best = min((name for name in runs if name != "default"), key=median.get)
@@ -131,25 +141,11 @@ def main() -> None:
 
 
 def batch_main(args) -> None:
-    from common import machine, max_difference, write_outputs
+    from common import machine, write_outputs
 
-    from memfit.run.threads import usable_cpus
-
-    cores, why = usable_cpus()
-    configs = [None, *range(1, cores + 1)]
-    label = {None: "default", **{n: f"--threads {n}" for n in range(1, cores + 1)}}
-    runs: dict[str, list[dict]] = {label[c]: [] for c in configs}
-    differences = []
-    with tempfile.TemporaryDirectory() as scratch:
-        reference = Path(scratch) / "reference.png"
-        _run(1, Path(scratch), args.steps)["image"].rename(reference)  # warm-up, and the one-shot run's image
-        for round_ in range(args.rounds):
-            for config in configs if round_ % 2 == 0 else configs[::-1]:
-                result = _run_batch(config, Path(scratch), args.batch, args.steps)
-                differences.append(max_difference(result.pop("image"), reference))
-                runs[label[config]].append(result)
-                print(f"round {round_ + 1} {label[config]}: batch {result['wall']:.1f} s, jobs {result['jobs']:.1f} s, "
-                      f"threads {result['threads']}, load {result['load_before']}", flush=True)
+    cores, why, runs, differences = _interleaved(
+        args, lambda config, scratch: _run_batch(config, scratch, args.batch, args.steps),
+        lambda result: f"batch {result['wall']:.1f} s, jobs {result['jobs']:.1f} s, threads {result['threads']}")
     median = {name: statistics.median(r["wall"] for r in values) for name, values in runs.items()}
     median_jobs = {name: statistics.median(r["jobs"] for r in values) for name, values in runs.items()}
     best = min((name for name in runs if name != "default"), key=median.get)
