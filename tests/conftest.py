@@ -149,41 +149,37 @@ def streamed_plans(monkeypatch, nothing_in_use):
     return plans
 
 
-def smallest_budget(**generate_kwargs) -> int:
-    """The smallest budget memfit.generate(**generate_kwargs) plans every stage in, from its refusals."""
+def _until_it_fits(run, start: int, named: str):
+    """``run(value)`` from ``start``, then again with the value each refusal names (``named``: a pattern whose
+    group is that value in bytes), a few times at most: (the value that fitted, what ``run`` returned)."""
     import re
 
-    import memfit
     from memfit.errors import MemfitError
 
-    budget = 1
+    value = start
     for _ in range(4):
         try:
-            memfit.generate(progress=False, budget=budget, **generate_kwargs)
-            return budget
+            return value, run(value)
         except MemfitError as exc:
-            found = re.search(r"smallest budget that works is (\d+) bytes", str(exc))
+            found = re.search(named, str(exc))
             if not found:
                 raise
-            budget = int(found.group(1))
-    raise AssertionError("no budget found")
+            value = int(found.group(1))
+    raise AssertionError(f"the refusals kept naming more ({named})")
+
+
+def smallest_budget(**generate_kwargs) -> int:
+    """The smallest budget memfit.generate(**generate_kwargs) plans every stage in, from its refusals."""
+    import memfit
+
+    return _until_it_fits(lambda budget: memfit.generate(progress=False, budget=budget, **generate_kwargs), 1,
+                          r"smallest budget that works is (\d+) bytes")[0]
 
 
 def with_staging_ring(run, device_budget: int, disk):
     """``run(budget)`` on a GPU with weights streamed from ``disk`` and no host RAM for them: the host budget
     only the pinned staging ring the disk tier streams through needs (the smallest the planner names)."""
-    import re
-
     import memfit
-    from memfit.errors import MemfitError
 
-    host = 0
-    for _ in range(4):
-        try:
-            return run(memfit.Budget(device=device_budget, host=host, disk=str(disk)))
-        except MemfitError as exc:
-            found = re.search(r"cannot hold the pinned staging ring.*host budget to at least (\d+) bytes", str(exc))
-            if not found:
-                raise
-            host = int(found.group(1))
-    raise AssertionError("no host budget found for the staging ring")
+    return _until_it_fits(lambda host: run(memfit.Budget(device=device_budget, host=host, disk=str(disk))), 0,
+                          r"cannot hold the pinned staging ring.*host budget to at least (\d+) bytes")[1]
