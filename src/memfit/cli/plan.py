@@ -106,7 +106,7 @@ def run_plan(args: argparse.Namespace) -> int:
     if budget.device is not None and str(args.budget).strip().lower() != "auto":
         # As memfit generate refuses an explicit budget below the run's floor: the same check, the same message.
         check_budget_floor(adapter, SimpleNamespace(width=width, height=height, steps=args.steps), args.dtype,
-                           budget, _Holding(runtime, held), above_process=on_top)
+                           budget, runtime, above_process=on_top, in_use=held)
     if on_top:
         held = 0
     room = _room(budget, runtime, held, _stream_from(args, runtime))
@@ -137,19 +137,6 @@ def run_plan(args: argparse.Namespace) -> int:
         if precision_line:
             print(precision_line)
     return 0
-
-
-class _Holding:
-    """A device runtime whose process holds ``held`` bytes before any weight (the figure a plan counts)."""
-
-    def __init__(self, runtime, held: int):
-        self._runtime, self._held = runtime, held
-
-    def __getattr__(self, name):
-        return getattr(self._runtime, name)
-
-    def memory_in_use(self) -> int:
-        return self._held
 
 
 def _runtime(device: str | None):

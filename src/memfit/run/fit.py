@@ -306,13 +306,13 @@ def place_whole(pipe, runtime: DeviceRuntime) -> None:
 
 
 def check_budget_floor(adapter, settings: Settings, dtype: str, budget: Budget | None,
-                       runtime: DeviceRuntime, *, above_process: bool = False) -> None:
+                       runtime: DeviceRuntime, *, above_process: bool = False, in_use: int | None = None) -> None:
     """Refuse, before any stage runs, a budget below the smallest that can work for the whole run.
 
     Each stage's floor (its cheapest activation strategy with every block streamed) comes from the
     configs alone (memfit.plan.stages, meta-device sizing); the process's own memory is added, unless
-    the budget was given ``above_process`` ("+SIZE"). One message names the budget to give, instead of
-    one stage's shortfall after another.
+    the budget was given ``above_process`` ("+SIZE"): ``in_use``, or what ``runtime`` reads now. One message
+    names the budget to give, instead of one stage's shortfall after another.
     """
     from memfit.plan.planner import minimum_device_bytes
     from memfit.plan.stages import stage_options
@@ -332,7 +332,7 @@ def check_budget_floor(adapter, settings: Settings, dtype: str, budget: Budget |
         # What a stage holds at its start drifts a little before its weights load: a MiB of slack named.
         raise BudgetTooSmall(budget.device, floors[worst] + (1 << 20),
                              f"the {worst} stage with every weight streamed, on top of this process", on_top=True)
-    already = runtime.memory_in_use()
+    already = runtime.memory_in_use() if in_use is None else in_use
     if budget.device >= already + floors[worst]:
         return  # it may still fall short at a later stage, which then says so itself
     if not runtime.separate_memory:
