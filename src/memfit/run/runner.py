@@ -114,8 +114,9 @@ class StageContext:
         tiers: dict[str, dict[str, int]] = {}
         for fit in self.fits:
             for component, by_tier in fit.tiers.items():
+                totals = tiers.setdefault(component, {})
                 for tier, size in by_tier.items():
-                    tiers.setdefault(component, {})[tier] = tiers.get(component, {}).get(tier, 0) + size
+                    totals[tier] = totals.get(tier, 0) + size
         return tiers
 
     def load(self, folder: ModelFolder, names, *, plan_as: str | None = None, shared: Mapping[str, Any] | None = None,
