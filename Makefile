@@ -8,7 +8,7 @@ setup:
 	VENV=$(VENV) ./scripts/setup.sh
 
 setup-test:
-	VENV=$(VENV) EXTRAS=test,openvino,onnxruntime,video,lora,serve,browser,ray,docs ./scripts/setup.sh
+	VENV=$(VENV) EXTRAS=test,openvino,onnxruntime,video,lora,serve,browser,ray,docs,gguf ./scripts/setup.sh
 
 demo: setup
 	HF_HUB_OFFLINE=1 $(VENV)/bin/memfit generate --prompt "$(PROMPT)" --out demo.png

@@ -180,19 +180,39 @@ def _vae_with_latent_channels(channels):
     return make
 
 
-def _flux_transformer_of_width(width):
-    """The tiny Flux run with its transformer replaced by one ``width`` wide, in Black Forest Labs' keys (as
+def _flux_transformer_state(width):
+    """A Flux transformer of the tiny Flux run's architecture, ``width`` wide, in Black Forest Labs' keys (as
     ComfyUI's flux1-dev.safetensors)."""
+    from diffusers import FluxTransformer2DModel
+
+    from memfit.testing.single_file import flux_bfl_state_dict
+
+    transformer = FluxTransformer2DModel(patch_size=1, in_channels=16, num_layers=1, num_single_layers=1,
+                                         attention_head_dim=16, num_attention_heads=width // 16,
+                                         joint_attention_dim=16, pooled_projection_dim=16, axes_dims_rope=(4, 4, 8))
+    return flux_bfl_state_dict(transformer)
+
+
+def _flux_transformer_of_width(width):
+    """The tiny Flux run with its transformer replaced by one ``width`` wide."""
     def make(model, tmp):
-        from diffusers import FluxTransformer2DModel
-
-        from memfit.testing.single_file import flux_bfl_state_dict
-
-        transformer = FluxTransformer2DModel(patch_size=1, in_channels=16, num_layers=1, num_single_layers=1,
-                                             attention_head_dim=16, num_attention_heads=width // 16,
-                                             joint_attention_dim=16, pooled_projection_dim=16, axes_dims_rope=(4, 4, 8))
         path = tmp / "flux1-dev.safetensors"
-        save_file({k: v.contiguous() for k, v in flux_bfl_state_dict(transformer).items()}, path)
+        save_file({k: v.contiguous() for k, v in _flux_transformer_state(width).items()}, path)
+        return {"family": "flux", "args": ["--prompt", "a red circle", "--component", f"transformer={path}"]}
+
+    return make
+
+
+def _flux_gguf(quant_type, *, width=32, cut=0):
+    """The tiny Flux run with its transformer as a GGUF file (city96's layout) of ``quant_type``, ``width`` wide,
+    its last ``cut`` bytes cut off."""
+    def make(model, tmp):
+        from memfit.testing.quantized import save_gguf
+
+        path = save_gguf(_flux_transformer_state(width), tmp / f"flux1-dev-{quant_type}.gguf", quant_type)
+        if cut:
+            data = path.read_bytes()
+            path.write_bytes(data[:len(data) - cut])
         return {"family": "flux", "args": ["--prompt", "a red circle", "--component", f"transformer={path}"]}
 
     return make
@@ -298,6 +318,13 @@ CASES = [
      "has 16 latent channels where the model's has 4"),
     ("component-flux-transformer-of-another-width", _flux_transformer_of_width(64),
      "the file's FluxTransformer2DModel has width 64 where the model's has width 32 (tensor 'time_in.in_layer.weight' in "),
+    ("gguf-type-not-read", _flux_gguf("TQ1_0"),
+     "Tensor 'time_in.in_layer.weight' of "),
+    ("gguf-type-not-read-lists-the-types", _flux_gguf("TQ1_0"),
+     "is stored as GGUF TQ1_0, which memfit does not read; it reads F32, F16, BF16, Q2_K, Q3_K, Q4_0, Q4_1, Q4_K, Q5_0, "),
+    ("gguf-truncated", _flux_gguf("Q8_0", cut=4096), "flux1-dev-Q8_0.gguf is truncated or damaged: "),
+    ("gguf-of-another-width", _flux_gguf("Q8_0", width=64),
+     "the file's FluxTransformer2DModel has width 64 where the model's has width 32"),
     ("lora-file-missing", lora(lambda model, tmp: tmp / "no-such-lora.safetensors"),
      "no-such-lora.safetensors: no such file"),
     ("lora-of-another-family", lora(_flux_lora),

@@ -25,6 +25,9 @@ TORCH_DTYPES = {
     "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
     "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
     "BOOL": torch.bool,
+    # fp8 weights (Comfy's *_fp8_e4m3fn files) are held in their bytes and dequantized per layer: memfit.quant.
+    **{name: getattr(torch, attr) for name, attr in (("F8_E4M3", "float8_e4m3fn"), ("F8_E5M2", "float8_e5m2"))
+       if hasattr(torch, attr)},
 }
 
 _FIX = "re-download or re-save the model"
@@ -113,6 +116,9 @@ class MappedFile:
     def dtype(self, key: str) -> torch.dtype:
         entry = self.entries[key]
         dtype = TORCH_DTYPES.get(entry["dtype"])
+        if dtype is None and entry["dtype"].startswith("F8_"):
+            raise MemfitError(f"{self.path} stores {key} as {entry['dtype']} (fp8), and this torch "
+                              f"{torch.__version__} has no fp8 dtypes: install torch 2.1 or newer.")
         if dtype is None:
             raise MemfitError(f"{self.path} stores {key} as {entry['dtype']}, which memfit cannot memory-map.")
         return dtype

@@ -32,16 +32,17 @@ from memfit.errors import MemfitError
 from memfit.models.folder import ModelFolder
 from memfit.models.locate import PICKLE_SUFFIXES
 from memfit.models.model_path import open_model_path
-from memfit.safetensors_header import MappedFile, read_header
+
 
 __all__ = ["Listing", "ModelEntry", "ModelsDir", "NamedFile", "config_folders", "open_entry"]
 
 # What each subfolder holds, by its name in lower case ("parts": text encoders of split models, not listed).
 ROLES = {"stable-diffusion": "checkpoints", "checkpoints": "checkpoints", "diffusion_models": "split", "unet": "split",
          "text_encoders": "parts", "clip": "parts", "vae": "vae", "lora": "lora", "loras": "lora", "lycoris": "lora"}
-WEIGHT_SUFFIXES = (".safetensors", *PICKLE_SUFFIXES)
+MAPPED_SUFFIXES = (".safetensors", ".gguf")  # the files memfit reads by their header and maps
+WEIGHT_SUFFIXES = (*MAPPED_SUFFIXES, *PICKLE_SUFFIXES)
 # Formats users keep beside the others that memfit cannot read yet: listed with that reason.
-UNREAD_SUFFIXES = (".sft", ".gguf")
+UNREAD_SUFFIXES = (".sft",)
 
 
 @dataclass(frozen=True)
@@ -88,14 +89,12 @@ def _natural_key(text: str) -> list:
 def _config_for(path: Path, configs: dict[str, Path]) -> Path | None:
     """The --config folder for the checkpoint file ``path``: that of its family (``configs``: pipeline class ->
     folder), None where there is none (memfit then looks in the Hugging Face cache); for a pickle, the first."""
-    if not configs or path.suffix != ".safetensors":  # a pickle is read only to open it: the first folder serves
+    if not configs or path.suffix not in MAPPED_SUFFIXES:  # a pickle is read only to open it: the first folder serves
         return next(iter(configs.values()), None)
-    from memfit.models.single_file import detect_family
+    from memfit.models.single_file import detect_family, file_shapes
 
     try:
-        mapped = MappedFile(path, read_header(path))
-        shapes = {key: (mapped.dtype(key), list(entry["shape"])) for key, entry in mapped.entries.items()}
-        return configs.get(detect_family(path, shapes).pipeline_class)
+        return configs.get(detect_family(path, file_shapes(path)).pipeline_class)
     except MemfitError:  # opening it names what is wrong
         return None
 
@@ -109,7 +108,8 @@ def open_entry(entry: ModelEntry, *, configs: dict[str, Path] | None = None, all
 
     if entry.path.suffix in UNREAD_SUFFIXES:
         raise MemfitError(f"{entry.path} is a {entry.path.suffix} file, which memfit cannot read yet; memfit opens "
-                          ".safetensors checkpoints (and pickle ones with --allow-pickle) and diffusers folders.")
+                          ".safetensors and .gguf checkpoints (and pickle ones with --allow-pickle) and diffusers "
+                          "folders.")
     configs = configs or {}
     config = _config_for(entry.path, configs) if entry.kind != "diffusers" else None
     components = {**dict(entry.components), **({"vae": vae} if vae is not None else {})}
@@ -184,7 +184,7 @@ class ModelsDir:
         config folder holds, the first of ``vaes`` (for the VAE) or ``parts`` (text encoders) that fits it."""
         from memfit.models.single_file import SingleFileModel
 
-        if entry.path.suffix != ".safetensors":
+        if entry.path.suffix not in MAPPED_SUFFIXES:
             return entry  # opening it says why it cannot be served
         try:
             model = SingleFileModel.open_file(entry.path, config=_config_for(entry.path, self.configs),

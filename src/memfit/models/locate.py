@@ -16,9 +16,9 @@ PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt")
 
 
 def is_single_file(path: str | Path) -> bool:
-    """Whether ``path`` names a checkpoint file (safetensors or pickle) rather than a model folder."""
+    """Whether ``path`` names a checkpoint file (safetensors, GGUF or pickle) rather than a model folder."""
     path = Path(path).expanduser()
-    return path.suffix in (".safetensors", *PICKLE_SUFFIXES) and not path.is_dir()
+    return path.suffix in (".safetensors", ".gguf", *PICKLE_SUFFIXES) and not path.is_dir()
 
 
 def refuse_missing_model(path: str | Path) -> None:

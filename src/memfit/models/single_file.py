@@ -26,8 +26,10 @@ alone, recorded as such, and kept in memory.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import importlib
 from dataclasses import dataclass, field
+from functools import cached_property
 from pathlib import Path
 
 import torch
@@ -38,10 +40,12 @@ from memfit.models.locate import PICKLE_SUFFIXES, refuse_missing_model
 from memfit.models.weight_layouts import (BFL_FLUX, LDM_UNET, LDM_VAE, OPEN_CLIP, TRANSFORMERS_CLIP, TRANSFORMERS_T5,
                                           Layout, group_counts)
 from memfit.plan.meta import is_model_class
+from memfit.quant.formats import FP8_FORMATS, STORAGE_DTYPE, StoredFormat
+from memfit.quant.gguf_file import MappedGguf
 from memfit.safetensors_header import MappedFile, check_complete
 
-__all__ = ["FAMILIES", "ComponentWeights", "Family", "FilePlaces", "SingleFileModel", "TensorPlace", "detect_family", "file_places",
-           "record_places"]
+__all__ = ["FAMILIES", "ComponentWeights", "Family", "FilePlaces", "SingleFileModel", "TensorPlace", "detect_family",
+           "file_places", "file_shapes", "record_places"]
 
 PLACES_ATTR = "_memfit_file_places"
 
@@ -186,7 +190,7 @@ class FilePlaces:
         place = self.places.get(live_name)
         if place is None or self.file is None:
             return None
-        stored = self.file.tensor(place.key)
+        stored = _stored_bytes(self.file.tensor(place.key))
         return self.file, place.key, stored.as_strided(place.shape, place.stride, place.offset)
 
     def __deepcopy__(self, memo):
@@ -194,6 +198,16 @@ class FilePlaces:
 
     def __copy__(self):
         return self
+
+
+def file_shapes(path: Path) -> dict[str, tuple[torch.dtype, list[int]]]:
+    """The tensors of the .safetensors or .gguf file ``path`` by name: (dtype, logical shape), from its header."""
+    return _Checkpoint(path, allow_pickle=False).shapes
+
+
+def _stored_bytes(tensor: torch.Tensor) -> torch.Tensor:
+    """A file's tensor as memfit holds it: an fp8 one as its bytes (memfit.quant), the rest as they are."""
+    return tensor.view(STORAGE_DTYPE) if tensor.dtype in FP8_FORMATS else tensor
 
 
 def file_places(module: torch.nn.Module) -> FilePlaces | None:
@@ -211,15 +225,24 @@ class _Checkpoint:
 
     def __init__(self, path: Path, allow_pickle: bool):
         self.path = path
-        self.file: MappedFile | None = None
+        self.file: MappedFile | MappedGguf | None = None
         self._pickled: dict[str, torch.Tensor] = {}
+        # The tensors stored smaller than they run (GGUF blocks, fp8): key -> (format, logical shape).
+        self.stored: dict[str, tuple[StoredFormat, tuple[int, ...]]] = {}
         if path.suffix == ".safetensors":
             self.file = MappedFile(path, check_complete(path))
             self.shapes = {key: (self.file.dtype(key), list(entry["shape"])) for key, entry in self.file.entries.items()}
+            self.stored = {key: (FP8_FORMATS[dtype], tuple(shape)) for key, (dtype, shape) in self.shapes.items()
+                           if dtype in FP8_FORMATS}
+            return
+        if path.suffix == ".gguf":
+            self.file = MappedGguf(path)
+            self.stored = {key: (fmt, self.file.logical_shape(key)) for key, fmt in self.file.formats.items()}
+            self.shapes = {key: (self.file.dtype(key), list(self.file.logical_shape(key))) for key in self.file.entries}
             return
         if path.suffix not in PICKLE_SUFFIXES:
-            raise MemfitError(f"{path} is not a checkpoint memfit opens: give a .safetensors file (or a .ckpt with "
-                              "--allow-pickle), or a diffusers model folder.")
+            raise MemfitError(f"{path} is not a checkpoint memfit opens: give a .safetensors or .gguf file (or a .ckpt "
+                              "with --allow-pickle), or a diffusers model folder.")
         if not allow_pickle:
             raise MemfitError(pickle_refused(path, path.with_suffix(".safetensors")))
         state = load_tensors_only(path)
@@ -234,7 +257,7 @@ class _Checkpoint:
         """Every tensor under ``prefix``: views of the mapped file, no data read."""
         if self.file is None:
             return {key: self._pickled[key] for key in self.keys(prefix)}
-        return {key: self.file.tensor(key) for key in self.keys(prefix)}
+        return {key: _stored_bytes(self.file.tensor(key)) for key in self.keys(prefix)}
 
     def places(self, source: dict[str, torch.Tensor], converted: dict[str, torch.Tensor]) -> FilePlaces:
         """Where each tensor of ``converted`` (made from the views ``source``) lives in the file."""
@@ -290,15 +313,26 @@ class ComponentWeights:
         return self.checkpoint.keys(self.prefix)
 
     def converted(self, module: torch.nn.Module, config: dict, *, probe: bool = False):
-        """(stored key -> tensor, the tensors under diffusers' names) for ``module`` (its empty model): views of
-        the file, or with ``probe`` shapes alone (meta tensors, no data read)."""
+        """(stored key -> tensor, the tensors under diffusers' names, {name: (format, logical shape)} of those
+        stored smaller than they run) for ``module`` (its empty model): views of the file, or with ``probe``
+        shapes alone (meta tensors, no data read). A stored tensor is its bytes (memfit.quant)."""
+        stored = self.checkpoint.stored
         if probe:
-            source = {key: torch.empty(self.checkpoint.shapes[key][1], dtype=self.checkpoint.shapes[key][0],
+            source = {key: torch.empty(stored[key][0].stored_shape(stored[key][1]) if key in stored
+                                       else self.checkpoint.shapes[key][1],
+                                       dtype=STORAGE_DTYPE if key in stored else self.checkpoint.shapes[key][0],
                                        device="meta") for key in self.keys()}
         else:
             source = self.checkpoint.tensors(self.prefix)
         named = {key[len(self.prefix):]: tensor for key, tensor in source.items()}
-        return source, self.layout.convert(named, config, module)
+        named_stored = {key[len(self.prefix):]: stored[key] for key in source if key in stored}
+        if not named_stored:
+            return source, self.layout.convert(named, config, module), {}
+        from memfit.quant.rows import convert_stored
+
+        converted, formats = convert_stored(lambda tensors: self.layout.convert(tensors, config, module), named,
+                                            named_stored, str(self.path))
+        return source, converted, formats
 
 
 @dataclass
@@ -412,6 +446,22 @@ class SingleFileModel(ModelFolder):
     def config_folder(self) -> Path:
         return self.config_dir
 
+    @cached_property
+    def adapter(self):
+        """As a folder's, with each component read from a file that stores weights smaller than they run
+        (memfit.quant) sized from that file: the stored bytes, not the config's."""
+        adapter = super().adapter
+        for name, weights in self.weights.items():
+            if any(key in weights.checkpoint.stored for key in weights.keys()):
+                adapter.measured_sizes[name] = functools.partial(self._stored_size, name)
+        return adapter
+
+    def _stored_size(self, name: str, dtype: str):
+        from memfit.plan.meta import measure_module
+
+        module = self._assign(name, self.weights[name], probe=True)  # on the meta device: no data read
+        return measure_module(name, module, dtype)
+
     def _index_components(self):
         return self.config_components
 
@@ -470,7 +520,7 @@ class SingleFileModel(ModelFolder):
             return super().file_dtype(name)
         if weights.checkpoint.file is None:
             return None
-        found = {weights.checkpoint.shapes[key][0] for key in weights.keys()}
+        found = {weights.checkpoint.shapes[key][0] for key in weights.keys() if key not in weights.checkpoint.stored}
         found = {dtype for dtype in found if dtype.is_floating_point}
         return found.pop() if len(found) == 1 else None
 
@@ -488,7 +538,9 @@ class SingleFileModel(ModelFolder):
         config = self.configs[name]
         config_file = self.config_dir / name / "config.json"
         module = _empty_model(library, class_name, config, self.config_dir / name)
-        source, converted = weights.converted(module, config, probe=probe)
+        source, converted, stored = weights.converted(module, config, probe=probe)
+        if stored:
+            converted = self._use_stored(name, module, weights, converted, stored, source, config_file)
         entries = {key: (str(tensor.dtype).removeprefix("torch."), list(tensor.shape), weights.path)
                    for key, tensor in converted.items()}
         keep = _keep_in_fp32(type(module), library, dtype) if dtype is not None else []
@@ -513,6 +565,26 @@ class SingleFileModel(ModelFolder):
         module.eval()
         record_places(module, weights.checkpoint.places(source, converted))
         return module
+
+    def _use_stored(self, name: str, module: torch.nn.Module, weights: ComponentWeights, converted: dict,
+                    stored: dict, source: dict, config_file: Path) -> dict:
+        """``module`` (empty) with a QuantizedLinear wherever a linear weight is stored smaller than it runs; the
+        stored weights of other modules (an embedding, a convolution) dequantized to float32 once, in memory
+        (memfit.quant.linear). Refused, naming both shapes, where a stored weight is not the model's shape."""
+        from memfit.quant.linear import use_stored_linears
+
+        others, mismatched = use_stored_linears(module, stored)
+        if mismatched:
+            key, found, needed = mismatched[0]
+            logical = {**converted, **{key: torch.empty(shape, device="meta") for key, (_, shape) in stored.items()}}
+            raise MemfitError(self._mismatch(name, weights, logical, source, (key, list(found), list(needed)),
+                                             config_file))
+        converted = dict(converted)
+        for key in others:
+            fmt, shape = stored[key]
+            tensor = converted[key]
+            converted[key] = torch.empty(shape, device="meta") if tensor.is_meta else fmt.dequantize(tensor, torch.float32)
+        return converted
 
     def _mismatch(self, name: str, weights: ComponentWeights, converted: dict, source: dict, mismatch,
                   config_file: Path) -> str:

@@ -68,6 +68,9 @@ class ComponentSize:
     total_bytes: int
     param_count: int
     blocks: tuple[BlockSize, ...]
+    # The largest weight stored smaller than it runs (memfit.quant), dequantized at ``dtype``: its layer's
+    # forward holds it beside the stage's activations.
+    scratch_bytes: int = 0
 
     def select(self, prefixes: tuple[str, ...] | None) -> "ComponentSize":
         """The part of this component under the given module paths (e.g. ("decoder",) of a VAE)."""
@@ -130,6 +133,24 @@ def measure_component(
     )
 
 
+def measure_module(name: str, module, dtype: str = "bf16", *,
+                   max_block_fraction: float = DEFAULT_MAX_BLOCK_FRACTION) -> ComponentSize:
+    """measure_component for a module already built (on the meta device): a component whose weights are not
+    those its config gives, e.g. stored quantized (memfit.quant), which count their stored bytes."""
+    import torch
+
+    from memfit.quant.formats import dequantized_bytes
+
+    item_size = dtype_bytes(dtype)
+    blocks = tuple(BlockSize(name=block, bytes=float_elems * item_size + other_bytes, param_count=params)
+                   for block, float_elems, other_bytes, params in _module_blocks(module, max_block_fraction))
+    run_dtype = {2: torch.bfloat16, 4: torch.float32}.get(item_size, torch.float16)
+    scratch = max((dequantized_bytes(p, run_dtype) for p in module.parameters()), default=0)
+    return ComponentSize(name=name, class_name=type(module).__name__, dtype=dtype,
+                         total_bytes=sum(b.bytes for b in blocks), param_count=sum(b.param_count for b in blocks),
+                         blocks=blocks, scratch_bytes=scratch)
+
+
 # Cached on (library, class, config text): building is cheap but not free, and the CLI, the
 # planner tests and the archs check all ask about the same few architectures. The cache holds
 # plain tuples only, never the meta module.
@@ -137,7 +158,10 @@ def measure_component(
 def _count_blocks(
     library: str, class_name: str, config_json: str, max_block_fraction: float
 ) -> tuple[tuple[str, int, int, int], ...]:
-    module = _build_on_meta(library, class_name, json.loads(config_json))
+    return _module_blocks(_build_on_meta(library, class_name, json.loads(config_json)), max_block_fraction)
+
+
+def _module_blocks(module, max_block_fraction: float) -> tuple[tuple[str, int, int, int], ...]:
     total_params = sum(p.numel() for p in module.parameters())
     threshold = max(1, int(total_params * max_block_fraction))
     seen: set[int] = set()  # ids of tensors already counted: tied weights count once

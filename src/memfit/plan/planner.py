@@ -87,9 +87,12 @@ class StageInput:
 
 def stage_input(name: str, components: Iterable, activation_bytes: int, runs: int = 1) -> StageInput:
     """Build a StageInput from measured components (anything with ``.name`` and ``.blocks`` whose
-    items have ``.name`` and ``.bytes``, such as meta.ComponentSize), keeping their block order."""
+    items have ``.name`` and ``.bytes``, such as meta.ComponentSize), keeping their block order. The largest
+    dequantization scratch of its components (``scratch_bytes``) is held beside the activations."""
+    components = list(components)
     blocks = tuple(BlockSpec(c.name, b.name, b.bytes) for c in components for b in c.blocks)
-    return StageInput(name=name, blocks=blocks, activation_bytes=activation_bytes, runs=runs)
+    scratch = max((getattr(c, "scratch_bytes", 0) for c in components), default=0)
+    return StageInput(name=name, blocks=blocks, activation_bytes=activation_bytes + scratch, runs=runs)
 
 
 @dataclasses.dataclass(frozen=True)

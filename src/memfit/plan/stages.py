@@ -54,7 +54,9 @@ def stage_options(adapter, *, dtype: str, width: int, height: int,
             library, class_name = adapter.classes[name]
             config = adapter.configs[name]
             component_dtype = vae_execution_dtype(config, dtype) if stage == "decode" else dtype
-            size = measure_component(name, library, class_name, config, component_dtype)
+            measured = adapter.measured_sizes.get(name)
+            size = measured(component_dtype) if measured is not None else \
+                measure_component(name, library, class_name, config, component_dtype)
             parts = adapter.stage_parts.get(stage, {}).get(name)
             if parts and any(block.name.split(".")[0] in parts for block in size.blocks):
                 size = size.select(parts)  # another VAE class without these parts is planned whole, as a run does

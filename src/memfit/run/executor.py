@@ -59,6 +59,7 @@ from memfit.plan.budget import AUTO, NONE, Budget, BudgetLike, resolve_budget, s
 from memfit.errors import MemfitError
 from memfit.run.offload import (HookRegistry, Prefetches, Runtime, Shared, Slot, SlotKind, StagingRing, SwapHook,
                                 aligned, inference_mode_for)
+from memfit.quant.formats import dequantized_bytes
 from memfit.run.weight_sources import WeightSource, in_memory_only, weight_source
 from memfit.safetensors_header import same_samples
 from memfit.plan.planner import BlockSpec, Plan, StageInput, Tier, make_plan
@@ -82,6 +83,8 @@ class LiveBlock:
     units: list
     # the component's anchor (and any tensor in no file), if in this block: it stays on the device whatever the tier
     fixed_bytes: int = 0
+    # its largest weight stored smaller than it runs (memfit.quant), dequantized: held while its layer runs
+    scratch_bytes: int = 0
 
     @property
     def key(self) -> str:
@@ -358,12 +361,17 @@ def _stage_inputs(blocks: dict[str, list[LiveBlock]], stage: str | None, activat
     every stage's, or a function of the stage's name."""
     from memfit.models.families import run_together
 
-    activations = activation_bytes if callable(activation_bytes) else lambda name: activation_bytes
+    estimate = activation_bytes if callable(activation_bytes) else lambda name: activation_bytes
     specs = {name: tuple(BlockSpec(b.component, b.name, b.bytes, b.fixed_bytes) for b in found)
              for name, found in blocks.items()}
+    scratch = {name: max((b.scratch_bytes for b in found), default=0) for name, found in blocks.items()}
+
+    def activations(name: str, members) -> int:  # one layer dequantizes at a time: the largest scratch
+        return estimate(name) + max((scratch[member] for member in members), default=0)
+
     if stage is not None:
-        return [StageInput(stage, tuple(spec for found in specs.values() for spec in found), activations(stage))]
-    return [StageInput(name, tuple(spec for member in members for spec in specs[member]), activations(name))
+        return [StageInput(stage, tuple(spec for found in specs.values() for spec in found), activations(stage, specs))]
+    return [StageInput(name, tuple(spec for member in members for spec in specs[member]), activations(name, members))
             for name, members in run_together(pipeline_class, specs)]
 
 
@@ -442,9 +450,11 @@ def live_blocks(component: str, module: torch.nn.Module, dtype: torch.dtype | No
     seen: set[int] = set()
     anchor = _first_param(module)
     in_memory = in_memory_only(module)  # tensors in no file stay where they are, like the anchor: counted so
+    floating = next((p for p in module.parameters() if p.is_floating_point()), None)
+    compute_dtype = dtype or (floating.dtype if floating is not None else torch.float32)
     out = []
     for block_name, members in split_blocks(module, "", threshold):
-        units, size, fixed = [], 0, 0
+        units, size, fixed, scratch = [], 0, 0, 0
         for member in members:
             if isinstance(member, DirectTensors):
                 hooked = member.module
@@ -463,12 +473,13 @@ def live_blocks(component: str, module: torch.nn.Module, dtype: torch.dtype | No
                 seen.add(id(tensor))
                 nbytes = tensor.numel() * _run_dtype(tensor, dtype).itemsize
                 size += nbytes
+                scratch = max(scratch, dequantized_bytes(tensor, compute_dtype))
                 if tensor is anchor or names.get(id(tensor)) in in_memory:
                     fixed += nbytes
                 tensors.append((owner, attr, tensor, is_param, names.get(id(tensor), attr)))
             if tensors:
                 units.append((hooked, tensors))
-        out.append(LiveBlock(component, block_name, size, units, fixed))
+        out.append(LiveBlock(component, block_name, size, units, fixed, scratch))
     return out
 
 

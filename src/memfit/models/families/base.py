@@ -140,6 +140,9 @@ class PipelineAdapter:
         # and plans without loading a single weight.
         self.configs = configs
         self.classes = dict(classes or {})
+        # component -> (dtype name -> memfit.plan.meta.ComponentSize), for a component whose weights are not
+        # sized by its config (stored quantized: memfit.quant); the planner measures the rest from configs.
+        self.measured_sizes: dict = {}
 
     def stage_components(self, stage: str) -> tuple[str, ...]:
         """The components a stage of a text-to-image run loads (those the folder has)."""

@@ -1,0 +1,119 @@
+"""The stored formats memfit reads: GGUF's block types and fp8, each a way to turn stored bytes into values.
+
+A format knows its block: ``block_size`` values stored in ``type_size`` bytes along a tensor's last
+dimension (fp8: one value in one byte), so a tensor's stored shape is its logical shape with the last
+dimension in bytes. The GGUF arithmetic is diffusers' own (diffusers.quantizers.gguf.utils, the
+functions its GGUF loading runs), so a weight dequantizes to the same values as there, bit for bit.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from memfit.errors import MemfitError
+
+__all__ = ["FP8_FORMATS", "STORAGE_DTYPE", "StoredFormat", "dequantized_bytes", "gguf_format", "is_stored", "mark_stored",
+           "readable_gguf_types"]
+
+_STORED_ATTR = "_memfit_stored_format"
+#: The dtype stored bytes are held in. int8, not uint8: it is the dtype of quantized weights the libraries
+#: expect (transformers' T5 casts its activations to its output projection's weight dtype unless it is int8).
+STORAGE_DTYPE = torch.int8
+
+
+@dataclass(frozen=True)
+class StoredFormat:
+    """How a weight's bytes hold its values: ``name`` as users know it ("Q4_K", "fp8_e4m3fn")."""
+
+    name: str
+    block_size: int  # values per block, along the last dimension
+    type_size: int  # bytes per block
+    _dequantize: Callable[[torch.Tensor], torch.Tensor]  # (blocks, type_size bytes each) -> values
+
+    def stored_shape(self, shape) -> tuple[int, ...]:
+        """The bytes' shape of a tensor of logical ``shape``."""
+        *outer, last = shape
+        return (*outer, last // self.block_size * self.type_size)
+
+    def logical_shape(self, stored_shape) -> tuple[int, ...]:
+        *outer, last = stored_shape
+        return (*outer, last // self.type_size * self.block_size)
+
+    def fits(self, shape) -> bool:
+        """Whether a tensor of logical ``shape`` is whole blocks along its last dimension."""
+        return len(shape) > 0 and shape[-1] % self.block_size == 0
+
+    def dequantize(self, stored: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """The values of ``stored`` (its bytes, STORAGE_DTYPE, in the stored shape) in ``dtype``."""
+        blocks = stored.view(torch.uint8).reshape(-1, self.type_size)
+        return self._dequantize(blocks).reshape(self.logical_shape(stored.shape)).to(dtype)
+
+    def describe(self) -> str:
+        bits = 8 * self.type_size / self.block_size
+        return f"{self.name} ({bits:.2g} bits per weight)"
+
+
+def _fp8(dtype: torch.dtype) -> Callable[[torch.Tensor], torch.Tensor]:
+    # fp8 to any wider float is exact: the same values as converting the weight when it is loaded.
+    return lambda blocks: blocks.view(dtype)
+
+
+FP8_FORMATS = {dtype: StoredFormat(str(dtype).removeprefix("torch.").replace("float8", "fp8"), 1, 1, _fp8(dtype))
+               for dtype in (getattr(torch, "float8_e4m3fn", None), getattr(torch, "float8_e5m2", None)) if dtype}
+
+
+def readable_gguf_types() -> dict[int, StoredFormat]:
+    """GGUF type number -> format, for every block type memfit dequantizes (F32, F16 and BF16 are plain dtypes)."""
+    from diffusers.quantizers.gguf.utils import GGML_QUANT_SIZES, dequantize_functions
+
+    formats = {}
+    for quant_type, function in dequantize_functions.items():
+        if quant_type.name == "BF16":
+            continue  # a plain dtype, read as torch.bfloat16 (the same values diffusers' function gives)
+        block_size, type_size = GGML_QUANT_SIZES[quant_type]
+        formats[int(quant_type)] = StoredFormat(
+            quant_type.name, block_size, type_size,
+            lambda blocks, f=function, b=block_size, t=type_size: f(blocks, b, t))
+    return formats
+
+
+def gguf_format(quant_type: int, where: str) -> StoredFormat:
+    """The format of GGUF type ``quant_type``; one sentence naming the ones memfit reads when it is not one."""
+    formats = readable_gguf_types()
+    if quant_type not in formats:
+        import gguf
+
+        try:
+            name = gguf.GGMLQuantizationType(quant_type).name
+        except ValueError:
+            name = f"type {quant_type}"
+        readable = ", ".join(["F32", "F16", "BF16", *sorted((f.name for f in formats.values()),
+                                                            key=lambda name: (name.startswith("IQ"), name))])
+        raise MemfitError(f"{where} is stored as GGUF {name}, which memfit does not read; it reads {readable}. "
+                          "Use a file quantized to one of them.")
+    return formats[quant_type]
+
+
+def mark_stored(parameter: torch.Tensor, fmt: StoredFormat) -> None:
+    """Mark ``parameter`` (a module's tensor object, which keeps its identity while its data moves) as stored."""
+    setattr(parameter, _STORED_ATTR, fmt)
+
+
+def is_stored(tensor: torch.Tensor) -> bool:
+    """Whether ``tensor`` holds a weight's stored bytes, which keep their dtype in every tier."""
+    return getattr(tensor, _STORED_ATTR, None) is not None
+
+
+def dequantized_bytes(tensor: torch.Tensor, dtype: torch.dtype) -> int:
+    """What dequantizing ``tensor`` takes in ``dtype`` (0 for a tensor that is not stored): the scratch its
+    layer's forward holds beside it."""
+    fmt = getattr(tensor, _STORED_ATTR, None)
+    if fmt is None:
+        return 0
+    count = 1
+    for n in fmt.logical_shape(tensor.shape):
+        count *= n
+    return count * dtype.itemsize

@@ -1,0 +1,70 @@
+"""A linear layer whose weight stays in its stored bytes and is dequantized in each forward.
+
+The weight is dequantized into a temporary tensor in the input's dtype just before the matmul and
+dropped after it: one layer's weight at a time in the compute dtype, whatever the model's size
+(the "dequantization scratch" the planner adds to a stage). The arithmetic is diffusers' GGUFLinear's
+native path (dequantize, cast to the compute dtype, F.linear), so outputs match its GGUF loading bit
+for bit; an fp8 weight converts exactly, as upcasting it when loading would.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from memfit.quant.formats import STORAGE_DTYPE, StoredFormat, mark_stored
+
+__all__ = ["QuantizedLinear", "use_stored_linears"]
+
+
+class QuantizedLinear(torch.nn.Module):
+    """``nn.Linear(in_features, out_features)`` with its weight in ``fmt``'s stored bytes (STORAGE_DTYPE)."""
+
+    def __init__(self, in_features: int, out_features: int, fmt: StoredFormat, *, bias: bool,
+                 bias_dtype: torch.dtype = torch.float32, device: str | torch.device = "meta"):
+        super().__init__()
+        self.in_features, self.out_features, self.format = in_features, out_features, fmt
+        stored = fmt.stored_shape((out_features, in_features))
+        self.weight = torch.nn.Parameter(torch.empty(stored, dtype=STORAGE_DTYPE, device=device), requires_grad=False)
+        mark_stored(self.weight, fmt)
+        self.bias = torch.nn.Parameter(torch.empty(out_features, dtype=bias_dtype, device=device),
+                                       requires_grad=False) if bias else None
+
+    def _load_from_state_dict(self, *args, **kwargs):
+        super()._load_from_state_dict(*args, **kwargs)
+        mark_stored(self.weight, self.format)  # loading with assign=True puts a new Parameter in its place
+
+    def forward(self, inputs: torch.Tensor) -> torch.Tensor:
+        weight = self.format.dequantize(self.weight, inputs.dtype)
+        bias = self.bias.to(inputs.dtype) if self.bias is not None else None
+        return F.linear(inputs, weight, bias)
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, stored as {self.format.name}"
+
+
+def use_stored_linears(module: torch.nn.Module, stored: dict[str, tuple[StoredFormat, tuple[int, ...]]]
+                       ) -> tuple[list[str], list[tuple[str, tuple[int, ...], tuple[int, ...]]]]:
+    """Replace each ``nn.Linear`` of ``module`` whose weight ``stored`` names (live weight name -> (format,
+    logical shape)) by a QuantizedLinear of that format. Returns (the stored weights of other modules, which
+    the caller dequantizes when loading; (name, logical shape, the module's shape) for each Linear of another
+    shape than its stored weight)."""
+    others, mismatched = [], []
+    for name, (fmt, shape) in stored.items():
+        path, _, leaf = name.rpartition(".")
+        owner = module.get_submodule(path) if path else module
+        if leaf != "weight" or type(owner) is not torch.nn.Linear:
+            others.append(name)
+            continue
+        needed = (owner.out_features, owner.in_features)
+        if tuple(shape) != needed:
+            mismatched.append((name, tuple(shape), needed))
+            continue
+        bias = owner.bias
+        replacement = QuantizedLinear(owner.in_features, owner.out_features, fmt, bias=bias is not None,
+                                      bias_dtype=bias.dtype if bias is not None else torch.float32,
+                                      device=owner.weight.device)
+        parent_path, _, child = path.rpartition(".")
+        parent = module.get_submodule(parent_path) if parent_path else module
+        setattr(parent, child, replacement)
+    return others, mismatched

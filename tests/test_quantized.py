@@ -1,0 +1,215 @@
+"""Quantized files as users hold them: a Flux transformer as GGUF (city96's layout: Black Forest Labs' keys, weights
+in blocks of Q8_0/Q4_1/...), fp8 safetensors (Comfy's ``*_fp8_e4m3fn``) for the transformer and T5. They stay in
+their stored bytes, are planned at that size, stream from their file, and draw diffusers' own image: its GGUF
+loading's (from_single_file with GGUFQuantizationConfig) bit for bit, and for fp8 its upcast-on-load image.
+
+The files are the tiny Flux pipeline's, written with the gguf package (memfit.testing.quantized).
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+import memfit
+from memfit.errors import MemfitError
+from memfit.models.folder import ModelFolder
+from memfit.models.single_file import SingleFileModel, file_places
+from memfit.quant.formats import is_stored
+from memfit.quant.linear import QuantizedLinear
+
+pytest.importorskip("gguf")
+
+SETTINGS = dict(prompt="a red house near the sea", steps=2, seed=3, width=32, height=32)
+
+
+@pytest.fixture(scope="module")
+def flux(tiny_models, tmp_path_factory):
+    """(the tiny Flux folder, a folder for its quantized files, its transformer's state in diffusers' and in Black
+    Forest Labs' keys)."""
+    from diffusers import FluxTransformer2DModel
+
+    from memfit.testing.single_file import flux_bfl_state_dict
+
+    folder = Path(tiny_models("flux"))
+    transformer = FluxTransformer2DModel.from_pretrained(folder / "transformer")
+    return folder, tmp_path_factory.mktemp("quantized"), dict(transformer.state_dict()), flux_bfl_state_dict(transformer)
+
+
+def _gguf(flux, quant_type: str, layout: str = "bfl") -> Path:
+    from memfit.testing.quantized import save_gguf
+
+    _, out, diffusers_state, bfl_state = flux
+    path = out / f"flux1-dev-{layout}-{quant_type}.gguf"
+    if not path.exists():
+        save_gguf(bfl_state if layout == "bfl" else diffusers_state, path, quant_type)
+    return path
+
+
+def _pixels(result):
+    return np.asarray(result.images[0], dtype=np.int16)
+
+
+def _diffusers_image(pipe) -> np.ndarray:
+    out = pipe(prompt=SETTINGS["prompt"], num_inference_steps=SETTINGS["steps"], width=SETTINGS["width"],
+               height=SETTINGS["height"], generator=torch.Generator().manual_seed(SETTINGS["seed"]))
+    return np.asarray(out.images[0], dtype=np.int16)
+
+
+@pytest.mark.parametrize("quant_type", ["Q8_0", "Q4_1", "Q5_0"])
+def test_a_gguf_transformer_draws_diffusers_gguf_image(flux, quant_type):
+    """--component transformer=FILE.gguf in Black Forest Labs' keys: every quantized linear weight stays in its
+    stored bytes, a view of the file (the fused projections as row slices), and the image is diffusers' GGUF
+    loading's, bit for bit (its from_single_file reads the same weights in diffusers' keys)."""
+    from diffusers import FluxPipeline, FluxTransformer2DModel, GGUFQuantizationConfig
+
+    folder = flux[0]
+    path = _gguf(flux, quant_type)
+    ours = memfit.generate(model=folder, components={"transformer": path}, budget="none", progress=False, **SETTINGS)
+    transformer = FluxTransformer2DModel.from_single_file(
+        str(_gguf(flux, quant_type, "diffusers")), config=str(folder), subfolder="transformer",
+        quantization_config=GGUFQuantizationConfig(compute_dtype=torch.float32), torch_dtype=torch.float32)
+    theirs = _diffusers_image(FluxPipeline.from_pretrained(folder, transformer=transformer, torch_dtype=torch.float32))
+    assert np.array_equal(_pixels(ours), theirs)
+    unquantized = _pixels(memfit.generate(model=folder, budget="none", progress=False, **SETTINGS))
+    assert not np.array_equal(_pixels(ours), unquantized)  # the quantized weights were used, not the folder's
+
+    model = SingleFileModel.with_components(ModelFolder.open(folder), {"transformer": path})
+    pipe = model.load_stage(["transformer"], torch.float32, in_file_dtype=["transformer"])
+    to_k = pipe.transformer.transformer_blocks[0].attn.to_k
+    assert isinstance(to_k, QuantizedLinear) and to_k.format.name == quant_type and is_stored(to_k.weight)
+    place = file_places(pipe.transformer).places["transformer_blocks.0.attn.to_k.weight"]
+    assert place.key == "double_blocks.0.img_attn.qkv.weight" and to_k.weight.dtype == torch.int8
+    stored = sum(p.numel() * p.element_size() for p in pipe.transformer.parameters())
+    assert stored < sum(v.numel() * 4 for v in flux[2].values()) / 2
+
+
+def _transformer_output(transformer) -> torch.Tensor:
+    generator = torch.Generator().manual_seed(0)
+    tokens, words, width = 16, 8, transformer.config.joint_attention_dim
+    inputs = dict(hidden_states=torch.randn(1, tokens, transformer.config.in_channels, generator=generator),
+                  encoder_hidden_states=torch.randn(1, words, width, generator=generator),
+                  pooled_projections=torch.randn(1, transformer.config.pooled_projection_dim, generator=generator),
+                  timestep=torch.tensor([0.5]), guidance=torch.tensor([3.5]),
+                  img_ids=torch.zeros(tokens, 3), txt_ids=torch.zeros(words, 3))
+    with torch.no_grad():
+        return transformer(**inputs).sample
+
+
+@pytest.mark.parametrize("prefetch", [True, False])
+def test_a_gguf_transformer_streams_from_its_file(flux, prefetch):
+    """Every block of a Q4_0 transformer on the disk tier: read from the GGUF file's mapping in its stored bytes
+    (never converted), and the output is the resident one's, bit for bit; the planner, given a budget below the
+    stored size, streams it from the file too."""
+    from memfit.run.offload import HookRegistry
+
+    model = SingleFileModel.with_components(ModelFolder.open(flux[0]), {"transformer": _gguf(flux, "Q4_0")})
+
+    def load():
+        return model.load_stage(["transformer"], torch.float32, in_file_dtype=["transformer"])
+
+    expected = _transformer_output(load().transformer)
+    pipe = memfit.optimize(load(), force_tiers={"transformer": "disk"}, prefetch=prefetch)
+    hooks = [hook for module in pipe.transformer.modules() if (registry := HookRegistry.get(module))
+             for hook in registry.hooks.values()]
+    assert hooks and all(hook.reads_files for hook in hooks if hasattr(hook, "reads_files"))
+    slots = [slot for hook in hooks for slot in getattr(hook, "slots", ())]
+    assert any(slot.dtype == torch.int8 and is_stored(slot.tensor) for slot in slots)
+    assert torch.equal(_transformer_output(pipe.transformer), expected)
+
+    import re
+
+    with pytest.raises(MemfitError) as refused:  # the one dequantized weight is held beside the activations
+        memfit.optimize(load(), budget=1, activation_bytes=0, prefetch=prefetch)
+    largest = max(4 * p.numel() for name, p in flux[2].items() if name.endswith(".weight") and p.ndim == 2
+                  and p.shape[1] % 32 == 0)
+    assert f"activations {largest // 1024}.00 KiB" in str(refused.value)
+    smallest = int(re.search(r"smallest budget that works is (\d+) bytes", str(refused.value)).group(1))
+    budget = memfit.Budget(device=smallest, host=0, disk=str(model.weights["transformer"].path))
+    planned = memfit.optimize(load(), budget=budget, activation_bytes=0, prefetch=prefetch)
+    assert planned._memfit_plan.stages[0].streamed_from_disk_bytes > 0
+    assert torch.equal(_transformer_output(planned.transformer), expected)
+
+
+def test_memfit_plan_shows_the_stored_size(flux, capsys):
+    """memfit plan --component transformer=FILE.gguf sizes the transformer from the file: its stored bytes, and the
+    largest weight dequantized held beside the activations."""
+    from memfit.cli.app import main
+
+    folder = flux[0]
+    sizes = []
+    for extra in ([], ["--component", f"transformer={_gguf(flux, 'Q4_0')}"]):
+        assert main(["plan", "--model", str(folder), *extra, "--budget", "1GiB", "--process-memory", "0", "--json"]) == 0
+        stages = {stage["name"]: stage for stage in json.loads(capsys.readouterr().out)["plan"]["stages"]}
+        sizes.append((sum(p["bytes"] for p in stages["denoise"]["placements"]), stages["denoise"]["activation_bytes"]))
+    (folder_bytes, folder_activations), (gguf_bytes, gguf_activations) = sizes
+    model = SingleFileModel.with_components(ModelFolder.open(folder), {"transformer": _gguf(flux, "Q4_0")})
+    transformer = model.load_stage(["transformer"], torch.float32, in_file_dtype=["transformer"]).transformer
+    assert gguf_bytes == sum(p.numel() * p.element_size() for p in transformer.parameters()) < folder_bytes / 4
+    largest = max(4 * p.numel() for name, p in flux[2].items() if name.endswith(".weight") and p.ndim == 2
+                  and p.shape[1] % 32 == 0)
+    assert gguf_activations == folder_activations + largest
+
+
+def test_a_gguf_transformer_as_the_model_and_in_a_comfyui_folder(flux, tmp_path):
+    """--model flux1-dev-Q4_0.gguf --config DIR (ComfyUI's unet/ file): the family from the GGUF header's names and
+    shapes; listed and paired in a ComfyUI models folder like a .safetensors transformer."""
+    from memfit.models.library import ModelsDir, config_folders
+
+    folder = flux[0]
+    path = _gguf(flux, "Q4_0")
+    expected = _pixels(memfit.generate(model=folder, components={"transformer": path}, budget="none", progress=False,
+                                       **SETTINGS))
+    ours = memfit.generate(model=path, config=folder, budget="none", progress=False, **SETTINGS)
+    assert ours.report.notes[0].startswith(f"model: {path.name}, a Flux.1 [dev] single-file checkpoint")
+    assert np.array_equal(_pixels(ours), expected)
+    models = tmp_path / "models"
+    (models / "unet").mkdir(parents=True)
+    (models / "unet" / path.name).symlink_to(path)
+    configs = tmp_path / "configs"
+    shutil.copytree(folder, configs)
+    entry = next(e for e in ModelsDir(models, configs=config_folders([configs])).scan().checkpoints)
+    assert (entry.name, entry.error, entry.pipeline) == (f"unet/{path.name}", "", "FluxPipeline")
+
+
+def test_fp8_files_draw_the_upcast_image(flux, tiny_models):
+    """A transformer and a T5 encoder as fp8 e4m3fn safetensors (Comfy's files: linear weights in fp8, the rest as
+    they were): held in fp8 and dequantized in each forward, they draw the image of the same weights upcast when
+    loaded, bit for bit."""
+    from diffusers import FluxPipeline
+    from safetensors.torch import load_file
+
+    from memfit.testing.quantized import save_fp8
+    from memfit.testing.single_file import save_flux_files
+
+    folder, out = flux[0], flux[1]
+    files = save_flux_files(folder, out / "split")
+    transformer = save_fp8(flux[3], out / "flux1-dev-fp8-e4m3fn.safetensors")
+    t5 = save_fp8(load_file(str(files["text_encoder_2"])), out / "t5xxl_fp8_e4m3fn.safetensors")
+    components = {"transformer": transformer, "text_encoder_2": t5}
+    ours = memfit.generate(model=folder, components=components, budget="none", progress=False, **SETTINGS)
+
+    reference = FluxPipeline.from_pretrained(folder, torch_dtype=torch.float32)
+    upcast = {key: value.to(torch.float32) for key, value in save_fp8_values(flux[2]).items()}
+    reference.transformer.load_state_dict(upcast)
+    t5_state = {key: value.to(torch.float32) for key, value in load_file(str(t5)).items()}
+    reference.text_encoder_2.load_state_dict(t5_state, strict=False)
+    reference.text_encoder_2.tie_weights()
+    assert np.array_equal(_pixels(ours), _diffusers_image(reference))
+
+    model = SingleFileModel.with_components(ModelFolder.open(folder), components)
+    pipe = model.load_stage(["transformer", "text_encoder_2"], torch.float32, in_file_dtype=[])
+    q = pipe.text_encoder_2.encoder.block[0].layer[0].SelfAttention.q
+    assert isinstance(q, QuantizedLinear) and q.format.name == "fp8_e4m3fn" and q.weight.dtype == torch.int8
+    assert isinstance(pipe.transformer.transformer_blocks[0].attn.to_q, QuantizedLinear)
+
+
+def save_fp8_values(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """``state`` with its linear weights rounded through fp8 e4m3fn, as save_fp8 stores them."""
+    return {key: value.to(torch.float8_e4m3fn) if value.ndim == 2 and key.endswith(".weight") else value
+            for key, value in state.items()}
