@@ -61,11 +61,10 @@ def _diffusers_image(pipe) -> np.ndarray:
     return np.asarray(out.images[0], dtype=np.int16)
 
 
-@pytest.mark.parametrize("quant_type", ["Q8_0", "Q4_1", "Q5_0"])
-def test_a_gguf_transformer_draws_diffusers_gguf_image(flux, quant_type):
-    """--component transformer=FILE.gguf in Black Forest Labs' keys: every quantized linear weight stays in its
-    stored bytes, a view of the file (the fused projections as row slices), and the image is diffusers' GGUF
-    loading's, bit for bit (its from_single_file reads the same weights in diffusers' keys)."""
+def _gguf_transformer_draws_diffusers_image(flux, quant_type):
+    """memfit's image with the transformer read from a GGUF file in Black Forest Labs' keys is diffusers' GGUF
+    loading's of the same weights in its own keys, bit for bit, and not the unquantized image; returns memfit's
+    transformer as loaded from the file."""
     from diffusers import FluxPipeline, FluxTransformer2DModel, GGUFQuantizationConfig
 
     folder = flux[0]
@@ -78,14 +77,20 @@ def test_a_gguf_transformer_draws_diffusers_gguf_image(flux, quant_type):
     assert np.array_equal(_pixels(ours), theirs)
     unquantized = _pixels(memfit.generate(model=folder, budget="none", progress=False, **SETTINGS))
     assert not np.array_equal(_pixels(ours), unquantized)  # the quantized weights were used, not the folder's
-
     model = SingleFileModel.with_components(ModelFolder.open(folder), {"transformer": path})
-    pipe = model.load_stage(["transformer"], torch.float32, in_file_dtype=["transformer"])
-    to_k = pipe.transformer.transformer_blocks[0].attn.to_k
+    return model.load_stage(["transformer"], torch.float32, in_file_dtype=["transformer"]).transformer
+
+
+@pytest.mark.parametrize("quant_type", ["Q8_0", "Q4_1", "Q5_0"])
+def test_a_gguf_transformer_draws_diffusers_gguf_image(flux, quant_type):
+    """--component transformer=FILE.gguf in Black Forest Labs' keys: diffusers' GGUF image, bit for bit; every
+    quantized linear weight stays in its stored bytes, a view of the file (the fused projections as row slices)."""
+    transformer = _gguf_transformer_draws_diffusers_image(flux, quant_type)
+    to_k = transformer.transformer_blocks[0].attn.to_k
     assert isinstance(to_k, QuantizedLinear) and to_k.format.name == quant_type and is_stored(to_k.weight)
-    place = file_places(pipe.transformer).places["transformer_blocks.0.attn.to_k.weight"]
+    place = file_places(transformer).places["transformer_blocks.0.attn.to_k.weight"]
     assert place.key == "double_blocks.0.img_attn.qkv.weight" and to_k.weight.dtype == torch.int8
-    stored = sum(p.numel() * p.element_size() for p in pipe.transformer.parameters())
+    stored = sum(p.numel() * p.element_size() for p in transformer.parameters())
     assert stored < sum(v.numel() * 4 for v in flux[2].values()) / 2
 
 
@@ -177,39 +182,69 @@ def test_a_gguf_transformer_as_the_model_and_in_a_comfyui_folder(flux, tmp_path)
     assert (entry.name, entry.error, entry.pipeline) == (f"unet/{path.name}", "", "FluxPipeline")
 
 
-def test_fp8_files_draw_the_upcast_image(flux, tiny_models):
-    """A transformer and a T5 encoder as fp8 e4m3fn safetensors (Comfy's files: linear weights in fp8, the rest as
-    they were): held in fp8 and dequantized in each forward, they draw the image of the same weights upcast when
-    loaded, bit for bit."""
+@pytest.mark.parametrize("scaled", [False, True], ids=["fp8", "scaled-fp8"])
+def test_fp8_files_draw_the_upcast_image(flux, scaled):
+    """A transformer (Black Forest Labs' keys) and a T5 encoder as fp8 e4m3fn safetensors, as Comfy ships them
+    (linear weights in fp8, the rest as they were; "scaled": each weight divided by a float32 scale_weight stored
+    beside it): held in fp8 and dequantized in each forward, they draw the image of the same values upcast when
+    loaded, bit for bit; unscaled, that is diffusers' own image of those weights."""
     from diffusers import FluxPipeline
-    from safetensors.torch import load_file
+    from safetensors.torch import load_file, save_file
 
     from memfit.testing.quantized import save_fp8
     from memfit.testing.single_file import save_flux_files
 
     folder, out = flux[0], flux[1]
     files = save_flux_files(folder, out / "split")
-    transformer = save_fp8(flux[3], out / "flux1-dev-fp8-e4m3fn.safetensors")
-    t5 = save_fp8(load_file(str(files["text_encoder_2"])), out / "t5xxl_fp8_e4m3fn.safetensors")
+    name = "scaled" if scaled else "e4m3fn"
+    transformer = save_fp8(flux[3], out / f"flux1-dev-fp8-{name}.safetensors", scaled=scaled)
+    t5 = save_fp8(load_file(str(files["text_encoder_2"])), out / f"t5xxl_fp8_{name}.safetensors", scaled=scaled)
     components = {"transformer": transformer, "text_encoder_2": t5}
     ours = memfit.generate(model=folder, components=components, budget="none", progress=False, **SETTINGS)
 
-    reference = FluxPipeline.from_pretrained(folder, torch_dtype=torch.float32)
-    upcast = {key: value.to(torch.float32) for key, value in save_fp8_values(flux[2]).items()}
-    reference.transformer.load_state_dict(upcast)
-    t5_state = {key: value.to(torch.float32) for key, value in load_file(str(t5)).items()}
-    reference.text_encoder_2.load_state_dict(t5_state, strict=False)
-    reference.text_encoder_2.tie_weights()
-    assert np.array_equal(_pixels(ours), _diffusers_image(reference))
+    upcast = {}
+    for component, path in components.items():
+        stored = load_file(str(path))
+        values = {key: value.to(torch.float32) * stored.get(key.removesuffix("weight") + "scale_weight", 1.0)
+                  for key, value in stored.items() if not key.endswith("scale_weight") and key != "scaled_fp8"}
+        upcast[component] = out / f"{component}-{name}-upcast.safetensors"
+        save_file(values, str(upcast[component]))
+    expected = memfit.generate(model=folder, components=upcast, budget="none", progress=False, **SETTINGS)
+    assert np.array_equal(_pixels(ours), _pixels(expected))
+    if not scaled:  # diffusers' pipeline with the same weights, upcast when loaded
+        reference = FluxPipeline.from_pretrained(folder, torch_dtype=torch.float32)
+        reference.transformer.load_state_dict({key: value.to(torch.float8_e4m3fn).to(torch.float32)
+                                               if value.ndim == 2 and key.endswith(".weight") else value
+                                               for key, value in flux[2].items()})
+        reference.text_encoder_2.load_state_dict(load_file(str(upcast["text_encoder_2"])), strict=False)
+        reference.text_encoder_2.tie_weights()
+        assert np.array_equal(_pixels(ours), _diffusers_image(reference))
 
     model = SingleFileModel.with_components(ModelFolder.open(folder), components)
     pipe = model.load_stage(["transformer", "text_encoder_2"], torch.float32, in_file_dtype=[])
     q = pipe.text_encoder_2.encoder.block[0].layer[0].SelfAttention.q
     assert isinstance(q, QuantizedLinear) and q.format.name == "fp8_e4m3fn" and q.weight.dtype == torch.int8
+    assert (q.stored.scale is not None) == scaled
     assert isinstance(pipe.transformer.transformer_blocks[0].attn.to_q, QuantizedLinear)
 
 
-def save_fp8_values(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """``state`` with its linear weights rounded through fp8 e4m3fn, as save_fp8 stores them."""
-    return {key: value.to(torch.float8_e4m3fn) if value.ndim == 2 and key.endswith(".weight") else value
-            for key, value in state.items()}
+@pytest.mark.parametrize("quant_type", ["Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K"])
+def test_k_quants_read_as_the_gguf_package_reads_them(flux, quant_type):
+    """K-quants (flux1-dev-Q4_K_S.gguf holds Q4_K and Q6_K): memfit's values are the gguf package's own reading
+    of the same bytes (to fp16's rounding), and a transformer holding them draws diffusers' GGUF image, bit for bit."""
+    import gguf
+
+    from memfit.quant.formats import gguf_format
+    from memfit.testing.quantized import random_blocks
+
+    kind = gguf.GGMLQuantizationType[quant_type]
+    data = random_blocks(quant_type, (8, 512), seed=5)
+    theirs = gguf.quants.dequantize(data, kind)
+    ours = gguf_format(int(kind), "test").dequantize(torch.from_numpy(data).view(torch.int8), torch.float32)
+    assert ours.shape == (8, 512) and np.isfinite(theirs).all()
+    # diffusers' arithmetic (which memfit runs, for its images' sake) is fp16 where the gguf package's is fp32:
+    # equal to fp16's rounding of the block's terms.
+    np.testing.assert_allclose(ours.numpy(), theirs, rtol=0, atol=2e-3 * np.abs(theirs).max())
+    transformer = _gguf_transformer_draws_diffusers_image(flux, quant_type)
+    linear = transformer.time_text_embed.timestep_embedder.linear_1  # the tiny model's one row of 256 values
+    assert isinstance(linear, QuantizedLinear) and linear.format.name == quant_type

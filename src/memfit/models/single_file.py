@@ -40,7 +40,7 @@ from memfit.models.locate import PICKLE_SUFFIXES, refuse_missing_model
 from memfit.models.weight_layouts import (BFL_FLUX, LDM_UNET, LDM_VAE, OPEN_CLIP, TRANSFORMERS_CLIP, TRANSFORMERS_T5,
                                           Layout, group_counts)
 from memfit.plan.meta import is_model_class
-from memfit.quant.formats import FP8_FORMATS, STORAGE_DTYPE, StoredFormat
+from memfit.quant.formats import FP8_FORMATS, STORAGE_DTYPE, StoredTensor
 from memfit.quant.gguf_file import MappedGguf
 from memfit.safetensors_header import MappedFile, check_complete
 
@@ -227,17 +227,18 @@ class _Checkpoint:
         self.path = path
         self.file: MappedFile | MappedGguf | None = None
         self._pickled: dict[str, torch.Tensor] = {}
-        # The tensors stored smaller than they run (GGUF blocks, fp8): key -> (format, logical shape).
-        self.stored: dict[str, tuple[StoredFormat, tuple[int, ...]]] = {}
+        # The tensors stored smaller than they run (GGUF blocks, fp8), and the tensors that only describe them
+        # (an fp8 weight's scale): no model has those, so they are not converted.
+        self.stored: dict[str, StoredTensor] = {}
+        self.side_keys: frozenset[str] = frozenset()
         if path.suffix == ".safetensors":
             self.file = MappedFile(path, check_complete(path))
             self.shapes = {key: (self.file.dtype(key), list(entry["shape"])) for key, entry in self.file.entries.items()}
-            self.stored = {key: (FP8_FORMATS[dtype], tuple(shape)) for key, (dtype, shape) in self.shapes.items()
-                           if dtype in FP8_FORMATS}
+            self._read_fp8()
             return
         if path.suffix == ".gguf":
             self.file = MappedGguf(path)
-            self.stored = {key: (fmt, self.file.logical_shape(key)) for key, fmt in self.file.formats.items()}
+            self.stored = {key: StoredTensor(fmt, self.file.logical_shape(key)) for key, fmt in self.file.formats.items()}
             self.shapes = {key: (self.file.dtype(key), list(self.file.logical_shape(key))) for key in self.file.entries}
             return
         if path.suffix not in PICKLE_SUFFIXES:
@@ -249,6 +250,29 @@ class _Checkpoint:
         state = state.get("state_dict", state) if isinstance(state, dict) else {}
         self._pickled = {key: value for key, value in state.items() if isinstance(value, torch.Tensor)}
         self.shapes = {key: (value.dtype, list(value.shape)) for key, value in self._pickled.items()}
+
+    def _read_fp8(self) -> None:
+        """The fp8 weights of a safetensors file, each with its scale where the file has one: Comfy's "scaled" fp8
+        files keep a float32 ``scale_weight`` (or ``weight_scale``) beside each weight, a ``scale_input`` for fp8
+        matmuls memfit does not run, and a ``scaled_fp8`` marker."""
+        side = {key for key in self.shapes if key == "scaled_fp8" or key.endswith(".scale_input")}
+        for key, (dtype, shape) in self.shapes.items():
+            if dtype not in FP8_FORMATS:
+                continue
+            base = key.removesuffix(".weight")
+            scale_key = next((k for k in (f"{base}.scale_weight", f"{base}.weight_scale") if k in self.shapes), None)
+            scale = None
+            if scale_key is not None and key.endswith(".weight"):
+                side.add(scale_key)
+                scale = self.file.tensor(scale_key).to(torch.float32)
+                if scale.numel() != 1:
+                    raise MemfitError(f"{self.path} scales {key} by {scale_key} of shape {list(scale.shape)}: memfit "
+                                      "reads fp8 files with one scale per tensor; use such a file, or one in bf16.")
+                scale = scale.reshape(())
+            self.stored[key] = StoredTensor(FP8_FORMATS[dtype], tuple(shape), scale)
+        self.side_keys = frozenset(side)
+        for key in side:
+            self.stored.pop(key, None)
 
     def keys(self, prefix: str) -> list[str]:
         return [key for key in self.shapes if key.startswith(prefix)]
@@ -313,17 +337,17 @@ class ComponentWeights:
         return self.checkpoint.keys(self.prefix)
 
     def converted(self, module: torch.nn.Module, config: dict, *, probe: bool = False):
-        """(stored key -> tensor, the tensors under diffusers' names, {name: (format, logical shape)} of those
-        stored smaller than they run) for ``module`` (its empty model): views of the file, or with ``probe``
+        """(stored key -> tensor, the tensors under diffusers' names, {name: StoredTensor} of those stored smaller
+        than they run) for ``module`` (its empty model): views of the file, or with ``probe``
         shapes alone (meta tensors, no data read). A stored tensor is its bytes (memfit.quant)."""
-        stored = self.checkpoint.stored
+        stored, side = self.checkpoint.stored, self.checkpoint.side_keys
         if probe:
-            source = {key: torch.empty(stored[key][0].stored_shape(stored[key][1]) if key in stored
+            source = {key: torch.empty(stored[key].format.stored_shape(stored[key].shape) if key in stored
                                        else self.checkpoint.shapes[key][1],
                                        dtype=STORAGE_DTYPE if key in stored else self.checkpoint.shapes[key][0],
-                                       device="meta") for key in self.keys()}
+                                       device="meta") for key in self.keys() if key not in side}
         else:
-            source = self.checkpoint.tensors(self.prefix)
+            source = {key: tensor for key, tensor in self.checkpoint.tensors(self.prefix).items() if key not in side}
         named = {key[len(self.prefix):]: tensor for key, tensor in source.items()}
         named_stored = {key[len(self.prefix):]: stored[key] for key in source if key in stored}
         if not named_stored:
@@ -576,14 +600,14 @@ class SingleFileModel(ModelFolder):
         others, mismatched = use_stored_linears(module, stored)
         if mismatched:
             key, found, needed = mismatched[0]
-            logical = {**converted, **{key: torch.empty(shape, device="meta") for key, (_, shape) in stored.items()}}
+            logical = {**converted, **{key: torch.empty(tensor.shape, device="meta") for key, tensor in stored.items()}}
             raise MemfitError(self._mismatch(name, weights, logical, source, (key, list(found), list(needed)),
                                              config_file))
         converted = dict(converted)
         for key in others:
-            fmt, shape = stored[key]
             tensor = converted[key]
-            converted[key] = torch.empty(shape, device="meta") if tensor.is_meta else fmt.dequantize(tensor, torch.float32)
+            converted[key] = torch.empty(stored[key].shape, device="meta") if tensor.is_meta else \
+                stored[key].dequantize(tensor, torch.float32)
         return converted
 
     def _mismatch(self, name: str, weights: ComponentWeights, converted: dict, source: dict, mismatch,

@@ -10,12 +10,13 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 
 from memfit.errors import MemfitError
 
-__all__ = ["FP8_FORMATS", "STORAGE_DTYPE", "StoredFormat", "dequantized_bytes", "gguf_format", "is_stored", "mark_stored",
+__all__ = ["FP8_FORMATS", "STORAGE_DTYPE", "StoredFormat", "StoredTensor", "dequantized_bytes", "gguf_format", "is_stored", "mark_stored",
            "readable_gguf_types"]
 
 _STORED_ATTR = "_memfit_stored_format"
@@ -54,6 +55,20 @@ class StoredFormat:
     def describe(self) -> str:
         bits = 8 * self.type_size / self.block_size
         return f"{self.name} ({bits:.2g} bits per weight)"
+
+
+class StoredTensor(NamedTuple):
+    """One tensor stored smaller than it runs: its format, its logical shape, and the per-tensor scale its values
+    are multiplied by where the file has one (Comfy's "scaled" fp8: ``scale_weight`` beside the weight)."""
+
+    format: StoredFormat
+    shape: tuple[int, ...]
+    scale: torch.Tensor | None = None
+
+    def dequantize(self, stored: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        values = self.format.dequantize(stored, dtype)
+        # As ComfyUI applies it: the weight in the compute dtype times the scale in the compute dtype.
+        return values if self.scale is None else values * self.scale.to(device=values.device, dtype=dtype)
 
 
 def _fp8(dtype: torch.dtype) -> Callable[[torch.Tensor], torch.Tensor]:

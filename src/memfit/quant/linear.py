@@ -12,21 +12,23 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from memfit.quant.formats import STORAGE_DTYPE, StoredFormat, mark_stored
+from memfit.quant.formats import STORAGE_DTYPE, StoredTensor, mark_stored
 
 __all__ = ["QuantizedLinear", "use_stored_linears"]
 
 
 class QuantizedLinear(torch.nn.Module):
-    """``nn.Linear(in_features, out_features)`` with its weight in ``fmt``'s stored bytes (STORAGE_DTYPE)."""
+    """``nn.Linear(in_features, out_features)`` with its weight ``stored``: its format's bytes (STORAGE_DTYPE), and
+    the scale they are multiplied by, if any."""
 
-    def __init__(self, in_features: int, out_features: int, fmt: StoredFormat, *, bias: bool,
+    def __init__(self, in_features: int, out_features: int, stored: StoredTensor, *, bias: bool,
                  bias_dtype: torch.dtype = torch.float32, device: str | torch.device = "meta"):
         super().__init__()
-        self.in_features, self.out_features, self.format = in_features, out_features, fmt
-        stored = fmt.stored_shape((out_features, in_features))
-        self.weight = torch.nn.Parameter(torch.empty(stored, dtype=STORAGE_DTYPE, device=device), requires_grad=False)
-        mark_stored(self.weight, fmt)
+        self.in_features, self.out_features, self.stored = in_features, out_features, stored
+        self.format = stored.format
+        shape = self.format.stored_shape((out_features, in_features))
+        self.weight = torch.nn.Parameter(torch.empty(shape, dtype=STORAGE_DTYPE, device=device), requires_grad=False)
+        mark_stored(self.weight, self.format)
         self.bias = torch.nn.Parameter(torch.empty(out_features, dtype=bias_dtype, device=device),
                                        requires_grad=False) if bias else None
 
@@ -35,22 +37,24 @@ class QuantizedLinear(torch.nn.Module):
         mark_stored(self.weight, self.format)  # loading with assign=True puts a new Parameter in its place
 
     def forward(self, inputs: torch.Tensor) -> torch.Tensor:
-        weight = self.format.dequantize(self.weight, inputs.dtype)
+        weight = self.stored.dequantize(self.weight, inputs.dtype)
         bias = self.bias.to(inputs.dtype) if self.bias is not None else None
         return F.linear(inputs, weight, bias)
 
     def extra_repr(self) -> str:
-        return f"in_features={self.in_features}, out_features={self.out_features}, stored as {self.format.name}"
+        scaled = ", scaled" if self.stored.scale is not None else ""
+        return f"in_features={self.in_features}, out_features={self.out_features}, stored as {self.format.name}{scaled}"
 
 
-def use_stored_linears(module: torch.nn.Module, stored: dict[str, tuple[StoredFormat, tuple[int, ...]]]
+def use_stored_linears(module: torch.nn.Module, stored: dict[str, StoredTensor]
                        ) -> tuple[list[str], list[tuple[str, tuple[int, ...], tuple[int, ...]]]]:
-    """Replace each ``nn.Linear`` of ``module`` whose weight ``stored`` names (live weight name -> (format,
-    logical shape)) by a QuantizedLinear of that format. Returns (the stored weights of other modules, which
+    """Replace each ``nn.Linear`` of ``module`` whose weight ``stored`` names (live weight name -> StoredTensor)
+    by a QuantizedLinear of that format. Returns (the stored weights of other modules, which
     the caller dequantizes when loading; (name, logical shape, the module's shape) for each Linear of another
     shape than its stored weight)."""
     others, mismatched = [], []
-    for name, (fmt, shape) in stored.items():
+    for name, tensor in stored.items():
+        shape = tensor.shape
         path, _, leaf = name.rpartition(".")
         owner = module.get_submodule(path) if path else module
         if leaf != "weight" or type(owner) is not torch.nn.Linear:
@@ -61,7 +65,7 @@ def use_stored_linears(module: torch.nn.Module, stored: dict[str, tuple[StoredFo
             mismatched.append((name, tuple(shape), needed))
             continue
         bias = owner.bias
-        replacement = QuantizedLinear(owner.in_features, owner.out_features, fmt, bias=bias is not None,
+        replacement = QuantizedLinear(owner.in_features, owner.out_features, tensor, bias=bias is not None,
                                       bias_dtype=bias.dtype if bias is not None else torch.float32,
                                       device=owner.weight.device)
         parent_path, _, child = path.rpartition(".")

@@ -17,22 +17,21 @@ from collections.abc import Callable
 import torch
 
 from memfit.errors import MemfitError
-from memfit.quant.formats import StoredFormat
+from memfit.quant.formats import StoredTensor
 
 __all__ = ["convert_stored"]
 
 _ROW_BITS = 40  # stand-in value: (tensor number + 1) << _ROW_BITS | row
 
 
-def convert_stored(convert: Callable[[dict], dict], tensors: dict[str, torch.Tensor],
-                   stored: dict[str, tuple[StoredFormat, tuple[int, ...]]], where: str
-                   ) -> tuple[dict[str, torch.Tensor], dict[str, tuple[StoredFormat, tuple[int, ...]]]]:
-    """``convert(tensors)`` where the tensors ``stored`` names (key -> (format, logical shape)) are their bytes.
-    Returns (converted tensors, stored bytes for the stored ones; {converted name: (format, logical shape)})."""
+def convert_stored(convert: Callable[[dict], dict], tensors: dict[str, torch.Tensor], stored: dict[str, StoredTensor],
+                   where: str) -> tuple[dict[str, torch.Tensor], dict[str, StoredTensor]]:
+    """``convert(tensors)`` where the tensors ``stored`` names (key -> StoredTensor) are their bytes. Returns
+    (converted tensors, stored bytes for the stored ones; {converted name: StoredTensor})."""
     keys = list(stored)
     stand_ins = {}
     for number, key in enumerate(keys):
-        shape = stored[key][1]
+        shape = stored[key].shape
         ids = torch.arange(shape[0], dtype=torch.int64) + ((number + 1) << _ROW_BITS)
         stand_ins[key] = ids.as_strided(shape, (1,) + (0,) * (len(shape) - 1))
     storages = {stand_in.untyped_storage().data_ptr(): key for key, stand_in in stand_ins.items()}
@@ -54,12 +53,14 @@ def convert_stored(convert: Callable[[dict], dict], tensors: dict[str, torch.Ten
         numbers = (ids >> _ROW_BITS) - 1
         rows = ids & ((1 << _ROW_BITS) - 1)
         sources = [keys[n] for n in numbers.unique().tolist()]
-        fmt = stored[sources[0]][0]
-        if any(stored[key][0] != fmt or stored[key][1][1:] != tuple(value.shape[1:]) for key in sources):
-            raise MemfitError(f"{where}: {name!r} is made of tensors stored in different formats or widths "
+        first = stored[sources[0]]
+        if any(stored[key].format != first.format or stored[key].shape[1:] != tuple(value.shape[1:])
+               or (stored[key].scale is not None) != (first.scale is not None) for key in sources) or (
+                first.scale is not None and len(sources) > 1):
+            raise MemfitError(f"{where}: {name!r} is made of tensors stored in different formats, widths or scales "
                               f"({', '.join(sources)}), which memfit cannot join; use a file quantized alike.")
         out[name] = _rows(tensors, sources, numbers, rows, keys)
-        formats[name] = (fmt, tuple(value.shape))
+        formats[name] = first._replace(shape=tuple(value.shape))
     return out, formats
 
 

@@ -1,8 +1,10 @@
 """Quantized files of the tiny test models, written as users' files are: GGUF as city96's converter writes
 it (the original key names, weights with two or more dimensions quantized when their rows are whole
 blocks, the rest in F32), fp8 safetensors as Comfy's ``*_fp8_e4m3fn`` files (linear weights in fp8, the
-rest as they were). The GGUF writer is the ``gguf`` package's; it writes the types it can quantize
-(Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, BF16, F16)."""
+rest as they were). The GGUF writer is the ``gguf`` package's; it quantizes Q8_0, Q4_0, Q4_1, Q5_0, Q5_1
+and writes BF16 and F16. It has no K-quant quantizer: a K-quant tensor is written as random blocks with
+sane scales (random_blocks), random values as the test models' weights are, which read alike in every
+reader of the format."""
 
 from __future__ import annotations
 
@@ -11,7 +13,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-__all__ = ["save_fp8", "save_gguf"]
+__all__ = ["fp8_weights", "random_blocks", "save_fp8", "save_gguf"]
 
 
 def save_gguf(state: dict[str, torch.Tensor], path: str | Path, quant_type: str, *, architecture: str = "flux") -> Path:
@@ -25,7 +27,9 @@ def save_gguf(state: dict[str, torch.Tensor], path: str | Path, quant_type: str,
     for key, tensor in state.items():
         values = tensor.detach().to(torch.float32).contiguous().numpy()
         if tensor.ndim >= 2 and tensor.shape[-1] % block_size == 0:
-            writer.add_tensor(key, gguf.quants.quantize(values, kind), raw_dtype=kind)
+            data = random_blocks(quant_type, tuple(tensor.shape)) if quant_type in _K_HALVES else \
+                gguf.quants.quantize(values, kind)
+            writer.add_tensor(key, data, raw_dtype=kind)
         else:
             writer.add_tensor(key, values)
     writer.write_header_to_file()
@@ -35,16 +39,49 @@ def save_gguf(state: dict[str, torch.Tensor], path: str | Path, quant_type: str,
     return path
 
 
-def save_fp8(state: dict[str, torch.Tensor], path: str | Path, *, dtype: torch.dtype = torch.float8_e4m3fn,
-             keep=lambda key: False) -> Path:
-    """Write ``state`` to the safetensors file ``path`` with every weight of two dimensions in ``dtype``, except
-    those ``keep(key)`` keeps as they are (Comfy's "fp8_mixed" files)."""
+# Where each K-quant block keeps its fp16 scales (d, and dmin where it has one), in bytes from its start.
+_K_HALVES = {"Q2_K": (80, 82), "Q3_K": (108,), "Q4_K": (0, 2), "Q5_K": (0, 2), "Q6_K": (208,)}
+
+
+def random_blocks(quant_type: str, shape: tuple[int, ...], seed: int = 0) -> np.ndarray:
+    """The bytes of a K-quant tensor of logical ``shape``: random quants and sub-block scales, fp16 scales of
+    about 1/64 (so values stay small and finite)."""
+    import gguf
+
+    kind = gguf.GGMLQuantizationType[quant_type]
+    block_size, type_size = gguf.GGML_QUANT_SIZES[kind]
+    blocks = int(np.prod(shape)) // block_size
+    data = np.random.default_rng(seed).integers(0, 256, size=(blocks, type_size), dtype=np.uint8)
+    halves = np.random.default_rng(seed + 1).uniform(0.5, 1.5, size=(blocks, len(_K_HALVES[quant_type]))) / 64
+    for column, offset in enumerate(_K_HALVES[quant_type]):
+        data[:, offset:offset + 2] = halves[:, column].astype(np.float16).reshape(-1, 1).view(np.uint8)
+    return data.reshape(*shape[:-1], shape[-1] // block_size * type_size)
+
+
+def fp8_weights(state: dict[str, torch.Tensor], *, dtype: torch.dtype = torch.float8_e4m3fn, keep=lambda key: False,
+                scaled: bool = False) -> dict[str, torch.Tensor]:
+    """``state`` as an fp8 file holds it: every weight of two dimensions in ``dtype`` except those ``keep(key)``
+    keeps (Comfy's "fp8_mixed" files); ``scaled``: each divided by a float32 ``scale_weight`` stored beside it that
+    brings its largest value to the format's largest, with Comfy's ``scaled_fp8`` marker (its "scaled" files)."""
+    out = {}
+    for key, tensor in state.items():
+        if not (tensor.ndim == 2 and key.endswith(".weight")) or keep(key):
+            out[key] = tensor.contiguous()
+            continue
+        if scaled:
+            scale = (tensor.abs().max().to(torch.float32) / torch.finfo(dtype).max).clamp(min=1e-12)
+            out[key.removesuffix("weight") + "scale_weight"] = scale
+            tensor = tensor / scale
+        out[key] = tensor.to(dtype).contiguous()
+    if scaled:
+        out["scaled_fp8"] = torch.empty(0, dtype=dtype)
+    return out
+
+
+def save_fp8(state: dict[str, torch.Tensor], path: str | Path, **options) -> Path:
+    """Write ``state`` to the safetensors file ``path`` as fp8_weights(state, **options) holds it."""
     from safetensors.torch import save_file
 
-    out = {key: (tensor.to(dtype) if tensor.ndim == 2 and key.endswith(".weight") and not keep(key) else tensor)
-           .contiguous() for key, tensor in state.items()}
-    save_file(out, str(path))
+    save_file(fp8_weights(state, **options), str(path))
     return Path(path)
 
-
-_ = np  # the gguf package's quantizers take and give numpy arrays
