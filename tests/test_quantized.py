@@ -248,3 +248,30 @@ def test_k_quants_read_as_the_gguf_package_reads_them(flux, quant_type):
     transformer = _gguf_transformer_draws_diffusers_image(flux, quant_type)
     linear = transformer.time_text_embed.timestep_embedder.linear_1  # the tiny model's one row of 256 values
     assert isinstance(linear, QuantizedLinear) and linear.format.name == quant_type
+
+
+def test_a_lora_over_a_gguf_transformer_is_diffusers(flux, tmp_path, streamed_plans):
+    """--lora over a GGUF transformer: applied unfused over the stored weights (as ComfyUI-GGUF applies LoRAs), the
+    image is diffusers' of its GGUF model with the same LoRA loaded, bit for bit, and again under the smallest
+    budget of the run."""
+    pytest.importorskip("peft")
+    from conftest import smallest_budget
+    from diffusers import FluxPipeline, FluxTransformer2DModel, GGUFQuantizationConfig
+
+    from memfit.testing.conditioning import save_lora
+
+    folder = flux[0]
+    loras = [(str(save_lora(str(folder), tmp_path / "lora", seed=1)), 0.7)]
+    components = {"transformer": _gguf(flux, "Q8_0")}
+    ours = memfit.generate(model=folder, components=components, loras=loras, budget="none", progress=False, **SETTINGS)
+    transformer = FluxTransformer2DModel.from_single_file(
+        str(_gguf(flux, "Q8_0", "diffusers")), config=str(folder), subfolder="transformer",
+        quantization_config=GGUFQuantizationConfig(compute_dtype=torch.float32), torch_dtype=torch.float32)
+    pipe = FluxPipeline.from_pretrained(folder, transformer=transformer, torch_dtype=torch.float32)
+    pipe.load_lora_weights(loras[0][0], adapter_name="style")
+    pipe.set_adapters(["style"], [loras[0][1]])
+    assert np.array_equal(_pixels(ours), _diffusers_image(pipe))
+    budget = smallest_budget(model=folder, components=components, loras=loras, **SETTINGS)
+    streamed = memfit.generate(model=folder, components=components, loras=loras, budget=budget, progress=False,
+                               **SETTINGS)
+    assert np.array_equal(_pixels(streamed), _pixels(ours))

@@ -133,8 +133,11 @@ def load_loras(pipe, loras: tuple[tuple[str, float], ...], configs: dict[str, di
 
     if importlib.util.find_spec("peft") is None:
         raise MemfitError("--lora needs the peft package (diffusers loads LoRAs with it): pip install memfit[lora].")
+    from memfit.quant.linear import logical_weights
+
     names = []
-    with _stand_ins(pipe, configs) as stand_ins:
+    modules = [module for module in pipe.components.values() if isinstance(module, torch.nn.Module)]
+    with _stand_ins(pipe, configs) as stand_ins, logical_weights(modules):
         for index, (path, _) in enumerate(loras):
             name = f"memfit_lora_{index}"
             file = Path(path)

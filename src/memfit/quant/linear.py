@@ -9,21 +9,25 @@ for bit; an fp8 weight converts exactly, as upcasting it when loading would.
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
+
 import torch
 import torch.nn.functional as F
 
 from memfit.quant.formats import STORAGE_DTYPE, StoredTensor, mark_stored
 
-__all__ = ["QuantizedLinear", "use_stored_linears"]
+__all__ = ["QuantizedLinear", "logical_weights", "use_stored_linears"]
 
 
-class QuantizedLinear(torch.nn.Module):
+class QuantizedLinear(torch.nn.Linear):
     """``nn.Linear(in_features, out_features)`` with its weight ``stored``: its format's bytes (STORAGE_DTYPE), and
-    the scale they are multiplied by, if any."""
+    the scale they are multiplied by, if any. A Linear to the code that looks for one: a LoRA wraps it as it
+    wraps any linear layer (unfused, over the stored weight, as ComfyUI-GGUF applies LoRAs)."""
 
     def __init__(self, in_features: int, out_features: int, stored: StoredTensor, *, bias: bool,
                  bias_dtype: torch.dtype = torch.float32, device: str | torch.device = "meta"):
-        super().__init__()
+        torch.nn.Module.__init__(self)  # not Linear's: its weight would be made (and initialised) in floats
         self.in_features, self.out_features, self.stored = in_features, out_features, stored
         self.format = stored.format
         shape = self.format.stored_shape((out_features, in_features))
@@ -72,3 +76,23 @@ def use_stored_linears(module: torch.nn.Module, stored: dict[str, StoredTensor]
         parent = module.get_submodule(parent_path) if parent_path else module
         setattr(parent, child, replacement)
     return others, mismatched
+
+
+@contextlib.contextmanager
+def logical_weights(modules) -> Iterator[None]:
+    """Within the block, every QuantizedLinear of ``modules`` shows a weight of its logical shape (no memory: one
+    zero, expanded) in its bias's dtype, for code that reads a layer's weight to size or place what it adds to it:
+    a LoRA loader sizes its matrices from ``weight.shape`` and puts them on ``weight``'s device and dtype."""
+    swapped = []
+    for module in modules:
+        for layer in module.modules():
+            if isinstance(layer, QuantizedLinear):
+                dtype = layer.bias.dtype if layer.bias is not None else torch.float32
+                swapped.append((layer.weight, layer.weight.data))
+                layer.weight.data = torch.zeros((), dtype=dtype, device=layer.weight.device).expand(
+                    layer.out_features, layer.in_features)
+    try:
+        yield
+    finally:
+        for weight, data in swapped:
+            weight.data = data
