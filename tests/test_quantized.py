@@ -275,3 +275,46 @@ def test_a_lora_over_a_gguf_transformer_is_diffusers(flux, tmp_path, streamed_pl
     streamed = memfit.generate(model=folder, components=components, loras=loras, budget=budget, progress=False,
                                **SETTINGS)
     assert np.array_equal(_pixels(streamed), _pixels(ours))
+
+
+def test_a_t5_gguf_in_llama_cpp_names(flux):
+    """T5 as city96's t5-v1_1-xxl-encoder-Q8_0.gguf holds it: llama.cpp's names (``enc.blk.0.attn_q.weight``), the
+    token embedding once; read through the gguf package's own name map, its image is that of the same values
+    dequantized when loaded, bit for bit; a UMT5 encoder (Wan's) reads its names alike."""
+    import gguf
+    from safetensors.torch import save_file
+    from transformers import T5EncoderModel
+
+    from memfit.models.weight_layouts import LLAMA_CPP_T5
+    from memfit.quant.formats import gguf_format
+    from memfit.testing.quantized import save_gguf
+
+    folder, out = flux[0], flux[1]
+    encoder = T5EncoderModel.from_pretrained(folder / "text_encoder_2")
+    names = gguf.TensorNameMap(gguf.MODEL_ARCH.T5ENCODER, encoder.config.num_layers)
+    state = {names.get_name(key, try_suffixes=(".weight",)): value for key, value in encoder.state_dict().items()
+             if key != "encoder.embed_tokens.weight"}
+    assert "enc.blk.0.attn_q.weight" in state and "token_embd.weight" in state
+    path = save_gguf(state, out / "t5-v1_1-xxl-encoder-Q8_0.gguf", "Q8_0", architecture="t5encoder")
+    ours = memfit.generate(model=folder, components={"text_encoder_2": path}, budget="none", progress=False, **SETTINGS)
+    assert "text_encoder_2 from " in ours.report.notes[0] and "(llama.cpp layout)" in ours.report.notes[0]
+
+    from memfit.quant.gguf_file import MappedGguf
+
+    mapped = MappedGguf(path)
+    assert mapped.formats, "the tiny T5 has rows of whole Q8_0 blocks"
+    dequantized = {key: gguf_format(int(gguf.GGMLQuantizationType.Q8_0), key).dequantize(mapped.tensor(key), torch.float32)
+                   if key in mapped.formats else mapped.tensor(key).clone() for key in mapped.entries}
+    live = LLAMA_CPP_T5.convert(dequantized, {}, encoder)
+    save_file(live, str(out / "t5-upcast.safetensors"))
+    expected = memfit.generate(model=folder, components={"text_encoder_2": out / "t5-upcast.safetensors"},
+                               budget="none", progress=False, **SETTINGS)
+    assert np.array_equal(_pixels(ours), _pixels(expected))
+
+    from transformers import UMT5Config, UMT5EncoderModel
+
+    with torch.device("meta"):
+        umt5 = UMT5EncoderModel(UMT5Config(vocab_size=64, d_model=32, d_kv=8, d_ff=64, num_layers=2, num_heads=2))
+    stored = {names.get_name(key, try_suffixes=(".weight",)): value for key, value in umt5.state_dict().items()
+              if key != "encoder.embed_tokens.weight"}
+    assert set(LLAMA_CPP_T5.convert(stored, {}, umt5)) == set(umt5.state_dict()) - {"encoder.embed_tokens.weight"}

@@ -515,6 +515,11 @@ class SingleFileModel(ModelFolder):
                 tensors = weights.checkpoint.tensors(weights.prefix)
                 self._fingerprints[name] = combine_fingerprints(
                     f"{key}:{tensor.dtype}:{list(tensor.shape)}:{_hash_tensor(tensor)}" for key, tensor in tensors.items())
+            elif isinstance(weights.checkpoint.file, MappedGguf):  # a GGUF file holds one model: all its bytes
+                from memfit.cache.fingerprint import fingerprint_path
+
+                config = (self.config_dir / name / "config.json").read_text(encoding="utf-8")
+                self._fingerprints[name] = combine_fingerprints([f"gguf:{fingerprint_path(weights.path)}", config])
             else:
                 config = (self.config_dir / name / "config.json").read_bytes()
                 self._fingerprints[name] = fingerprint_tensors(weights.path, weights.keys(), config)
@@ -635,6 +640,7 @@ _SIZE_NAMES = {
     "FluxTransformer2DModel": ("width {}", "x_embedder.weight", 0,
                                lambda config: config.get("num_attention_heads", 0) * config.get("attention_head_dim", 0)),
     "T5EncoderModel": ("width {}", "shared.weight", 1, lambda config: config.get("d_model")),
+    "UMT5EncoderModel": ("width {}", "shared.weight", 1, lambda config: config.get("d_model")),
 }
 
 

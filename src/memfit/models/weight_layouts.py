@@ -21,7 +21,7 @@ from typing import Callable
 
 import torch
 
-__all__ = ["BFL_FLUX", "COMPONENT_LAYOUTS", "LDM_UNET", "LDM_VAE", "Layout", "OPEN_CLIP", "TRANSFORMERS_CLIP",
+__all__ = ["BFL_FLUX", "COMPONENT_LAYOUTS", "LDM_UNET", "LDM_VAE", "LLAMA_CPP_T5", "Layout", "OPEN_CLIP", "TRANSFORMERS_CLIP",
            "TRANSFORMERS_T5", "find_layouts", "group_counts"]
 
 
@@ -172,6 +172,21 @@ def _convert_t5(tensors: dict, config: dict, module) -> dict:
     return converted
 
 
+def _convert_llama_cpp_t5(tensors: dict, config: dict, module) -> dict:
+    """llama.cpp's names (city96's ``t5-v1_1-xxl-encoder-Q8_0.gguf``, UMT5 GGUF files: ``enc.blk.0.attn_q.weight``)
+    in transformers' names, by the gguf package's own map between the two, asked for each tensor the model has;
+    the token embedding once, as _convert_t5 gives it."""
+    import gguf
+
+    names = gguf.TensorNameMap(gguf.MODEL_ARCH.T5ENCODER, module.config.num_layers)
+    live_names = {}
+    for live in module.state_dict():
+        stored = names.get_name(live, try_suffixes=(".weight", ".bias"))
+        if stored is not None and live != "encoder.embed_tokens.weight":
+            live_names.setdefault(stored, live)
+    return {live_names.get(key, key): value for key, value in tensors.items()}
+
+
 @dataclass(frozen=True)
 class Layout:
     """A way a component's weights are stored: ``name`` for messages; ``markers``, tensor names only this layout
@@ -193,6 +208,7 @@ TRANSFORMERS_CLIP = Layout("transformers", ("text_model.embeddings.token_embeddi
 OPEN_CLIP = Layout("OpenCLIP", ("positional_embedding",), _convert_open_clip)
 BFL_FLUX = Layout("Black Forest Labs", ("double_blocks.0.img_attn.qkv.weight",), _convert_flux)
 TRANSFORMERS_T5 = Layout("transformers", ("encoder.block.0.layer.0.SelfAttention.q.weight",), _convert_t5)
+LLAMA_CPP_T5 = Layout("llama.cpp", ("enc.blk.0.attn_q.weight",), _convert_llama_cpp_t5)
 
 # The layouts memfit reads a component's file in, by the component's class.
 COMPONENT_LAYOUTS = {
@@ -201,7 +217,8 @@ COMPONENT_LAYOUTS = {
     "CLIPTextModel": (TRANSFORMERS_CLIP, OPEN_CLIP),
     "CLIPTextModelWithProjection": (TRANSFORMERS_CLIP, OPEN_CLIP),
     "FluxTransformer2DModel": (BFL_FLUX, Layout("diffusers", ("transformer_blocks.0.attn.to_q.weight",), _as_stored)),
-    "T5EncoderModel": (TRANSFORMERS_T5,),
+    "T5EncoderModel": (TRANSFORMERS_T5, LLAMA_CPP_T5),
+    "UMT5EncoderModel": (TRANSFORMERS_T5, LLAMA_CPP_T5),
 }
 
 
