@@ -189,7 +189,8 @@ def _flux_transformer_state(width):
 
     transformer = FluxTransformer2DModel(patch_size=1, in_channels=16, num_layers=1, num_single_layers=1,
                                          attention_head_dim=16, num_attention_heads=width // 16,
-                                         joint_attention_dim=16, pooled_projection_dim=16, axes_dims_rope=(4, 4, 8))
+                                         joint_attention_dim=16, pooled_projection_dim=16, axes_dims_rope=(4, 4, 8),
+                                         guidance_embeds=True)
     return flux_bfl_state_dict(transformer)
 
 
@@ -325,6 +326,15 @@ CASES = [
     ("gguf-truncated", _flux_gguf("Q8_0", cut=4096), "flux1-dev-Q8_0.gguf is truncated or damaged: "),
     ("gguf-of-another-width", _flux_gguf("Q8_0", width=64),
      "the file's FluxTransformer2DModel has width 64 where the model's has width 32"),
+    ("quantize-unknown-type", args("--quantize", "unet=q3_k"),
+     "--quantize unet=q3_k: memfit quantizes to fp8, q8_0, q5_1, q5_0, q4_1, q4_0"),
+    ("quantize-unknown-component", args("--quantize", "unte=q8_0"), "has no model component 'unte'; the components"),
+    ("quantize-no-equals", args("--quantize", "unet"), "--quantize unet: give NAME=TYPE"),
+    ("quantize-nothing-to-quantize", lambda model, tmp: {"family": "flux", "args": [
+        "--prompt", "a red circle", "--quantize", "text_encoder_2=q8_0"]},
+     "text_encoder_2 (T5EncoderModel) has no linear layer whose rows are whole blocks of the type outside its norms"),
+    ("quantize-a-quantized-file", lambda model, tmp: {**_flux_gguf("Q8_0")(model, tmp), "args": [
+        *_flux_gguf("Q8_0")(model, tmp)["args"], "--quantize", "transformer=q4_0"]}, "is already quantized"),
     ("lora-file-missing", lora(lambda model, tmp: tmp / "no-such-lora.safetensors"),
      "no-such-lora.safetensors: no such file"),
     ("lora-of-another-family", lora(_flux_lora),

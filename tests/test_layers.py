@@ -12,7 +12,7 @@ SRC = Path(__file__).resolve().parents[1] / "src"
 # Highest first; a module may import its own layer and the layers below it. A tuple holds peer layers,
 # which import neither each other nor the layers above them. "api" is the package root: it re-exports
 # the public API from every layer, so nothing inside memfit imports it.
-LAYERS = ["api", "testing", "cli", ("serve", "batch"), "run", "models", "plan", "compile", "cache", "base"]
+LAYERS = ["api", "testing", "cli", ("serve", "batch"), "run", "models", "plan", "quant", "compile", "cache", "base"]
 BASE = {"memfit.errors", "memfit.devices", "memfit.sizes", "memfit.dtypes", "memfit.atomic",
         "memfit.safetensors_header", "memfit.demo", "memfit.demo.shapes", "memfit.text_enum",
         "memfit.version"}

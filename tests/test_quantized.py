@@ -318,3 +318,53 @@ def test_a_t5_gguf_in_llama_cpp_names(flux):
     stored = {names.get_name(key, try_suffixes=(".weight",)): value for key, value in umt5.state_dict().items()
               if key != "encoder.embed_tokens.weight"}
     assert set(LLAMA_CPP_T5.convert(stored, {}, umt5)) == set(umt5.state_dict()) - {"encoder.embed_tokens.weight"}
+
+
+def test_quantize_on_the_fly_once(flux, capsys):
+    """--quantize transformer=fp8 holds exactly what diffusers' enable_layerwise_casting(storage_dtype=fp8) holds,
+    and draws its image bit for bit; q8_0 writes a GGUF file in diffusers' names that diffusers' own GGUF loading
+    draws the same image from. Each is quantized once: a second run reads memfit's cache."""
+    from diffusers import FluxPipeline, FluxTransformer2DModel, GGUFQuantizationConfig
+
+    from memfit.cache import open_store
+
+    folder = flux[0]
+    ours = memfit.generate(model=folder, quantize={"transformer": "fp8"}, budget="none", progress=False, **SETTINGS)
+    assert "quantizing transformer to fp8" in capsys.readouterr().err
+    assert ours.report.notes[0] == "quantized on the fly (kept in memfit's cache): transformer to fp8"
+    reference = FluxPipeline.from_pretrained(folder, torch_dtype=torch.float32)
+    reference.transformer.enable_layerwise_casting(storage_dtype=torch.float8_e4m3fn, compute_dtype=torch.float32)
+    assert np.array_equal(_pixels(ours), _diffusers_image(reference))
+    again = memfit.generate(model=folder, quantize={"transformer": "fp8"}, budget="none", progress=False, **SETTINGS)
+    assert "quantizing" not in capsys.readouterr().err and np.array_equal(_pixels(again), _pixels(ours))
+
+    ours = memfit.generate(model=folder, quantize={"transformer": "Q8_0"}, budget="none", progress=False, **SETTINGS)
+    entries = [entry for entry in open_store().ls("quantized") if entry.meta.get("type") == "q8_0"]
+    assert len(entries) == 1
+    written = next(entries[0].path.rglob("*.gguf"))
+    transformer = FluxTransformer2DModel.from_single_file(
+        str(written), config=str(folder), subfolder="transformer",
+        quantization_config=GGUFQuantizationConfig(compute_dtype=torch.float32), torch_dtype=torch.float32)
+    theirs = _diffusers_image(FluxPipeline.from_pretrained(folder, transformer=transformer, torch_dtype=torch.float32))
+    assert np.array_equal(_pixels(ours), theirs)
+
+
+def test_memfit_plan_sizes_quantize_without_writing(flux, capsys):
+    """memfit plan --quantize transformer=q4_0 plans the transformer at the size a run loads it at, and writes
+    nothing."""
+    from memfit.cache import open_store
+    from memfit.cli.app import main
+
+    from memfit.models.model_path import open_model_path
+
+    folder = flux[0]
+    before = len(open_store().ls("quantized"))
+    assert main(["plan", "--model", str(folder), "--quantize", "transformer=q4_0", "--budget", "1GiB",
+                 "--process-memory", "0", "--json"]) == 0
+    stages = {stage["name"]: stage for stage in json.loads(capsys.readouterr().out)["plan"]["stages"]}
+    planned = sum(p["bytes"] for p in stages["denoise"]["placements"])
+    assert len(open_store().ls("quantized")) == before
+    model = open_model_path(folder, quantize={"transformer": "q4_0"})
+    transformer = model.load_stage(["transformer"], torch.float32, in_file_dtype=[]).transformer
+    assert planned == sum(p.numel() * p.element_size() for p in transformer.parameters())
+    assert planned < sum(v.numel() * 4 for v in flux[2].values()) / 2

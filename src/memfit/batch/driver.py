@@ -30,7 +30,7 @@ def check_jobs(jobs_path, options: BatchOptions, summary: BatchSummary) -> list[
     from memfit.run.stages import open_model
 
     folder = open_model(options.model, allow_pickle=options.allow_pickle, config=options.config,
-                        components=options.components)
+                        components=options.components, quantize=options.quantize)
     folder.check_weights(planned_models(folder.adapter))
     jobs, bad = read_jobs(jobs_path, options.defaults, model=lambda: folder.fingerprint, dtype=options.dtype)
     checked = []

@@ -32,12 +32,13 @@ class BatchOptions:
     allow_pickle: bool = False
     config: str | Path | None = None  # a checkpoint file's configs (memfit.generate's config)
     components: dict | None = None  # components replaced by files (memfit.generate's components)
+    quantize: dict | None = None  # components quantized on the fly (memfit.generate's quantize)
     threads: int | None = None  # torch's threads in each worker (None: memfit.run.threads picks)
 
     def worker_kwargs(self) -> dict:
         return {"dtype": self.dtype, "device": self.device, "budget": self.budget, "backend": self.backend,
                 "fallback": self.fallback, "allow_pickle": self.allow_pickle, "config": self.config,
-                "components": self.components, "threads": self.threads}
+                "components": self.components, "quantize": self.quantize, "threads": self.threads}
 
 
 @dataclass

@@ -25,7 +25,7 @@ class BatchWorker:
 
     def __init__(self, model, *, dtype: str = "fp32", device=None, budget="auto", backend=None,
                  fallback: str | None = None, allow_pickle: bool = False, config=None, components=None,
-                 threads: int | None = None, name: str | None = None):
+                 quantize=None, threads: int | None = None, name: str | None = None):
         import torch
 
         from memfit.run.options import default_device
@@ -34,7 +34,8 @@ class BatchWorker:
         device = torch.device(device) if device is not None else default_device()
         # "auto" is resolved by each run on this worker's own machine (memfit.plan.budget).
         self.session = Session(model, dtype=dtype, device=device, budget=budget, backend=backend, fallback=fallback,
-                               allow_pickle=allow_pickle, config=config, components=components, threads=threads)
+                               allow_pickle=allow_pickle, config=config, components=components, quantize=quantize,
+                               threads=threads)
         self.name = f"{name + '@' if name else ''}{socket.gethostname()}:{os.getpid()}"
 
     def describe(self) -> dict:

@@ -7,7 +7,7 @@ from pathlib import Path
 
 from memfit.atomic import check_writable
 from memfit.cli.run_args import (THREADS_HELP, add_model_args, add_run_args, check_budget, check_model_args,
-                                 parse_components, run_options)
+                                 parse_components, parse_quantize, run_options)
 from memfit.errors import MemfitError
 from memfit.models.limits import check_settings
 from memfit.run.libraries import quiet_libraries
@@ -129,13 +129,13 @@ def _generate(args) -> int:
 
     # Opened once: a checkpoint file's configs are found (and a pickle read) here, not again in generate.
     model = open_model(args.model, allow_pickle=args.allow_pickle, config=args.config,
-                       components=parse_components(args.component))
+                       components=parse_components(args.component), quantize=parse_quantize(args.quantize))
     out = _output_path(args, model)
     if args.report:
         check_writable(args.report, "--report")
     result = generate(
         args.prompt,
-        **dict(run_options(args), model=model, config=None, components=None),
+        **dict(run_options(args), model=model, config=None, components=None, quantize=None),
         embeddings=args.embeddings,
         negative_prompt=args.negative_prompt,
         steps=args.steps,
@@ -183,7 +183,7 @@ def _encode(args) -> int:
     embeddings, report = encode(
         args.prompt, model=args.model, negative_prompt=args.negative_prompt, dtype=args.dtype, device=args.device,
         budget=args.budget, allow_pickle=args.allow_pickle, config=args.config,
-        components=parse_components(args.component), threads=threads,
+        components=parse_components(args.component), quantize=parse_quantize(args.quantize), threads=threads,
     )
     embeddings.save(out)
     if args.report:

@@ -29,7 +29,8 @@ import json
 from types import SimpleNamespace
 from typing import Any
 
-from memfit.cli.run_args import COMPONENT_HELP, CONFIG_HELP, check_budget, check_model_args, parse_components
+from memfit.cli.run_args import (COMPONENT_HELP, CONFIG_HELP, QUANTIZE_HELP, check_budget, check_model_args,
+                                 parse_components, parse_quantize)
 from memfit.errors import MemfitError
 from memfit.models.archs import ARCHS, get_arch
 from memfit.plan.budget import Budget, BudgetTooSmall, stage_budget
@@ -57,6 +58,7 @@ def register(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
                         "all-in-one checkpoint file (reads only its header and its configs)")
     parser.add_argument("--config", metavar="DIR", help=CONFIG_HELP)
     parser.add_argument("--component", action="append", metavar="NAME=FILE", help=COMPONENT_HELP)
+    parser.add_argument("--quantize", action="append", metavar="NAME=TYPE", help=QUANTIZE_HELP)
     parser.add_argument("--budget", default="auto", help="device memory budget, e.g. 4GiB, 6GB (=6*10^9), 512MiB; "
                         "auto (default): what this machine can spare now; +SIZE: SIZE on top of the memory this process "
                         "holds, as memfit generate takes it")
@@ -219,9 +221,11 @@ def _source(args: argparse.Namespace):
         return arch.name, arch.description, arch.adapter()
     from memfit.models.model_path import open_model_path
 
-    if (args.config is not None or args.component) and args.model is None:
-        raise MemfitError("--config and --component are for a model given as --model; --arch needs no files.")
-    folder = open_model_path(args.model, config=args.config, components=parse_components(args.component))
+    if (args.config is not None or args.component or args.quantize) and args.model is None:
+        raise MemfitError("--config, --component and --quantize are for a model given as --model; --arch needs no "
+                          "files.")
+    folder = open_model_path(args.model, config=args.config, components=parse_components(args.component),
+                             quantize=parse_quantize(args.quantize), plan_only=True)
     adapter = folder.adapter
     planned = set(planned_models(adapter))
     folder.require_configs(planned)

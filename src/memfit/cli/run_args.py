@@ -7,8 +7,8 @@ import argparse
 
 from memfit.compile.backends.registry import list_backends
 
-__all__ = ["COMPONENT_HELP", "CONFIG_HELP", "THREADS_HELP", "add_model_args", "add_run_args", "check_budget",
-           "check_model_args", "parse_components", "run_options"]
+__all__ = ["COMPONENT_HELP", "CONFIG_HELP", "QUANTIZE_HELP", "THREADS_HELP", "add_model_args", "add_run_args", "check_budget",
+           "check_model_args", "parse_components", "parse_quantize", "run_options"]
 
 BUDGET_HELP = ("memory budget for each stage (the process, weights and activations): auto (default: what this machine, "
                "container or GPU can spare now), none (no planning), a size such as 2GiB or 6GB (=6*10^9 bytes), or "
@@ -27,21 +27,34 @@ COMPONENT_HELP = ("replace one component of the model by a single file of its ow
                   "(a UNet, VAE or CLIP text encoder, in its original or diffusers layout); repeatable")
 
 
-def parse_components(values: list[str] | None) -> dict[str, str] | None:
-    """{name: file} from --component NAME=FILE flags; None when there are none."""
+QUANTIZE_HELP = ("quantize one component of the model on the fly, once (kept in memfit's cache), e.g. "
+                 "transformer=q8_0; TYPE: fp8, q8_0, q5_1, q5_0, q4_1, q4_0; repeatable")
+
+
+def _parse_pairs(values: list[str] | None, flag: str, metavar: str, example: str) -> dict[str, str] | None:
+    """{name: value} from ``flag`` NAME=VALUE flags (``metavar``: NAME=FILE); None when there are none."""
     from memfit.errors import MemfitError
 
-    components: dict[str, str] = {}
-    for value in values or ():
-        name, equals, path = value.partition("=")
+    pairs: dict[str, str] = {}
+    for item in values or ():
+        name, equals, value = item.partition("=")
         name = name.strip()
-        if not equals or not name or not path:
-            raise MemfitError(f"--component {value}: give NAME=FILE, e.g. --component vae=sdxl_vae.safetensors.")
-        if name in components:
-            raise MemfitError(f"--component {name} is given twice ({components[name]} and {path}); give each "
-                              "component once.")
-        components[name] = path
-    return components or None
+        if not equals or not name or not value:
+            raise MemfitError(f"{flag} {item}: give {metavar}, e.g. {flag} {example}.")
+        if name in pairs:
+            raise MemfitError(f"{flag} {name} is given twice ({pairs[name]} and {value}); give each component once.")
+        pairs[name] = value
+    return pairs or None
+
+
+def parse_components(values: list[str] | None) -> dict[str, str] | None:
+    """{name: file} from --component NAME=FILE flags; None when there are none."""
+    return _parse_pairs(values, "--component", "NAME=FILE", "vae=sdxl_vae.safetensors")
+
+
+def parse_quantize(values: list[str] | None) -> dict[str, str] | None:
+    """{name: type} from --quantize NAME=TYPE flags; None when there are none."""
+    return _parse_pairs(values, "--quantize", "NAME=TYPE", "transformer=q8_0")
 
 
 def check_budget(value: str) -> None:
@@ -61,6 +74,7 @@ def check_model_args(args: argparse.Namespace) -> None:
     if args.model is not None:
         refuse_missing_model(args.model)
     parse_components(args.component)
+    parse_quantize(args.quantize)
 
 
 def add_model_args(parser: argparse.ArgumentParser, *, model_help: str = "", several_configs: bool = False) -> None:
@@ -76,6 +90,7 @@ def add_model_args(parser: argparse.ArgumentParser, *, model_help: str = "", sev
     else:
         parser.add_argument("--config", metavar="DIR", help=CONFIG_HELP)
     parser.add_argument("--component", action="append", metavar="NAME=FILE", help=COMPONENT_HELP)
+    parser.add_argument("--quantize", action="append", metavar="NAME=TYPE", help=QUANTIZE_HELP)
     parser.add_argument("--dtype", choices=("fp32", "bf16", "fp16"), default="fp32", help="run dtype (default fp32)")
     parser.add_argument("--device", help="torch device, e.g. cpu or cuda:0 (default: cuda if available)")
     parser.add_argument("--allow-pickle", action="store_true",
@@ -102,6 +117,7 @@ def run_options(args: argparse.Namespace) -> dict:
     from memfit.run.threads import check_threads
 
     return {"model": args.model, "config": args.config, "components": parse_components(args.component),
+            "quantize": parse_quantize(args.quantize),
             "dtype": args.dtype, "device": args.device, "allow_pickle": args.allow_pickle,
             "budget": args.budget, "backend": parse_backend_arg(args.backend) if args.backend else None,
             "fallback": args.fallback, "threads": check_threads(args.threads)}

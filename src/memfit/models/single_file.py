@@ -375,6 +375,8 @@ class SingleFileModel(ModelFolder):
     config_components: tuple[str, ...] = ()
     config_flag: str = "--config"  # how the user names the config folder (the refiner's: --refiner-config)
     weights: dict[str, ComponentWeights] = field(default_factory=dict, repr=False, compare=False)
+    # The components quantized on the fly (--quantize), by type: their weights are in memfit's cache.
+    quantized: dict[str, str] = field(default_factory=dict)
 
     @classmethod
     def open_file(cls, path: str | Path, *, config: str | Path | None = None, allow_pickle: bool = False,
@@ -414,18 +416,28 @@ class SingleFileModel(ModelFolder):
 
     @classmethod
     def with_components(cls, model: ModelFolder, components: dict[str, str | Path], *,
-                        allow_pickle: bool = False) -> "SingleFileModel":
+                        allow_pickle: bool = False, quantized: dict[str, str] | None = None) -> "SingleFileModel":
         """``model`` (a folder or a checkpoint) with each component named in ``components`` read from the file
         given for it, in a layout memfit reads for its class (memfit.models.weight_layouts); refused, naming
-        both, when the file holds another architecture or size than the model's config."""
+        both, when the file holds another architecture or size than the model's config. ``quantized``: the
+        components whose file memfit wrote quantizing them (memfit.models.quantize), by type: in their own names."""
         if isinstance(model, SingleFileModel):
-            combined = dataclasses.replace(model, weights=dict(model.weights), _fingerprints={})
+            combined = dataclasses.replace(model, weights=dict(model.weights), _fingerprints={},
+                                           quantized={**model.quantized, **(quantized or {})})
         else:
             combined = cls(model.path, model.class_name, model.components, model.configs, model.defaults,
-                           allow_pickle=model.allow_pickle, config_dir=model.path, config_components=tuple(model.components))
+                           allow_pickle=model.allow_pickle, config_dir=model.path, config_components=tuple(model.components),
+                           quantized=dict(quantized or {}))
         combined.allow_pickle = combined.allow_pickle or allow_pickle
         for name, file in components.items():
-            combined.weights[name] = combined._component_file(name, Path(file).expanduser())
+            if name in (quantized or {}):
+                from memfit.models.weight_layouts import AS_SAVED
+
+                weights = ComponentWeights(_Checkpoint(Path(file), allow_pickle=False), "", AS_SAVED)
+                combined._assign(name, weights, probe=True)
+                combined.weights[name] = weights
+            else:
+                combined.weights[name] = combined._component_file(name, Path(file).expanduser())
         return combined
 
     def _component_file(self, name: str, path: Path) -> ComponentWeights:
@@ -498,7 +510,10 @@ class SingleFileModel(ModelFolder):
             if absent:
                 notes.append(f"{', '.join(absent)} not in the file: read from {self.config_dir}")
         replaced = [f"{name} from {weights.path} ({weights.layout.name} layout)" for name, weights in self.weights.items()
-                    if weights.path != self.path]
+                    if weights.path != self.path and name not in self.quantized]
+        if self.quantized:
+            notes.append("quantized on the fly (kept in memfit's cache): " + ", ".join(
+                f"{name} to {kind}" for name, kind in self.quantized.items()))
         if replaced:
             notes.append("components from files of their own: " + ", ".join(replaced))
         return "; ".join(notes)

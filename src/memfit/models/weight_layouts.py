@@ -21,7 +21,7 @@ from typing import Callable
 
 import torch
 
-__all__ = ["BFL_FLUX", "COMPONENT_LAYOUTS", "LDM_UNET", "LDM_VAE", "LLAMA_CPP_T5", "Layout", "OPEN_CLIP", "TRANSFORMERS_CLIP",
+__all__ = ["AS_SAVED", "BFL_FLUX", "COMPONENT_LAYOUTS", "LDM_UNET", "LDM_VAE", "LLAMA_CPP_T5", "Layout", "OPEN_CLIP", "TRANSFORMERS_CLIP",
            "TRANSFORMERS_T5", "find_layouts", "group_counts"]
 
 
@@ -209,6 +209,8 @@ OPEN_CLIP = Layout("OpenCLIP", ("positional_embedding",), _convert_open_clip)
 BFL_FLUX = Layout("Black Forest Labs", ("double_blocks.0.img_attn.qkv.weight",), _convert_flux)
 TRANSFORMERS_T5 = Layout("transformers", ("encoder.block.0.layer.0.SelfAttention.q.weight",), _convert_t5)
 LLAMA_CPP_T5 = Layout("llama.cpp", ("enc.blk.0.attn_q.weight",), _convert_llama_cpp_t5)
+# A file memfit wrote (--quantize): the model's own names, whatever its class.
+AS_SAVED = Layout("memfit", (), _as_stored)
 
 # The layouts memfit reads a component's file in, by the component's class.
 COMPONENT_LAYOUTS = {

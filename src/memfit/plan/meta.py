@@ -37,10 +37,12 @@ __all__ = [
     "DTYPE_BYTES",
     "DirectTensors",
     "activation_estimate",
+    "build_on_meta",
     "dtype_bytes",
     "is_model_class",
     "is_under",
     "measure_component",
+    "measure_module",
     "split_blocks",
 ]
 
@@ -158,7 +160,7 @@ def measure_module(name: str, module, dtype: str = "bf16", *,
 def _count_blocks(
     library: str, class_name: str, config_json: str, max_block_fraction: float
 ) -> tuple[tuple[str, int, int, int], ...]:
-    return _module_blocks(_build_on_meta(library, class_name, json.loads(config_json)), max_block_fraction)
+    return _module_blocks(build_on_meta(library, class_name, json.loads(config_json)), max_block_fraction)
 
 
 def _module_blocks(module, max_block_fraction: float) -> tuple[tuple[str, int, int, int], ...]:
@@ -180,7 +182,8 @@ def is_model_class(library: str, class_name: str) -> bool:
     return True
 
 
-def _build_on_meta(library: str, class_name: str, config: dict):
+def build_on_meta(library: str, class_name: str, config: dict):
+    """``library.class_name`` built from ``config`` on the meta device: its shapes, no data."""
     import torch
 
     cls = _resolve_class(library, class_name)

@@ -53,12 +53,13 @@ def encode(
     allow_pickle: bool = False,
     config: str | Path | None = None,
     components: dict[str, str | Path] | None = None,
+    quantize: dict[str, str] | None = None,
     threads: int | None = None,
 ) -> tuple[Embeddings, RunReport]:
     """Run only the encode stage; the embeddings carry both guidance branches. ``model``, ``config``,
-    ``components`` and ``threads`` as memfit.generate's."""
+    ``components``, ``quantize`` and ``threads`` as memfit.generate's."""
     quiet_libraries()
-    folder = open_model(model, allow_pickle=allow_pickle, config=config, components=components)
+    folder = open_model(model, allow_pickle=allow_pickle, config=config, components=components, quantize=quantize)
     if not folder.adapter.staged:
         raise MemfitError(_not_staged(folder, "encode prompts on their own"))
     options = RunOptions.build(device=device, dtype=dtype, budget=budget, backend=backend, fallback=fallback,
@@ -109,6 +110,7 @@ def generate(
     on_step: Callable[[str, int, int], None] | None = None,
     config: str | Path | None = None,
     components: dict[str, str | Path] | None = None,
+    quantize: dict[str, str] | None = None,
     threads: int | None = None,
 ) -> Generation:
     """Generate an image with a diffusers model folder or an all-in-one checkpoint file, one stage resident at a
@@ -119,7 +121,9 @@ def generate(
     those are read), else from the Hugging Face cache, else (online) fetched once (memfit.models.single_file_configs);
     its weights stream from the file as a folder's do. `components` ({"vae": "vae.safetensors"}) replaces
     components of the model, folder or checkpoint, by single files of their own (a UNet, VAE or CLIP text
-    encoder in its original or diffusers layout), streamed from those files the same way. With `embeddings` (a file from
+    encoder in its original or diffusers layout; GGUF and fp8 files stay quantized), streamed from those files the
+    same way. `quantize` ({"transformer": "q8_0"}; fp8, q8_0, q5_1, q5_0, q4_1, q4_0) quantizes components on the
+    fly, once, into memfit's cache (memfit.models.quantize). With `embeddings` (a file from
     `memfit encode` or an Embeddings object) the encode stage is skipped entirely. `budget`
     ("auto", the default: what this machine, container or GPU can spare now; "none": no planning;
     bytes, "2GiB", or a Budget) bounds each stage's peak: the process's own memory, resident
@@ -171,8 +175,8 @@ def generate(
     options = RunOptions.build(device=device, dtype=dtype, budget=budget, backend=backend, fallback=fallback,
                                progress=progress, allow_pickle=allow_pickle, pool=pool, on_step=on_step,
                                threads=threads)
-    if config is not None or components:
-        model = open_model(model, allow_pickle=allow_pickle, config=config, components=components)
+    if config is not None or components or quantize:
+        model = open_model(model, allow_pickle=allow_pickle, config=config, components=components, quantize=quantize)
     if refiner is not None:
         from memfit.run.refiner import DEFAULT_REFINER_START, generate_with_refiner
 

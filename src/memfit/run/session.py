@@ -118,8 +118,8 @@ class WarmPool:
 
 
 class Session:
-    """Generate with one model (a folder, or a single-file checkpoint with its ``config``, and ``components``
-    replaced by files, as memfit.generate's)
+    """Generate with one model (a folder, or a single-file checkpoint with its ``config``, ``components``
+    replaced by files and ``quantize`` quantized, as memfit.generate's)
     and one set of run options, the stages kept warm between calls.
 
     One run at a time (a lock): memory is the constraint, so runs never overlap. ``warm=False``
@@ -129,8 +129,10 @@ class Session:
     def __init__(self, model: str | Path | None = None, *, dtype: str = "fp32", device: str | torch.device | None = None,
                  budget="auto", backend=None, fallback: str | None = None, warm: bool = True,
                  allow_pickle: bool = False, config: str | Path | None = None,
-                 components: dict[str, str | Path] | None = None, threads: int | None = None):
-        self.folder = open_model(model, allow_pickle=allow_pickle, config=config, components=components)
+                 components: dict[str, str | Path] | None = None, quantize: dict[str, str] | None = None,
+                 threads: int | None = None):
+        self.folder = open_model(model, allow_pickle=allow_pickle, config=config, components=components,
+                                 quantize=quantize)
         self.dtype = dtype
         self.device = torch.device(device) if device is not None else default_device()
         self.budget = budget

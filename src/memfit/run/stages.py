@@ -30,23 +30,26 @@ __all__ = ["Generation", "check_embeddings", "decode_stage", "denoise_stage", "e
 
 
 def open_model(model: str | Path | ModelFolder | None, *, allow_pickle: bool = False,
-               config: str | Path | None = None, components: dict[str, str | Path] | None = None) -> ModelFolder:
+               config: str | Path | None = None, components: dict[str, str | Path] | None = None,
+               quantize: dict[str, str] | None = None) -> ModelFolder:
     """The model at a path, its layout checked: a diffusers folder, or an all-in-one single-file checkpoint with
     its configs from ``config`` (a diffusers folder of its family) or where memfit finds them
     (memfit.models.model_path); None is memfit's built-in demo model. ``components`` (name -> file) replaces
-    those components by single files of their own (``--component vae=FILE``).
+    those components by single files of their own (``--component vae=FILE``); ``quantize`` (name -> type)
+    quantizes those on the fly, once (memfit.models.quantize).
 
     ``allow_pickle`` loads pickle checkpoints (.bin, .pt, .ckpt, ...) with torch's weights_only loader;
     without it they are refused.
     """
     if isinstance(model, ModelFolder):
-        folder = with_components(model, components, allow_pickle=allow_pickle)
+        folder = with_components(model, components, allow_pickle=allow_pickle, quantize=quantize)
     else:
         if model is None:
             from memfit.demo import model_dir
 
             model = model_dir()
-        folder = open_model_path(model, config=config, allow_pickle=allow_pickle, components=components)
+        folder = open_model_path(model, config=config, allow_pickle=allow_pickle, components=components,
+                                 quantize=quantize)
     folder.check_layout()
     if allow_pickle:
         folder.allow_pickle = True

@@ -1,0 +1,147 @@
+"""Quantizing a component's weights into a file memfit reads back like a user's quantized file.
+
+Which layers: those diffusers' layerwise casting stores smaller (its supported layers, outside its skip
+patterns: norms, position and patch embeddings, proj_in/proj_out, and a model's own
+``_skip_layerwise_casting_patterns`` and ``_keep_in_fp32_modules``), so an fp8 component holds exactly
+the values ``enable_layerwise_casting(storage_dtype=torch.float8_e4m3fn)`` holds: every weight and bias
+of those layers rounded to fp8. A GGUF type quantizes their linear weights whose rows are whole blocks
+(the gguf package's quantizers, as city96's converter uses them); the rest keeps its dtype.
+
+Files are written one tensor at a time (a model never sits in memory twice): GGUF through the gguf
+package's streaming writer, fp8 as a safetensors file.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from memfit.errors import MemfitError
+
+__all__ = ["GGUF_TYPES", "QUANTIZE_TYPES", "quantized_layers", "write_quantized"]
+
+#: --quantize's types: the name users give -> the GGUF type the gguf package quantizes to, or the fp8 dtype.
+GGUF_TYPES = {"q8_0": "Q8_0", "q5_1": "Q5_1", "q5_0": "Q5_0", "q4_1": "Q4_1", "q4_0": "Q4_0"}
+QUANTIZE_TYPES = ("fp8", *GGUF_TYPES)
+
+
+def _skip_patterns(module: torch.nn.Module) -> tuple[str, ...]:
+    from diffusers.hooks.layerwise_casting import DEFAULT_SKIP_MODULES_PATTERN
+
+    patterns = tuple(DEFAULT_SKIP_MODULES_PATTERN)
+    for attribute in ("_keep_in_fp32_modules", "_skip_layerwise_casting_patterns"):
+        patterns += tuple(getattr(module, attribute, None) or ())
+    return patterns
+
+
+def quantized_layers(module: torch.nn.Module, quant_type: str) -> dict[str, torch.nn.Module]:
+    """{path: layer} of the layers of ``module`` that ``quant_type`` stores smaller (see the module docstring)."""
+    from diffusers.hooks._common import _GO_LC_SUPPORTED_PYTORCH_LAYERS
+
+    patterns = _skip_patterns(module)
+    block = _block_size(quant_type)
+    found = {}
+
+    def walk(layer: torch.nn.Module, path: str) -> None:
+        if any(re.search(pattern, path) for pattern in patterns):
+            return
+        if isinstance(layer, _GO_LC_SUPPORTED_PYTORCH_LAYERS):
+            if quant_type == "fp8" or (isinstance(layer, torch.nn.Linear) and layer.in_features % block == 0):
+                found[path] = layer
+            return
+        for name, child in layer.named_children():
+            walk(child, f"{path}.{name}" if path else name)
+
+    walk(module, "")
+    return found
+
+
+def _block_size(quant_type: str) -> int:
+    if quant_type == "fp8":
+        return 1
+    import gguf
+
+    return gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType[GGUF_TYPES[quant_type]]][0]
+
+
+def _named_tensors(module: torch.nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
+    """Every tensor a state dict of ``module`` holds, a tied one once (under its first name)."""
+    seen: set[int] = set()
+    for name, tensor in module.state_dict(keep_vars=True).items():
+        if id(tensor) not in seen:
+            seen.add(id(tensor))
+            yield name, tensor.detach()
+
+
+def write_quantized(module: torch.nn.Module, quant_type: str, folder: Path) -> Path:
+    """Write ``module``'s weights with its quantized_layers in ``quant_type`` into ``folder``; the file's path."""
+    layers = quantized_layers(module, quant_type)
+    if quant_type == "fp8":
+        chosen = {f"{path}.{leaf}" for path, layer in layers.items() for leaf, _ in layer.named_parameters(recurse=False)}
+        return _write_fp8(dict(_named_tensors(module)), chosen, folder / "model.safetensors")
+    chosen = {f"{path}.weight" for path in layers}
+    return _write_gguf(dict(_named_tensors(module)), chosen, GGUF_TYPES[quant_type], folder / "model.gguf")
+
+
+def _write_gguf(tensors: dict[str, torch.Tensor], chosen: set[str], type_name: str, path: Path) -> Path:
+    import gguf
+
+    kind = gguf.GGMLQuantizationType[type_name]
+    writer = gguf.GGUFWriter(path, "memfit")
+    planned = []
+    for name, tensor in tensors.items():
+        if name in chosen:
+            stored = gguf.quant_shape_to_byte_shape(tuple(tensor.shape), kind)
+            writer.add_tensor_info(name, stored, np.dtype(np.uint8), int(np.prod(stored)), raw_dtype=kind)
+        elif tensor.dtype == torch.bfloat16:
+            writer.add_tensor_info(name, tuple(tensor.shape), np.dtype(np.uint16), tensor.numel() * 2,
+                                   raw_dtype=gguf.GGMLQuantizationType.BF16)
+        else:
+            dtype = np.float16 if tensor.dtype == torch.float16 else np.float32
+            writer.add_tensor_info(name, tuple(tensor.shape), np.dtype(dtype), tensor.numel() * np.dtype(dtype).itemsize)
+        planned.append(name)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_ti_data_to_file()
+    for name in planned:
+        tensor = tensors[name]
+        if name in chosen:
+            writer.write_tensor_data(gguf.quants.quantize(tensor.to(torch.float32).numpy(), kind))
+        elif tensor.dtype == torch.bfloat16:
+            writer.write_tensor_data(tensor.contiguous().view(torch.int16).numpy().view(np.uint16))
+        else:
+            writer.write_tensor_data(tensor.to(torch.float16 if tensor.dtype == torch.float16 else torch.float32)
+                                     .contiguous().numpy())
+    writer.close()
+    return path
+
+
+_SAFETENSORS_DTYPES = {torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16", torch.int64: "I64",
+                       torch.int32: "I32", torch.uint8: "U8", torch.int8: "I8", torch.bool: "BOOL"}
+
+
+def _write_fp8(tensors: dict[str, torch.Tensor], chosen: set[str], path: Path) -> Path:
+    fp8 = getattr(torch, "float8_e4m3fn", None)
+    if fp8 is None:
+        raise MemfitError(f"--quantize ...=fp8 needs a torch with fp8 dtypes (2.1 or newer); this is {torch.__version__}.")
+    header, offset = {}, 0
+    for name, tensor in tensors.items():
+        dtype = "F8_E4M3" if name in chosen else _SAFETENSORS_DTYPES.get(tensor.dtype)
+        if dtype is None:
+            raise MemfitError(f"{name} is a {tensor.dtype} tensor, which memfit does not write; leave out --quantize.")
+        size = tensor.numel() * (1 if name in chosen else tensor.element_size())
+        header[name] = {"dtype": dtype, "shape": list(tensor.shape), "data_offsets": [offset, offset + size]}
+        offset += size
+    text = json.dumps(header, separators=(",", ":")).encode()
+    text += b" " * (-len(text) % 8)
+    with path.open("wb") as out:
+        out.write(len(text).to_bytes(8, "little") + text)
+        for name, tensor in tensors.items():
+            values = tensor.to(fp8) if name in chosen else tensor
+            out.write(values.contiguous().reshape(-1).view(torch.uint8).numpy().tobytes())
+    return path
