@@ -371,6 +371,9 @@ def test_kontext_edits_the_input_image(tiny_models):
     assert list(stages) == ["encode", "denoise", "decode"] and "vae" in stages["denoise"].components
     prompt_only = memfit.generate(PROMPT, model=model, width=32, height=32, progress=False, **settings)
     assert prompt_only.settings.task == "text2img"
+    # The denoise stage's activation estimate counts the input image's tokens (about 1024 x 1024 pixels, 32 a side).
+    adapter = ModelFolder.open(model).adapter
+    assert adapter.context_tokens(prompt_only.settings) == 512 < 512 + 1000 < adapter.context_tokens(ours.settings)
     assert max_pixel_difference(ours.images, prompt_only.images) > 0
     with pytest.raises(MemfitError, match="FluxKontextPipeline takes no --strength"):
         memfit.generate(PROMPT, model=model, image=KONTEXT_IMAGE, strength=0.5, progress=False, **settings)
