@@ -22,10 +22,12 @@ from memfit.run.embeddings import Embeddings
 from memfit.models.folder import ModelFolder
 from conftest import smallest_budget, with_staging_ring
 from memfit.testing import PIPELINE_KINDS, assert_matches_diffusers, diffusers_output, max_pixel_difference
+from memfit.testing.conditioning import test_image
 
 PROMPT = "a red house near the sea"
 NEGATIVE = "blurry"
 BASE = dict(prompt=PROMPT, steps=2, seed=7, width=32, height=32)
+KONTEXT_IMAGE = test_image(32, seed=1)
 
 # kind -> (settings without guidance, settings with guidance); None where a family has no guidance.
 CASES = {
@@ -39,6 +41,11 @@ CASES = {
     "pixart_sigma": (dict(guidance=1.0), dict(guidance=4.5, negative_prompt=NEGATIVE)),
     "aura_flow": (dict(guidance=1.0), dict(guidance=3.5, negative_prompt=NEGATIVE)),
     "hidream": (dict(guidance=1.0), dict(guidance=5.0, negative_prompt=NEGATIVE)),
+    # Z-Image guides whenever guidance > 0 (Turbo runs at 0)
+    "zimage": (dict(guidance=0.0), dict(guidance=4.0, negative_prompt=NEGATIVE)),
+    # Kontext edits an input image (the img2img task)
+    "flux_kontext": (dict(guidance=3.5, image=KONTEXT_IMAGE),
+                     dict(guidance=3.5, true_cfg_scale=4.0, negative_prompt=NEGATIVE, image=KONTEXT_IMAGE)),
 }
 
 
@@ -317,6 +324,59 @@ def test_chroma_unequal_lengths_are_native(tiny_models):
     other_seed = pipe(**cut, num_inference_steps=2, guidance_scale=5.0, width=32, height=32,
                       generator=torch.Generator().manual_seed(8)).images
     assert max_pixel_difference(ours.images, other_seed) > 0
+
+
+@pytest.mark.parametrize("kind", ["zimage", "flux_kontext"])
+def test_embeddings_file_equals_diffusers(tiny_models, kind, tmp_path):
+    """memfit encode, then generate from the file (Kontext with its input image): the image plain
+    diffusers makes from the prompts, without the encode stage."""
+    model = tiny_models(kind)
+    settings = _settings(kind, True)
+    del settings["prompt"], settings["negative_prompt"]
+    embeddings, _ = memfit.encode(PROMPT, model=model, negative_prompt=NEGATIVE)
+    positive, negative = embeddings.tensors["prompt_embeds"], embeddings.tensors["negative_prompt_embeds"]
+    ours = memfit.generate(model=model, embeddings=embeddings.save(tmp_path / "prompt.safetensors"), progress=False,
+                           **settings)
+    assert [stage.stage for stage in ours.report.stages] == ["denoise", "decode"]
+    if positive.shape[1] != negative.shape[1]:  # Z-Image embeds each prompt at its own length
+        assert any(f"{positive.shape[1]} (positive) and {negative.shape[1]} (negative)" in note
+                   for note in ours.report.notes)
+    inputs = {"image": settings["image"]} if "image" in settings else {}
+    assert max_pixel_difference(ours.images, diffusers_output(model, ours.settings, **inputs)) == 0
+
+
+def test_zimage_guides_above_zero(tiny_models):
+    """ZImagePipeline guides whenever guidance > 0, with "" as the negative prompt where none is given;
+    its defaults are its __call__'s."""
+    model = tiny_models("zimage")
+    adapter = ModelFolder.open(model).adapter
+    assert adapter.guided(adapter.resolve(PROMPT, None, 2, 0.5, 0, 32, 32))
+    assert not adapter.guided(adapter.resolve(PROMPT, NEGATIVE, 2, 0.0, 0, 32, 32))
+    settings = adapter.resolve(PROMPT, None, None, None, 0, None, None)
+    assert (settings.steps, settings.guidance, settings.width, settings.height) == (50, 5.0, 256, 256)  # VAE scale 2
+    ours, _ = assert_matches_diffusers(model, atol=0, **dict(BASE, guidance=0.5))
+    assert [stage.stage for stage in ours.report.stages] == ["encode", "denoise", "decode"]
+
+
+def test_kontext_edits_the_input_image(tiny_models):
+    """FLUX.1 Kontext takes --image as its img2img task: the VAE's encoder runs in the denoise stage, the
+    output has the input's size unless asked otherwise, the image changes the output, --strength is refused."""
+    from memfit.errors import MemfitError
+
+    model = tiny_models("flux_kontext")
+    settings = dict(steps=2, guidance=3.5, seed=7)
+    ours = memfit.generate(PROMPT, model=model, image=KONTEXT_IMAGE, progress=False, **settings)
+    assert ours.settings.task == "img2img" and ours.images[0].size == KONTEXT_IMAGE.size
+    stages = {stage.stage: stage for stage in ours.report.stages}
+    assert list(stages) == ["encode", "denoise", "decode"] and "vae" in stages["denoise"].components
+    prompt_only = memfit.generate(PROMPT, model=model, width=32, height=32, progress=False, **settings)
+    assert prompt_only.settings.task == "text2img"
+    # The denoise stage's activation estimate counts the input image's tokens (about 1024 x 1024 pixels, 32 a side).
+    adapter = ModelFolder.open(model).adapter
+    assert adapter.context_tokens(prompt_only.settings) == 512 < 512 + 1000 < adapter.context_tokens(ours.settings)
+    assert max_pixel_difference(ours.images, prompt_only.images) > 0
+    with pytest.raises(MemfitError, match="FluxKontextPipeline takes no --strength"):
+        memfit.generate(PROMPT, model=model, image=KONTEXT_IMAGE, strength=0.5, progress=False, **settings)
 
 
 @pytest.mark.parametrize("kind", ["sana", "pixart_sigma"])

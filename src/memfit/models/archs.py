@@ -450,7 +450,58 @@ COGVIEW4 = Arch(
     ),
 )
 
-ARCHS: Mapping[str, Arch] = MappingProxyType({a.name: a for a in (SD15, SDXL, FLUX, LUMINA2, COGVIEW4)})
+# FLUX.1 Kontext dev: FLUX.1 dev's components and configs, run as the image-editing pipeline.
+FLUX_KONTEXT = dataclasses.replace(
+    FLUX, name="flux-kontext", class_name="FluxKontextPipeline",
+    description="FLUX.1 Kontext dev, image editing (FLUX.1 dev's transformer 12B, CLIP-L, T5-XXL, 16-channel VAE)")
+
+ZIMAGE = Arch(
+    name="zimage",
+    description="Z-Image (Turbo) (single-stream transformer 6B, Qwen3-4B text encoder, Flux VAE)",
+    class_name="ZImagePipeline",
+    components=(
+        ComponentSpec(
+            "text_encoder",
+            "transformers",
+            "Qwen3Model",
+            _frozen(
+                {
+                    "architectures": ["Qwen3ForCausalLM"],
+                    "attention_bias": False,
+                    "attention_dropout": 0.0,
+                    "bos_token_id": 151643,
+                    "eos_token_id": 151645,
+                    "head_dim": 128,
+                    "hidden_act": "silu",
+                    "hidden_size": 2560,
+                    "initializer_range": 0.02,
+                    "intermediate_size": 9728,
+                    "max_position_embeddings": 40960,
+                    "max_window_layers": 36,
+                    "model_type": "qwen3",
+                    "num_attention_heads": 32,
+                    "num_hidden_layers": 36,
+                    "num_key_value_heads": 8,
+                    "rms_norm_eps": 1e-06,
+                    "rope_scaling": None,
+                    "rope_theta": 1000000,
+                    "sliding_window": None,
+                    "tie_word_embeddings": True,
+                    "use_cache": True,
+                    "use_sliding_window": False,
+                    "vocab_size": 151936,
+                }
+            ),
+            4_022_468_096,  # Qwen3-4B; its lm_head is tied to the embedding (absent in Qwen3Model)
+        ),
+        # ZImageTransformer2DModel's defaults in diffusers are Z-Image's own configuration.
+        ComponentSpec("transformer", "diffusers", "ZImageTransformer2DModel", _frozen({}), 6_000_000_000, 0.03),
+        ComponentSpec("vae", "diffusers", "AutoencoderKL", _frozen(FLUX_VAE), FLUX_VAE_PARAMS),
+    ),
+)
+
+ARCHS: Mapping[str, Arch] = MappingProxyType({a.name: a for a in (SD15, SDXL, FLUX, LUMINA2, COGVIEW4, FLUX_KONTEXT,
+                                                                   ZIMAGE)})
 
 
 def get_arch(name: str) -> Arch:

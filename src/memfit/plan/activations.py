@@ -84,7 +84,7 @@ def stage_strategies(adapter, stage: str, settings, guided: bool, dtype: str) ->
         denoiser_class = adapter.classes.get(denoiser, ("", ""))[1]
 
         def estimate(batch: int, kind: str = kind) -> int:
-            return activation_estimate(kind, configs[denoiser], batch=batch, text_tokens=adapter.max_text_tokens,
+            return activation_estimate(kind, configs[denoiser], batch=batch, text_tokens=adapter.context_tokens(settings),
                                        class_name=denoiser_class, dtype=dtype, **size)
 
         batch = 1 if not guided or adapter.guidance_batch == 1 else 2

@@ -412,7 +412,8 @@ def _transformer_elems(config, *, width, height, vae_scale, text_tokens, class_n
         frames = -(-frames // patch[0])
         patch = patch[-1]
     image_tokens = frames * (width // vae_scale // patch) * (height // vae_scale // patch)
-    hidden = config.get("hidden_size") or config.get("num_attention_heads", 24) * config.get("attention_head_dim", 128)
+    hidden = (config.get("hidden_size") or config.get("dim")  # Z-Image's transformer names its width dim
+              or config.get("num_attention_heads", 24) * config.get("attention_head_dim", 128))
     return (image_tokens + text_tokens) * hidden * 4
 
 

@@ -46,7 +46,9 @@ def stage_options(adapter, *, dtype: str, width: int, height: int,
             f"{adapter.class_name} has no denoiser or no vae among the models memfit can size "
             f"({sorted(adapter.classes)}); memfit plans text-to-image and text-to-video pipelines."
         )
-    settings = SimpleNamespace(width=width, height=height, num_frames=_default_frames(adapter), true_cfg_scale=1.0)
+    # A text-to-image run's settings ("text2img": the task of PipelineAdapter.tasks); plan has no input image.
+    settings = SimpleNamespace(width=width, height=height, num_frames=_default_frames(adapter), true_cfg_scale=1.0,
+                               task="text2img")
     result = []
     for stage in STAGES:
         sizes = []

@@ -71,16 +71,20 @@ def max_pixel_difference(a, b) -> int:
 
 
 def assert_matches_diffusers(model_dir: str | Path, *, atol: int = 0, **settings):
-    """Generate with memfit and with plain diffusers; fail if any pixel differs by more than atol."""
+    """Generate with memfit and with plain diffusers; fail if any pixel differs by more than atol.
+
+    An ``image`` (a PIL image) reaches both: memfit.generate's --image, and the folder's own pipeline's
+    ``image`` argument (a pipeline that takes it itself, as FluxKontextPipeline does)."""
     from memfit.run.generate import generate
 
     ours = generate(model=model_dir, progress=False, **settings)
     s = ours.settings
+    inputs = {"image": settings["image"]} if settings.get("image") is not None else {}
     if ours.frames is not None:  # a video: every frame must match
-        reference = diffusers_output(model_dir, s)
+        reference = diffusers_output(model_dir, s, **inputs)
         difference = max_pixel_difference(ours.frames, reference)
     else:
-        reference = diffusers_output(model_dir, s)[0]
+        reference = diffusers_output(model_dir, s, **inputs)[0]
         difference = max_pixel_difference(ours.images[0], reference)
     if difference > atol:
         raise AssertionError(f"memfit differs from plain diffusers by {difference} (allowed {atol}) for {model_dir}")

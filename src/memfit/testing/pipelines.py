@@ -16,13 +16,13 @@ import torch
 from memfit.testing.tokenizers import clip_tokenizer, word_tokenizer
 
 PIPELINE_KINDS = ("sd", "sdxl", "lumina2", "cogview4", "flux", "flux_schnell", "sd3", "qwenimage", "chroma", "sana", "pixart_sigma",
-                  "aura_flow", "hidream")
+                  "aura_flow", "hidream", "zimage", "flux_kontext")
 
 
-def _vae(scale: int, *, levels: int = 2, latent_channels: int = 4, **extra):
+def _vae(scale: int, *, levels: int = 2, latent_channels: int = 4, width: int = 16, **extra):
     from diffusers import AutoencoderKL
 
-    width = 16 * scale
+    width *= scale
     return AutoencoderKL(
         block_out_channels=[width * (2 ** min(i, 1)) for i in range(levels)],
         in_channels=3,
@@ -273,7 +273,7 @@ def _t5_encoder(tokenizer, hidden: int, layers: int, cls_name: str = "T5EncoderM
     return getattr(transformers, cls_name)(config).eval()
 
 
-def _flux(scale: int, text_layers: int, *, guidance_embeds: bool = True):
+def _flux(scale: int, text_layers: int, *, guidance_embeds: bool = True, vae_levels: int = 2, vae_width: int = 16):
     from diffusers import FlowMatchEulerDiscreteScheduler, FluxPipeline, FluxTransformer2DModel
 
     tokenizer = clip_tokenizer()
@@ -295,7 +295,7 @@ def _flux(scale: int, text_layers: int, *, guidance_embeds: bool = True):
     )
     return FluxPipeline(
         scheduler=FlowMatchEulerDiscreteScheduler(),
-        vae=_vae(scale, latent_channels=latent_channels, scaling_factor=1.5035, shift_factor=0.0609,
+        vae=_vae(scale, levels=vae_levels, width=vae_width, latent_channels=latent_channels, scaling_factor=1.5035, shift_factor=0.0609,
                  use_quant_conv=False, use_post_quant_conv=False),
         text_encoder=_clip_text("CLIPTextModel", tokenizer, clip_hidden, text_layers),
         tokenizer=tokenizer,
@@ -307,6 +307,17 @@ def _flux(scale: int, text_layers: int, *, guidance_embeds: bool = True):
 
 def _flux_schnell(scale: int, text_layers: int):
     return _flux(scale, text_layers, guidance_embeds=False)
+
+
+def _flux_kontext(scale: int, text_layers: int):
+    """FLUX.1 Kontext: a Flux folder whose model_index.json names FluxKontextPipeline (the same components).
+
+    The pipeline resizes every input image to one of Kontext's trained resolutions (672 to 1568 pixels a
+    side), whatever its size: a VAE that shrinks 16x (five levels) keeps that image's latents a tiny
+    transformer's thousand tokens, and a narrow one (8 channels) keeps its encoder quick at that size."""
+    from diffusers import FluxKontextPipeline
+
+    return FluxKontextPipeline(**_flux(scale, text_layers, vae_levels=5, vae_width=8).components)
 
 
 def _sd3(scale: int, text_layers: int):
@@ -466,7 +477,7 @@ def _chroma(scale: int, text_layers: int):
     )
     return ChromaPipeline(
         scheduler=FlowMatchEulerDiscreteScheduler(),
-        vae=_vae(scale, latent_channels=latent_channels, scaling_factor=1.5035, shift_factor=0.0609,
+        vae=_vae(scale, levels=vae_levels, width=vae_width, latent_channels=latent_channels, scaling_factor=1.5035, shift_factor=0.0609,
                  use_quant_conv=False, use_post_quant_conv=False),
         text_encoder=_t5_encoder(tokenizer, text_hidden, text_layers),
         tokenizer=tokenizer,
@@ -660,6 +671,50 @@ def _hidream(scale: int, text_layers: int):
     )
 
 
+# Qwen3's chat template as ZImagePipeline applies it (one user turn, then the assistant's turn), in the
+# tiny word tokenizer's words.
+_QWEN3_CHAT_TEMPLATE = ("{% for message in messages %}im_start {{ message.role }} {{ message.content }} im_end "
+                        "{% endfor %}{% if add_generation_prompt %}im_start assistant {% endif %}")
+
+
+def _zimage(scale: int, text_layers: int):
+    from diffusers import FlowMatchEulerDiscreteScheduler, ZImagePipeline, ZImageTransformer2DModel
+    from transformers import Qwen3Config, Qwen3Model
+
+    from memfit.testing.tokenizers import DEFAULT_WORDS
+
+    tokenizer = word_tokenizer([*DEFAULT_WORDS, "im_start", "im_end", "user", "assistant"])
+    tokenizer.chat_template = _QWEN3_CHAT_TEMPLATE
+    text_hidden = 16 * scale
+    text_encoder = Qwen3Model(Qwen3Config(
+        hidden_size=text_hidden, intermediate_size=2 * text_hidden, num_hidden_layers=text_layers,
+        num_attention_heads=2, num_key_value_heads=2, head_dim=8, vocab_size=len(tokenizer),
+        pad_token_id=tokenizer.pad_token_id, bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
+    )).eval()
+    latent_channels = 4
+    transformer = ZImageTransformer2DModel(
+        all_patch_size=(2,),
+        all_f_patch_size=(1,),
+        in_channels=latent_channels,
+        dim=32 * scale,
+        n_layers=2,
+        n_refiner_layers=1,
+        n_heads=2 * scale,
+        n_kv_heads=2 * scale,
+        cap_feat_dim=text_hidden,
+        axes_dims=[4, 6, 6],  # sums to the head width (dim / n_heads)
+        axes_lens=[1024, 64, 64],
+    )
+    return ZImagePipeline(
+        scheduler=FlowMatchEulerDiscreteScheduler(),
+        vae=_vae(scale, latent_channels=latent_channels, scaling_factor=0.3611, shift_factor=0.1159,
+                 use_quant_conv=False, use_post_quant_conv=False),
+        text_encoder=text_encoder,
+        tokenizer=tokenizer,
+        transformer=transformer,
+    )
+
+
 def _sd_pag(scale: int, text_layers: int):
     """A class memfit has no adapter for (SD with perturbed-attention guidance): the generic path."""
     from diffusers import StableDiffusionPAGPipeline
@@ -670,11 +725,13 @@ def _sd_pag(scale: int, text_layers: int):
 _BUILDERS: dict[str, Callable[[int, int], object]] = {
     "sd": _sd, "sdxl": _sdxl, "lumina2": _lumina2, "cogview4": _cogview4,
     "flux": _flux, "flux_schnell": _flux_schnell, "sd3": _sd3, "qwenimage": _qwenimage, "wan": _wan, "chroma": _chroma, "sana": _sana, "pixart_sigma": _pixart_sigma, "aura_flow": _aura_flow, "hidream": _hidream,
+    "zimage": _zimage, "flux_kontext": _flux_kontext,
     "sd_pag": _sd_pag, "sdxl_single_file": _sdxl_single_file, "sd2_single_file": _sd2_single_file,
 }
 
 # Sizes each tiny architecture accepts (multiples of what its VAE and patching need).
-DEFAULT_SIZE = {"sd": 32, "sdxl": 32, "lumina2": 32, "cogview4": 32, "flux": 32, "flux_schnell": 32, "sd3": 32, "qwenimage": 32, "wan": 32, "chroma": 32, "sana": 32, "pixart_sigma": 32, "aura_flow": 32, "hidream": 32}
+DEFAULT_SIZE = {"sd": 32, "sdxl": 32, "lumina2": 32, "cogview4": 32, "flux": 32, "flux_schnell": 32, "sd3": 32, "qwenimage": 32, "wan": 32, "chroma": 32, "sana": 32, "pixart_sigma": 32, "aura_flow": 32, "hidream": 32,
+                "zimage": 32, "flux_kontext": 32}
 
 
 def build_pipeline(kind: str, *, seed: int = 0, scale: int = 1, text_layers: int = 2):

@@ -8,12 +8,14 @@ from memfit.models.families.chroma import ChromaAdapter
 from memfit.models.families.cogview4 import CogView4Adapter
 from memfit.models.families.controlnet import StableDiffusionControlNetAdapter, StableDiffusionXLControlNetAdapter
 from memfit.models.families.flux import FluxAdapter
+from memfit.models.families.flux_kontext import FluxKontextAdapter
 from memfit.models.families.hidream import HiDreamImageAdapter
 from memfit.models.families.pixart_sigma import PixArtSigmaAdapter
 from memfit.models.families.qwenimage import QwenImageAdapter
 from memfit.models.families.sana import SanaAdapter
 from memfit.models.families.sd3 import StableDiffusion3Adapter
 from memfit.models.families.wan import WanAdapter
+from memfit.models.families.zimage import ZImageAdapter
 from memfit.models.families.generic import GenericAdapter
 from memfit.models.families.lumina2 import Lumina2Adapter
 from memfit.models.families.sdxl_img2img import StableDiffusionXLImg2ImgAdapter
@@ -38,6 +40,8 @@ ADAPTERS: dict[str, type[PipelineAdapter]] = {
         PixArtSigmaAdapter,
         AuraFlowAdapter,
         HiDreamImageAdapter,
+        ZImageAdapter,
+        FluxKontextAdapter,
     )
 }
 

@@ -207,6 +207,11 @@ class PipelineAdapter:
         """Whether this request runs an unconditional (negative) pass: what the encode stage must produce."""
         return self.uses_guidance(settings.guidance)
 
+    def context_tokens(self, settings: Settings) -> int:
+        """The tokens the denoiser attends to besides the latents it draws, for activation estimates: the
+        prompt's (max_text_tokens) and, in a family that conditions on an input image, that image's."""
+        return self.max_text_tokens
+
     def latent_frames(self, settings: Settings) -> int:
         """The latent frames the denoiser sees at once (video pipelines); for activation estimates."""
         return 1
@@ -250,7 +255,10 @@ class PipelineAdapter:
             raise MemfitError("--controlnet needs --control-image IMG, the image the ControlNet follows.")
         if task != TEXT2IMG:
             self.pipeline_class(task)  # refuses a task this family does not run
-            if conditioning.image is not None:
+            if strength is not None and "strength" not in task_defaults:
+                raise MemfitError(f"{self.pipeline_class(task)} takes no --strength: it does not noise --image but "
+                                  "draws beside it; leave --strength out.")
+            if conditioning.image is not None and "strength" in task_defaults:
                 strength = float(strength if strength is not None else task_defaults["strength"])
                 if not 0 < strength <= 1:
                     raise MemfitError(f"--strength must be in (0, 1], got {strength}.")
