@@ -445,6 +445,21 @@ def copies_and_runs(pipe, monkeypatch):
         monkeypatch.undo()
 
 
+@contextlib.contextmanager
+def streamed_unet(tiny_models, force_tiers):
+    """The tiny SD pipeline optimized with ``force_tiers`` on a lazy fake GPU, inside inference mode; yields it, the
+    fake, its UNet's inputs and the UNet's output on them before optimize."""
+    with fake_cuda(lazy=True) as gpu, torch.inference_mode():
+        pipe = load(tiny_models("sd"))
+        inputs = unet_inputs(pipe.unet)
+        plain = pipe.unet(*inputs).sample
+        optimize(pipe, force_tiers=force_tiers, device="cuda")
+        try:
+            yield pipe, gpu, inputs, plain
+        finally:
+            restore(pipe)
+
+
 UNET_AROUND_ITS_MID_BLOCK = {"unet/down_blocks.*": "host", "unet/up_blocks.*": "host"}  # mid block, rest: resident
 
 
@@ -454,21 +469,14 @@ def test_a_resident_run_starts_the_copies_of_the_streamed_blocks_after_it(tiny_m
     run starts the copies of as many streamed blocks after it as the window holds (here the UNet's mid block
     runs resident between streamed down and up blocks): each has started before the resident run does, the
     memory stays within the window, and the output is all-resident's, bit for bit."""
-    with fake_cuda(lazy=True) as gpu, torch.inference_mode():
-        pipe = load(tiny_models("sd"))
-        inputs = unet_inputs(pipe.unet)
-        plain = pipe.unet(*inputs).sample
-        optimize(pipe, force_tiers=UNET_AROUND_ITS_MID_BLOCK, device="cuda")
-        try:
-            window = pipe._memfit_state.runtime.window
-            first = pipe.unet(*inputs).sample  # the order is learned
-            bound = gpu.memory_allocated() + window * largest_streamed_block(pipe)
-            gpu.reset_peak_memory_stats()
-            with copies_and_runs(pipe, monkeypatch) as (log, streamed):
-                again = pipe.unet(*inputs).sample
-            peak = gpu.max_memory_reserved()
-        finally:
-            restore(pipe)
+    with streamed_unet(tiny_models, UNET_AROUND_ITS_MID_BLOCK) as (pipe, gpu, inputs, plain):
+        window = pipe._memfit_state.runtime.window
+        first = pipe.unet(*inputs).sample  # the order is learned
+        bound = gpu.memory_allocated() + window * largest_streamed_block(pipe)
+        gpu.reset_peak_memory_stats()
+        with copies_and_runs(pipe, monkeypatch) as (log, streamed):
+            again = pipe.unet(*inputs).sample
+        peak = gpu.max_memory_reserved()
     mid_block = next(i for i, (kind, name) in enumerate(log) if kind == "run" and name.startswith("mid_block"))
     assert all(name.startswith("down_blocks") for kind, name in log[:mid_block] if kind == "run" and name in streamed)
     after = list(dict.fromkeys(name for kind, name in log[mid_block:] if kind == "run" and name in streamed))
@@ -484,19 +492,12 @@ def test_the_first_forward_prefetches_in_the_plans_order(tiny_models, monkeypatc
     forward copies blocks ahead too; where a block runs out of that order (the UNet's mid block is registered
     after its up blocks), what was read ahead for it is dropped, so the memory stays within the window; and
     the output is all-resident's, bit for bit."""
-    with fake_cuda(lazy=True) as gpu, torch.inference_mode():
-        pipe = load(tiny_models("sd"))
-        inputs = unet_inputs(pipe.unet)
-        plain = pipe.unet(*inputs).sample
-        optimize(pipe, force_tiers={"unet/*": "host"}, device="cuda")
-        try:
-            bound = gpu.memory_allocated() + pipe._memfit_state.runtime.window * largest_streamed_block(pipe)
-            gpu.reset_peak_memory_stats()
-            with copies_and_runs(pipe, monkeypatch) as (log, streamed):
-                first = pipe.unet(*inputs).sample
-            peak = gpu.max_memory_reserved()
-        finally:
-            restore(pipe)
+    with streamed_unet(tiny_models, {"unet/*": "host"}) as (pipe, gpu, inputs, plain):
+        bound = gpu.memory_allocated() + pipe._memfit_state.runtime.window * largest_streamed_block(pipe)
+        gpu.reset_peak_memory_stats()
+        with copies_and_runs(pipe, monkeypatch) as (log, streamed):
+            first = pipe.unet(*inputs).sample
+        peak = gpu.max_memory_reserved()
     runs = [name for kind, name in log if kind == "run" and name in streamed]
     ahead = {name for kind, name in log if kind == "copy"}
     assert len(ahead) > len(runs) // 2, (len(ahead), len(runs))

@@ -241,14 +241,14 @@ def optimize(
     try:
         # A pipeline loaded in inference mode gets its new tensors made in it, whatever mode optimize runs in.
         with inference_mode_for(t for module in components.values() for t in module.parameters()):
-            run = []  # (block, its SwapHooks) for every block the stage runs, in plan order
+            resident = []  # the blocks the stage runs that have nothing to swap in
             for name, module in components.items():
                 hooks = _apply_component(name, module, blocks[name], tiers, state, model_dir)
                 placed = [(block, found) for block, found in zip(blocks[name], hooks) if block.key not in unrun_keys]
                 # the order to read ahead in before the blocks have run
                 runtime.plan_order([hook for _, found in placed for hook in found])
-                run += placed
-            _mark_resident(state, [block for block, found in run if not found])
+                resident += [block for block, found in placed if not found]
+            _mark_resident(state, resident)
             _place_host_tier(state)
             _make_staging_ring(state)
     except BaseException:

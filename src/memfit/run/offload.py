@@ -399,17 +399,19 @@ class Prefetches:
     def take(self, hook) -> Future | tuple | None:
         return self.pending.pop(id(hook), None)
 
-    def drop(self) -> None:
-        """Forget every block read ahead, once its copies have run: then its device memory is free
-        when the host lets go of it (a wait, but only where the order was not the one expected)."""
-        for pending in self.pending.values():
+    def drop(self, keep) -> None:
+        """Forget every block read ahead but ``keep``'s, once its copies have run: then its device memory
+        is free when the host lets go of it (a wait, but only where the order was not the one expected)."""
+        for key, pending in list(self.pending.items()):
+            if key == id(keep):
+                continue
+            del self.pending[key]
             if isinstance(pending, Future):
                 if pending.cancel():
                     continue
                 pending = pending.result()
             if isinstance(pending, tuple):
                 pending[1].synchronize()
-        self.pending.clear()
 
     def settle(self) -> None:
         """Wait for the reader thread's work and for every copy queued on the device, and drop the
@@ -477,15 +479,19 @@ class Runtime:
         for hook, after in zip(hooks, hooks[1:]):
             self.next_of.setdefault(id(hook), after)
 
-    def entered(self, hook: "SwapHook") -> None:
+    def entering(self, hook: "SwapHook") -> None:
+        """``hook``'s block is about to be swapped in: learn the order from it."""
         if self.last is not None and self.last is not hook:
             if self.next_of.get(id(self.last), hook) is not hook:
                 # Read ahead for an order that did not come: those blocks would hold the window's memory
                 # until they run, maybe never (the plan's order on a first pass, a component's last call).
-                self.prefetches.drop()
+                self.prefetches.drop(keep=hook)
             self.next_of[id(self.last)] = hook
         self.last = hook
         self._ended = None
+
+    def entered(self, hook: "SwapHook") -> None:
+        """``hook``'s block runs: start the copy of the block after it."""
         upcoming = self.next_of.get(id(hook))
         if self.prefetch and upcoming is not None and upcoming is not hook:
             upcoming.start_prefetch()
@@ -653,6 +659,7 @@ class SwapHook(ModuleHook):
         self._depth += 1
         if self._depth > 1:
             return
+        self.runtime.entering(self)
         for slot, tensor in zip(self.slots, self._take()):
             slot.tensor.data = tensor
         self.runtime.started()
