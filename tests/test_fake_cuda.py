@@ -321,7 +321,7 @@ def test_a_pipeline_loaded_in_inference_mode_streams_from_disk_with_prefetch(tin
         try:
             inputs = unet_inputs(pipe.unet)
             inputs = tuple(t.to(dtype) if dtype and t.is_floating_point() else t for t in inputs)
-            first = pipe.unet(*inputs).sample  # learns the order: nothing prefetched yet
+            first = pipe.unet(*inputs).sample  # prefetches in the plan's order, learns the order run
             again = pipe.unet(*inputs).sample  # every streamed block after the first comes from a prefetch
             with torch.inference_mode(False), torch.no_grad():
                 outside = pipe.unet(*inputs).sample
