@@ -321,7 +321,7 @@ def test_a_pipeline_loaded_in_inference_mode_streams_from_disk_with_prefetch(tin
         try:
             inputs = unet_inputs(pipe.unet)
             inputs = tuple(t.to(dtype) if dtype and t.is_floating_point() else t for t in inputs)
-            first = pipe.unet(*inputs).sample  # learns the order: nothing prefetched yet
+            first = pipe.unet(*inputs).sample  # prefetches in the plan's order, learns the order run
             again = pipe.unet(*inputs).sample  # every streamed block after the first comes from a prefetch
             with torch.inference_mode(False), torch.no_grad():
                 outside = pipe.unet(*inputs).sample
@@ -416,3 +416,90 @@ def test_the_users_own_cuda_graph_compile_over_streamed_weights_is_refused(sd):
             restore(pipe)
     finally:
         pipe.unet._compiled_call_impl = blocks[1]._compiled_call_impl = None
+
+
+@contextlib.contextmanager
+def copies_and_runs(pipe, monkeypatch):
+    """A log of the unet's streamed units' copies started ahead on the side stream, ("copy", unit), and of every
+    unit's forward as it starts, ("run", unit), in order; with the names of the streamed units."""
+    state = pipe._memfit_state
+    names = {id(module): name for name, module in pipe.unet.named_modules()}
+    streamed = {id(HookRegistry.get(module).hooks[SwapHook.name]): names[id(module)] for module in state.hooked}
+    log = []
+    copy_on = SwapHook._copy_on
+
+    def logged_copy(hook, *args):
+        log.append(("copy", streamed[id(hook)]))
+        return copy_on(hook, *args)
+
+    monkeypatch.setattr(SwapHook, "_copy_on", logged_copy)
+    units = [module for block in live_blocks("unet", pipe.unet) for module, _ in block.units]
+    # registered after memfit's hooks, so each logs once memfit's own pre-forward work (copies started) is done
+    handles = [module.register_forward_pre_hook(lambda module, args, name=names[id(module)]: log.append(("run", name)))
+               for module in units]
+    try:
+        yield log, set(streamed.values())
+    finally:
+        for handle in handles:
+            handle.remove()
+        monkeypatch.undo()
+
+
+@contextlib.contextmanager
+def streamed_unet(tiny_models, force_tiers):
+    """The tiny SD pipeline optimized with ``force_tiers`` on a lazy fake GPU, inside inference mode; yields it, the
+    fake, its UNet's inputs and the UNet's output on them before optimize."""
+    with fake_cuda(lazy=True) as gpu, torch.inference_mode():
+        pipe = load(tiny_models("sd"))
+        inputs = unet_inputs(pipe.unet)
+        plain = pipe.unet(*inputs).sample
+        optimize(pipe, force_tiers=force_tiers, device="cuda")
+        try:
+            yield pipe, gpu, inputs, plain
+        finally:
+            restore(pipe)
+
+
+UNET_AROUND_ITS_MID_BLOCK = {"unet/down_blocks.*": "host", "unet/up_blocks.*": "host"}  # mid block, rest: resident
+
+
+def test_a_resident_run_starts_the_copies_of_the_streamed_blocks_after_it(tiny_models, monkeypatch):
+    """Issue 34, item 9: while resident blocks compute, the copy engine only copied the one streamed block the
+    chain had started (each block starts the copy of the next as it starts). Now the first resident block of a
+    run starts the copies of as many streamed blocks after it as the window holds (here the UNet's mid block
+    runs resident between streamed down and up blocks): each has started before the resident run does, the
+    memory stays within the window, and the output is all-resident's, bit for bit."""
+    with streamed_unet(tiny_models, UNET_AROUND_ITS_MID_BLOCK) as (pipe, gpu, inputs, plain):
+        window = pipe._memfit_state.runtime.window
+        first = pipe.unet(*inputs).sample  # the order is learned
+        bound = gpu.memory_allocated() + window * largest_streamed_block(pipe)
+        gpu.reset_peak_memory_stats()
+        with copies_and_runs(pipe, monkeypatch) as (log, streamed):
+            again = pipe.unet(*inputs).sample
+        peak = gpu.max_memory_reserved()
+    mid_block = next(i for i, (kind, name) in enumerate(log) if kind == "run" and name.startswith("mid_block"))
+    assert all(name.startswith("down_blocks") for kind, name in log[:mid_block] if kind == "run" and name in streamed)
+    after = list(dict.fromkeys(name for kind, name in log[mid_block:] if kind == "run" and name in streamed))
+    copied = {name for kind, name in log[:mid_block] if kind == "copy"}
+    assert window == 2 and after[:window] and set(after[:window]) <= copied, (after[:window], copied)
+    assert peak <= bound, (peak, bound)
+    assert torch.equal(first, plain) and torch.equal(again, plain)
+
+
+def test_the_first_forward_prefetches_in_the_plans_order(tiny_models, monkeypatch):
+    """Issue 34, item 8: the first forward had no learned order, so every streamed block in it was copied in
+    while the compute stream waited. Now the plan's order of the blocks stands in until they have run: the first
+    forward copies blocks ahead too; where a block runs out of that order (the UNet's mid block is registered
+    after its up blocks), what was read ahead for it is dropped, so the memory stays within the window; and
+    the output is all-resident's, bit for bit."""
+    with streamed_unet(tiny_models, {"unet/*": "host"}) as (pipe, gpu, inputs, plain):
+        bound = gpu.memory_allocated() + pipe._memfit_state.runtime.window * largest_streamed_block(pipe)
+        gpu.reset_peak_memory_stats()
+        with copies_and_runs(pipe, monkeypatch) as (log, streamed):
+            first = pipe.unet(*inputs).sample
+        peak = gpu.max_memory_reserved()
+    runs = [name for kind, name in log if kind == "run" and name in streamed]
+    ahead = {name for kind, name in log if kind == "copy"}
+    assert len(ahead) > len(runs) // 2, (len(ahead), len(runs))
+    assert peak <= bound, (peak, bound)
+    assert torch.equal(first, plain)

@@ -57,8 +57,8 @@ import torch
 from memfit.devices import DeviceRuntime, runtime_for
 from memfit.plan.budget import AUTO, NONE, Budget, BudgetLike, resolve_budget, stage_budget
 from memfit.errors import MemfitError
-from memfit.run.offload import (HookRegistry, Prefetches, Runtime, Shared, Slot, SlotKind, StagingRing, SwapHook,
-                                aligned, inference_mode_for)
+from memfit.run.offload import (HookRegistry, Prefetches, ResidentHook, Runtime, Shared, Slot, SlotKind, StagingRing,
+                                SwapHook, aligned, inference_mode_for)
 from memfit.quant.formats import dequantized_bytes
 from memfit.run.weight_sources import WeightSource, in_memory_only, weight_source
 from memfit.safetensors_header import same_samples
@@ -96,6 +96,7 @@ class _State:
     runtime: Runtime
     slots: list  # every Slot memfit changed, hooked or not
     hooked: list  # modules that carry a SwapHook
+    marked: list = dataclasses.field(default_factory=list)  # modules of resident blocks that carry a ResidentHook
     dtype: torch.dtype | None = None  # the run dtype of floating weights loaded in their files' dtype
     # CPU, and the plan streams from disk: resident weights get memory of their own (see _own_memory)
     own_resident: bool = False
@@ -240,8 +241,14 @@ def optimize(
     try:
         # A pipeline loaded in inference mode gets its new tensors made in it, whatever mode optimize runs in.
         with inference_mode_for(t for module in components.values() for t in module.parameters()):
+            resident = []  # the blocks the stage runs that have nothing to swap in
             for name, module in components.items():
-                _apply_component(name, module, blocks[name], tiers, state, model_dir)
+                hooks = _apply_component(name, module, blocks[name], tiers, state, model_dir)
+                placed = [(block, found) for block, found in zip(blocks[name], hooks) if block.key not in unrun_keys]
+                # the order to read ahead in before the blocks have run
+                runtime.plan_order([hook for _, found in placed for hook in found])
+                resident += [block for block, found in placed if not found]
+            _mark_resident(state, resident)
             _place_host_tier(state)
             _make_staging_ring(state)
     except BaseException:
@@ -586,7 +593,8 @@ def _run_dtype(tensor: torch.Tensor, dtype: torch.dtype | None) -> torch.dtype:
     return dtype if dtype is not None and tensor.is_floating_point() else tensor.dtype
 
 
-def _apply_component(name, module, component_blocks, tiers, state: _State, model_dir) -> None:
+def _apply_component(name, module, component_blocks, tiers, state: _State, model_dir) -> list[list[SwapHook]]:
+    """Place the tensors of ``component_blocks``; returns each block's SwapHooks (none where it stays resident)."""
     runtime = state.runtime
     anchor = _first_param(module)
     # Tensors a single-file conversion computed are in no file: like the anchor they stay where they are.
@@ -603,8 +611,10 @@ def _apply_component(name, module, component_blocks, tiers, state: _State, model
                 opened[:] = [None]  # no files: the loaded tensors are the only source
         return opened[0]
 
+    hooks = []
     for block in component_blocks:
         tier = tiers.get(block.key, Tier.DEVICE)
+        hooks.append([])
         for hooked, tensors in block.units:
             slots = []
             for owner, attr, tensor, is_param, full_name in tensors:
@@ -649,8 +659,25 @@ def _apply_component(name, module, component_blocks, tiers, state: _State, model
                 state.slots.append(slot)
                 slots.append(slot)
             if slots:
-                HookRegistry.of(hooked).register(SwapHook(block.key, slots, runtime))
+                hook = SwapHook(block.key, slots, runtime)
+                HookRegistry.of(hooked).register(hook)
                 state.hooked.append(hooked)
+                hooks[-1].append(hook)
+    return hooks
+
+
+def _mark_resident(state: _State, resident: list[LiveBlock]) -> None:
+    """Put a ResidentHook on the ``resident`` blocks where blocks stream to a device of their own with
+    prefetch: the copies of the streamed blocks after a resident run then start as it starts."""
+    runtime = state.runtime
+    if not (state.hooked and runtime.separate_memory and runtime.prefetch):
+        return
+    for block in resident:
+        for hooked, _ in block.units:
+            registry = HookRegistry.of(hooked)
+            if ResidentHook.name not in registry.hooks:  # a module the units of two blocks share
+                registry.register(ResidentHook(runtime))
+                state.marked.append(hooked)
 
 
 def _own_memory(tensor: torch.Tensor, dtype: torch.dtype, full_name: str, files: WeightSource | None) -> None:
@@ -755,15 +782,17 @@ def _checked_mapping(files: WeightSource, component: str, full_name: str, tensor
 
 
 def _undo(state: _State) -> None:
-    for module in state.hooked:
-        registry = HookRegistry.get(module)
-        if registry is not None:
-            registry.remove(SwapHook.name)
+    for modules, name in ((state.hooked, SwapHook.name), (state.marked, ResidentHook.name)):
+        for module in modules:
+            registry = HookRegistry.get(module)
+            if registry is not None:
+                registry.remove(name)
     state.runtime.close()
     with inference_mode_for(slot.tensor for slot in state.slots):
         _put_back(state.slots)
     state.slots.clear()
     state.hooked.clear()
+    state.marked.clear()
     _release_arenas(state.runtime.prefetches, state.arenas)
 
 

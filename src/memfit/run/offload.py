@@ -45,8 +45,8 @@ from memfit.run.timeline import record_move
 from memfit.safetensors_header import MappedFile
 
 __all__ = ["ALIGNMENT", "HookRegistry", "MappedSafetensors", "ModuleHook", "MappedPages", "Modes", "Prefetches",
-           "Runtime", "Shared", "Slot", "SlotKind", "StagingRing", "SwapHook", "aligned", "inference_mode_for",
-           "mapped_view", "weights_ready"]
+           "ResidentHook", "Runtime", "Shared", "Slot", "SlotKind", "StagingRing", "SwapHook", "aligned",
+           "inference_mode_for", "mapped_view", "weights_ready"]
 
 REGISTRY_ATTR = "_memfit_hooks"
 READER_THREAD = "memfit-prefetch"  # the name prefix of the threads that read blocks ahead
@@ -399,6 +399,20 @@ class Prefetches:
     def take(self, hook) -> Future | tuple | None:
         return self.pending.pop(id(hook), None)
 
+    def drop(self, keep) -> None:
+        """Forget every block read ahead but ``keep``'s, once its copies have run: then its device memory
+        is free when the host lets go of it (a wait, but only where the order was not the one expected)."""
+        for key, pending in list(self.pending.items()):
+            if key == id(keep):
+                continue
+            del self.pending[key]
+            if isinstance(pending, Future):
+                if pending.cancel():
+                    continue
+                pending = pending.result()
+            if isinstance(pending, tuple):
+                pending[1].synchronize()
+
     def settle(self) -> None:
         """Wait for the reader thread's work and for every copy queued on the device, and drop the
         blocks read ahead: after this nothing reads the pinned arenas or holds a prefetched block."""
@@ -419,10 +433,17 @@ class Runtime:
     ring by the reader thread, which then queues its copy); on the CPU a background thread converts
     the next block's memory-mapped weights to the run dtype. The "next block" is the block that
     followed this one the last time it ran, which learns loops (denoising steps) as well as
-    straight sequences.
+    straight sequences; before a block has run, the block after it in the plan (``plan_order``),
+    mostly execution order, so the first forward prefetches too.
+
+    Resident runs: between two streamed blocks the plan may keep blocks resident, which compute
+    with nothing to copy. The first of them to start after a streamed block (a ResidentHook tells)
+    reads ahead as many blocks along the order as the window holds, so the copy engine works while
+    the resident blocks compute instead of copying one block and idling.
 
     Blocks in flight: ``window`` streamed blocks at most hold device memory at once (the plan's
-    1 + prefetch). The host queues work far ahead of a GPU, and a block's memory freed on the host
+    1 + prefetch): those running, those read ahead, and those whose forward the GPU may still be
+    running. The host queues work far ahead of a GPU, and a block's memory freed on the host
     is reusable only once the GPU has run the forward that used it; so an event is recorded after
     every streamed block's forward and, before another block is copied in, the host waits for the
     oldest ones until no more than ``window`` blocks can be on the device.
@@ -439,6 +460,7 @@ class Runtime:
         self.prefetches = Prefetches(device)
         self._finished: deque = deque()  # events after forwards whose blocks' memory may be in use
         self._running = 0  # streamed blocks inside their forward now
+        self._ended: "SwapHook | None" = None  # the streamed block that ended last, until another starts
 
     def __deepcopy__(self, memo):
         # A copy gets its own prefetcher and learns its own order; threads and streams cannot be copied.
@@ -451,34 +473,82 @@ class Runtime:
     def separate_memory(self) -> bool:
         return self.device_runtime.separate_memory
 
-    def entered(self, hook: "SwapHook") -> None:
+    def plan_order(self, hooks: list["SwapHook"]) -> None:
+        """Take one component's hooks in plan order as the order until they have run (see the class
+        docstring); not around its end: whether a component runs again is learned."""
+        for hook, after in zip(hooks, hooks[1:]):
+            self.next_of.setdefault(id(hook), after)
+
+    def entering(self, hook: "SwapHook") -> None:
+        """``hook``'s block is about to be swapped in: learn the order from it."""
         if self.last is not None and self.last is not hook:
+            if self.next_of.get(id(self.last), hook) is not hook:
+                # Read ahead for an order that did not come: those blocks would hold the window's memory
+                # until they run, maybe never (the plan's order on a first pass, a component's last call).
+                self.prefetches.drop(keep=hook)
             self.next_of[id(self.last)] = hook
         self.last = hook
+        self._ended = None
+
+    def entered(self, hook: "SwapHook") -> None:
+        """``hook``'s block runs: start the copy of the block after it."""
         upcoming = self.next_of.get(id(hook))
         if self.prefetch and upcoming is not None and upcoming is not hook:
             upcoming.start_prefetch()
 
-    def before_onload(self) -> None:
-        """Wait (host side) until one more block fits the window; see the class docstring."""
+    def before_onload(self) -> bool:
+        """Wait (host side) until one more block fits the window; see the class docstring. False when
+        the blocks running and read ahead fill it with nothing to wait for: a block needed now, or the
+        next one of a block nested in another, then goes over it; a read-ahead does not start."""
         if not self.separate_memory:
-            return
-        while self._finished and len(self._finished) + self._running >= self.window:
+            return True
+        while self._finished and self._in_flight() >= self.window:
             self._finished.popleft().synchronize()
+        return self._in_flight() < self.window
+
+    def _in_flight(self) -> int:
+        return len(self._finished) + self._running + len(self.prefetches.pending)
 
     def started(self) -> None:
         self._running += 1
 
-    def finished(self) -> None:
+    def finished(self, hook: "SwapHook") -> None:
         self._running -= 1
         if self.separate_memory:
             event = self.device_runtime.new_event()
             event.record(self.device_runtime.current_stream())
             self._finished.append(event)
+        self._ended = hook
+
+    def resident_entered(self) -> None:
+        """A resident block starts. The first after a streamed block starts the copies of the blocks
+        after that one in the order, as many as the window holds (waiting for the GPU to finish that
+        block's forward where the window needs its place)."""
+        hook, self._ended = self._ended, None
+        if hook is None or not self.prefetch:
+            return
+        upcoming = self.next_of.get(id(hook))
+        for _ in range(self.window):
+            if upcoming is None or upcoming is hook or not upcoming.start_prefetch(within_window=True):
+                return
+            upcoming = self.next_of.get(id(upcoming))
 
     def close(self) -> None:
         self.prefetches.settle()
         self._finished.clear()
+
+
+class ResidentHook(ModuleHook):
+    """Tells the runtime that a block kept on the device starts, so that the copies of the streamed
+    blocks after it start while it computes (Runtime.resident_entered). Nothing of the block changes."""
+
+    name = "memfit.resident"
+
+    def __init__(self, runtime: Runtime):
+        self.runtime = runtime
+
+    def pre_forward(self, module) -> None:
+        self.runtime.resident_entered()
 
 
 class SwapHook(ModuleHook):
@@ -541,14 +611,19 @@ class SwapHook(ModuleHook):
             event.record(stream)
         return tensors, event
 
-    def start_prefetch(self) -> None:
+    def start_prefetch(self, within_window: bool = False) -> bool:
+        """Start reading this block ahead; False when it did not start: it is running, or
+        ``within_window`` and the window is full (Runtime.before_onload)."""
         prefetches = self.runtime.prefetches
-        if id(self) in prefetches.pending or self._depth:
-            return
+        if id(self) in prefetches.pending:
+            return True
+        if self._depth:
+            return False
         device = self.runtime.device_runtime
         modes = Modes.for_slots(self.slots)  # this thread's, for the reader thread too
         if device.separate_memory:
-            self.runtime.before_onload()
+            if not self.runtime.before_onload() and within_window:
+                return False
             stream = prefetches.stream()
             stream.wait_stream(device.current_stream())
             if self.reads_files:
@@ -560,6 +635,7 @@ class SwapHook(ModuleHook):
         else:
             pending = prefetches.pool().submit(self._materialize, modes)
         prefetches.pending[id(self)] = pending
+        return True
 
     def _take(self) -> list[torch.Tensor]:
         pending = self.runtime.prefetches.take(self)
@@ -583,6 +659,7 @@ class SwapHook(ModuleHook):
         self._depth += 1
         if self._depth > 1:
             return
+        self.runtime.entering(self)
         for slot, tensor in zip(self.slots, self._take()):
             slot.tensor.data = tensor
         self.runtime.started()
@@ -596,7 +673,7 @@ class SwapHook(ModuleHook):
             slot.tensor.data = slot.home_tensor()
             if slot.pages is not None:
                 slot.pages.release()
-        self.runtime.finished()
+        self.runtime.finished(self)
 
     def deinitialize(self, module) -> None:
         pending = self.runtime.prefetches.take(self)
