@@ -368,3 +368,27 @@ def test_memfit_plan_sizes_quantize_without_writing(flux, capsys):
     transformer = model.load_stage(["transformer"], torch.float32, in_file_dtype=[]).transformer
     assert planned == sum(p.numel() * p.element_size() for p in transformer.parameters())
     assert planned < sum(v.numel() * 4 for v in flux[2].values()) / 2
+
+
+def test_resident_quantized_weights_are_kept_dequantized_where_the_budget_has_room(flux):
+    """Where the plan leaves room, resident quantized layers keep their weight dequantized (no dequantizing at each
+    step; the same values, so the same image); where it has none they stay in their stored bytes; restore drops
+    what was kept."""
+    from memfit.run.executor import keep_dequantized
+
+    folder = flux[0]
+    components = {"transformer": _gguf(flux, "Q8_0")}
+    whole = memfit.generate(model=folder, components=components, budget="none", progress=False, **SETTINGS)
+    roomy = memfit.generate(model=folder, components=components, budget="4GiB", progress=False, **SETTINGS)
+    assert any("of resident quantized weights kept dequantized" in note for note in roomy.report.notes)
+    assert np.array_equal(_pixels(roomy), _pixels(whole))
+
+    model = SingleFileModel.with_components(ModelFolder.open(folder), components)
+    pipe = memfit.optimize(model.load_stage(["transformer"], torch.float32, in_file_dtype=[]), budget="4GiB",
+                           activation_bytes=0)
+    layers = [layer for layer in pipe.transformer.modules() if isinstance(layer, QuantizedLinear)]
+    one = layers[0].out_features * layers[0].in_features * 4
+    assert keep_dequantized(pipe, one, torch.float32) == one and layers[0].dequantized is not None
+    assert all(layer.dequantized is None for layer in layers[1:])
+    memfit.restore(pipe)
+    assert all(layer.dequantized is None for layer in layers)

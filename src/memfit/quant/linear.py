@@ -35,13 +35,20 @@ class QuantizedLinear(torch.nn.Linear):
         mark_stored(self.weight, self.format)
         self.bias = torch.nn.Parameter(torch.empty(out_features, dtype=bias_dtype, device=device),
                                        requires_grad=False) if bias else None
+        # The weight dequantized once, kept while a budget has room for it (memfit.run.executor
+        # keep_dequantized): a forward then runs as fast as with unquantized weights.
+        self.dequantized: torch.Tensor | None = None
 
     def _load_from_state_dict(self, *args, **kwargs):
         super()._load_from_state_dict(*args, **kwargs)
         mark_stored(self.weight, self.format)  # loading with assign=True puts a new Parameter in its place
 
     def forward(self, inputs: torch.Tensor) -> torch.Tensor:
-        weight = self.stored.dequantize(self.weight, inputs.dtype)
+        kept = self.dequantized
+        if kept is not None and kept.dtype == inputs.dtype and kept.device == self.weight.device:
+            weight = kept
+        else:
+            weight = self.stored.dequantize(self.weight, inputs.dtype)
         bias = self.bias.to(inputs.dtype) if self.bias is not None else None
         return F.linear(inputs, weight, bias)
 

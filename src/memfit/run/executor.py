@@ -64,8 +64,8 @@ from memfit.run.weight_sources import WeightSource, in_memory_only, weight_sourc
 from memfit.safetensors_header import same_samples
 from memfit.plan.planner import BlockSpec, Plan, StageInput, Tier, make_plan
 
-__all__ = ["optimize", "restore", "is_optimized", "live_blocks", "plan_stage", "unrun_blocks", "blocks_not_run",
-           "reads_in_place", "refuse_cuda_graphs_while_streaming"]
+__all__ = ["optimize", "restore", "is_optimized", "keep_dequantized", "live_blocks", "plan_stage", "unrun_blocks",
+           "blocks_not_run", "reads_in_place", "refuse_cuda_graphs_while_streaming"]
 
 STATE_ATTR = "_memfit_state"
 PLAN_ATTR = "_memfit_plan"
@@ -104,6 +104,7 @@ class _State:
     arenas: list = dataclasses.field(default_factory=list)  # pinned host memory: the host tier's, the staging ring
     # (slot, where its values are read from) for the host tier, placed in one arena once all are known
     host_sources: list = dataclasses.field(default_factory=list)
+    dequantized: list = dataclasses.field(default_factory=list)  # QuantizedLinears keeping their weight dequantized
 
 
 # --- public -------------------------------------------------------------------------------------
@@ -423,6 +424,33 @@ def _compile(pipe, backend, fallback, precision=None):
     records = compile_components(pipe, backend, fallback=fallback, precision=precision)
     object.__setattr__(pipe, COMPILE_RECORDS_ATTR, records)
     return pipe
+
+
+def keep_dequantized(pipe, room: int | None, dtype: torch.dtype) -> int:
+    """In the optimized ``pipe``, keep the weights of resident quantized layers (memfit.quant) dequantized in
+    ``dtype``, in model order, while they add up to at most ``room`` bytes (None: no limit); the bytes kept.
+
+    A quantized layer dequantizes its weight at every forward: a cost where its matmul is small (on a CPU at
+    1024 tokens, about as much as the matmul). Where the budget has room, the stage runs as fast as with
+    unquantized weights; where it has none, the weights stay in their stored bytes. restore drops them."""
+    from memfit.quant.linear import QuantizedLinear
+
+    state = vars(pipe).get(STATE_ATTR)
+    if state is None:
+        return 0
+    streamed = {id(slot.owner) for slot in state.slots if slot.kind != SlotKind.DEVICE and slot.name == "weight"}
+    kept = 0
+    for module in _components(pipe).values():
+        for layer in module.modules():
+            if not isinstance(layer, QuantizedLinear) or id(layer) in streamed or layer.weight.device.type == "meta":
+                continue
+            nbytes = layer.out_features * layer.in_features * dtype.itemsize
+            if room is not None and kept + nbytes > room:
+                return kept
+            layer.dequantized = layer.stored.dequantize(layer.weight, dtype)
+            state.dequantized.append(layer)
+            kept += nbytes
+    return kept
 
 
 def restore(pipe):
@@ -782,6 +810,9 @@ def _checked_mapping(files: WeightSource, component: str, full_name: str, tensor
 
 
 def _undo(state: _State) -> None:
+    for layer in state.dequantized:
+        layer.dequantized = None
+    state.dequantized.clear()
     for modules, name in ((state.hooked, SwapHook.name), (state.marked, ResidentHook.name)):
         for module in modules:
             registry = HookRegistry.get(module)

@@ -40,7 +40,8 @@ from memfit.models.folder import ModelFolder
 from memfit.plan.activations import DEVICE_ACTIVATION_MARGIN, StrategyKind, choose, stage_strategies
 from memfit.plan.budget import Budget, BudgetTooSmall, StageDoesNotFit, stage_budget
 from memfit.plan.compiled import COMPILED_BLOCK_BUILD, COMPILED_BLOCK_OVERHEAD, choose_compiled, compiled_blocks_extra
-from memfit.run.executor import blocks_not_run, live_blocks, optimize, plan_stage, reads_in_place
+from memfit.run.executor import (blocks_not_run, keep_dequantized, live_blocks, optimize, plan_stage,
+                                 reads_in_place)
 from memfit.run.memory import return_large_frees_to_os
 from memfit.run.options import RunOptions
 from memfit.sizes import format_bytes
@@ -246,8 +247,17 @@ def _plan_and_place(pipe, folder: ModelFolder, options: RunOptions, *, stage: st
     for placement in stage_plan.placements:
         by_tier = tiers.setdefault(placement.component, {})
         by_tier[str(placement.where)] = by_tier.get(str(placement.where), 0) + placement.bytes
-    return StageFit(strategy=strategy.name, planned_peak=already_used + stage_plan.peak_bytes - read_ahead,
-                    streamed_bytes=streamed, tiers=tiers, notes=tuple(notes))
+    planned_peak = already_used + stage_plan.peak_bytes - read_ahead
+    if runtime.can_stream:
+        # Room the plan leaves: resident quantized weights kept dequantized there run without dequantizing.
+        kept = keep_dequantized(pipe, None if budget.device is None else budget.device - planned_peak,
+                                options.torch_dtype)
+        if kept:
+            planned_peak += kept
+            notes.append(f"{stage}: {format_bytes(kept)} of resident quantized weights kept dequantized, which the "
+                         "budget has room for, so they are not dequantized at each step")
+    return StageFit(strategy=strategy.name, planned_peak=planned_peak, streamed_bytes=streamed, tiers=tiers,
+                    notes=tuple(notes))
 
 
 def _compile_blocks(pipe, folder: ModelFolder, options: RunOptions, stage: str, block_paths: dict[str, list[str]],

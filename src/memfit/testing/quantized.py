@@ -39,21 +39,23 @@ def save_gguf(state: dict[str, torch.Tensor], path: str | Path, quant_type: str,
     return path
 
 
-# Where each K-quant block keeps its fp16 scales (d, and dmin where it has one), in bytes from its start.
+# Where each block keeps its fp16 scales (d, and dmin or m where it has one), in bytes from its start.
 _K_HALVES = {"Q2_K": (80, 82), "Q3_K": (108,), "Q4_K": (0, 2), "Q5_K": (0, 2), "Q6_K": (208,)}
+_HALVES = {**_K_HALVES, "Q8_0": (0,), "Q4_0": (0,), "Q4_1": (0, 2), "Q5_0": (0,), "Q5_1": (0, 2)}
 
 
-def random_blocks(quant_type: str, shape: tuple[int, ...], seed: int = 0) -> np.ndarray:
-    """The bytes of a K-quant tensor of logical ``shape``: random quants and sub-block scales, fp16 scales of
-    about 1/64 (so values stay small and finite)."""
+def random_blocks(quant_type: str, shape: tuple[int, ...], seed: int = 0, scale: float = 1 / 64) -> np.ndarray:
+    """The bytes of a tensor of logical ``shape`` in ``quant_type``: random quants (and sub-block scales), fp16
+    scales of about ``scale`` (so values stay finite). For K-quants, which the gguf package cannot quantize, and
+    for real-size benchmark files, written at the speed of a random generator."""
     import gguf
 
     kind = gguf.GGMLQuantizationType[quant_type]
     block_size, type_size = gguf.GGML_QUANT_SIZES[kind]
     blocks = int(np.prod(shape)) // block_size
     data = np.random.default_rng(seed).integers(0, 256, size=(blocks, type_size), dtype=np.uint8)
-    halves = np.random.default_rng(seed + 1).uniform(0.5, 1.5, size=(blocks, len(_K_HALVES[quant_type]))) / 64
-    for column, offset in enumerate(_K_HALVES[quant_type]):
+    halves = np.random.default_rng(seed + 1).uniform(0.5, 1.5, size=(blocks, len(_HALVES[quant_type]))) * scale
+    for column, offset in enumerate(_HALVES[quant_type]):
         data[:, offset:offset + 2] = halves[:, column].astype(np.float16).reshape(-1, 1).view(np.uint8)
     return data.reshape(*shape[:-1], shape[-1] // block_size * type_size)
 
