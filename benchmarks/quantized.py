@@ -188,8 +188,8 @@ def speed(models: Path, rounds: int, repeats: int) -> dict:
 def flux_configs(models: Path) -> Path:
     """FLUX.1-dev's configs, scheduler and tokenizers, no weights (what --config gives a GGUF transformer)."""
     import diffusers
-
     from build_flux_random import FLUX_DEV_SCHEDULER, meta_model
+
     from memfit.models.archs import get_arch
     from memfit.testing import clip_tokenizer, word_tokenizer
 
@@ -218,8 +218,8 @@ def real_gguf(models: Path, kind: str) -> Path:
     """flux1-dev-{kind}.gguf: FLUX.1-dev's transformer in Black Forest Labs' keys, as city96's files hold it:
     weights whose rows are whole blocks in ``kind`` (random valid blocks), the rest F32."""
     import gguf
-
     from build_flux_random import meta_model, random_tensor
+
     from memfit.models.archs import get_arch
     from memfit.testing.quantized import random_blocks
     from memfit.testing.single_file import flux_bfl_state_dict

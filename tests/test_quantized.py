@@ -354,7 +354,6 @@ def test_memfit_plan_sizes_quantize_without_writing(flux, capsys):
     nothing."""
     from memfit.cache import open_store
     from memfit.cli.app import main
-
     from memfit.models.model_path import open_model_path
 
     folder = flux[0]

@@ -568,3 +568,21 @@ def test_every_serve_flag_that_takes_a_value_shows_its_default_in_help(capsys):
                  "--max-prompt-chars", "--max-seconds", "--shutdown-grace"):
         block = next(block for block in blocks if block.startswith(flag + " "))
         assert "default" in block, block
+
+
+def test_img2img_on_an_editing_family_ignores_the_strength_a1111_always_sends(tiny_models):
+    """FLUX.1 Kontext edits its input image rather than noising it: the denoising_strength A1111's clients send
+    with every img2img request is left out, and the image is memfit generate's with --image alone."""
+    import memfit
+    from memfit.run.media import png_bytes
+    from memfit.testing.conditioning import test_image
+
+    model = tiny_models("flux_kontext")
+    image = test_image(32, seed=3)
+    expected = memfit.generate("a red circle", model=model, steps=2, seed=4, image=image, progress=False)
+    with TestClient(create_app(Session(model))) as client:
+        response = client.post("/sdapi/v1/img2img", json={"prompt": "a red circle", "steps": 2, "seed": 4,
+                                                          "cfg_scale": expected.settings.guidance,
+                                                          "init_images": [b64_png(image)], "denoising_strength": 0.75})
+        assert response.status_code == 200, response.text
+        assert base64.b64decode(response.json()["images"][0]) == png_bytes(expected.images[0], expected.metadata)

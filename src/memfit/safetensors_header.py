@@ -18,7 +18,7 @@ import torch
 
 from memfit.errors import MemfitError
 
-__all__ = ["TORCH_DTYPES", "MappedFile", "SafetensorsHeader", "check_complete", "read_header", "same_samples"]
+__all__ = ["TORCH_DTYPES", "LazyMapping", "MappedFile", "SafetensorsHeader", "check_complete", "read_header", "same_samples"]
 
 #: The torch dtype of each safetensors dtype name memfit maps into memory.
 TORCH_DTYPES = {
@@ -83,23 +83,16 @@ def check_complete(path: str | Path) -> SafetensorsHeader:
     return header
 
 
-class MappedFile:
-    """One safetensors file, memory-mapped once; ``tensor(key)`` is a zero-copy view of its bytes.
+class LazyMapping:
+    """A weights file (``path``), memory-mapped once, on first use: reading its header alone maps nothing.
 
     The mapping is private copy-on-write (``ACCESS_COPY``): pages are the page cache's own, the
     kernel may drop and re-read them under pressure, and an accidental in-place write to a weight
     makes a private page instead of corrupting the model file (or crashing on a read-only page).
-    It is opened on the first ``tensor`` call, so reading the header alone maps nothing.
     """
 
-    def __init__(self, path: str | Path, header: SafetensorsHeader | None = None):
-        self.path = Path(path)
-        self.header = header if header is not None else read_header(self.path)
-        self._mapping: mmap.mmap | None = None
-
-    @property
-    def entries(self) -> dict[str, dict]:
-        return self.header.entries
+    path: Path
+    _mapping: mmap.mmap | None = None
 
     @property
     def mapping(self) -> mmap.mmap:
@@ -107,6 +100,18 @@ class MappedFile:
             with self.path.open("rb") as handle:
                 self._mapping = mmap.mmap(handle.fileno(), 0, access=mmap.ACCESS_COPY)
         return self._mapping
+
+
+class MappedFile(LazyMapping):
+    """One safetensors file, memory-mapped once (LazyMapping); ``tensor(key)`` is a zero-copy view of its bytes."""
+
+    def __init__(self, path: str | Path, header: SafetensorsHeader | None = None):
+        self.path = Path(path)
+        self.header = header if header is not None else read_header(self.path)
+
+    @property
+    def entries(self) -> dict[str, dict]:
+        return self.header.entries
 
     def byte_range(self, key: str) -> tuple[int, int]:
         """Where ``key``'s bytes lie in the file (absolute offsets, end excluded)."""

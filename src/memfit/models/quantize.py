@@ -19,7 +19,12 @@ from memfit.models.folder import ModelFolder
 from memfit.plan.meta import build_on_meta, is_model_class, measure_module
 from memfit.quant.formats import FP8_FORMATS, StoredTensor, readable_gguf_types
 from memfit.quant.linear import use_stored_linears
-from memfit.quant.writers import GGUF_TYPES, QUANTIZE_TYPES, quantized_layers, write_quantized
+from memfit.quant.writers import (
+    GGUF_TYPES,
+    QUANTIZE_TYPES,
+    quantized_layers,
+    write_quantized,
+)
 
 __all__ = ["check_quantize", "plan_quantized", "with_quantized"]
 

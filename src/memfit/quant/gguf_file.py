@@ -10,13 +10,13 @@ copies every tensor into memory).
 
 from __future__ import annotations
 
-import mmap
 from pathlib import Path
 
 import torch
 
 from memfit.errors import MemfitError
 from memfit.quant.formats import STORAGE_DTYPE, StoredFormat, gguf_format
+from memfit.safetensors_header import LazyMapping
 
 __all__ = ["MappedGguf"]
 
@@ -37,7 +37,7 @@ def _reader(path: Path):
                           f"{exc}); re-download it or convert it again.") from None
 
 
-class MappedGguf:
+class MappedGguf(LazyMapping):
     """One GGUF file: ``entries`` (key -> (logical shape, stored shape, dtype, byte range)), ``formats`` (the
     block-quantized keys' StoredFormat), ``tensor(key)`` a view of the mapping. The same interface as
     memfit.safetensors_header.MappedFile, so the disk tier maps it alike."""
@@ -73,14 +73,6 @@ class MappedGguf:
                                   f"file's {size} bytes; re-download it.")
             self.entries[tensor.name] = (logical, stored, dtype, (begin, end))
         del reader  # its own numpy mapping is closed with it; tensors come from ours
-        self._mapping: mmap.mmap | None = None
-
-    @property
-    def mapping(self) -> mmap.mmap:
-        if self._mapping is None:
-            with self.path.open("rb") as handle:
-                self._mapping = mmap.mmap(handle.fileno(), 0, access=mmap.ACCESS_COPY)
-        return self._mapping
 
     def byte_range(self, key: str) -> tuple[int, int]:
         return self.entries[key][3]

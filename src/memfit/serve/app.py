@@ -513,7 +513,7 @@ def create_app(served: Session | Checkpoints, *, limits: Limits = Limits(), auth
         check of their own pace their job makes as it runs (memfit.serve.costs)."""
         first = runs[0]
         width, height = first["width"], first["height"]
-        steps = int(first["steps"] * first["strength"]) if "strength" in first else first["steps"]
+        steps = int(first["steps"] * first["strength"]) if first.get("strength") is not None else first["steps"]
         multiple = folder.adapter.size_multiple()
 
         def check(measured: Measured) -> float:
@@ -589,6 +589,10 @@ def create_app(served: Session | Checkpoints, *, limits: Limits = Limits(), auth
         try:
             if conditioning is not None:  # memfit's own refusal for a family without img2img, inpainting or LoRAs
                 check_conditioning(folder.adapter, conditioning, False)
+                if strength is not None and not folder.adapter.takes_strength(conditioning.task):
+                    # A1111's clients send denoising_strength with every img2img request; an editing pipeline
+                    # (FLUX.1 Kontext) draws beside its input instead of noising it, and takes none.
+                    strength = None
             settings = folder.adapter.resolve(prompt, body.negative_prompt, body.steps, body.cfg_scale, 0,
                                               body.width, body.height, folder.defaults, conditioning=conditioning,
                                               strength=strength)

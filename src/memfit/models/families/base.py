@@ -235,6 +235,10 @@ class PipelineAdapter:
         signature = inspect.signature(getattr(diffusers, self.pipeline_class(task)).__call__)
         return {name: p.default for name, p in signature.parameters.items()}
 
+    def takes_strength(self, task: str) -> bool:
+        """Whether ``task``'s pipeline noises its input image by a strength (an editing one draws beside it)."""
+        return "strength" in self.task_call_defaults(task)
+
     def resolve(self, prompt, negative_prompt, steps, guidance, seed, width, height, defaults=None, *,
                 true_cfg_scale=None, num_frames=None, conditioning: Conditioning | None = None,
                 strength=None, makes_images: bool = True) -> Settings:
