@@ -17,9 +17,10 @@ Writes docs/quantized_weights.{json,md} (a run of some parts keeps the others' l
   (from_single_file + GGUFQuantizationConfig) on the same file.
 * **memory**: the real FLUX.1-dev transformer (12B) as GGUF Q4_0 and Q8_0 (real layout and size, random
   valid blocks: speed and memory do not depend on values), one forward at 256x256 in a fresh process per
-  row, under cgroup caps and without: memfit (no flag: the automatic budget reads the cap) against
-  diffusers' GGUF loading, which copies the file into memory. The configs folder and the files are built
-  under ``--models`` once (about 20 GB; ``--no-memory`` skips it).
+  row, under cgroup caps and without: memfit (no flag) against
+  diffusers' GGUF loading, which copies the file into memory; and memfit with a budget under the cap, which
+  plans streaming from the file. The configs folder and the files are built under ``--models`` once
+  (about 20 GB; leave ``memory`` out of ``--parts`` to skip it).
 
 torch runs with the threads stated in the output (2 on the benchmark machine).
 """
@@ -256,13 +257,15 @@ def real_gguf(models: Path, kind: str) -> Path:
     return path
 
 
-MEMORY_ROWS = [  # (row, type, cap in GiB or None)
-    ("memfit", "Q4_0", None), ("memfit", "Q4_0", 4), ("diffusers", "Q4_0", None), ("diffusers", "Q4_0", 4),
-    ("memfit", "Q8_0", 6), ("diffusers", "Q8_0", None), ("diffusers", "Q8_0", 6),
+MEMORY_ROWS = [  # (row, type, cap in GiB or None, memfit's budget: None for the automatic one)
+    ("memfit", "Q4_0", None, None), ("memfit", "Q4_0", 4, None), ("memfit", "Q4_0", 4, "3GiB"),
+    ("diffusers", "Q4_0", None, None), ("diffusers", "Q4_0", 4, None),
+    ("memfit", "Q8_0", 6, None), ("memfit", "Q8_0", 6, "5GiB"), ("diffusers", "Q8_0", None, None),
+    ("diffusers", "Q8_0", 6, None),
 ]
 
 
-def run_child(row: str, configs: str, file: str) -> dict:
+def run_child(row: str, configs: str, file: str, budget: str | None) -> dict:
     """In the fresh process: load the transformer from ``file`` as ``row`` does, one forward; seconds and peaks."""
     from single_file import report_peaks
 
@@ -277,7 +280,10 @@ def run_child(row: str, configs: str, file: str) -> dict:
         transformer = load_transformer(Path(configs), Path(file), torch.bfloat16)
         pipe = FluxPipeline(scheduler=None, vae=None, text_encoder=None, tokenizer=None, text_encoder_2=None,
                             tokenizer_2=None, transformer=transformer)
-        memfit.optimize(pipe)  # the automatic budget: what this container (its cap) can spare now
+        # The automatic budget counts a pipeline optimize is given as held already: here the transformer's views
+        # of the file, so it keeps them all "resident", read in place; the kernel drops and reads again what
+        # the cap cannot hold. A budget given plans the streaming itself.
+        memfit.optimize(pipe, budget=budget or "auto")
         plan = pipe._memfit_plan.stages[0]
         extra = {"resident_bytes": plan.resident_bytes, "streamed_bytes": plan.streamed_from_disk_bytes
                  + plan.streamed_from_host_bytes}
@@ -298,21 +304,27 @@ def run_child(row: str, configs: str, file: str) -> dict:
             "threads": torch.get_num_threads(), **extra}
 
 
-def memory(models: Path, timeout: float) -> list[dict]:
+def memory(models: Path, timeout: float, earlier: list[dict], only: str | None) -> list[dict]:
+    """The MEMORY_ROWS (those whose description holds ``only``, the rest kept from ``earlier`` runs)."""
     from memfit.testing.cgroup import evict_page_cache, run_capped
 
     configs = flux_configs(models)
     files = {kind: real_gguf(models, kind) for kind in ("Q4_0", "Q8_0")}
+    kept = {(r["row"], r["type"], r["cap_gib"], r.get("budget")): r for r in earlier}
     out = []
-    for row, kind, cap in MEMORY_ROWS:
+    for row, kind, cap, budget in MEMORY_ROWS:
+        if only and only not in f"{row} {kind} {cap} {budget}" and (row, kind, cap, budget) in kept:
+            out.append(kept[row, kind, cap, budget])
+            continue
         evict_page_cache(models)
-        command = [sys.executable, __file__, "--child", row, "--configs", str(configs), "--file", str(files[kind])]
+        command = [sys.executable, __file__, "--child", row, "--configs", str(configs), "--file", str(files[kind]),
+                   *(["--budget", budget] if budget else [])]
         env = {**os.environ, "MEMFIT_CACHE": "0", "HF_HUB_OFFLINE": "1"}
         run = run_capped(command, cap * GiB if cap else None, timeout=timeout, env=env)
         lines = run.stdout.splitlines()
         result = next((json.loads(line[7:]) for line in lines if line.startswith("RESULT ")), None)
         peaks = [int(line[5:]) for line in lines if line.startswith("PEAK ")]
-        entry = {"row": row, "type": kind, "cap_gib": cap, "file_bytes": files[kind].stat().st_size,
+        entry = {"row": row, "type": kind, "cap_gib": cap, "budget": budget, "file_bytes": files[kind].stat().st_size,
                  "completed": run.completed and result is not None, "killed": run.killed,
                  "process_seconds": run.seconds, "cgroup_peak": run.max_usage_bytes, **(result or {})}
         if result is None:
@@ -365,16 +377,23 @@ def render(data: dict) -> str:
     if "memory" in data:
         lines += ["## Memory at real size", "",
                   "FLUX.1-dev's transformer (12B) as GGUF (real layout and size, random valid blocks), loaded and run "
-                  "once at 256x256 (256 image, 512 text tokens, bf16 compute) in a fresh process per row; memfit with "
-                  "no flag (its automatic budget reads the cap), diffusers' from_single_file with "
-                  "GGUFQuantizationConfig. Peak RSS from the process; the cgroup peak counts page cache too.", "",
+                  "once at 256x256 (256 image, 512 text tokens, bf16 compute) in a fresh process per row. memfit: the "
+                  "transformer opened from the file (`--component transformer=FILE`) and `memfit.optimize`d; with no "
+                  "flag the automatic budget counts the loaded views of the file as held, so the plan keeps them all "
+                  "resident, read in place, and the kernel drops and reads again the pages a cap cannot hold; with a "
+                  "budget the plan streams blocks from the file itself. diffusers: from_single_file with "
+                  "GGUFQuantizationConfig, which copies the file into memory. Peak RSS counts the file's pages mapped "
+                  "in; the cgroup peak counts page cache too.", "",
                   "| row | file | cap | outcome | load | forward | peak RSS | cgroup peak |", "|---|---|---|---|---|---|---|---|"]
         for row in data["memory"]:
             outcome = "completes" if row["completed"] else ("killed (out of memory)" if row["killed"] else "fails")
             load = f"{row['load_seconds']:.0f} s" if "load_seconds" in row else "-"
             forward = f"{row['forward_seconds']:.0f} s" if "forward_seconds" in row else "-"
             cap = f"{row['cap_gib']} GiB" if row["cap_gib"] else "none"
-            lines.append(f"| {row['row']} | {row['type']} {row['file_bytes'] / 1e9:.1f} GB | {cap} | {outcome} | {load} | "
+            name = f"memfit, budget {row['budget']}" if row.get("budget") else \
+                ("memfit, no flag" if row["row"] == "memfit" else "diffusers GGUF")
+            streamed = f", {_gib(row['streamed_bytes'])} streamed" if row.get("streamed_bytes") else ""
+            lines.append(f"| {name}{streamed} | {row['type']} {row['file_bytes'] / 1e9:.1f} GB | {cap} | {outcome} | {load} | "
                          f"{forward} | {_gib(row.get('peak_rss'))} | {_gib(row['cgroup_peak'])} |")
         lines.append("")
     return "\n".join(lines)
@@ -390,9 +409,12 @@ def main() -> None:
     parser.add_argument("--child")
     parser.add_argument("--configs")
     parser.add_argument("--file")
+    parser.add_argument("--budget")
+    parser.add_argument("--only", help="memory rows to run again (a substring of 'ROW TYPE CAP BUDGET'); the rest "
+                        "are kept from the page's last run")
     args = parser.parse_args()
     if args.child:
-        print("RESULT " + json.dumps(run_child(args.child, args.configs, args.file)), flush=True)
+        print("RESULT " + json.dumps(run_child(args.child, args.configs, args.file, args.budget)), flush=True)
         return
     from common import machine, write_outputs
 
@@ -408,7 +430,7 @@ def main() -> None:
     if "speed" in parts:
         data["speed"] = speed(args.models, args.rounds, args.repeats)
     if "memory" in parts:
-        data["memory"] = memory(args.models, args.timeout)
+        data["memory"] = memory(args.models, args.timeout, data.get("memory", []), args.only)
     write_outputs("quantized_weights", data, render(data))
 
 
