@@ -139,15 +139,12 @@ def measure_module(name: str, module, dtype: str = "bf16", *,
                    max_block_fraction: float = DEFAULT_MAX_BLOCK_FRACTION) -> ComponentSize:
     """measure_component for a module already built (on the meta device): a component whose weights are not
     those its config gives, e.g. stored quantized (memfit.quant), which count their stored bytes."""
-    import torch
-
-    from memfit.quant.formats import dequantized_bytes
+    from memfit.quant.formats import dequantized_elements
 
     item_size = dtype_bytes(dtype)
     blocks = tuple(BlockSize(name=block, bytes=float_elems * item_size + other_bytes, param_count=params)
                    for block, float_elems, other_bytes, params in _module_blocks(module, max_block_fraction))
-    run_dtype = {2: torch.bfloat16, 4: torch.float32}.get(item_size, torch.float16)
-    scratch = max((dequantized_bytes(p, run_dtype) for p in module.parameters()), default=0)
+    scratch = max((dequantized_elements(p) for p in module.parameters()), default=0) * item_size
     return ComponentSize(name=name, class_name=type(module).__name__, dtype=dtype,
                          total_bytes=sum(b.bytes for b in blocks), param_count=sum(b.param_count for b in blocks),
                          blocks=blocks, scratch_bytes=scratch)

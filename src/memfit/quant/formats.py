@@ -16,8 +16,8 @@ import torch
 
 from memfit.errors import MemfitError
 
-__all__ = ["FP8_FORMATS", "STORAGE_DTYPE", "StoredFormat", "StoredTensor", "dequantized_bytes", "gguf_format", "is_stored", "mark_stored",
-           "readable_gguf_types"]
+__all__ = ["FP8_FORMATS", "STORAGE_DTYPE", "StoredFormat", "StoredTensor", "dequantized_elements", "gguf_format",
+           "is_stored", "mark_stored", "readable_gguf_types"]
 
 _STORED_ATTR = "_memfit_stored_format"
 #: The dtype stored bytes are held in. int8, not uint8: it is the dtype of quantized weights the libraries
@@ -122,13 +122,13 @@ def is_stored(tensor: torch.Tensor) -> bool:
     return getattr(tensor, _STORED_ATTR, None) is not None
 
 
-def dequantized_bytes(tensor: torch.Tensor, dtype: torch.dtype) -> int:
-    """What dequantizing ``tensor`` takes in ``dtype`` (0 for a tensor that is not stored): the scratch its
-    layer's forward holds beside it."""
+def dequantized_elements(tensor: torch.Tensor) -> int:
+    """How many values dequantizing ``tensor`` makes (0 for a tensor that is not stored): at the compute dtype's
+    size, the scratch its layer's forward holds beside it."""
     fmt = getattr(tensor, _STORED_ATTR, None)
     if fmt is None:
         return 0
     count = 1
     for n in fmt.logical_shape(tensor.shape):
         count *= n
-    return count * dtype.itemsize
+    return count

@@ -59,7 +59,7 @@ from memfit.plan.budget import AUTO, NONE, Budget, BudgetLike, resolve_budget, s
 from memfit.errors import MemfitError
 from memfit.run.offload import (HookRegistry, Prefetches, ResidentHook, Runtime, Shared, Slot, SlotKind, StagingRing,
                                 SwapHook, aligned, inference_mode_for)
-from memfit.quant.formats import dequantized_bytes
+from memfit.quant.formats import dequantized_elements
 from memfit.run.weight_sources import WeightSource, in_memory_only, weight_source
 from memfit.safetensors_header import same_samples
 from memfit.plan.planner import BlockSpec, Plan, StageInput, Tier, make_plan
@@ -508,7 +508,7 @@ def live_blocks(component: str, module: torch.nn.Module, dtype: torch.dtype | No
                 seen.add(id(tensor))
                 nbytes = tensor.numel() * _run_dtype(tensor, dtype).itemsize
                 size += nbytes
-                scratch = max(scratch, dequantized_bytes(tensor, compute_dtype))
+                scratch = max(scratch, dequantized_elements(tensor) * compute_dtype.itemsize)
                 if tensor is anchor or names.get(id(tensor)) in in_memory:
                     fixed += nbytes
                 tensors.append((owner, attr, tensor, is_param, names.get(id(tensor), attr)))

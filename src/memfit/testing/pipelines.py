@@ -477,7 +477,7 @@ def _chroma(scale: int, text_layers: int):
     )
     return ChromaPipeline(
         scheduler=FlowMatchEulerDiscreteScheduler(),
-        vae=_vae(scale, levels=vae_levels, width=vae_width, latent_channels=latent_channels, scaling_factor=1.5035, shift_factor=0.0609,
+        vae=_vae(scale, latent_channels=latent_channels, scaling_factor=1.5035, shift_factor=0.0609,
                  use_quant_conv=False, use_post_quant_conv=False),
         text_encoder=_t5_encoder(tokenizer, text_hidden, text_layers),
         tokenizer=tokenizer,
