@@ -475,7 +475,12 @@ class Runtime:
 
     def plan_order(self, hooks: list["SwapHook"]) -> None:
         """Take one component's hooks in plan order as the order until they have run (see the class
-        docstring); not around its end: whether a component runs again is learned."""
+        docstring); not around its end: whether a component runs again is learned. Only on a device with
+        memory of its own: on the CPU a block asks the kernel for its pages as it runs, and a read ahead in
+        an order that does not come (a UNet's mid block runs after its up blocks are registered) would read
+        blocks twice."""
+        if not self.separate_memory:
+            return
         for hook, after in zip(hooks, hooks[1:]):
             self.next_of.setdefault(id(hook), after)
 
