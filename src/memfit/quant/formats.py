@@ -9,6 +9,7 @@ functions its GGUF loading runs), so a weight dequantizes to the same values as 
 from __future__ import annotations
 
 from collections.abc import Callable
+import math
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -51,10 +52,6 @@ class StoredFormat:
         """The values of ``stored`` (its bytes, STORAGE_DTYPE, in the stored shape) in ``dtype``."""
         blocks = stored.view(torch.uint8).reshape(-1, self.type_size)
         return self._dequantize(blocks).reshape(self.logical_shape(stored.shape)).to(dtype)
-
-    def describe(self) -> str:
-        bits = 8 * self.type_size / self.block_size
-        return f"{self.name} ({bits:.2g} bits per weight)"
 
 
 class StoredTensor(NamedTuple):
@@ -128,7 +125,4 @@ def dequantized_elements(tensor: torch.Tensor) -> int:
     fmt = getattr(tensor, _STORED_ATTR, None)
     if fmt is None:
         return 0
-    count = 1
-    for n in fmt.logical_shape(tensor.shape):
-        count *= n
-    return count
+    return math.prod(fmt.logical_shape(tensor.shape))

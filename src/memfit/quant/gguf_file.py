@@ -10,6 +10,7 @@ copies every tensor into memory).
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 
 import torch
@@ -46,7 +47,6 @@ class MappedGguf(LazyMapping):
         self.path = Path(path)
         size = self.path.stat().st_size
         reader = _reader(self.path)
-        self.architecture = _architecture(reader)
         self.entries: dict[str, tuple[tuple[int, ...], tuple[int, ...], torch.dtype, tuple[int, int]]] = {}
         self.formats: dict[str, StoredFormat] = {}
         for tensor in reader.tensors:
@@ -64,7 +64,7 @@ class MappedGguf(LazyMapping):
                 dtype, stored = STORAGE_DTYPE, fmt.stored_shape(logical)
             begin = int(tensor.data_offset)
             end = begin + int(tensor.n_bytes)
-            expected = dtype.itemsize * _count(stored)
+            expected = dtype.itemsize * math.prod(stored)
             if end - begin != expected:
                 raise MemfitError(f"{where} holds {end - begin} bytes where its type and shape {list(logical)} need "
                                   f"{expected}; the file is damaged: re-download it.")
@@ -90,17 +90,3 @@ class MappedGguf(LazyMapping):
         if count == 0:
             return torch.empty(stored, dtype=dtype)
         return torch.frombuffer(self.mapping, dtype=dtype, count=count, offset=begin).view(stored)
-
-
-def _count(shape) -> int:
-    count = 1
-    for n in shape:
-        count *= n
-    return count
-
-
-def _architecture(reader) -> str:
-    field = reader.fields.get("general.architecture")
-    if field is None or not field.data:
-        return ""
-    return bytes(field.parts[field.data[0]]).decode("utf-8", "replace")
