@@ -4,6 +4,7 @@ at once, SIGTERM answers the waiting requests and stops the running one after it
 
 import base64
 import json
+import re
 import signal
 import subprocess
 import sys
@@ -167,7 +168,10 @@ def test_behind_api_auth_a_gone_client_is_dropped_and_sigterm_stops_the_running_
            "finish" in output, output
     assert "memfit serve: txt2img next: 32x32, 2 steps, 1 image(s): 503 cancelled in " in output, output
     assert "memfit serve: txt2img last: 64x64, 150 steps, 8 image(s): 200 interrupted in " in output, output
-    assert output.rstrip().endswith("memfit serve: stopped after answering 1 generation requests (0 images)"), output
+    # The running request was stopped before its 8 images: how many its 1 s of grace finished depends on the machine.
+    last_line = output.rstrip().splitlines()[-1]
+    done = re.fullmatch(r"memfit serve: stopped after answering 1 generation requests \((\d) images\)", last_line)
+    assert done and int(done.group(1)) < 8, output
 
 
 def test_the_web_page_in_a_real_browser_shows_the_apis_image(server, browser):
