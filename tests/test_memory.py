@@ -9,7 +9,8 @@ import numpy as np
 import pytest
 
 import memfit
-from memfit.run.memory import collects_only_its_own_garbage, read_peak_rss, release_freed_memory, reset_peak_rss
+from memfit.run.memory import (collects_only_its_own_garbage, freeze_the_run_set_up, read_peak_rss, release_freed_memory,
+                               reset_peak_rss)
 
 
 class _Node:
@@ -39,6 +40,36 @@ def test_a_run_collects_what_it_made_and_leaves_older_objects_to_after():
     assert gc.get_freeze_count() == 0  # unfrozen afterwards: collection is as it was
     gc.collect()
     assert older_ref() is None
+
+
+def test_the_set_up_of_a_run_is_frozen_too_and_its_stages_are_still_collected():
+    """What a run made before its first stage (the modules a model's opening imported) is frozen out of the
+    stage-end collections; what a stage makes afterwards is still collected; outside a run nothing is frozen."""
+    freeze_the_run_set_up()
+    assert gc.get_freeze_count() == 0
+    seen = {}
+
+    @collects_only_its_own_garbage
+    def run():
+        set_up = _Node()
+        set_up_ref = weakref.ref(set_up)
+        frozen = gc.get_freeze_count()
+        freeze_the_run_set_up()
+        seen["set_up_frozen"] = gc.get_freeze_count() > frozen
+        del set_up
+        stage = _Node()
+        stage_ref = weakref.ref(stage)
+        del stage
+        gc.collect()
+        seen["stage_freed"] = stage_ref() is None
+        seen["set_up_kept"] = set_up_ref() is not None
+        return set_up_ref
+
+    set_up_ref = run()
+    assert seen == {"set_up_frozen": True, "stage_freed": True, "set_up_kept": True}
+    assert gc.get_freeze_count() == 0
+    gc.collect()
+    assert set_up_ref() is None
 
 
 def test_a_callers_own_freeze_is_left_alone():

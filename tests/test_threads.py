@@ -114,6 +114,26 @@ def test_cpus_other_processes_keep_busy_are_left_to_them(fake_stat, monkeypatch)
     assert choose_threads(environ={}, affinity={0, 1, 2, 3}, **roots) == threads.ThreadCount(4, "4 CPUs")
 
 
+def test_a_look_begun_as_the_run_began_costs_the_run_no_wait(tmp_path, monkeypatch):
+    """generate starts looking at /proc/stat before it opens the model; choosing the threads then measures others'
+    use over that time and does not sleep through a look of its own."""
+    monkeypatch.setattr(threads.os, "cpu_count", lambda: 4)
+    monkeypatch.setattr(threads, "_last_sample", None)
+    roots = _cgroups(tmp_path, "0::/\n", {"cpu.max": "max 100000\n"})
+    stat = roots["proc_root"] / "stat"
+    stat.write_text(_stat([0, 0, 0, 0]))
+    threads.start_looking_at_cpus(proc_root=roots["proc_root"])
+    time.sleep(0.15)  # the model opening: others keep one CPU busy meanwhile
+    stat.write_text(_stat([15, 0, 0, 0]))
+    waits = []
+    monkeypatch.setattr(threads.time, "sleep", waits.append)
+    chosen = choose_threads(environ={}, affinity={0, 1, 2, 3}, **roots)
+    assert waits == [] and chosen.count == 3
+    threads.start_looking_at_cpus(proc_root=roots["proc_root"])  # a run that begins at once waits out the rest only
+    choose_threads(environ={}, affinity={0, 1, 2, 3}, **roots)
+    assert len(waits) == 1 and 0 < waits[0] <= threads._SAMPLE_SECONDS
+
+
 def test_asked_for_and_omp_num_threads_come_first(tmp_path):
     roots = _cgroups(tmp_path, "0::/\n", {"cpu.max": "100000 100000\n"})
     assert choose_threads(3, environ={"OMP_NUM_THREADS": "1"}, affinity={0, 1}, **roots) == \

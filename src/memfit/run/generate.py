@@ -24,6 +24,7 @@ from memfit.plan.budget import ABOVE_PROCESS
 from memfit.run.fit import check_budget_floor
 from memfit.run.options import RunOptions, StagePool
 from memfit.run.runner import StageRunner
+from memfit.run.threads import start_looking_at_cpus
 from memfit.run.stages import (
     Generation,
     check_embeddings,
@@ -37,6 +38,12 @@ from memfit.run.stages import (
 )
 
 __all__ = ["Generation", "check_conditioning", "encode", "generate"]
+
+
+def _begin(threads: int | None) -> None:
+    if threads is None:
+        start_looking_at_cpus()  # how busy the CPUs are is measured while the model opens, not in a wait of its own
+    quiet_libraries()
 
 
 @collects_only_its_own_garbage
@@ -58,7 +65,7 @@ def encode(
 ) -> tuple[Embeddings, RunReport]:
     """Run only the encode stage; the embeddings carry both guidance branches. ``model``, ``config``,
     ``components``, ``quantize`` and ``threads`` as memfit.generate's."""
-    quiet_libraries()
+    _begin(threads)
     folder = open_model(model, allow_pickle=allow_pickle, config=config, components=components, quantize=quantize)
     if not folder.adapter.staged:
         raise MemfitError(_not_staged(folder, "encode prompts on their own"))
@@ -156,7 +163,7 @@ def generate(
     really use: its affinity, its cgroup's CPU quota, less those other processes keep busy; OMP_NUM_THREADS
     where set: memfit.run.threads); torch's own count is put back when the run ends. The report says which.
     """
-    quiet_libraries()
+    _begin(threads)
     if frames is not None and num_frames is not None and frames != num_frames:
         raise MemfitError(f"frames={frames} and num_frames={num_frames} name the same setting; pass one of them.")
     num_frames = frames if frames is not None else num_frames

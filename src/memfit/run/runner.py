@@ -33,7 +33,7 @@ from memfit.models.families import Settings
 from memfit.models.folder import ModelFolder
 from memfit.plan.budget import ABOVE_PROCESS, AUTO, Budget, StageDoesNotFit, resolve_budget, stage_start_budget
 from memfit.run.fit import StageFit, fit_stage
-from memfit.run.memory import PeakMemory, release_freed_memory
+from memfit.run.memory import PeakMemory, freeze_the_run_set_up, release_freed_memory
 from memfit.run.options import RunOptions
 from memfit.run.report import RunReport, StageReport
 from memfit.run.threads import choose_threads, torch_threads
@@ -274,6 +274,7 @@ class StageRunner:
     def run(self, stages: list[Stage]) -> dict[str, Any]:
         """Run ``stages`` in order; returns each stage's result by name."""
         results: dict[str, Any] = {}
+        freeze_the_run_set_up()
         threads = choose_threads(self.options.threads)
         self.report.threads = threads.to_dict()
         with torch_threads(threads.count), self.timeline:

@@ -31,7 +31,7 @@ from pathlib import Path
 from memfit.errors import MemfitError
 
 __all__ = ["MAX_THREADS", "ThreadCount", "busy_cpus_of_others", "check_threads", "choose_threads", "cpu_quota",
-           "torch_threads", "usable_cpus"]
+           "start_looking_at_cpus", "torch_threads", "usable_cpus"]
 
 MAX_THREADS = 1024  # more than any machine memfit runs on has cores: a larger count is a typo
 # Others' use of a CPU below this fraction leaves it free to compute on (background daemons, a shell).
@@ -183,18 +183,20 @@ def _sample(proc_root: Path) -> _CpuSample | None:
 def busy_cpus_of_others(cpus: set[int], *, proc_root: str | os.PathLike = "/proc") -> float | None:
     """CPUs' worth of time other processes used on ``cpus`` lately, or None where /proc/stat cannot say.
 
-    Measured since the last call (when it was between 0.1 and 30 s ago: during a Session's previous run,
-    with no wait), else over 0.1 s from now. This process's own time is taken off.
+    Measured since the last look (start_looking_at_cpus, or the last call) when that began at most 30 s ago:
+    during a Session's previous run, or while this run opened its model; else from now. A look shorter
+    than 0.1 s is waited out to 0.1 s. This process's own time is taken off.
     """
     global _last_sample
     proc = Path(proc_root)
     now = time.monotonic()
     start = _last_sample
-    if start is None or not _SAMPLE_SECONDS <= now - start.at <= _SAMPLE_GOOD_FOR:
+    if start is None or now - start.at > _SAMPLE_GOOD_FOR:
         start = _sample(proc)
         if start is None:
             return None
-        time.sleep(_SAMPLE_SECONDS)
+    if time.monotonic() - start.at < _SAMPLE_SECONDS:  # a look begun as the run began: only the rest of it
+        time.sleep(_SAMPLE_SECONDS - (time.monotonic() - start.at))
     end = _sample(proc)
     if end is None:
         return None
@@ -205,8 +207,9 @@ def busy_cpus_of_others(cpus: set[int], *, proc_root: str | os.PathLike = "/proc
     return max(0.0, others / max(end.at - start.at, 1e-3))
 
 
-def _note_run_ended(*, proc_root: str | os.PathLike = "/proc") -> None:
-    """Start the next look at /proc/stat now: the next run measures others' use from the end of this one."""
+def start_looking_at_cpus(*, proc_root: str | os.PathLike = "/proc") -> None:
+    """Start the next look at /proc/stat now. At the end of a run: the next run measures others' use from there.
+    As a run begins (before its model is opened): the look then takes no time of its own."""
     global _last_sample
     _last_sample = _sample(Path(proc_root)) or _last_sample
 
@@ -244,4 +247,4 @@ def torch_threads(count: int):
     finally:
         if torch.get_num_threads() != before:
             torch.set_num_threads(before)
-        _note_run_ended()
+        start_looking_at_cpus()
