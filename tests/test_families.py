@@ -46,6 +46,9 @@ CASES = {
     # Kontext edits an input image (the img2img task)
     "flux_kontext": (dict(guidance=3.5, image=KONTEXT_IMAGE),
                      dict(guidance=3.5, true_cfg_scale=4.0, negative_prompt=NEGATIVE, image=KONTEXT_IMAGE)),
+    # FLUX.2 dev's guidance is embedded only: no negative pass, no negative prompt
+    "flux2": (dict(guidance=1.0), dict(guidance=4.0)),
+    "flux2_klein": (dict(guidance=1.0), dict(guidance=4.0, negative_prompt=NEGATIVE)),
 }
 
 
@@ -119,7 +122,7 @@ def _streams_and_matches_diffusers(model, kind, streamed_plans, tmp_path, monkey
     else:  # on a GPU the weights would park in pinned host RAM: a host budget for the staging ring alone sends them to disk
         ours, _ = with_staging_ring(lambda gpu_budget: assert_matches_diffusers(
             model, atol=0, budget=gpu_budget, device=device, **settings), budget, model)
-    assert ours.settings.negative_prompt == NEGATIVE
+    assert ours.settings.negative_prompt == settings.get("negative_prompt")
     # On a GPU the host budget the staging ring takes may hold some of the blocks: they stream from the host.
     streamed = {plan.stages[0].name: plan.stages[0].streamed_from_disk_bytes + plan.stages[0].streamed_from_host_bytes
                 for plan in streamed_plans}
@@ -133,13 +136,14 @@ def test_text_encoders_stream_from_disk(tiny_models, kind, streamed_plans, tmp_p
     from memfit.errors import MemfitError
 
     model = tiny_models(kind)
-    whole, _ = memfit.encode(PROMPT, model=model, negative_prompt=NEGATIVE)
+    negative = CASES[kind][True].get("negative_prompt")  # FLUX.2 dev takes none
+    whole, _ = memfit.encode(PROMPT, model=model, negative_prompt=negative)
     budget = 1
     for attempt in range(4):
         monkeypatch.setenv("MEMFIT_CACHE_DIR", str(tmp_path / f"cache{attempt}"))  # no prompt-cache hit
         try:
             streamed_plans.clear()
-            low, _ = memfit.encode(PROMPT, model=model, negative_prompt=NEGATIVE, budget=budget)
+            low, _ = memfit.encode(PROMPT, model=model, negative_prompt=negative, budget=budget)
             break
         except MemfitError as exc:
             budget = int(re.search(r"smallest budget that works is (\d+) bytes", str(exc)).group(1))
@@ -326,15 +330,16 @@ def test_chroma_unequal_lengths_are_native(tiny_models):
     assert max_pixel_difference(ours.images, other_seed) > 0
 
 
-@pytest.mark.parametrize("kind", ["zimage", "flux_kontext"])
+@pytest.mark.parametrize("kind", ["zimage", "flux_kontext", "flux2", "flux2_klein"])
 def test_embeddings_file_equals_diffusers(tiny_models, kind, tmp_path):
     """memfit encode, then generate from the file (Kontext with its input image): the image plain
     diffusers makes from the prompts, without the encode stage."""
     model = tiny_models(kind)
     settings = _settings(kind, True)
-    del settings["prompt"], settings["negative_prompt"]
-    embeddings, _ = memfit.encode(PROMPT, model=model, negative_prompt=NEGATIVE)
-    positive, negative = embeddings.tensors["prompt_embeds"], embeddings.tensors["negative_prompt_embeds"]
+    del settings["prompt"]
+    embeddings, _ = memfit.encode(PROMPT, model=model, negative_prompt=settings.pop("negative_prompt", None))
+    positive = embeddings.tensors["prompt_embeds"]
+    negative = embeddings.tensors.get("negative_prompt_embeds", positive)  # FLUX.2 dev encodes no negative
     ours = memfit.generate(model=model, embeddings=embeddings.save(tmp_path / "prompt.safetensors"), progress=False,
                            **settings)
     assert [stage.stage for stage in ours.report.stages] == ["denoise", "decode"]
@@ -377,6 +382,72 @@ def test_kontext_edits_the_input_image(tiny_models):
     assert max_pixel_difference(ours.images, prompt_only.images) > 0
     with pytest.raises(MemfitError, match="FluxKontextPipeline takes no --strength"):
         memfit.generate(PROMPT, model=model, image=KONTEXT_IMAGE, strength=0.5, progress=False, **settings)
+
+
+@pytest.mark.parametrize("kind", ["flux2", "flux2_klein"])
+def test_flux2_takes_a_reference_image(tiny_models, kind):
+    """FLUX.2 takes --image as its img2img task, as plain diffusers' image=: the VAE's encoder runs in the
+    denoise stage, the output has the input's size, the image changes the output, --strength is refused."""
+    from memfit.errors import MemfitError
+
+    model = tiny_models(kind)
+    reference = test_image(64, seed=1)  # the pipelines take reference images of 64 pixels a side or more
+    settings = dict(_settings(kind, True), width=None, height=None, image=reference)
+    ours, _ = assert_matches_diffusers(model, atol=0, **settings)
+    assert ours.settings.task == "img2img" and ours.images[0].size == reference.size
+    stages = {stage.stage: stage for stage in ours.report.stages}
+    assert list(stages) == ["encode", "denoise", "decode"] and "vae" in stages["denoise"].components
+    prompt_only = memfit.generate(model=model, progress=False, **dict(_settings(kind, True), width=64, height=64))
+    assert max_pixel_difference(ours.images, prompt_only.images) > 0
+    adapter = ModelFolder.open(model).adapter
+    assert adapter.context_tokens(prompt_only.settings) == 512 < adapter.context_tokens(ours.settings)
+    with pytest.raises(MemfitError, match="takes no --strength"):
+        memfit.generate(model=model, strength=0.5, progress=False, **settings)
+    with pytest.raises(MemfitError, match="cannot take this --image: Image too small: 32×32"):
+        memfit.generate(model=model, progress=False, **dict(settings, image=KONTEXT_IMAGE))
+
+
+def test_flux2_dev_guidance_is_embedded_only(tiny_models):
+    """FLUX.2 dev never runs a negative pass: a negative prompt is refused, naming the flag; encoding makes
+    no negative branch; guidance still changes the image (test_the_oracle_can_fail)."""
+    from memfit.errors import MemfitError
+
+    model = tiny_models("flux2")
+    with pytest.raises(MemfitError, match="Flux2Pipeline takes no negative prompt.*--negative-prompt"):
+        memfit.generate(model=model, negative_prompt=NEGATIVE, progress=False, **_settings("flux2", True))
+    embeddings, _ = memfit.encode(PROMPT, model=model)
+    assert set(embeddings.tensors) == {"prompt_embeds"}
+    assert embeddings.tensors["prompt_embeds"].shape[1] == 512
+    adapter = ModelFolder.open(model).adapter
+    assert not adapter.guided(adapter.resolve(PROMPT, None, 2, 4.0, 0, 32, 32))
+
+
+def test_flux2_klein_guidance(tiny_models):
+    """FLUX.2 klein guides above 1 unless model_index.json says it is step-distilled; its passes are
+    separate, so a negative cut to 48 tokens goes through as it is and equals plain diffusers given the same."""
+    import diffusers
+
+    model = tiny_models("flux2_klein")
+    folder = ModelFolder.open(model)
+    adapter = folder.adapter
+    assert adapter.pipeline_options == {"is_distilled": False}
+    assert adapter.guided(adapter.resolve(PROMPT, None, 2, 4.0, 0, 32, 32))
+    assert not adapter.guided(adapter.resolve(PROMPT, NEGATIVE, 2, 1.0, 0, 32, 32))
+    adapter.pipeline_options["is_distilled"] = True
+    assert not adapter.guided(adapter.resolve(PROMPT, NEGATIVE, 2, 4.0, 0, 32, 32))
+
+    settings = dict(steps=2, guidance=4.0, seed=7, width=32, height=32)
+    embeddings, _ = memfit.encode(PROMPT, model=model, negative_prompt=NEGATIVE)
+    cut = dict(embeddings.tensors, negative_prompt_embeds=embeddings.tensors["negative_prompt_embeds"][:, :48])
+    ours = memfit.generate(model=model, embeddings=_embeddings(model, cut), progress=False, **settings)
+    assert any("512 (positive) and 48 (negative)" in note for note in ours.report.notes)
+    pipe = diffusers.DiffusionPipeline.from_pretrained(model)
+    pipe.set_progress_bar_config(disable=True)
+    reference = pipe(**cut, num_inference_steps=2, guidance_scale=4.0, width=32, height=32,
+                     generator=torch.Generator().manual_seed(7)).images
+    assert max_pixel_difference(ours.images, reference) == 0
+    whole = memfit.generate(model=model, embeddings=_embeddings(model, embeddings.tensors), progress=False, **settings)
+    assert max_pixel_difference(ours.images, whole.images) > 0
 
 
 @pytest.mark.parametrize("kind", ["sana", "pixart_sigma"])

@@ -500,8 +500,118 @@ ZIMAGE = Arch(
     ),
 )
 
+# AutoencoderKLFlux2 of every FLUX.2 model (its class defaults): 32 latent channels, batch-norm statistics
+# the pipelines apply to the 2x2-patchified latents by hand. No published parameter count to check against.
+FLUX2_VAE = {
+    "act_fn": "silu",
+    "batch_norm_eps": 0.0001,
+    "batch_norm_momentum": 0.1,
+    "block_out_channels": [128, 256, 512, 512],
+    "down_block_types": ["DownEncoderBlock2D"] * 4,
+    "in_channels": 3,
+    "latent_channels": 32,
+    "layers_per_block": 2,
+    "mid_block_add_attention": True,
+    "norm_num_groups": 32,
+    "out_channels": 3,
+    "patch_size": [2, 2],
+    "sample_size": 1024,
+    "up_block_types": ["UpDecoderBlock2D"] * 4,
+    "use_post_quant_conv": True,
+    "use_quant_conv": True,
+}
+
+# Mistral-Small-3.x-24B (FLUX.2 dev's text encoder): a Mistral language model with a Pixtral vision tower,
+# loaded whole as Mistral3ForConditionalGeneration although text-to-image runs only the language model.
+MISTRAL_SMALL_3 = {
+    "architectures": ["Mistral3ForConditionalGeneration"],
+    "image_token_index": 10,
+    "model_type": "mistral3",
+    "multimodal_projector_bias": False,
+    "projector_hidden_act": "gelu",
+    "spatial_merge_size": 2,
+    "text_config": {
+        "attention_dropout": 0.0,
+        "head_dim": 128,
+        "hidden_act": "silu",
+        "hidden_size": 5120,
+        "initializer_range": 0.02,
+        "intermediate_size": 32768,
+        "max_position_embeddings": 131072,
+        "model_type": "mistral",
+        "num_attention_heads": 32,
+        "num_hidden_layers": 40,
+        "num_key_value_heads": 8,
+        "rms_norm_eps": 1e-05,
+        "rope_theta": 1000000000.0,
+        "sliding_window": None,
+        "tie_word_embeddings": False,
+        "use_cache": True,
+        "vocab_size": 131072,
+    },
+    "tie_word_embeddings": False,
+    "vision_config": {
+        "attention_dropout": 0.0,
+        "head_dim": 64,
+        "hidden_act": "silu",
+        "hidden_size": 1024,
+        "image_size": 1540,
+        "initializer_range": 0.02,
+        "intermediate_size": 4096,
+        "model_type": "pixtral",
+        "num_attention_heads": 16,
+        "num_channels": 3,
+        "num_hidden_layers": 24,
+        "patch_size": 14,
+        "rope_theta": 10000.0,
+    },
+    "vision_feature_layer": -1,
+}
+
+FLUX2_DEV = Arch(
+    name="flux2-dev",
+    description="FLUX.2 dev (transformer 32B, Mistral-Small-3 24B text encoder, 32-channel VAE)",
+    class_name="Flux2Pipeline",
+    components=(
+        ComponentSpec("text_encoder", "transformers", "Mistral3ForConditionalGeneration", _frozen(MISTRAL_SMALL_3),
+                      24_011_361_280),
+        # Flux2Transformer2DModel's defaults in diffusers are FLUX.2 dev's own configuration; published as "32B".
+        ComponentSpec("transformer", "diffusers", "Flux2Transformer2DModel", _frozen({}), 32_000_000_000, 0.02),
+        ComponentSpec("vae", "diffusers", "AutoencoderKLFlux2", _frozen(FLUX2_VAE), None),
+    ),
+)
+
+FLUX2_KLEIN = Arch(
+    name="flux2-klein",
+    description="FLUX.2 klein 4B, distilled or base (transformer 4B, Qwen3-4B text encoder, 32-channel VAE)",
+    class_name="Flux2KleinPipeline",
+    components=(
+        ComponentSpec("text_encoder", "transformers", "Qwen3ForCausalLM",
+                      _frozen(dict(ZIMAGE.component("text_encoder").config)),
+                      4_022_468_096),  # Qwen3-4B; its lm_head is tied to the embedding
+        ComponentSpec(
+            "transformer",
+            "diffusers",
+            "Flux2Transformer2DModel",
+            _frozen(
+                {
+                    "num_layers": 5,
+                    "num_single_layers": 20,
+                    "num_attention_heads": 24,
+                    "joint_attention_dim": 7680,  # Qwen3-4B's hidden layers 9, 18 and 27, stacked
+                    "guidance_embeds": False,
+                }
+            ),
+            # Published only as "4B"; the transformer itself holds about 3.9B.
+            4_000_000_000,
+            0.05,
+        ),
+        ComponentSpec("vae", "diffusers", "AutoencoderKLFlux2", _frozen(FLUX2_VAE), None),
+    ),
+)
+
 ARCHS: Mapping[str, Arch] = MappingProxyType({a.name: a for a in (SD15, SDXL, FLUX, LUMINA2, COGVIEW4, FLUX_KONTEXT,
-                                                                   ZIMAGE)})
+                                                                   ZIMAGE, FLUX2_DEV, FLUX2_KLEIN)})
 
 
 def get_arch(name: str) -> Arch:

@@ -304,7 +304,12 @@ class ModelFolder:
     @cached_property
     def adapter(self) -> PipelineAdapter:
         """The family's description (memfit.models.families); a class without one gets the generic adapter."""
-        return adapter_for(self.class_name, self.configs, self.components)
+        adapter = adapter_for(self.class_name, self.configs, self.components)
+        index = _read_json(self.config_folder / "model_index.json")
+        adapter.pipeline_options = {name: value for name, value in index.items()
+                                    if not name.startswith("_") and name not in self.components
+                                    and not isinstance(value, list)}
+        return adapter
 
     def check_layout(self) -> None:
         """Raise, naming the file, if the pipeline or a listed component cannot be loaded: diffusers has no such

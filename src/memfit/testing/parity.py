@@ -7,6 +7,7 @@ math is unchanged and a stated tolerance where a backend changes it.
 
 from __future__ import annotations
 
+import inspect
 from pathlib import Path
 
 import numpy as np
@@ -49,7 +50,10 @@ def diffusers_output(model_dir: str | Path, settings, dtype: torch.dtype = torch
     pipe.set_progress_bar_config(disable=True)
     load_loras_as_diffusers(pipe, loras)
     if settings.negative_prompt is not None:  # else the pipeline's own default, as a plain call leaves it
-        call_kwargs["negative_prompt"] = settings.negative_prompt
+        if "negative_prompt" in inspect.signature(type(pipe).__call__).parameters:
+            call_kwargs["negative_prompt"] = settings.negative_prompt
+        else:  # a pipeline that takes a negative only as embeddings (FLUX.2 klein): its own encode_prompt's
+            call_kwargs["negative_prompt_embeds"] = pipe.encode_prompt(prompt=settings.negative_prompt)[0]
     output = pipe(
         prompt=settings.prompt,
         **ModelFolder.open(model_dir).adapter.call_kwargs(settings),

@@ -16,7 +16,7 @@ import torch
 from memfit.testing.tokenizers import clip_tokenizer, word_tokenizer
 
 PIPELINE_KINDS = ("sd", "sdxl", "lumina2", "cogview4", "flux", "flux_schnell", "sd3", "qwenimage", "chroma", "sana", "pixart_sigma",
-                  "aura_flow", "hidream", "zimage", "flux_kontext")
+                  "aura_flow", "hidream", "zimage", "flux_kontext", "flux2", "flux2_klein")
 
 
 def _vae(scale: int, *, levels: int = 2, latent_channels: int = 4, width: int = 16, **extra):
@@ -715,6 +715,96 @@ def _zimage(scale: int, text_layers: int):
     )
 
 
+def _flux2_parts(scale: int, text_hidden: int, *, guidance_embeds: bool):
+    """The tiny FLUX.2 transformer and AutoencoderKLFlux2 both FLUX.2 pipelines share. The VAE's batch-norm
+    statistics, which the pipelines apply to the latents by hand, are drawn at random (a fresh BatchNorm's
+    zero mean and unit variance would leave a missing or doubled application unseen)."""
+    from diffusers import AutoencoderKLFlux2, Flux2Transformer2DModel
+
+    latent_channels = 4
+    vae = AutoencoderKLFlux2(
+        block_out_channels=[16 * scale, 32 * scale],
+        down_block_types=["DownEncoderBlock2D"] * 2,
+        up_block_types=["UpDecoderBlock2D"] * 2,
+        layers_per_block=1,
+        latent_channels=latent_channels,
+        norm_num_groups=8,
+        sample_size=32,
+    )
+    vae.bn.running_mean.normal_(0.0, 0.5)
+    vae.bn.running_var.uniform_(0.5, 2.0)
+    transformer = Flux2Transformer2DModel(
+        patch_size=1,
+        in_channels=4 * latent_channels,  # latents are patchified 2x2
+        num_layers=1,
+        num_single_layers=1,
+        attention_head_dim=16,
+        num_attention_heads=2 * scale,
+        joint_attention_dim=3 * text_hidden,  # three of the text encoder's hidden layers, stacked
+        timestep_guidance_channels=32,
+        axes_dims_rope=(4, 4, 4, 4),  # sums to the head width
+        guidance_embeds=guidance_embeds,
+    )
+    return vae, transformer
+
+
+# Mistral's chat template as Flux2Pipeline applies it (a system turn, then the user's, each a list of text
+# parts), in the tiny word tokenizer's words.
+_MISTRAL_CHAT_TEMPLATE = ("{% for message in messages %}{{ message.role }} {% for part in message.content %}"
+                          "{{ part.text }} {% endfor %}{% endfor %}")
+
+
+def _flux2(scale: int, text_layers: int):
+    """FLUX.2 dev. Its text encoder is a Mistral3ForConditionalGeneration (a Mistral language model with a
+    Pixtral vision tower that text-to-image never runs); the pipeline stacks hidden layers 10, 20 and 30, so
+    the tiny one has 30 layers, whatever ``text_layers`` asks. The real tokenizer is a PixtralProcessor,
+    which needs torchvision to load; the tiny one is a plain tokenizer with a chat template, whose
+    apply_chat_template takes the pipeline's call as the processor's does."""
+    from diffusers import FlowMatchEulerDiscreteScheduler, Flux2Pipeline
+    from transformers import Mistral3Config, Mistral3ForConditionalGeneration, MistralConfig, PixtralVisionConfig
+
+    from memfit.testing.tokenizers import DEFAULT_WORDS
+
+    tokenizer = word_tokenizer([*DEFAULT_WORDS, "system", "user"])
+    tokenizer.chat_template = _MISTRAL_CHAT_TEMPLATE
+    text_hidden = 16 * scale
+    text_encoder = Mistral3ForConditionalGeneration(Mistral3Config(
+        text_config=MistralConfig(
+            hidden_size=text_hidden, intermediate_size=2 * text_hidden, num_hidden_layers=max(30, text_layers),
+            num_attention_heads=2, num_key_value_heads=2, head_dim=8, vocab_size=len(tokenizer),
+            pad_token_id=tokenizer.pad_token_id, bos_token_id=tokenizer.bos_token_id,
+            eos_token_id=tokenizer.eos_token_id, sliding_window=None),
+        vision_config=PixtralVisionConfig(hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                                          num_attention_heads=2, head_dim=8, patch_size=4, image_size=32),
+        image_token_index=len(tokenizer) - 1,
+        tie_word_embeddings=False,
+    )).eval()
+    vae, transformer = _flux2_parts(scale, text_hidden, guidance_embeds=True)
+    return Flux2Pipeline(scheduler=FlowMatchEulerDiscreteScheduler(), vae=vae, text_encoder=text_encoder,
+                         tokenizer=tokenizer, transformer=transformer)
+
+
+def _flux2_klein(scale: int, text_layers: int):
+    """FLUX.2 klein (base: guided, not step-distilled). Its Qwen3 text encoder's hidden layers 9, 18 and 27
+    are stacked, so the tiny one has 27 layers, whatever ``text_layers`` asks."""
+    from diffusers import FlowMatchEulerDiscreteScheduler, Flux2KleinPipeline
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    from memfit.testing.tokenizers import DEFAULT_WORDS
+
+    tokenizer = word_tokenizer([*DEFAULT_WORDS, "im_start", "im_end", "user", "assistant"])
+    tokenizer.chat_template = _QWEN3_CHAT_TEMPLATE
+    text_hidden = 16 * scale
+    text_encoder = Qwen3ForCausalLM(Qwen3Config(
+        hidden_size=text_hidden, intermediate_size=2 * text_hidden, num_hidden_layers=max(27, text_layers),
+        num_attention_heads=2, num_key_value_heads=2, head_dim=8, vocab_size=len(tokenizer),
+        pad_token_id=tokenizer.pad_token_id, bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
+    )).eval()
+    vae, transformer = _flux2_parts(scale, text_hidden, guidance_embeds=False)
+    return Flux2KleinPipeline(scheduler=FlowMatchEulerDiscreteScheduler(), vae=vae, text_encoder=text_encoder,
+                              tokenizer=tokenizer, transformer=transformer, is_distilled=False)
+
+
 def _sd_pag(scale: int, text_layers: int):
     """A class memfit has no adapter for (SD with perturbed-attention guidance): the generic path."""
     from diffusers import StableDiffusionPAGPipeline
@@ -725,13 +815,13 @@ def _sd_pag(scale: int, text_layers: int):
 _BUILDERS: dict[str, Callable[[int, int], object]] = {
     "sd": _sd, "sdxl": _sdxl, "lumina2": _lumina2, "cogview4": _cogview4,
     "flux": _flux, "flux_schnell": _flux_schnell, "sd3": _sd3, "qwenimage": _qwenimage, "wan": _wan, "chroma": _chroma, "sana": _sana, "pixart_sigma": _pixart_sigma, "aura_flow": _aura_flow, "hidream": _hidream,
-    "zimage": _zimage, "flux_kontext": _flux_kontext,
+    "zimage": _zimage, "flux_kontext": _flux_kontext, "flux2": _flux2, "flux2_klein": _flux2_klein,
     "sd_pag": _sd_pag, "sdxl_single_file": _sdxl_single_file, "sd2_single_file": _sd2_single_file,
 }
 
 # Sizes each tiny architecture accepts (multiples of what its VAE and patching need).
 DEFAULT_SIZE = {"sd": 32, "sdxl": 32, "lumina2": 32, "cogview4": 32, "flux": 32, "flux_schnell": 32, "sd3": 32, "qwenimage": 32, "wan": 32, "chroma": 32, "sana": 32, "pixart_sigma": 32, "aura_flow": 32, "hidream": 32,
-                "zimage": 32, "flux_kontext": 32}
+                "zimage": 32, "flux_kontext": 32, "flux2": 32, "flux2_klein": 32}
 
 
 def build_pipeline(kind: str, *, seed: int = 0, scale: int = 1, text_layers: int = 2):

@@ -9,6 +9,7 @@ from memfit.models.families.cogview4 import CogView4Adapter
 from memfit.models.families.controlnet import StableDiffusionControlNetAdapter, StableDiffusionXLControlNetAdapter
 from memfit.models.families.flux import FluxAdapter
 from memfit.models.families.flux_kontext import FluxKontextAdapter
+from memfit.models.families.flux2 import Flux2Adapter, Flux2KleinAdapter
 from memfit.models.families.hidream import HiDreamImageAdapter
 from memfit.models.families.pixart_sigma import PixArtSigmaAdapter
 from memfit.models.families.qwenimage import QwenImageAdapter
@@ -42,6 +43,8 @@ ADAPTERS: dict[str, type[PipelineAdapter]] = {
         HiDreamImageAdapter,
         ZImageAdapter,
         FluxKontextAdapter,
+        Flux2Adapter,
+        Flux2KleinAdapter,
     )
 }
 

@@ -143,6 +143,9 @@ class PipelineAdapter:
         # component -> (dtype name -> memfit.plan.meta.ComponentSize), for a component whose weights are not
         # sized by its config (stored quantized: memfit.quant); the planner measures the rest from configs.
         self.measured_sizes: dict = {}
+        # The pipeline's own settings in model_index.json besides its components (e.g. FLUX.2 klein's
+        # is_distilled); set by the model folder, empty for a built-in architecture.
+        self.pipeline_options: dict = {}
 
     def stage_components(self, stage: str) -> tuple[str, ...]:
         """The components a stage of a text-to-image run loads (those the folder has)."""
