@@ -6,8 +6,10 @@ side under the same cgroup memory caps, with the time split into phases.
 
 Each run is a fresh subprocess (imports included) in a child memory cgroup, the model's page cache
 evicted first; rounds interleave the two systems (order alternating). memfit runs as a user runs it,
-with no budget flag (the automatic budget; under a cap it sees the cap); its prompt cache is off so
-both encode every time. Both compute with the same thread count (--threads, default 2).
+with no budget flag (the automatic budget; under a cap it sees the cap) and its cache on, in a store of
+the benchmark's own: one unmeasured memfit run first hashes the model's files as a user's first run
+does, and every round's prompt is new, so both encode every time. Both compute with the same thread
+count (--threads, default 2).
 
 Phases, timed the same way for both by a global forward pre-hook (the first call of each kind of
 model): `start` (interpreter start to imports done), `to encode` (model loading and whatever runs
@@ -41,7 +43,8 @@ MARKERS = {"CLIPTextModel": "encode", "CLIPTextModelWithProjection": "encode", "
            "UNet2DConditionModel": "denoise", "FluxTransformer2DModel": "denoise", "Decoder": "decode"}
 
 
-def run_child(system: str, model: str, dtype_name: str, size: int, steps: int, threads: int, image_out: str) -> dict:
+def run_child(system: str, model: str, prompt: str, dtype_name: str, size: int, steps: int, threads: int,
+              image_out: str) -> dict:
     """Inside the capped child: one generation, its phases and CPU time."""
     import resource
 
@@ -62,7 +65,7 @@ def run_child(system: str, model: str, dtype_name: str, size: int, steps: int, t
     imported = time.perf_counter()
     torch.nn.modules.module.register_module_forward_pre_hook(mark_first_forward)
     if system == "memfit":
-        result = memfit.generate(PROMPT, model=model, steps=steps, guidance=7.5, width=size, height=size,
+        result = memfit.generate(prompt, model=model, steps=steps, guidance=7.5, width=size, height=size,
                                  dtype=dtype_name, progress=False, threads=threads)
         image = result.images[0]
         extra = {"strategies": [s.strategy for s in result.report.stages], "budget": result.report.budget.get("source")}
@@ -72,27 +75,30 @@ def run_child(system: str, model: str, dtype_name: str, size: int, steps: int, t
         diffusers.utils.logging.disable_progress_bar()
         pipe = diffusers.DiffusionPipeline.from_pretrained(model, torch_dtype=parse_dtype(dtype_name))
         pipe.set_progress_bar_config(disable=True)
-        image = pipe(PROMPT, num_inference_steps=steps, guidance_scale=7.5, width=size, height=size,
+        image = pipe(prompt, num_inference_steps=steps, guidance_scale=7.5, width=size, height=size,
                      generator=torch.Generator().manual_seed(0)).images[0]
         extra = {}
     finished = time.perf_counter()
     image.save(image_out)
     usage = resource.getrusage(resource.RUSAGE_SELF)
+    from memfit.run.memory import (
+        process_peak_rss,  # memfit resets the kernel's peak at each stage: ru_maxrss
+    )
     edges = [STARTED, imported, marks.get("encode"), marks.get("denoise"), marks.get("decode"), finished]
     phases = {name: (None if a is None or b is None else b - a) for name, a, b in zip(PHASES, edges, edges[1:])}
     return {"wall_s": finished - STARTED, "cpu_s": usage.ru_utime + usage.ru_stime, "user_s": usage.ru_utime,
             "system_s": usage.ru_stime, "minor_faults": usage.ru_minflt, "major_faults": usage.ru_majflt,
-            "peak_rss": usage.ru_maxrss * 1024, "phases": phases, **extra}
+            "peak_rss": process_peak_rss(), "phases": phases, **extra}
 
 
-def measure(system: str, model: str, cap: float | None, args, image: str) -> dict:
+def measure(system: str, model: str, cap: float | None, args, prompt: str, image: str) -> dict:
     from memfit.testing.cgroup import evict_page_cache, run_capped
 
-    command = [sys.executable, __file__, "--run", system, "--model", model, "--dtype", args.dtype, "--size",
+    command = [sys.executable, __file__, "--run", system, "--model", model, "--prompt", prompt, "--dtype", args.dtype, "--size",
                str(args.size), "--steps", str(args.steps), "--threads", str(args.threads), "--image-out", image]
     evict_page_cache(model)
     run = run_capped(command, int(cap * GiB) if cap else None, timeout=3600,
-                     env={**os.environ, "MEMFIT_CACHE": "0", "HF_HUB_OFFLINE": "1"})
+                     env={**os.environ, "MEMFIT_CACHE_DIR": args.cache_dir, "HF_HUB_OFFLINE": "1"})
     result = next((json.loads(line[7:]) for line in run.stdout.splitlines() if line.startswith("RESULT ")), None)
     row = {"system": system, "cap_gib": cap, "completed": run.completed and result is not None, "killed": run.killed,
            "cgroup_peak": run.max_usage_bytes, "process_s": run.seconds, **(result or {})}
@@ -189,16 +195,17 @@ def main() -> None:
     parser.add_argument("--run", help=argparse.SUPPRESS)  # internal: the capped child
     parser.add_argument("--model", help=argparse.SUPPRESS)
     parser.add_argument("--image-out", help=argparse.SUPPRESS)
+    parser.add_argument("--prompt", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.run:
-        print("RESULT " + json.dumps(run_child(args.run, args.model, args.dtype, args.size, args.steps, args.threads,
-                                               args.image_out)))
+        print("RESULT " + json.dumps(run_child(args.run, args.model, args.prompt, args.dtype, args.size, args.steps,
+                                               args.threads, args.image_out)))
         return
 
     import numpy as np
+    from common import build_real_size, machine
     from PIL import Image
 
-    from common import build_real_size, machine
     from memfit.dtypes import parse_dtype
     from memfit.testing.cgroup import cgroup_unavailable_reason
 
@@ -209,23 +216,29 @@ def main() -> None:
     model = str(build_real_size(args.arch, Path(args.models) / f"{args.arch}-{file_dtype}", file_dtype=parse_dtype(file_dtype)))
     caps = [None if c.strip() == "none" else float(c) for c in args.caps.split(",")]
     images = Path(tempfile.mkdtemp(prefix="overhead-images-"))
+    args.cache_dir = tempfile.mkdtemp(prefix="overhead-cache-")
+    first = measure("memfit", model, None, args, PROMPT, str(images / "first.png"))  # hashes the files, unmeasured
+    if not first["completed"]:
+        sys.exit(f"memfit's first run failed: {first.get('error')}")
     rows = []
     for round_ in range(args.rounds):
         for cap in caps:
             for system in SYSTEMS if round_ % 2 == 0 else SYSTEMS[::-1]:
                 image = str(images / f"{system}-{cap}-{round_}.png")
-                row = measure(system, model, cap, args, image)
+                row = measure(system, model, cap, args, f"{PROMPT}, take {round_}", image)
                 row.update(round=round_, image=image)
                 rows.append(row)
                 print(f"round {round_} cap {cap} {system}: "
                       + (f"{row['wall_s']:.2f} s wall, {row['cpu_s']:.2f} s CPU" if row["completed"] else "did not complete"),
                       flush=True)
-    identical = {}
+    identical = {}  # per cap: whether every round's two images (one prompt) are equal
     for cap in caps:
-        done = {r["system"]: r["image"] for r in rows if r["cap_gib"] == cap and r["completed"]}
-        if len(done) == 2:
-            identical["none" if cap is None else f"{cap:g}"] = bool(np.array_equal(
-                np.asarray(Image.open(done["memfit"])), np.asarray(Image.open(done["diffusers"]))))
+        for round_ in range(args.rounds):
+            done = {r["system"]: r["image"] for r in rows if (r["cap_gib"], r["round"]) == (cap, round_) and r["completed"]}
+            if len(done) == 2:
+                same = np.array_equal(np.asarray(Image.open(done["memfit"])), np.asarray(Image.open(done["diffusers"])))
+                key = "none" if cap is None else f"{cap:g}"
+                identical[key] = identical.get(key, True) and bool(same)
     data = {"command": " ".join(sys.argv[1:]), "settings": {**vars(args), "model": model}, "machine": machine(),
             "rows": rows, "summary": summarize(rows, caps), "images_identical": identical}
     from common import write_outputs

@@ -5,12 +5,16 @@ import resource
 import weakref
 
 import numpy as np
-
 import pytest
 
 import memfit
-from memfit.run.memory import (collects_only_its_own_garbage, freeze_the_run_set_up, read_peak_rss, release_freed_memory,
-                               reset_peak_rss)
+from memfit.run.memory import (
+    collects_only_its_own_garbage,
+    freeze_the_run_set_up,
+    read_peak_rss,
+    release_freed_memory,
+    reset_peak_rss,
+)
 
 
 class _Node:

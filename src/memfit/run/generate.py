@@ -16,15 +16,14 @@ import torch
 from memfit.errors import MemfitError
 from memfit.models.families import ADAPTERS, TEXT2IMG, Conditioning, supporting
 from memfit.models.lora import check_loras
+from memfit.plan.budget import ABOVE_PROCESS
 from memfit.run.embeddings import Embeddings
+from memfit.run.fit import check_budget_floor
 from memfit.run.libraries import quiet_libraries
 from memfit.run.memory import collects_only_its_own_garbage
-from memfit.run.report import RunReport
-from memfit.plan.budget import ABOVE_PROCESS
-from memfit.run.fit import check_budget_floor
 from memfit.run.options import RunOptions, StagePool
+from memfit.run.report import RunReport
 from memfit.run.runner import StageRunner
-from memfit.run.threads import start_looking_at_cpus
 from memfit.run.stages import (
     Generation,
     check_embeddings,
@@ -36,6 +35,7 @@ from memfit.run.stages import (
     run_result,
     source_notes,
 )
+from memfit.run.threads import start_looking_at_cpus
 
 __all__ = ["Generation", "check_conditioning", "encode", "generate"]
 
