@@ -335,6 +335,10 @@ CASES = [
      "text_encoder_2 (T5EncoderModel) has no linear layer whose rows are whole blocks of the type outside its norms"),
     ("quantize-a-quantized-file", lambda model, tmp: {**_flux_gguf("Q8_0")(model, tmp), "args": [
         *_flux_gguf("Q8_0")(model, tmp)["args"], "--quantize", "transformer=q4_0"]}, "is already quantized"),
+    ("openvino-over-a-gguf-file", lambda model, tmp: {**_flux_gguf("Q8_0")(model, tmp), "args": [
+        *_flux_gguf("Q8_0")(model, tmp)["args"], "--backend", "openvino"]},
+     "flux1-dev-Q8_0.gguf, and the openvino backend compiles a model of its own from float weights, which it "
+     "cannot read from stored ones. Compile the transformer with --backend inductor"),
     ("lora-file-missing", lora(lambda model, tmp: tmp / "no-such-lora.safetensors"),
      "no-such-lora.safetensors: no such file"),
     ("lora-of-another-family", lora(_flux_lora),

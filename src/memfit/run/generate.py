@@ -26,6 +26,7 @@ from memfit.run.report import RunReport
 from memfit.run.runner import StageRunner
 from memfit.run.stages import (
     Generation,
+    check_backend_takes_stored_weights,
     check_embeddings,
     decode_stage,
     denoise_stage,
@@ -69,6 +70,7 @@ def encode(
     folder = open_model(model, allow_pickle=allow_pickle, config=config, components=components, quantize=quantize)
     if not folder.adapter.staged:
         raise MemfitError(_not_staged(folder, "encode prompts on their own"))
+    check_backend_takes_stored_weights(folder, backend, fallback)
     options = RunOptions.build(device=device, dtype=dtype, budget=budget, backend=backend, fallback=fallback,
                                progress=False, allow_pickle=allow_pickle, threads=threads)
     settings = folder.adapter.resolve(prompt, negative_prompt, 1, None, 0, None, None, folder.defaults,
@@ -198,6 +200,7 @@ def generate(
         if value is not None:
             raise MemfitError(f"{flag} only applies with --refiner REFINER.")
     folder = open_model(model, allow_pickle=allow_pickle)
+    check_backend_takes_stored_weights(folder, backend, fallback)
     adapter = folder.adapter
 
     loaded = None

@@ -25,7 +25,7 @@ from memfit.plan.activations import StrategyKind
 from memfit.run.media import IMAGE_SUFFIXES, VIDEO_SUFFIXES, save_png, save_video
 from memfit.run.runner import Stage, StageContext
 
-__all__ = ["Generation", "check_embeddings", "decode_stage", "denoise_stage", "encode_stage", "open_model",
+__all__ = ["Generation", "check_backend_takes_stored_weights", "check_embeddings", "decode_stage", "denoise_stage", "encode_stage", "open_model",
            "pipeline_stage", "png_metadata", "run_result", "source_notes"]
 
 
@@ -54,6 +54,29 @@ def open_model(model: str | Path | ModelFolder | None, *, allow_pickle: bool = F
     if allow_pickle:
         folder.allow_pickle = True
     return folder
+
+
+def check_backend_takes_stored_weights(folder: ModelFolder, backend, fallback) -> None:
+    """Refuse, before anything loads, a backend that compiles a model of its own from float weights (OpenVINO,
+    ONNX Runtime) for a component stored quantized (a GGUF or fp8 file, --quantize): its export fails on the
+    stored weights only once the stages before it have run. With a fallback the component runs eagerly, as asked."""
+    stored = list(folder.adapter.measured_sizes)  # the components sized from stored weights (memfit.quant)
+    if backend is None or fallback is not None or not stored:
+        return
+    from memfit.compile.entry_points import served_by_own_weights
+
+    refused = served_by_own_weights(folder.components, stored, backend)
+    if not refused:
+        return
+    name, chosen = next(iter(refused.items()))
+    weights = getattr(folder, "weights", {}).get(name)
+    source = f" in {weights.path}" if weights is not None else ""
+    raise MemfitError(
+        f"The {name} is stored quantized{source}, and the {chosen.name} backend compiles a model of its own from "
+        f"float weights, which it cannot read from stored ones. Compile the {name} with --backend inductor (or run "
+        f"it eagerly: no --backend), compile only the other components (--backend vae={chosen.name}), or pass "
+        f"--fallback eager to run the {name} eagerly."
+    )
 
 
 def source_notes(folder: ModelFolder) -> list[str]:
