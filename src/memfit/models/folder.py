@@ -271,6 +271,17 @@ class ModelFolder:
         whose component folders hold the weights of the components not loaded apart (see _load_apart)."""
         return self.path
 
+    @property
+    def model_components(self) -> dict[str, tuple[str, str]]:
+        """{name: (library, class name)} of the components that hold weights (not tokenizers or schedulers)."""
+        from memfit.plan.meta import is_model_class
+
+        return {name: value for name, value in self.components.items() if is_model_class(*value)}
+
+    def listed_model_components(self) -> str:
+        """The components that hold weights, with their classes, for a sentence: "unet (UNet2DConditionModel), ..."."""
+        return ", ".join(f"{name} ({class_name})" for name, (_, class_name) in self.model_components.items())
+
     def component_fingerprint(self, name: str) -> str:
         """Content fingerprint of one component's folder (memfit.cache.fingerprint): hashed once per folder object."""
         if name not in self._fingerprints:

@@ -16,7 +16,7 @@ import torch
 
 from memfit.errors import MemfitError
 from memfit.models.folder import ModelFolder
-from memfit.plan.meta import build_on_meta, is_model_class, measure_module
+from memfit.plan.meta import build_on_meta, measure_module
 from memfit.quant.formats import FP8_FORMATS, StoredTensor, readable_gguf_types
 from memfit.quant.linear import use_stored_linears
 from memfit.quant.writers import (
@@ -44,11 +44,9 @@ def check_quantize(model: ModelFolder, quantize: dict[str, str]) -> dict[str, st
         if kind not in QUANTIZE_TYPES:
             raise MemfitError(f"--quantize {name}={kind}: memfit quantizes to {', '.join(QUANTIZE_TYPES)}; give one of "
                               "them (or a file already quantized with --component).")
-        models = {other: value for other, value in model.components.items() if is_model_class(*value)}
-        if name not in models:
-            listed = ", ".join(f"{other} ({class_name})" for other, (_, class_name) in models.items())
+        if name not in model.model_components:
             raise MemfitError(f"--quantize {name}={kind}: {model.path} has no model component {name!r}; the "
-                              f"components memfit quantizes are: {listed}.")
+                              f"components memfit quantizes are: {model.listed_model_components()}.")
         if kind == "fp8" and not FP8_FORMATS:
             raise MemfitError(f"--quantize {name}=fp8 needs a torch with fp8 dtypes (2.1 or newer); this is "
                               f"{torch.__version__}.")

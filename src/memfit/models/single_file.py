@@ -445,14 +445,12 @@ class SingleFileModel(ModelFolder):
         component's config."""
         from memfit.models.weight_layouts import COMPONENT_LAYOUTS, find_layouts, group_counts
 
-        models = {other: value for other, value in self.components.items() if is_model_class(*value)}
-        if name not in models:
-            listed = ", ".join(f"{other} ({class_name})" for other, (_, class_name) in models.items())
+        if name not in self.model_components:
             what = f"'s {name!r} is a {self.components[name][1]}, which has no weights" if name in self.components \
                 else f" has no component {name!r}"
             raise MemfitError(f"--component {name}={path}: {self.path}{what}; the components a file can replace "
-                              f"are: {listed}.")
-        library, class_name = models[name]
+                              f"are: {self.listed_model_components()}.")
+        library, class_name = self.model_components[name]
         if not path.is_file():
             raise MemfitError(f"--component {name}={path}: {path} does not exist; give the file of a {class_name} "
                               f"for {name} (.safetensors).")
@@ -495,8 +493,10 @@ class SingleFileModel(ModelFolder):
     def _stored_size(self, name: str, dtype: str):
         from memfit.plan.meta import measure_module
 
-        module = self._assign(name, self.weights[name], probe=True)  # on the meta device: no data read
-        return measure_module(name, module, dtype)
+        probes = vars(self).setdefault("_probes", {})  # built once: a plan asks for each dtype and stage
+        if name not in probes:
+            probes[name] = self._assign(name, self.weights[name], probe=True)  # on the meta device: no data read
+        return measure_module(name, probes[name], dtype)
 
     def _index_components(self):
         return self.config_components
