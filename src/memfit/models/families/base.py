@@ -111,6 +111,11 @@ class PipelineAdapter:
     # The VAE's encoder half runs in the denoise stage of img2img and inpaint (the init image's latents).
     stage_parts: ClassVar[dict[str, dict[str, tuple[str, ...]]]] = {"decode": {"vae": VAE_DECODE_PARTS},
                                                                      "denoise": {"vae": ("encoder", "rest")}}
+    # Denoise components of which only one runs at a time, in the order they run (Wan 2.2's experts:
+    # transformer for the high-noise steps, transformer_2 for the low-noise ones). The plan sizes each
+    # apart (the larger, not the sum), and a run brings each in when it first runs, releasing the one
+    # before (memfit.run.executor.optimize's ``phases``).
+    experts: ClassVar[tuple[str, ...]] = ()
     # The optional Settings fields this pipeline takes (true_cfg_scale, num_frames); resolve()
     # refuses the others rather than ignoring them.
     options: ClassVar[tuple[str, ...]] = ()
@@ -169,6 +174,12 @@ class PipelineAdapter:
         if task.startswith(CONTROLNET) and "controlnet" not in names:
             names += ("controlnet",)
         return names
+
+    def present_experts(self, names) -> tuple[str, ...]:
+        """The experts (``experts``) among ``names``, where there are two or more: else none, and the
+        stage's components are planned together as any stage's."""
+        present = tuple(name for name in self.experts if name in names)
+        return present if len(present) > 1 else ()
 
     @property
     def denoiser(self) -> str:

@@ -3,8 +3,12 @@
 The output is a video: memfit's `images` are its frames (PIL), as `WanPipeline(...).frames[0]`
 with output_type="pil". `num_frames` (Settings field, default: the pipeline's 81) must be
 4k+1, which the pipeline would otherwise round silently; memfit refuses other counts.
-A Wan2.2 folder's second transformer (transformer_2, with boundary_ratio) is loaded in the
-denoise stage with the first; guidance_scale_2 is not exposed (the pipeline then uses guidance).
+A Wan 2.2 A14B folder has two experts of one architecture: transformer runs the high-noise steps and
+transformer_2 the low-noise ones (timesteps below boundary_ratio * num_train_timesteps). Both load in
+the denoise stage, but only one runs at a time: the plan sizes each apart (the stage needs the larger
+expert, not both), the first is placed as the stage starts and the second is brought in at its first
+call, the boundary, when the first is released to its file (``experts``). guidance_scale_2 is not
+exposed: the pipeline then guides the low-noise steps with guidance too.
 
 Unequal lengths: native. The pipeline runs the conditional and unconditional passes as separate
 transformer calls and compares no shapes; the transformer takes no text mask (encode_prompt already
@@ -24,6 +28,7 @@ class WanAdapter(PipelineAdapter):
     takes_lora = True
     encode_components = ("tokenizer", "text_encoder")
     denoise_components = ("transformer", "transformer_2", "scheduler")
+    experts = ("transformer", "transformer_2")  # in the order the pipeline's loop runs them
     text_encoders = ("text_encoder", "tokenizer")
     unequal_lengths = "native: the pipeline runs the two guidance passes separately"
     max_text_tokens = 512
