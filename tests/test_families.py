@@ -518,6 +518,21 @@ def test_wan22_brings_in_the_second_expert_at_the_boundary(tiny_models, streamed
     assert denoise.peak_bytes - denoise.start_bytes < sum(experts), (denoise.peak_bytes - denoise.start_bytes, experts)
 
 
+def test_wan22_guides_its_second_expert_with_guidance_scale_2(tiny_models):
+    """guidance_scale_2 reaches the pipeline as plain diffusers takes it, bit for bit, changes the video, and is
+    recorded; a Wan folder with one transformer refuses it."""
+    from memfit.errors import MemfitError
+
+    model = tiny_models("wan22")
+    settings = dict(BASE, guidance=5.0, negative_prompt=NEGATIVE, num_frames=5)
+    ours, _ = assert_matches_diffusers(model, atol=0, guidance_scale_2=2.0, **settings)
+    assert ours.settings.guidance_scale_2 == 2.0 and ours.metadata["guidance_scale_2"] == "2.0"
+    same = memfit.generate(model=model, progress=False, **settings)
+    assert same.settings.guidance_scale_2 is None and max_pixel_difference(ours.frames, same.frames) > 0
+    with pytest.raises(MemfitError, match="transformer_2"):
+        memfit.generate(model=tiny_models("wan"), guidance_scale_2=2.0, progress=False, **settings)
+
+
 def test_optional_settings_are_resolved_or_refused(tiny_models):
     """true_cfg_scale and num_frames reach only the pipelines that take them; Wan's defaults are its own."""
     from memfit.errors import MemfitError

@@ -49,6 +49,7 @@ class Settings:
     # Only for pipelines that take them (PipelineAdapter.options); the defaults mean "not used".
     true_cfg_scale: float = 1.0  # Flux: true classifier-free guidance, besides the embedded guidance
     num_frames: int = 1  # video pipelines (Wan): frames generated
+    guidance_scale_2: float | None = None  # Wan 2.2: the low-noise expert's guidance (None: guidance's)
     # Beyond text-to-image (PipelineAdapter.tasks): the task run, and how far an init image is noised.
     task: str = TEXT2IMG
     strength: float | None = None  # img2img / inpaint only
@@ -116,7 +117,7 @@ class PipelineAdapter:
     # apart (the larger, not the sum), and a run brings each in when it first runs, releasing the one
     # before (memfit.run.executor.optimize's ``phases``).
     experts: ClassVar[tuple[str, ...]] = ()
-    # The optional Settings fields this pipeline takes (true_cfg_scale, num_frames); resolve()
+    # The optional Settings fields this pipeline takes (true_cfg_scale, num_frames, guidance_scale_2); resolve()
     # refuses the others rather than ignoring them.
     options: ClassVar[tuple[str, ...]] = ()
     # Whether memfit runs this family as separate encode, denoise and decode stages; a family
@@ -251,7 +252,7 @@ class PipelineAdapter:
         return "strength" in self.task_call_defaults(task)
 
     def resolve(self, prompt, negative_prompt, steps, guidance, seed, width, height, defaults=None, *,
-                true_cfg_scale=None, num_frames=None, conditioning: Conditioning | None = None,
+                true_cfg_scale=None, num_frames=None, guidance_scale_2=None, conditioning: Conditioning | None = None,
                 strength=None, makes_images: bool = True) -> Settings:
         """The run's settings from the caller's and the model's defaults, refusing what the pipeline cannot take.
         ``makes_images=False`` where only the prompt is encoded (memfit.encode): the size is then never used,
@@ -312,13 +313,14 @@ class PipelineAdapter:
                     f"use {lower} or {lower + multiple}."
                 )
         options = {}
-        for name, value in (("true_cfg_scale", true_cfg_scale), ("num_frames", num_frames)):
+        for name, value in (("true_cfg_scale", true_cfg_scale), ("num_frames", num_frames),
+                            ("guidance_scale_2", guidance_scale_2)):
             value = value if value is not None else defaults.get(name)
             if value is None:
                 continue
             if name not in self.options:
                 raise MemfitError(f"{self.class_name} takes no {name}; leave it out.")
-            options[name] = float(value) if name == "true_cfg_scale" else int(value)
+            options[name] = int(value) if name == "num_frames" else float(value)
             if not math.isfinite(options[name]):
                 raise MemfitError(f"{name} {value} is not a finite number; use a scale such as 4.0.")
         if "num_frames" in self.options:
