@@ -530,6 +530,80 @@ def test_hidream_unequal_lengths_split_passes(tiny_models, monkeypatch):
     assert np.abs(cut - batched).max() > 1e-5  # the negative pass really saw only its cut embeddings
 
 
+def _expert_bytes(model):
+    return [_weight_bytes(model, [name]) for name in ("transformer", "transformer_2")]
+
+
+def test_wan22_plans_its_experts_apart(tiny_models):
+    """Wan 2.2's experts run one at a time: the plan has a denoise stage per expert, each needing the
+    larger expert, so a budget for one expert keeps every weight resident; planned together (the
+    adapter without experts) the same budget streams."""
+    from memfit.plan.planner import make_plan
+    from memfit.plan.stages import choose_strategies, stage_options
+
+    model = tiny_models("wan22")
+    adapter = ModelFolder.open(model).adapter
+    room = memfit.Budget(device=3 * max(_expert_bytes(model)) // 2, host=0, disk=model)
+
+    def denoise(plan):
+        return {stage.name: stage for stage in plan.stages if stage.name.startswith("denoise")}
+
+    options = stage_options(adapter, dtype="fp32", width=32, height=32, steps=2)
+    phases = denoise(make_plan(choose_strategies(options, room)[0], room))
+    assert list(phases) == ["denoise:transformer", "denoise:transformer_2"]
+    assert all(stage.streamed_from_disk_bytes == 0 and len({p.component for p in stage.placements}) == 1
+               for stage in phases.values())
+    assert max(stage.peak_bytes for stage in phases.values()) < sum(_expert_bytes(model))
+    adapter.experts = ()  # both in one stage, as before experts were planned apart
+    options = stage_options(adapter, dtype="fp32", width=32, height=32, steps=2)
+    together = denoise(make_plan(choose_strategies(options, room)[0], room))
+    assert list(together) == ["denoise"] and together["denoise"].streamed_from_disk_bytes > 0
+
+
+@pytest.mark.parametrize("budget", ["auto", "one-expert", "streams"])
+def test_wan22_brings_in_the_second_expert_at_the_boundary(tiny_models, streamed_plans, budget):
+    """Wan 2.2's video equals plain diffusers' bit for bit, with no budget, with one for one expert and not
+    both, and with less (the experts stream); the second expert is read only after the first was released,
+    once the loop reached the boundary; neither the plan nor the process's memory ever holds both experts."""
+    model = tiny_models("wan22")
+    experts = _expert_bytes(model)
+    budget = {"auto": "auto", "one-expert": 3 * max(experts) // 2, "streams": 3 * max(experts) // 4}[budget]
+    settings = dict(BASE, guidance=5.0, negative_prompt=NEGATIVE, num_frames=5, steps=4)  # two steps per expert
+    assert_matches_diffusers(model, atol=0, budget=budget, **settings)
+    result = memfit.generate(model=model, budget=budget, progress=False, **settings)  # measured warm
+    phases = {stage.name: stage for stage in streamed_plans[-2].stages}  # the last run's denoise plan
+    assert set(phases) == {"denoise:transformer", "denoise:transformer_2"}
+    assert all((stage.streamed_from_disk_bytes == 0) == (budget != 3 * max(experts) // 4) for stage in phases.values())
+
+    moves = [move for move in result.timeline.moves if move.stage == "denoise"]
+    first = [move for move in moves if move.block.startswith("transformer/")]
+    second = [move for move in moves if move.block.startswith("transformer_2/")]
+    released = [move.end for move in first if move.to_tier == "disk"]
+    assert second and released and all(move.to_tier == "device" for move in second)
+    assert max(move.end for move in first) <= min(move.start for move in second)
+    assert sum(move.bytes for move in first if move.to_tier == "disk") > max(experts) // 2 or phases[
+        "denoise:transformer"].streamed_from_disk_bytes  # all it held resident went back
+
+    denoise = next(stage for stage in result.report.stages if stage.stage == "denoise")
+    assert denoise.planned_peak_bytes < sum(experts)
+    assert denoise.peak_bytes - denoise.start_bytes < sum(experts), (denoise.peak_bytes - denoise.start_bytes, experts)
+
+
+def test_wan22_guides_its_second_expert_with_guidance_scale_2(tiny_models):
+    """guidance_scale_2 reaches the pipeline as plain diffusers takes it, bit for bit, changes the video, and is
+    recorded; a Wan folder with one transformer refuses it."""
+    from memfit.errors import MemfitError
+
+    model = tiny_models("wan22")
+    settings = dict(BASE, guidance=5.0, negative_prompt=NEGATIVE, num_frames=5)
+    ours, _ = assert_matches_diffusers(model, atol=0, guidance_scale_2=2.0, **settings)
+    assert ours.settings.guidance_scale_2 == 2.0 and ours.metadata["guidance_scale_2"] == "2.0"
+    same = memfit.generate(model=model, progress=False, **settings)
+    assert same.settings.guidance_scale_2 is None and max_pixel_difference(ours.frames, same.frames) > 0
+    with pytest.raises(MemfitError, match="transformer_2"):
+        memfit.generate(model=tiny_models("wan"), guidance_scale_2=2.0, progress=False, **settings)
+
+
 def test_optional_settings_are_resolved_or_refused(tiny_models):
     """true_cfg_scale and num_frames reach only the pipelines that take them; Wan's defaults are its own."""
     from memfit.errors import MemfitError

@@ -27,6 +27,8 @@ def register(commands: argparse._SubParsersAction) -> None:
     gen.add_argument("--true-cfg", type=float, help="true classifier-free guidance scale, for pipelines that take "
                      "true_cfg_scale (Flux, QwenImage, Chroma); needs --negative-prompt")
     gen.add_argument("--frames", type=int, help="frames to generate, for video pipelines (num_frames: Wan)")
+    gen.add_argument("--guidance-2", type=float, help="guidance of Wan 2.2's low-noise expert, transformer_2 "
+                     "(guidance_scale_2; default: --guidance)")
     gen.add_argument("--sampler", help="sample with this AUTOMATIC1111 sampler instead of the model's scheduler, "
                      "e.g. \"Euler a\", \"DPM++ 2M Karras\", DDIM (recorded in the PNG)")
     gen.add_argument("--seed", type=int, default=0)
@@ -149,6 +151,7 @@ def _generate(args) -> int:
         refiner_config=args.refiner_config,
         true_cfg_scale=args.true_cfg,
         frames=args.frames,
+        guidance_scale_2=args.guidance_2,
         image=args.image,
         strength=args.strength,
         mask=args.mask,

@@ -144,10 +144,10 @@ def choose(options: list[Strategy], plan_for: Callable[[int], object]) -> tuple[
             return option, plan
         planned.append((option, plan))
     if planned:
-        return max(planned, key=lambda pair: pair[1].stages[0].resident_bytes)
+        return max(planned, key=lambda pair: sum(stage.resident_bytes for stage in pair[1].stages))
     raise last_error
 
 
 def _all_resident(plan) -> bool:
-    stage = plan.stages[0]
-    return stage.streamed_from_host_bytes == 0 and stage.streamed_from_disk_bytes == 0
+    """Whether ``plan`` (one stage, or its phases: memfit.run.executor.optimize's ``phases``) streams nothing."""
+    return all(stage.streamed_from_host_bytes == 0 and stage.streamed_from_disk_bytes == 0 for stage in plan.stages)

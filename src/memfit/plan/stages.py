@@ -37,7 +37,9 @@ def planned_models(adapter) -> list[str]:
 
 def stage_options(adapter, *, dtype: str, width: int, height: int,
                   steps: int = DEFAULT_STEPS) -> list[list[tuple[Strategy, StageInput]]]:
-    """Per stage, its (Strategy, StageInput) options, the pipeline's own way first."""
+    """Per stage, its (Strategy, StageInput) options, the pipeline's own way first. A stage whose experts run
+    one at a time (PipelineAdapter.experts: Wan 2.2's) is a stage per expert, "denoise:transformer", ...:
+    the plan then needs the larger expert, not both."""
     from memfit.plan.meta import measure_component  # imports torch: only when planning
 
     components = planned_components(adapter)
@@ -51,7 +53,7 @@ def stage_options(adapter, *, dtype: str, width: int, height: int,
                                task="text2img")
     result = []
     for stage in STAGES:
-        sizes = []
+        sizes = {}
         for name in components[stage]:
             library, class_name = adapter.classes[name]
             config = adapter.configs[name]
@@ -62,10 +64,16 @@ def stage_options(adapter, *, dtype: str, width: int, height: int,
             parts = adapter.stage_parts.get(stage, {}).get(name)
             if parts and any(block.name.split(".")[0] in parts for block in size.blocks):
                 size = size.select(parts)  # another VAE class without these parts is planned whole, as a run does
-            sizes.append(size)
+            sizes[name] = size
         runs = steps if stage == "denoise" else 1
-        result.append([(strategy, stage_input(stage, sizes, strategy.activation_bytes, runs=runs))
-                       for strategy in stage_strategies(adapter, stage, settings, True, dtype)])
+        strategies = stage_strategies(adapter, stage, settings, True, dtype)
+        # Experts that run one at a time are a stage each, with the stage's other components, as a run plans them.
+        phases = adapter.present_experts(sizes)
+        common = [size for name, size in sizes.items() if name not in phases]
+        for name, members in [(f"{stage}:{phase}", [*common, sizes[phase]]) for phase in phases] or \
+                [(stage, list(sizes.values()))]:
+            result.append([(strategy, stage_input(name, members, strategy.activation_bytes, runs=runs))
+                           for strategy in strategies])
     return result
 
 

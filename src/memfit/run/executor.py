@@ -50,15 +50,15 @@ import json
 import os
 import weakref
 from pathlib import Path
-from typing import Callable, Collection, Mapping
+from typing import Callable, Collection, Mapping, Sequence
 
 import torch
 
 from memfit.devices import DeviceRuntime, runtime_for
 from memfit.plan.budget import AUTO, NONE, Budget, BudgetLike, resolve_budget, stage_budget
 from memfit.errors import MemfitError
-from memfit.run.offload import (HookRegistry, Prefetches, ResidentHook, Runtime, Shared, Slot, SlotKind, StagingRing,
-                                SwapHook, aligned, inference_mode_for)
+from memfit.run.offload import (HookRegistry, PhaseSwitch, Phases, Prefetches, ResidentHook, Runtime, Shared, Slot,
+                                SlotKind, StagingRing, SwapHook, aligned, inference_mode_for)
 from memfit.quant.formats import dequantized_elements
 from memfit.run.weight_sources import WeightSource, in_memory_only, weight_source
 from memfit.safetensors_header import same_samples
@@ -105,6 +105,8 @@ class _State:
     # (slot, where its values are read from) for the host tier, placed in one arena once all are known
     host_sources: list = dataclasses.field(default_factory=list)
     dequantized: list = dataclasses.field(default_factory=list)  # QuantizedLinears keeping their weight dequantized
+    phases: Phases | None = None  # components that run one at a time (optimize's ``phases``)
+    switched: list = dataclasses.field(default_factory=list)  # the components that carry a PhaseSwitch
 
 
 # --- public -------------------------------------------------------------------------------------
@@ -141,6 +143,7 @@ def optimize(
     parts: Mapping[str, tuple[str, ...]] | None = None,
     dtype: torch.dtype | None = None,
     skip: Collection[str] = (),
+    phases: Sequence[str] = (),
 ):
     """Apply a plan to the live pipeline ``pipe`` and return the same object.
 
@@ -176,6 +179,12 @@ def optimize(
     skip:        components, or blocks ("unet/up_blocks.1.resnets.0"), left exactly as they are, outside the
                  plan (those a compiled model serves; a given plan may still place them: it counts their
                  compiled models as it would their weights).
+    phases:      with ``stage``: components of which only one runs at a time, in the order they run (Wan 2.2's
+                 experts, PipelineAdapter.experts). Each is planned apart, as a stage "STAGE:COMPONENT" with
+                 the stage's other components, so the stage needs the largest, not their sum. The first is
+                 placed now; each later one is brought in when it is first called, and the one before is
+                 released to its home first (memfit.run.offload.Phases). On the CPU every block of a phase
+                 component has its file as home, so a released one holds no memory.
     """
     plan = _saved_plan(plan)
     no_budget = isinstance(budget, str) and budget.strip().lower() == NONE
@@ -209,7 +218,8 @@ def optimize(
     if activation_bytes is None:  # a given or forced plan is not fitted to a budget: nothing to reserve
         planned = plan is None and force_tiers is None
         activation_bytes = _estimated_activations(pipe, stage, dtype, device) if planned else 0
-    stages = _stage_inputs(_without(blocks, unrun), stage, activation_bytes, type(pipe).__name__)
+    phases = _present(phases, components) if stage is not None else ()
+    stages = _stage_inputs(_without(blocks, unrun), stage, activation_bytes, type(pipe).__name__, phases)
     if plan is None and force_tiers is not None:
         plan = _forced_plan(stages, force_tiers, staging_ring=device.separate_memory)
     elif plan is None:
@@ -226,8 +236,15 @@ def optimize(
         # an automatic budget's host tier takes the place of the weights in host RAM now.
         plan = make_plan(stages, stage_budget(resolved.budget, device, loaded=auto, host_in_use=on_host if auto else 0),
                          staging_ring=device.separate_memory)
-    tiers = _tiers_from_plan(plan, all_blocks)
+    tiers = _tiers_from_plan(plan, all_blocks, alternating=bool(phases))
     tiers.update((block.key, Tier.DISK) for block in unrun)
+    # A phase component's blocks all get a home to go back to; those its phase keeps resident are pinned
+    # while it runs. On the CPU the home is the file (the host tier would leave them where they are).
+    to_pin = {block.key for name in phases for block in blocks[name] if tiers.get(block.key) == Tier.DEVICE}
+    for name in phases:
+        for block in blocks[name]:
+            if block.key in to_pin or not device.separate_memory:
+                tiers[block.key] = Tier.DISK if not device.separate_memory else _home(plan, block.key)
 
     # The hooks' shared state, around the device runtime: at most the plan's window of streamed
     # blocks on the device at once (the one running and those copied in ahead of it).
@@ -243,8 +260,17 @@ def optimize(
         # A pipeline loaded in inference mode gets its new tensors made in it, whatever mode optimize runs in.
         with inference_mode_for(t for module in components.values() for t in module.parameters()):
             resident = []  # the blocks the stage runs that have nothing to swap in
+            pinned: dict[str, list[SwapHook]] = {}
+            if phases:
+                state.phases = Phases([pinned.setdefault(name, []) for name in phases])
             for name, module in components.items():
+                if name in phases:  # before the component's own hooks: its phase is entered first
+                    HookRegistry.of(module).register(PhaseSwitch(state.phases, phases.index(name)))
+                    state.switched.append(module)
                 hooks = _apply_component(name, module, blocks[name], tiers, state, model_dir)
+                if name in phases:
+                    pinned[name] += [hook for block, found in zip(blocks[name], hooks) if block.key in to_pin
+                                     for hook in found]
                 placed = [(block, found) for block, found in zip(blocks[name], hooks) if block.key not in unrun_keys]
                 # the order to read ahead in before the blocks have run
                 runtime.plan_order([hook for _, found in placed for hook in found])
@@ -252,6 +278,8 @@ def optimize(
             _mark_resident(state, resident)
             _place_host_tier(state)
             _make_staging_ring(state)
+            if state.phases is not None:
+                state.phases.enter(0)
     except BaseException:
         _undo(state)
         raise
@@ -318,13 +346,14 @@ def _is_auto(budget) -> bool:
 
 def plan_stage(pipe, budget: Budget, stage: str, activation_bytes: int = 0,
                parts: Mapping[str, tuple[str, ...]] | None = None, skip=(),
-               dtype: torch.dtype | None = None, device: DeviceRuntime | None = None) -> Plan:
+               dtype: torch.dtype | None = None, device: DeviceRuntime | None = None, phases: Sequence[str] = ()) -> Plan:
     """The plan ``optimize(pipe, stage=stage, activation_bytes=..., parts=...)`` would make under ``budget``, the
     stage's own (memfit.plan.budget.stage_budget); components named in ``skip`` are left out (optimize then
     leaves them as they are). ``dtype``: as optimize's. ``device``: the runtime it will run on (on a GPU the
-    host figure counts the disk tier's staging ring); None: the CPU."""
+    host figure counts the disk tier's staging ring); None: the CPU. ``phases``: as optimize's (a stage per phase)."""
     blocks = {name: live_blocks(name, module, dtype) for name, module in _components(pipe).items() if name not in skip}
-    stages = _stage_inputs(_without(blocks, unrun_blocks(blocks, parts)), stage, activation_bytes, type(pipe).__name__)
+    stages = _stage_inputs(_without(blocks, unrun_blocks(blocks, parts)), stage, activation_bytes, type(pipe).__name__,
+                           _present(phases, blocks))
     return make_plan(stages, budget, staging_ring=device is not None and device.separate_memory)
 
 
@@ -361,12 +390,19 @@ def _without(blocks: dict[str, list[LiveBlock]], left_out: list[LiveBlock]) -> d
                    for b in found if id(b) not in ids or b.fixed_bytes] for name, found in blocks.items()}
 
 
+def _present(phases: Sequence[str], components: Collection[str]) -> tuple[str, ...]:
+    """The phase components (optimize's ``phases``) among ``components``; none unless two or more are."""
+    present = tuple(name for name in phases if name in components)
+    return present if len(present) > 1 else ()
+
+
 def _stage_inputs(blocks: dict[str, list[LiveBlock]], stage: str | None, activation_bytes: int | Callable[[str], int],
-                  pipeline_class: str = "") -> list[StageInput]:
+                  pipeline_class: str = "", phases: Sequence[str] = ()) -> list[StageInput]:
     """One stage named ``stage`` holding every component, or (no stage named) one stage per group of
     components that run together (memfit.models.families.run_together: the denoiser with a ControlNet,
     the text encoders together, the VAE alone), so each group fits the budget at once. ``activation_bytes``:
-    every stage's, or a function of the stage's name."""
+    every stage's, or a function of the stage's name. With ``phases`` (components that run one at a time, see
+    optimize) the stage named is one stage per phase, "STAGE:COMPONENT", each with the other components."""
     from memfit.models.families import run_together
 
     estimate = activation_bytes if callable(activation_bytes) else lambda name: activation_bytes
@@ -377,6 +413,10 @@ def _stage_inputs(blocks: dict[str, list[LiveBlock]], stage: str | None, activat
     def activations(name: str, members) -> int:  # one layer dequantizes at a time: the largest scratch
         return estimate(name) + max((scratch[member] for member in members), default=0)
 
+    if stage is not None and phases:
+        common = [name for name in specs if name not in phases]
+        return [StageInput(f"{stage}:{phase}", tuple(spec for member in [*common, phase] for spec in specs[member]),
+                           activations(stage, [*common, phase])) for phase in phases]
     if stage is not None:
         return [StageInput(stage, tuple(spec for found in specs.values() for spec in found), activations(stage, specs))]
     return [StageInput(name, tuple(spec for member in members for spec in specs[member]), activations(name, members))
@@ -592,8 +632,14 @@ def _forced_plan(stages: list[StageInput], force_tiers: Mapping[str, str], stagi
     )
 
 
-def _tiers_from_plan(plan: Plan, blocks: dict[str, list[LiveBlock]]) -> dict[str, Tier]:
-    """One tier per block: Tier.DEVICE where any stage keeps it resident, else its home."""
+def _home(plan: Plan, key: str) -> Tier:
+    return plan.home_of(key) if any(block == key for block, _ in plan.homes) else Tier.HOST
+
+
+def _tiers_from_plan(plan: Plan, blocks: dict[str, list[LiveBlock]], alternating: bool = False) -> dict[str, Tier]:
+    """One tier per block: Tier.DEVICE where any stage keeps it resident, else its home. ``alternating``: the
+    plan's stages are phases of one stage (optimize's ``phases``), and a block that several of them run is
+    resident only where every one of them keeps it so (the phases' peaks only fall)."""
     live = {b.key for component_blocks in blocks.values() for b in component_blocks}
     tiers: dict[str, Tier] = {}
     unknown = []
@@ -602,6 +648,8 @@ def _tiers_from_plan(plan: Plan, blocks: dict[str, list[LiveBlock]]) -> dict[str
             key = f"{p.component}/{p.block}"
             if key not in live:
                 unknown.append(key)
+            elif alternating and key in tiers and (tiers[key] == Tier.DEVICE) != (p.where == Tier.DEVICE):
+                tiers[key] = plan.home_of(key)
             elif p.where == Tier.DEVICE or tiers.get(key) == Tier.DEVICE:
                 tiers[key] = Tier.DEVICE
             else:
@@ -810,6 +858,13 @@ def _checked_mapping(files: WeightSource, component: str, full_name: str, tensor
 
 
 def _undo(state: _State) -> None:
+    if state.phases is not None:
+        state.phases.leave()
+    for module in state.switched:
+        registry = HookRegistry.get(module)
+        if registry is not None:
+            registry.remove(PhaseSwitch.name)
+    state.switched.clear()
     for layer in state.dequantized:
         layer.dequantized = None
     state.dequantized.clear()

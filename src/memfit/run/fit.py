@@ -147,6 +147,9 @@ def _plan_and_place(pipe, folder: ModelFolder, options: RunOptions, *, stage: st
     parts = adapter.stage_parts.get(plan_as)
     margin = DEVICE_ACTIVATION_MARGIN if runtime.separate_memory else 1.0
     stream_from = None if runtime.separate_memory else str(folder.path)
+    # Experts that run one at a time are planned apart, a stage each (the plan's "denoise:transformer", ...).
+    phases = adapter.present_experts([name for name in adapter.experts
+                                      if name not in compiled and getattr(pipe, name, None) is not None])
 
     # A compiled model too large for the budget whole runs in blocks: those the plan keeps resident compiled
     # (each a model of its own), the others streamed eagerly. The block models cost more than the weights
@@ -156,7 +159,8 @@ def _plan_and_place(pipe, folder: ModelFolder, options: RunOptions, *, stage: st
         room = stage_budget(budget, runtime, already_used=already_used + extra, stream_from=stream_from)
         try:
             strategy, plan = choose(choices, lambda activations: plan_stage(
-                pipe, room, stage, int(activations * margin), parts, skip=compiled, dtype=dtype, device=runtime))
+                pipe, room, stage, int(activations * margin), parts, skip=compiled, dtype=dtype, device=runtime,
+                phases=phases))
         except BudgetTooSmall as exc:
             # The planner saw only what is left for the stage: refused again with the budget the user gave.
             raise exc.counting(budget.device, already_used + extra, "Python, torch, the libraries"
@@ -168,11 +172,11 @@ def _plan_and_place(pipe, folder: ModelFolder, options: RunOptions, *, stage: st
                 + (", and what its compiled blocks need beyond their weights" if extra else "")
                 + "): add that to any budget named above."
             ) from exc
-        found = {name: _compilable_blocks(getattr(pipe, name), name, plan.stages[0].resident, dtype)
-                 for name in in_blocks}
+        resident = tuple(key for planned in plan.stages for key in planned.resident)
+        found = {name: _compilable_blocks(getattr(pipe, name), name, resident, dtype) for name in in_blocks}
         keys = {key for blocks in found.values() for key in blocks}
         extra_needed = compiled_blocks_extra(
-            [p.bytes for p in plan.stages[0].placements if f"{p.component}/{p.block}" in keys])
+            [p.bytes for p in _placements(plan) if f"{p.component}/{p.block}" in keys])
         return strategy, plan, found, extra_needed
 
     # The reserve a plan needs shrinks as the reserve grows (less room, fewer blocks): the least reserve
@@ -195,18 +199,28 @@ def _plan_and_place(pipe, folder: ModelFolder, options: RunOptions, *, stage: st
         blocks_compiled, extra = {name: {} for name in in_blocks}, 0
     else:
         extra, (strategy, plan, blocks_compiled, _) = held
-    stage_plan = plan.stages[0]
     already_used += extra
     notes: list[str] = []
+    streamed = sum(s.streamed_from_host_bytes + s.streamed_from_disk_bytes for s in plan.stages)
+    if not auto_budget or strategy is not choices[0] or streamed or phases:
+        # Freed activations (and an expert released: optimize's phases) then leave RSS at once, so the stage
+        # stays within its plan. Not set while an automatic budget holds everything: that run then costs
+        # nothing a plain one does not.
+        return_large_frees_to_os()
     if runtime.can_stream:
         # On the CPU a compiled component's torch weights stay as loaded (memory-mapped once compiled); on
         # a GPU they move with the plan, so that the pipeline places its inputs where the rest runs.
         skip = () if runtime.separate_memory else {*compiled, *(key for found in blocks_compiled.values()
                                                                for key in found)}
-        optimize(pipe, plan=plan, model_dir=folder.path, device=runtime, parts=parts, dtype=dtype, skip=skip)
+        optimize(pipe, plan=plan, model_dir=folder.path, device=runtime, parts=parts, dtype=dtype, skip=skip,
+                 stage=stage, phases=phases)
     else:
-        _refuse_streaming(stage_plan, stage, runtime)
+        for planned_stage in plan.stages:
+            _refuse_streaming(planned_stage, stage, runtime)
         place_whole(pipe, runtime)
+    if phases:
+        notes.append(f"{stage}: {' and '.join(phases)} run one at a time: each planned apart, {phases[0]} placed "
+                     f"first, each next one brought in at its first call and the one before released")
     if strategy.name == StrategyKind.BANDED:
         from memfit.run.banded_decode import enable_banded_decode
 
@@ -220,14 +234,11 @@ def _plan_and_place(pipe, folder: ModelFolder, options: RunOptions, *, stage: st
         )
     block_paths = {name: [path for paths in found.values() for path in paths] for name, found in blocks_compiled.items()}
     notes += _compile_blocks(pipe, folder, options, stage, block_paths, dtype, records)
-    streamed = stage_plan.streamed_from_host_bytes + stage_plan.streamed_from_disk_bytes
-    if not auto_budget or strategy is not choices[0] or streamed:
-        # Freed activations then leave RSS at once, so the stage stays within its plan. Not set
-        # while an automatic budget holds everything: that run then costs nothing a plain one does not.
-        return_large_frees_to_os()
     # The plan fits the read-ahead into the budget (a cgroup cap charges the page cache), but read in
     # place it is mapped into this process only once its block runs: the predicted peak RSS leaves it out.
-    read_ahead = stage_plan.stream_window_bytes - stage_plan.largest_streamed_bytes if reads_in_place(pipe) else 0
+    in_place = reads_in_place(pipe)
+    read_aheads = [s.stream_window_bytes - s.largest_streamed_bytes if in_place else 0 for s in plan.stages]
+    read_ahead = max(read_aheads)
     if read_ahead:
         notes.append(f"{stage}: {format_bytes(read_ahead)} read ahead into the page cache, "
                      "outside this process's memory until its block runs")
@@ -244,10 +255,11 @@ def _plan_and_place(pipe, folder: ModelFolder, options: RunOptions, *, stage: st
             f"activations {format_bytes(planned_stage.activation_bytes)}"
         )
     tiers: dict[str, dict[str, int]] = {}
-    for placement in stage_plan.placements:
+    for placement in _placements(plan):
         by_tier = tiers.setdefault(placement.component, {})
         by_tier[str(placement.where)] = by_tier.get(str(placement.where), 0) + placement.bytes
-    planned_peak = already_used + stage_plan.peak_bytes - read_ahead
+    # Phases run one after another: the stage's peak is the highest of theirs.
+    planned_peak = already_used + max(s.peak_bytes - ahead for s, ahead in zip(plan.stages, read_aheads))
     if runtime.can_stream:
         # Room the plan leaves: resident quantized weights kept dequantized there run without dequantizing.
         kept = keep_dequantized(pipe, None if budget.device is None else budget.device - planned_peak,
@@ -258,6 +270,15 @@ def _plan_and_place(pipe, folder: ModelFolder, options: RunOptions, *, stage: st
                          "budget has room for, so they are not dequantized at each step")
     return StageFit(strategy=strategy.name, planned_peak=planned_peak, streamed_bytes=streamed, tiers=tiers,
                     notes=tuple(notes))
+
+
+def _placements(plan) -> list:
+    """Every block's placement in ``plan`` once (a block several phases run: as the first places it)."""
+    seen: dict[tuple[str, str], object] = {}
+    for planned_stage in plan.stages:
+        for placement in planned_stage.placements:
+            seen.setdefault((placement.component, placement.block), placement)
+    return list(seen.values())
 
 
 def _compile_blocks(pipe, folder: ModelFolder, options: RunOptions, stage: str, block_paths: dict[str, list[str]],

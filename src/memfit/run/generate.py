@@ -106,6 +106,7 @@ def generate(
     true_cfg_scale: float | None = None,
     frames: int | None = None,
     num_frames: int | None = None,
+    guidance_scale_2: float | None = None,
     allow_pickle: bool = False,
     image=None,
     strength: float | None = None,
@@ -152,7 +153,8 @@ def generate(
     folder has its own) steers every step, the ControlNet loaded and planned in the denoise stage.
     `loras` are LoRA files, each a path, "PATH:SCALE" or (path, scale), loaded unfused with diffusers'
     load_lora_weights into the text encoders and the denoiser. `frames` (the CLI's `--frames`; `num_frames`,
-    diffusers' name, is the same setting) is a video pipeline's length.
+    diffusers' name, is the same setting) is a video pipeline's length. `guidance_scale_2` guides Wan 2.2's
+    low-noise expert (default: `guidance`).
 
     `sampler` (an AUTOMATIC1111 sampler name, memfit.run.samplers) replaces the model's scheduler and
     is recorded in the PNG. `pool` (a StagePool, memfit.run.session.Session's) keeps stages loaded between
@@ -214,7 +216,8 @@ def generate(
         prompt, negative_prompt = loaded.prompt, loaded.negative_prompt
     check_conditioning(adapter, conditioning, loaded is not None)
     settings = adapter.resolve(prompt, negative_prompt, steps, guidance, seed, width, height, folder.defaults,
-                               true_cfg_scale=true_cfg_scale, num_frames=num_frames, conditioning=conditioning,
+                               true_cfg_scale=true_cfg_scale, num_frames=num_frames,
+                               guidance_scale_2=guidance_scale_2, conditioning=conditioning,
                                strength=strength)
     guided = adapter.guided(settings)
     report = RunReport(device=str(options.device), dtype=dtype, model=str(folder.path), settings=settings.__dict__.copy(),

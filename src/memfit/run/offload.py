@@ -45,7 +45,7 @@ from memfit.run.timeline import record_move
 from memfit.safetensors_header import MappedFile
 
 __all__ = ["ALIGNMENT", "HookRegistry", "MappedSafetensors", "ModuleHook", "MappedPages", "Modes", "Prefetches",
-           "ResidentHook", "Runtime", "Shared", "Slot", "SlotKind", "StagingRing", "SwapHook", "aligned",
+           "PhaseSwitch", "Phases", "ResidentHook", "Runtime", "Shared", "Slot", "SlotKind", "StagingRing", "SwapHook", "aligned",
            "inference_mode_for", "mapped_view", "weights_ready"]
 
 REGISTRY_ATTR = "_memfit_hooks"
@@ -571,6 +571,50 @@ class SwapHook(ModuleHook):
         self.slots = slots
         self.runtime = runtime
         self._depth = 0  # a module re-entered (rare; e.g. a shared submodule) swaps once
+        self.pinned = False  # kept in its run form between forwards (pin): resident for a phase of the stage
+
+    def pin(self) -> None:
+        """Bring the block in and keep it until ``unpin``: resident while its phase runs (Phases). On the
+        CPU a weight in its run dtype is used in place, as a plain load holds it: the file's pages, read
+        now and counted in RSS until unpin drops them (the same addresses as plain diffusers' weights, so
+        the same kernels and sums run); a converted one is memory of the process's own, freed by unpin."""
+        if self.pinned:
+            return
+        pending = self.runtime.prefetches.take(self)
+        if isinstance(pending, Future):
+            pending.result()  # a read-ahead of this block: dropped, the block is made here
+        started = time.perf_counter()
+        if self.runtime.separate_memory:
+            tensors = self._materialize(Modes.for_slots(self.slots))
+        else:
+            tensors = []
+            with Modes.for_slots(self.slots).entered():
+                for slot in self.slots:
+                    if slot.pages is not None:
+                        slot.pages.prefetch()
+                    home = slot.home_tensor()
+                    tensors.append(home.to(slot.dtype))
+                    if slot.pages is not None and home.dtype != slot.dtype:
+                        slot.pages.release()  # converted: the mapped pages are not needed any more
+            record_move(self.block, self.slots[0].kind.tier if self.slots else "host", "device",
+                        sum(t.numel() * t.element_size() for t in tensors), started, time.perf_counter())
+        for slot, tensor in zip(self.slots, tensors):
+            slot.tensor.data = tensor
+        self.pinned = True
+
+    def unpin(self) -> None:
+        """Send a pinned block back to its home: its run form is freed."""
+        if not self.pinned:
+            return
+        started = time.perf_counter()
+        nbytes = sum(slot.tensor.numel() * slot.tensor.element_size() for slot in self.slots)
+        for slot in self.slots:
+            slot.tensor.data = slot.home_tensor()
+            if slot.pages is not None:
+                slot.pages.release()
+        self.pinned = False
+        record_move(self.block, "device", self.slots[0].kind.tier if self.slots else "host", nbytes, started,
+                    time.perf_counter())
 
     @property
     def reads_files(self) -> bool:
@@ -622,7 +666,7 @@ class SwapHook(ModuleHook):
         prefetches = self.runtime.prefetches
         if id(self) in prefetches.pending:
             return True
-        if self._depth:
+        if self._depth or self.pinned:
             return False
         device = self.runtime.device_runtime
         modes = Modes.for_slots(self.slots)  # this thread's, for the reader thread too
@@ -661,6 +705,8 @@ class SwapHook(ModuleHook):
         return tensors
 
     def pre_forward(self, module) -> None:
+        if self.pinned:
+            return
         self._depth += 1
         if self._depth > 1:
             return
@@ -671,6 +717,8 @@ class SwapHook(ModuleHook):
         self.runtime.entered(self)
 
     def post_forward(self, module) -> None:
+        if self.pinned:
+            return
         self._depth -= 1
         if self._depth > 0:
             return
@@ -694,4 +742,47 @@ class SwapHook(ModuleHook):
         new.slots = copy.deepcopy(self.slots, memo)
         new.runtime = copy.deepcopy(self.runtime, memo)  # with no prefetch in flight: those are the original's
         new._depth = 0
+        new.pinned = False
         return new
+
+
+class Phases:
+    """The phases of a stage whose components run one at a time (Wan 2.2's two experts): each phase's
+    blocks that its plan keeps resident are SwapHooks pinned while it runs. A PhaseSwitch on each
+    phase's component enters its phase at the component's call: the blocks of the phase before are
+    unpinned first (their memory freed), then the phase's own pinned, so the two never add up."""
+
+    def __init__(self, pinned: list[list[SwapHook]]):
+        self.pinned = pinned
+        self.active: int | None = None
+
+    def enter(self, index: int) -> None:
+        if index == self.active:
+            return
+        if self.active is not None:
+            for hook in self.pinned[self.active]:
+                hook.unpin()
+        self.active = index
+        for hook in self.pinned[index]:
+            hook.pin()
+
+    def leave(self) -> None:
+        """Unpin the phase running (optimize's undo)."""
+        if self.active is not None:
+            for hook in self.pinned[self.active]:
+                hook.unpin()
+        self.active = None
+
+
+class PhaseSwitch(ModuleHook):
+    """On a phase's component: entering its forward enters its phase (Phases.enter). Registered before
+    the component's own SwapHooks, so the blocks are pinned before any of them would swap in."""
+
+    name = "memfit.phase"
+
+    def __init__(self, phases: Phases, index: int):
+        self.phases = phases
+        self.index = index
+
+    def pre_forward(self, module) -> None:
+        self.phases.enter(self.index)

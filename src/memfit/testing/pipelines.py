@@ -418,7 +418,7 @@ def _qwenimage(scale: int, text_layers: int):
     )
 
 
-def _wan(scale: int, text_layers: int):
+def _wan(scale: int, text_layers: int, boundary_ratio: float | None = None, ffn_dim: int | None = None):
     from diffusers import AutoencoderKLWan, FlowMatchEulerDiscreteScheduler, WanPipeline, WanTransformer3DModel
 
     tokenizer = word_tokenizer()
@@ -433,7 +433,7 @@ def _wan(scale: int, text_layers: int):
         latents_mean=[0.1, -0.2, 0.05, 0.3],
         latents_std=[1.5, 0.8, 1.2, 2.0],
     )
-    transformer = WanTransformer3DModel(
+    experts = [WanTransformer3DModel(
         patch_size=(1, 2, 2),
         num_attention_heads=2 * scale,
         attention_head_dim=12,
@@ -441,19 +441,29 @@ def _wan(scale: int, text_layers: int):
         out_channels=latent_channels,
         text_dim=text_hidden,
         freq_dim=32,
-        ffn_dim=32 * scale,
+        ffn_dim=ffn_dim or 32 * scale,
         num_layers=2,
         cross_attn_norm=True,
         qk_norm="rms_norm_across_heads",
         rope_max_seq_len=32,
-    )
+    ) for _ in range(1 if boundary_ratio is None else 2)]
     return WanPipeline(
         tokenizer=tokenizer,
         text_encoder=_t5_encoder(tokenizer, text_hidden, text_layers, "UMT5EncoderModel"),
         vae=vae,
-        transformer=transformer,
+        transformer=experts[0],
+        transformer_2=experts[1] if boundary_ratio is not None else None,
+        boundary_ratio=boundary_ratio,
         scheduler=FlowMatchEulerDiscreteScheduler(shift=7.0),
     )
+
+
+def _wan22(scale: int, text_layers: int):
+    """Wan 2.2 A14B's layout: two experts of one architecture (transformer for the high-noise steps,
+    transformer_2 for the low-noise ones), switched at boundary_ratio of the training timesteps. Wide
+    feed-forward layers make each expert about 25 MB (fast: the tiny video has 32 tokens), so the memory
+    tests see in RSS which expert is in memory."""
+    return _wan(scale, text_layers, boundary_ratio=0.875, ffn_dim=2**16 * scale)
 
 
 def _chroma(scale: int, text_layers: int):
@@ -814,13 +824,13 @@ def _sd_pag(scale: int, text_layers: int):
 
 _BUILDERS: dict[str, Callable[[int, int], object]] = {
     "sd": _sd, "sdxl": _sdxl, "lumina2": _lumina2, "cogview4": _cogview4,
-    "flux": _flux, "flux_schnell": _flux_schnell, "sd3": _sd3, "qwenimage": _qwenimage, "wan": _wan, "chroma": _chroma, "sana": _sana, "pixart_sigma": _pixart_sigma, "aura_flow": _aura_flow, "hidream": _hidream,
+    "flux": _flux, "flux_schnell": _flux_schnell, "sd3": _sd3, "qwenimage": _qwenimage, "wan": _wan, "wan22": _wan22, "chroma": _chroma, "sana": _sana, "pixart_sigma": _pixart_sigma, "aura_flow": _aura_flow, "hidream": _hidream,
     "zimage": _zimage, "flux_kontext": _flux_kontext, "flux2": _flux2, "flux2_klein": _flux2_klein,
     "sd_pag": _sd_pag, "sdxl_single_file": _sdxl_single_file, "sd2_single_file": _sd2_single_file,
 }
 
 # Sizes each tiny architecture accepts (multiples of what its VAE and patching need).
-DEFAULT_SIZE = {"sd": 32, "sdxl": 32, "lumina2": 32, "cogview4": 32, "flux": 32, "flux_schnell": 32, "sd3": 32, "qwenimage": 32, "wan": 32, "chroma": 32, "sana": 32, "pixart_sigma": 32, "aura_flow": 32, "hidream": 32,
+DEFAULT_SIZE = {"sd": 32, "sdxl": 32, "lumina2": 32, "cogview4": 32, "flux": 32, "flux_schnell": 32, "sd3": 32, "qwenimage": 32, "wan": 32, "wan22": 32, "chroma": 32, "sana": 32, "pixart_sigma": 32, "aura_flow": 32, "hidream": 32,
                 "zimage": 32, "flux_kontext": 32, "flux2": 32, "flux2_klein": 32}
 
 

@@ -49,6 +49,7 @@ class Settings:
     # Only for pipelines that take them (PipelineAdapter.options); the defaults mean "not used".
     true_cfg_scale: float = 1.0  # Flux: true classifier-free guidance, besides the embedded guidance
     num_frames: int = 1  # video pipelines (Wan): frames generated
+    guidance_scale_2: float | None = None  # Wan 2.2: the low-noise expert's guidance (None: guidance's)
     # Beyond text-to-image (PipelineAdapter.tasks): the task run, and how far an init image is noised.
     task: str = TEXT2IMG
     strength: float | None = None  # img2img / inpaint only
@@ -111,7 +112,12 @@ class PipelineAdapter:
     # The VAE's encoder half runs in the denoise stage of img2img and inpaint (the init image's latents).
     stage_parts: ClassVar[dict[str, dict[str, tuple[str, ...]]]] = {"decode": {"vae": VAE_DECODE_PARTS},
                                                                      "denoise": {"vae": ("encoder", "rest")}}
-    # The optional Settings fields this pipeline takes (true_cfg_scale, num_frames); resolve()
+    # Denoise components of which only one runs at a time, in the order they run (Wan 2.2's experts:
+    # transformer for the high-noise steps, transformer_2 for the low-noise ones). The plan sizes each
+    # apart (the larger, not the sum), and a run brings each in when it first runs, releasing the one
+    # before (memfit.run.executor.optimize's ``phases``).
+    experts: ClassVar[tuple[str, ...]] = ()
+    # The optional Settings fields this pipeline takes (true_cfg_scale, num_frames, guidance_scale_2); resolve()
     # refuses the others rather than ignoring them.
     options: ClassVar[tuple[str, ...]] = ()
     # Whether memfit runs this family as separate encode, denoise and decode stages; a family
@@ -172,6 +178,12 @@ class PipelineAdapter:
         if task.startswith(CONTROLNET) and "controlnet" not in names:
             names += ("controlnet",)
         return names
+
+    def present_experts(self, names) -> tuple[str, ...]:
+        """The experts (``experts``) among ``names``, where there are two or more: else none, and the
+        stage's components are planned together as any stage's."""
+        present = tuple(name for name in self.experts if name in names)
+        return present if len(present) > 1 else ()
 
     @property
     def denoiser(self) -> str:
@@ -243,7 +255,7 @@ class PipelineAdapter:
         return "strength" in self.task_call_defaults(task)
 
     def resolve(self, prompt, negative_prompt, steps, guidance, seed, width, height, defaults=None, *,
-                true_cfg_scale=None, num_frames=None, conditioning: Conditioning | None = None,
+                true_cfg_scale=None, num_frames=None, guidance_scale_2=None, conditioning: Conditioning | None = None,
                 strength=None, makes_images: bool = True) -> Settings:
         """The run's settings from the caller's and the model's defaults, refusing what the pipeline cannot take.
         ``makes_images=False`` where only the prompt is encoded (memfit.encode): the size is then never used,
@@ -304,13 +316,14 @@ class PipelineAdapter:
                     f"use {lower} or {lower + multiple}."
                 )
         options = {}
-        for name, value in (("true_cfg_scale", true_cfg_scale), ("num_frames", num_frames)):
+        for name, value in (("true_cfg_scale", true_cfg_scale), ("num_frames", num_frames),
+                            ("guidance_scale_2", guidance_scale_2)):
             value = value if value is not None else defaults.get(name)
             if value is None:
                 continue
             if name not in self.options:
                 raise MemfitError(f"{self.class_name} takes no {name}; leave it out.")
-            options[name] = float(value) if name == "true_cfg_scale" else int(value)
+            options[name] = int(value) if name == "num_frames" else float(value)
             if not math.isfinite(options[name]):
                 raise MemfitError(f"{name} {value} is not a finite number; use a scale such as 4.0.")
         if "num_frames" in self.options:

@@ -3,8 +3,12 @@
 The output is a video: memfit's `images` are its frames (PIL), as `WanPipeline(...).frames[0]`
 with output_type="pil". `num_frames` (Settings field, default: the pipeline's 81) must be
 4k+1, which the pipeline would otherwise round silently; memfit refuses other counts.
-A Wan2.2 folder's second transformer (transformer_2, with boundary_ratio) is loaded in the
-denoise stage with the first; guidance_scale_2 is not exposed (the pipeline then uses guidance).
+A Wan 2.2 A14B folder has two experts of one architecture: transformer runs the high-noise steps and
+transformer_2 the low-noise ones (timesteps below boundary_ratio * num_train_timesteps). Both load in
+the denoise stage, but only one runs at a time: the plan sizes each apart (the stage needs the larger
+expert, not both), the first is placed as the stage starts and the second is brought in at its first
+call, the boundary, when the first is released to its file (``experts``). ``guidance_scale_2`` (Settings
+field, --guidance-2) guides the low-noise steps; without it the pipeline guides them with guidance too.
 
 Unequal lengths: native. The pipeline runs the conditional and unconditional passes as separate
 transformer calls and compares no shapes; the transformer takes no text mask (encode_prompt already
@@ -24,12 +28,13 @@ class WanAdapter(PipelineAdapter):
     takes_lora = True
     encode_components = ("tokenizer", "text_encoder")
     denoise_components = ("transformer", "transformer_2", "scheduler")
+    experts = ("transformer", "transformer_2")  # in the order the pipeline's loop runs them
     text_encoders = ("text_encoder", "tokenizer")
     unequal_lengths = "native: the pipeline runs the two guidance passes separately"
     max_text_tokens = 512
     guidance_batch = 1  # the negative pass is a separate transformer call
     separate_guidance_passes = True
-    options = ("num_frames",)
+    options = ("num_frames", "guidance_scale_2")
 
     def vae_scale_factor(self) -> int:
         return self.configs["vae"].get("scale_factor_spatial", 8)
@@ -51,6 +56,10 @@ class WanAdapter(PipelineAdapter):
         height = height if height is not None else defaults.get("height", call_defaults["height"])
         settings = super().resolve(prompt, negative_prompt, steps, guidance, seed, width, height, defaults,
                                    makes_images=makes_images, **options)
+        if settings.guidance_scale_2 is not None and "transformer_2" not in self.configs:
+            raise MemfitError(
+                f"guidance_scale_2 guides Wan 2.2's second expert (transformer_2), which this {self.class_name} "
+                "folder does not have; leave --guidance-2 out.")
         temporal = self.temporal_scale_factor()
         if settings.num_frames % temporal != 1:
             lower = max(1, (settings.num_frames - 1) // temporal * temporal + 1)
@@ -87,7 +96,10 @@ class WanAdapter(PipelineAdapter):
         return (settings.num_frames - 1) // self.temporal_scale_factor() + 1
 
     def call_kwargs(self, settings):
-        return dict(super().call_kwargs(settings), num_frames=settings.num_frames)
+        kwargs = dict(super().call_kwargs(settings), num_frames=settings.num_frames)
+        if settings.guidance_scale_2 is not None:
+            kwargs["guidance_scale_2"] = settings.guidance_scale_2
+        return kwargs
 
     def encode(self, pipe, settings, with_negative):
         positive, negative = pipe.encode_prompt(
