@@ -18,7 +18,6 @@ import torch
 from safetensors.torch import save_file
 
 import memfit
-from memfit.errors import MemfitError
 from memfit.models.folder import ModelFolder
 from memfit.models.single_file import SingleFileModel, file_places
 from memfit.testing import diffusers_output, max_pixel_difference, save_pipeline
@@ -128,12 +127,23 @@ def test_sd35_files_convert_as_diffusers_converts_them(changes):
     assert all(torch.equal(ours[key], theirs[key]) for key in theirs)
 
 
-def test_a_file_of_another_family_is_refused_naming_the_layouts(tiny_models, tmp_path):
-    """A Flux transformer file given as a Wan transformer: the message names the layouts memfit reads for Wan."""
-    from memfit.testing.single_file import save_flux_files
+def test_a_scaled_fp8_wan_transformer_draws_the_upcast_video(tiny_models, tmp_path):
+    """Comfy-Org's ``wan2.2_*_fp8_scaled.safetensors``: Wan's keys, each linear weight in fp8 beside a float32
+    scale_weight. Held in fp8, it draws the video of the same values upcast when loaded, bit for bit."""
+    from safetensors.torch import load_file
 
-    files = save_flux_files(tiny_models("flux"), tmp_path)
-    with pytest.raises(MemfitError, match=r"holds no WanTransformer3DModel in a layout memfit reads \(Wan "
-                                          r"\('blocks.0.self_attn.q.weight'\), diffusers"):
-        memfit.generate(model=tiny_models("wan"), components={"transformer": files["transformer"]}, budget="none",
-                        progress=False, **WAN)
+    from memfit.quant.linear import QuantizedLinear
+    from memfit.testing.quantized import save_fp8
+
+    folder = Path(tiny_models("wan"))
+    path = save_fp8(_transformer_state(folder, "wan"), tmp_path / "wan2.2_t2v_fp8_scaled.safetensors", scaled=True)
+    stored = load_file(str(path))
+    upcast = tmp_path / "wan-upcast.safetensors"
+    save_file({key: value.to(torch.float32) * stored.get(key.removesuffix("weight") + "scale_weight", 1.0)
+               for key, value in stored.items() if not key.endswith("scale_weight") and key != "scaled_fp8"}, upcast)
+    ours = memfit.generate(model=folder, components={"transformer": path}, budget="none", progress=False, **WAN)
+    expected = memfit.generate(model=folder, components={"transformer": upcast}, budget="none", progress=False, **WAN)
+    assert max_pixel_difference(_frames(ours), _frames(expected)) == 0
+    model = SingleFileModel.with_components(ModelFolder.open(folder), {"transformer": path})
+    to_q = model.load_stage(["transformer"], torch.float32, in_file_dtype=[]).transformer.blocks[0].attn1.to_q
+    assert isinstance(to_q, QuantizedLinear) and to_q.format.name == "fp8_e4m3fn" and to_q.stored.scale is not None
