@@ -204,6 +204,13 @@ def _flux_transformer_of_width(width):
     return make
 
 
+def _flux_transformer_for_wan(model, tmp):
+    """The tiny Wan run with a Flux transformer file (Black Forest Labs' keys) given as its transformer."""
+    path = tmp / "flux1-dev.safetensors"
+    save_file({k: v.contiguous() for k, v in _flux_transformer_state(32).items()}, path)
+    return {"family": "wan", "args": ["--prompt", "a red circle", "--component", f"transformer={path}"]}
+
+
 def _flux_gguf(quant_type, *, width=32, cut=0):
     """The tiny Flux run with its transformer as a GGUF file (city96's layout) of ``quant_type``, ``width`` wide,
     its last ``cut`` bytes cut off."""
@@ -319,6 +326,8 @@ CASES = [
      "has 16 latent channels where the model's has 4"),
     ("component-flux-transformer-of-another-width", _flux_transformer_of_width(64),
      "the file's FluxTransformer2DModel has width 64 where the model's has width 32 (tensor 'time_in.in_layer.weight' in "),
+    ("component-wan-transformer-in-another-familys-keys", _flux_transformer_for_wan,
+     "holds no WanTransformer3DModel in a layout memfit reads (Wan ('blocks.0.self_attn.q.weight'), diffusers "),
     ("gguf-type-not-read", _flux_gguf("TQ1_0"),
      "Tensor 'time_in.in_layer.weight' of "),
     ("gguf-type-not-read-lists-the-types", _flux_gguf("TQ1_0"),

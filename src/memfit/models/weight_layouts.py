@@ -3,8 +3,11 @@
 A Stable Diffusion UNet or VAE is stored in its original (LDM) layout or in diffusers' own (Flux's
 VAE, ``ae.safetensors``, is an LDM VAE too); a CLIP text encoder in transformers' layout or, for the
 OpenCLIP-trained ones (SD 2's, SDXL's bigG), in OpenCLIP's; a Flux transformer in Black Forest Labs'
-original layout (``flux1-dev.safetensors``) or diffusers'; a T5 encoder in transformers' layout
-(``t5xxl_fp16.safetensors``). A layout is known by a marker, one tensor name only it has; where that name is found
+original layout (``flux1-dev.safetensors``) or diffusers'; a Wan transformer in Wan's original layout (Comfy's
+``wan2.2_t2v_high_noise_14B_fp8_scaled.safetensors``, QuantStack's GGUF files) or diffusers'; a Qwen-Image
+transformer in diffusers' names, which its single files keep (Comfy's ``qwen_image_fp8_e4m3fn.safetensors``,
+city96's GGUF files); an SD3/SD3.5 transformer in Stability's original MMDiT layout (``sd3.5_large.safetensors``,
+city96's GGUF files) or diffusers'; a T5 encoder in transformers' layout (``t5xxl_fp16.safetensors``). A layout is known by a marker, one tensor name only it has; where that name is found
 in a file fixes the prefix the component's tensors share there (``first_stage_model.`` in an
 all-in-one checkpoint, nothing in a file of its own), so the same layout reads a component alone
 or out of a whole checkpoint.
@@ -21,7 +24,7 @@ from typing import Callable
 
 import torch
 
-__all__ = ["AS_SAVED", "BFL_FLUX", "COMPONENT_LAYOUTS", "LDM_UNET", "LDM_VAE", "LLAMA_CPP_T5", "Layout", "OPEN_CLIP", "TRANSFORMERS_CLIP",
+__all__ = ["AS_SAVED", "BFL_FLUX", "MMDIT_SD3", "ORIGINAL_WAN", "COMPONENT_LAYOUTS", "LDM_UNET", "LDM_VAE", "LLAMA_CPP_T5", "Layout", "OPEN_CLIP", "TRANSFORMERS_CLIP",
            "TRANSFORMERS_T5", "find_layouts", "group_counts"]
 
 
@@ -160,6 +163,76 @@ def _convert_flux(tensors: dict, config: dict, module) -> dict:
     return converted
 
 
+def _convert_wan(tensors: dict, config: dict, module) -> dict:
+    """Wan's original layout (``blocks.0.self_attn.q.weight``; Wan 2.1 and 2.2, text, image and 5B models) in
+    diffusers' names, by diffusers' own convert_wan_transformer_to_diffusers: renames only, so every tensor stays
+    the file's own (a view), and a quantized file's tensors keep their stored bytes."""
+    from diffusers.loaders.single_file_utils import convert_wan_transformer_to_diffusers
+
+    return convert_wan_transformer_to_diffusers(dict(tensors))
+
+
+# Stability's MMDiT module names -> diffusers' (tensor names end in .weight or .bias), as diffusers'
+# convert_sd3_transformer_checkpoint_to_diffusers renames them.
+_SD3_RENAMES = {"x_embedder.proj": "pos_embed.proj", "t_embedder.mlp.0": "time_text_embed.timestep_embedder.linear_1",
+                "t_embedder.mlp.2": "time_text_embed.timestep_embedder.linear_2",
+                "y_embedder.mlp.0": "time_text_embed.text_embedder.linear_1",
+                "y_embedder.mlp.2": "time_text_embed.text_embedder.linear_2", "final_layer.linear": "proj_out"}
+_SD3_BLOCK_RENAMES = {
+    "x_block": {"attn.ln_q": "attn.norm_q", "attn.ln_k": "attn.norm_k", "attn.proj": "attn.to_out.0",
+                "attn2.ln_q": "attn2.norm_q", "attn2.ln_k": "attn2.norm_k", "attn2.proj": "attn2.to_out.0",
+                "adaLN_modulation.1": "norm1.linear", "mlp.fc1": "ff.net.0.proj", "mlp.fc2": "ff.net.2"},
+    "context_block": {"attn.ln_q": "attn.norm_added_q", "attn.ln_k": "attn.norm_added_k", "attn.proj": "attn.to_add_out",
+                      "adaLN_modulation.1": "norm1_context.linear", "mlp.fc1": "ff_context.net.0.proj",
+                      "mlp.fc2": "ff_context.net.2"},
+}
+# A joint block's fused projections, split in three equal row ranges.
+_SD3_FUSED = {("x_block", "attn.qkv"): ("attn.to_q", "attn.to_k", "attn.to_v"),
+              ("x_block", "attn2.qkv"): ("attn2.to_q", "attn2.to_k", "attn2.to_v"),
+              ("context_block", "attn.qkv"): ("attn.add_q_proj", "attn.add_k_proj", "attn.add_v_proj")}
+
+
+def _swap_halves(value: torch.Tensor) -> torch.Tensor:
+    """A modulation stored as (shift, scale), as diffusers' norm takes it: (scale, shift)."""
+    shift, scale = value.chunk(2)
+    return torch.cat([scale, shift])
+
+
+def _convert_sd3(tensors: dict, config: dict, module) -> dict:
+    """Stability's MMDiT layout (``sd3.5_large.safetensors``, ``joint_blocks.0.x_block.attn.qkv.weight``; SD3 Medium,
+    SD3.5 Large with its q/k norms, SD3.5 Medium with its second attention) in diffusers' names.
+
+    As diffusers' convert_sd3_transformer_checkpoint_to_diffusers, except that the fused q, k, v are row slices
+    (views of the file, where diffusers copies them). The last block's text side and the final norm store their
+    modulation as (shift, scale) and diffusers' as (scale, shift): those, concatenated anew, are the tensors
+    materialized. A name this table does not know is kept, so loading names it as extra.
+    """
+    blocks = [int(key.split(".")[1]) for key in tensors if key.startswith("joint_blocks.")]
+    last = max(blocks, default=-1)
+    converted = {}
+    for key, value in tensors.items():
+        if key == "pos_embed":
+            converted["pos_embed.pos_embed"] = value
+            continue
+        path, _, leaf = key.rpartition(".")
+        parts = path.split(".", 3)
+        if parts[0] == "joint_blocks" and len(parts) == 4:
+            _, index, side, inner = parts
+            head = f"transformer_blocks.{index}."
+            if (side, inner) in _SD3_FUSED:
+                for name, rows in zip(_SD3_FUSED[side, inner], value.chunk(3)):
+                    converted[f"{head}{name}.{leaf}"] = rows
+                continue
+            if side == "context_block" and inner == "adaLN_modulation.1" and int(index) == last:
+                value = _swap_halves(value)
+            converted[f"{head}{_SD3_BLOCK_RENAMES.get(side, {}).get(inner, inner)}.{leaf}"] = value
+        elif path == "final_layer.adaLN_modulation.1":
+            converted[f"norm_out.linear.{leaf}"] = _swap_halves(value)
+        else:
+            converted[f"{_SD3_RENAMES.get(path, path)}.{leaf}"] = value
+    return converted
+
+
 def _convert_t5(tensors: dict, config: dict, module) -> dict:
     """transformers' layout (ComfyUI's ``t5xxl_fp16.safetensors``): the names as they are, the token embedding
     once. T5EncoderModel's ``encoder.embed_tokens`` is tied to ``shared``: files hold either name or both, and
@@ -207,6 +280,8 @@ TRANSFORMERS_CLIP = Layout("transformers", ("text_model.embeddings.token_embeddi
                                             "embeddings.token_embedding.weight"), _convert_clip)
 OPEN_CLIP = Layout("OpenCLIP", ("positional_embedding",), _convert_open_clip)
 BFL_FLUX = Layout("Black Forest Labs", ("double_blocks.0.img_attn.qkv.weight",), _convert_flux)
+ORIGINAL_WAN = Layout("Wan", ("blocks.0.self_attn.q.weight",), _convert_wan)
+MMDIT_SD3 = Layout("MMDiT", ("joint_blocks.0.x_block.attn.qkv.weight",), _convert_sd3)
 TRANSFORMERS_T5 = Layout("transformers", ("encoder.block.0.layer.0.SelfAttention.q.weight",), _convert_t5)
 LLAMA_CPP_T5 = Layout("llama.cpp", ("enc.blk.0.attn_q.weight",), _convert_llama_cpp_t5)
 # A file memfit wrote (--quantize): the model's own names, whatever its class.
@@ -219,6 +294,10 @@ COMPONENT_LAYOUTS = {
     "CLIPTextModel": (TRANSFORMERS_CLIP, OPEN_CLIP),
     "CLIPTextModelWithProjection": (TRANSFORMERS_CLIP, OPEN_CLIP),
     "FluxTransformer2DModel": (BFL_FLUX, Layout("diffusers", ("transformer_blocks.0.attn.to_q.weight",), _as_stored)),
+    "WanTransformer3DModel": (ORIGINAL_WAN, Layout("diffusers", ("blocks.0.attn1.to_q.weight",), _as_stored)),
+    # Qwen-Image's single files hold diffusers' names (diffusers' own single-file loading renames nothing).
+    "QwenImageTransformer2DModel": (Layout("diffusers", ("transformer_blocks.0.img_mod.1.weight",), _as_stored),),
+    "SD3Transformer2DModel": (MMDIT_SD3, Layout("diffusers", ("transformer_blocks.0.attn.to_q.weight",), _as_stored)),
     "T5EncoderModel": (TRANSFORMERS_T5, LLAMA_CPP_T5),
     "UMT5EncoderModel": (TRANSFORMERS_T5, LLAMA_CPP_T5),
 }

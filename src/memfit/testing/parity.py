@@ -34,19 +34,23 @@ def diffusers_image(model_dir: str | Path, *, prompt: str, negative_prompt=None,
 
 
 def diffusers_output(model_dir: str | Path, settings, dtype: torch.dtype = torch.float32, loras=(),
-                     **call_kwargs) -> list:
+                     components: dict | None = None, **call_kwargs) -> list:
     """What plain diffusers makes for memfit's resolved `settings`: the images (or a video's frames).
 
     The call arguments come from the folder's adapter (PipelineAdapter.call_kwargs), so settings
     that only some pipelines take (true_cfg_scale, num_frames) reach diffusers as memfit passes them.
-    ``loras``: (file, scale) pairs loaded with load_lora_weights and weighted with set_adapters.
+    ``loras``: (file, scale) pairs loaded with load_lora_weights and weighted with set_adapters; ``components``:
+    name -> model loaded elsewhere (a GGUF transformer) in place of the folder's.
     """
     import diffusers
 
     from memfit.models.folder import ModelFolder
     from memfit.testing.conditioning import load_loras_as_diffusers
 
-    pipe = diffusers.DiffusionPipeline.from_pretrained(model_dir, torch_dtype=dtype)
+    pipeline_class = diffusers.DiffusionPipeline
+    if components:  # DiffusionPipeline.from_pretrained loads the folder's own in place of models passed to it
+        pipeline_class = getattr(diffusers, diffusers.DiffusionPipeline.load_config(model_dir)["_class_name"])
+    pipe = pipeline_class.from_pretrained(model_dir, torch_dtype=dtype, **(components or {}))
     pipe.set_progress_bar_config(disable=True)
     load_loras_as_diffusers(pipe, loras)
     if settings.negative_prompt is not None:  # else the pipeline's own default, as a plain call leaves it

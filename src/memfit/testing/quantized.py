@@ -16,8 +16,10 @@ import torch
 __all__ = ["fp8_weights", "random_blocks", "save_fp8", "save_gguf"]
 
 
-def save_gguf(state: dict[str, torch.Tensor], path: str | Path, quant_type: str, *, architecture: str = "flux") -> Path:
-    """Write ``state`` (key -> tensor) to the GGUF file ``path`` with its weights in ``quant_type`` ("Q8_0")."""
+def save_gguf(state: dict[str, torch.Tensor], path: str | Path, quant_type: str, *, architecture: str = "flux",
+              keep=lambda key: False) -> Path:
+    """Write ``state`` (key -> tensor) to the GGUF file ``path`` with its weights in ``quant_type`` ("Q8_0"), except
+    those ``keep(key)`` keeps in F32 (as city96's converter keeps Wan's modulation tables)."""
     import gguf
 
     kind = gguf.GGMLQuantizationType[quant_type]
@@ -26,7 +28,7 @@ def save_gguf(state: dict[str, torch.Tensor], path: str | Path, quant_type: str,
     writer = gguf.GGUFWriter(path, architecture)
     for key, tensor in state.items():
         values = tensor.detach().to(torch.float32).contiguous().numpy()
-        if tensor.ndim >= 2 and tensor.shape[-1] % block_size == 0:
+        if tensor.ndim >= 2 and tensor.shape[-1] % block_size == 0 and not keep(key):
             data = random_blocks(quant_type, tuple(tensor.shape)) if quant_type in _K_HALVES else \
                 gguf.quants.quantize(values, kind)
             writer.add_tensor(key, data, raw_dtype=kind)

@@ -16,6 +16,11 @@ hold those under ``model.diffusion_model.``, ``vae.``, ``text_encoders.clip_l.tr
 ``text_encoders.t5xxl.transformer.``. ``save_flux_files`` and ``save_flux_checkpoint`` write a tiny Flux
 folder that way (``flux_bfl_state_dict``: diffusers' Flux conversion run backwards; diffusers' own
 converter assumes the real model's width, 3072, so a tiny file cannot go through it).
+
+A Wan transformer is kept in Wan's original keys (Comfy's ``wan2.1_t2v_1.3B_fp16.safetensors``):
+``wan_original_state_dict`` writes a WanTransformer3DModel's tensors so, and checks that diffusers' own
+converter gives them back; ``sd3_mmdit_state_dict`` writes an SD3Transformer2DModel in Stability's original
+MMDiT keys (``sd3.5_large.safetensors``), diffusers' SD3 conversion run backwards and checked the same way.
 """
 
 from __future__ import annotations
@@ -25,7 +30,7 @@ from pathlib import Path
 
 import torch
 
-__all__ = ["FLUX_FILE_NAMES", "FLUX_PREFIXES", "flux_bfl_state_dict", "ldm_state_dict", "ldm_vae_state_dict", "save_flux_checkpoint", "save_flux_files",
+__all__ = ["FLUX_FILE_NAMES", "FLUX_PREFIXES", "flux_bfl_state_dict", "sd3_mmdit_state_dict", "wan_original_state_dict", "ldm_state_dict", "ldm_vae_state_dict", "save_flux_checkpoint", "save_flux_files",
            "save_single_file"]
 
 # A few of the tensors real SD files carry beside the models (the training schedule, the
@@ -336,3 +341,101 @@ def save_flux_checkpoint(folder: str | Path, path: str | Path) -> Path:
     states = _flux_states(Path(folder))
     return _save({FLUX_PREFIXES[name] + key: tensor for name, state in states.items() for key, tensor in state.items()},
                  Path(path))
+
+
+# -- Wan, in its original keys -----------------------------------------------------------------------
+
+# diffusers' names -> Wan's, in this order (read off diffusers' convert_wan_transformer_to_diffusers; its cross
+# attention's norm is diffusers' norm2 and Wan's norm3).
+_WAN_RENAMES = (
+    ("condition_embedder.time_embedder.linear_1", "time_embedding.0"),
+    ("condition_embedder.time_embedder.linear_2", "time_embedding.2"),
+    ("condition_embedder.text_embedder.linear_1", "text_embedding.0"),
+    ("condition_embedder.text_embedder.linear_2", "text_embedding.2"),
+    ("condition_embedder.time_proj", "time_projection.1"),
+    ("attn1", "self_attn"), ("attn2", "cross_attn"),
+    (".to_out.0.", ".o."), (".to_q.", ".q."), (".to_k.", ".k."), (".to_v.", ".v."),
+    ("ffn.net.0.proj", "ffn.0"), ("ffn.net.2", "ffn.2"), (".norm2.", ".norm3."),
+    ("proj_out", "head.head"),
+)
+
+
+def wan_original_state_dict(transformer) -> dict[str, torch.Tensor]:
+    """A WanTransformer3DModel's tensors in Wan's original keys (``blocks.0.self_attn.q.weight``). Raises
+    AssertionError unless diffusers' converter gives the model's own tensors back."""
+    from diffusers.loaders.single_file_utils import convert_wan_transformer_to_diffusers
+
+    out = {}
+    for key, tensor in transformer.state_dict().items():
+        name = key
+        if name == "scale_shift_table":
+            name = "head.modulation"
+        elif name.endswith(".scale_shift_table"):
+            name = name.removesuffix("scale_shift_table") + "modulation"
+        for new, old in _WAN_RENAMES:
+            name = name.replace(new, old)
+        out[name] = tensor
+    back = convert_wan_transformer_to_diffusers(dict(out))
+    original = transformer.state_dict()
+    assert back.keys() == original.keys(), sorted(back.keys() ^ original.keys())[:5]
+    assert all(back[key] is original[key] or torch.equal(back[key], original[key]) for key in original)
+    return out
+
+
+# -- SD3, in Stability's MMDiT keys --------------------------------------------------------------------
+
+# diffusers' module names -> Stability's (read off diffusers' convert_sd3_transformer_checkpoint_to_diffusers).
+_SD3_TOP = {"pos_embed.proj": "x_embedder.proj", "time_text_embed.timestep_embedder.linear_1": "t_embedder.mlp.0",
+            "time_text_embed.timestep_embedder.linear_2": "t_embedder.mlp.2",
+            "time_text_embed.text_embedder.linear_1": "y_embedder.mlp.0",
+            "time_text_embed.text_embedder.linear_2": "y_embedder.mlp.2", "proj_out": "final_layer.linear",
+            "context_embedder": "context_embedder"}
+_SD3_BLOCK = {"norm1.linear": "x_block.adaLN_modulation.1", "norm1_context.linear": "context_block.adaLN_modulation.1",
+              "attn.norm_q": "x_block.attn.ln_q", "attn.norm_k": "x_block.attn.ln_k",
+              "attn.norm_added_q": "context_block.attn.ln_q", "attn.norm_added_k": "context_block.attn.ln_k",
+              "attn2.norm_q": "x_block.attn2.ln_q", "attn2.norm_k": "x_block.attn2.ln_k",
+              "attn.to_out.0": "x_block.attn.proj", "attn.to_add_out": "context_block.attn.proj",
+              "attn2.to_out.0": "x_block.attn2.proj", "ff.net.0.proj": "x_block.mlp.fc1", "ff.net.2": "x_block.mlp.fc2",
+              "ff_context.net.0.proj": "context_block.mlp.fc1", "ff_context.net.2": "context_block.mlp.fc2"}
+_SD3_FUSED = {"attn.to_q": ("x_block.attn.qkv", 0), "attn.to_k": ("x_block.attn.qkv", 1),
+              "attn.to_v": ("x_block.attn.qkv", 2), "attn2.to_q": ("x_block.attn2.qkv", 0),
+              "attn2.to_k": ("x_block.attn2.qkv", 1), "attn2.to_v": ("x_block.attn2.qkv", 2),
+              "attn.add_q_proj": ("context_block.attn.qkv", 0), "attn.add_k_proj": ("context_block.attn.qkv", 1),
+              "attn.add_v_proj": ("context_block.attn.qkv", 2)}
+
+
+def sd3_mmdit_state_dict(transformer) -> dict[str, torch.Tensor]:
+    """An SD3Transformer2DModel's tensors in Stability's MMDiT keys: each side's q, k and v fused into one ``qkv``,
+    the last block's text-side modulation and the final norm's stored as (shift, scale). Raises AssertionError
+    unless diffusers' converter gives the model's own tensors back."""
+    from diffusers.loaders.single_file_utils import convert_sd3_transformer_checkpoint_to_diffusers
+
+    last = transformer.config.num_layers - 1
+    out, fused = {}, {}
+    for key, tensor in transformer.state_dict().items():
+        if key == "pos_embed.pos_embed":
+            out["pos_embed"] = tensor
+            continue
+        path, _, leaf = key.rpartition(".")
+        if path.startswith("transformer_blocks."):
+            _, index, inner = path.split(".", 2)
+            head = f"joint_blocks.{index}."
+            if inner in _SD3_FUSED:
+                name, slot = _SD3_FUSED[inner]
+                fused.setdefault(f"{head}{name}.{leaf}", [None] * 3)[slot] = tensor
+                continue
+            if inner == "norm1_context.linear" and int(index) == last:
+                scale, shift = tensor.chunk(2)
+                tensor = torch.cat([shift, scale])
+            out[f"{head}{_SD3_BLOCK[inner]}.{leaf}"] = tensor
+        elif path == "norm_out.linear":
+            scale, shift = tensor.chunk(2)
+            out[f"final_layer.adaLN_modulation.1.{leaf}"] = torch.cat([shift, scale])
+        else:
+            out[f"{_SD3_TOP[path]}.{leaf}"] = tensor
+    out.update({key: torch.cat(slots) for key, slots in fused.items()})
+    back = convert_sd3_transformer_checkpoint_to_diffusers(dict(out))
+    original = transformer.state_dict()
+    assert back.keys() == original.keys(), sorted(back.keys() ^ original.keys())[:5]
+    assert all(torch.equal(back[key], original[key]) for key in original)
+    return out
