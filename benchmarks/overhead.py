@@ -8,7 +8,7 @@ Each run is a fresh subprocess (imports included) in a child memory cgroup, the 
 evicted first; rounds interleave the two systems (order alternating). memfit runs as a user runs it,
 with no budget flag (the automatic budget; under a cap it sees the cap) and its cache on, in a store of
 the benchmark's own: one unmeasured memfit run first hashes the model's files as a user's first run
-does, and every round's prompt is new, so both encode every time. Both compute with the same thread
+does, and every pair of runs (one round, one cap) has a prompt of its own, so both encode every time. Both compute with the same thread
 count (--threads, default 2).
 
 Phases, timed the same way for both by a global forward pre-hook (the first call of each kind of
@@ -149,7 +149,9 @@ def render(data: dict) -> str:
         "",
         f"`python benchmarks/overhead.py {data['command']}`. Each run a fresh process (imports counted) in a child memory "
         f"cgroup, page cache evicted first; {args['rounds']} rounds alternating which system goes first; memfit with no "
-        f"budget flag (automatic), prompt cache off; both at {args['threads']} torch threads. Machine: {data['machine']['cpu']}, "
+        "budget flag (automatic) and its cache on, in a store of the benchmark's own that one unmeasured first run "
+        "filled (the files' hashes); a new prompt for each pair of runs, so both encode every time; both at "
+        f"{args['threads']} torch threads. Machine: {data['machine']['cpu']}, "
         f"{data['machine']['cpu_count']} cores (shared with other work: read the per-round ratios, runs back to back, "
         "before the medians).",
         "",
@@ -225,7 +227,7 @@ def main() -> None:
         for cap in caps:
             for system in SYSTEMS if round_ % 2 == 0 else SYSTEMS[::-1]:
                 image = str(images / f"{system}-{cap}-{round_}.png")
-                row = measure(system, model, cap, args, f"{PROMPT}, take {round_}", image)
+                row = measure(system, model, cap, args, f"{PROMPT}, take {round_}, cap {cap}", image)
                 row.update(round=round_, image=image)
                 rows.append(row)
                 print(f"round {round_} cap {cap} {system}: "
