@@ -8,8 +8,8 @@ Each run is a fresh subprocess (imports included) in a child memory cgroup, the 
 evicted first; rounds interleave the two systems (order alternating). memfit runs as a user runs it,
 with no budget flag (the automatic budget; under a cap it sees the cap) and its cache on, in a store of
 the benchmark's own: one unmeasured memfit run first hashes the model's files as a user's first run
-does, and every pair of runs (one round, one cap) has a prompt of its own, so both encode every time. Both compute with the same thread
-count (--threads, default 2).
+does, and every pair of runs (one round, one cap) has a prompt of its own, so both encode every time.
+Both compute with the same thread count (--threads, default 2).
 
 Phases, timed the same way for both by a global forward pre-hook (the first call of each kind of
 model): `start` (interpreter start to imports done), `to encode` (model loading and whatever runs
