@@ -3,6 +3,7 @@ side under the same cgroup memory caps, with the time split into phases.
 
     python benchmarks/overhead.py --caps none,6 --rounds 3            # SD 1.5 fp32, 512x512, 2 steps
     python benchmarks/overhead.py --arch sdxl --dtype bf16 --size 512 --caps none
+    python benchmarks/overhead.py --arch flux-width --dtype bf16 --size 64 --caps none,3,2,1.25
 
 Each run is a fresh subprocess (imports included) in a child memory cgroup, the model's page cache
 evicted first; rounds interleave the two systems (order alternating). memfit runs as a user runs it,
@@ -89,6 +90,29 @@ def run_child(system: str, model: str, prompt: str, dtype_name: str, size: int, 
     return {"wall_s": finished - STARTED, "cpu_s": usage.ru_utime + usage.ru_stime, "user_s": usage.ru_utime,
             "system_s": usage.ru_stime, "minor_faults": usage.ru_minflt, "major_faults": usage.ru_majflt,
             "peak_rss": process_peak_rss(), "phases": phases, **extra}
+
+
+def build_flux_width(folder: Path) -> Path:
+    """A Flux pipeline whose transformer has FLUX.1's width (24 heads of 128) with 1 double and 4 single blocks
+    (1.91 GB in bf16), beside memfit's tiny text encoders and VAE, saved in bf16: the denoiser's matmuls are
+    Flux's, the rest costs little. Built once (seed 0); memory and speed do not depend on the weight values."""
+    if (folder / "model_index.json").is_file():
+        return folder
+    import torch
+    from diffusers import FluxTransformer2DModel
+
+    from memfit.testing.pipelines import build_pipeline
+
+    pipe = build_pipeline("flux", seed=0, scale=4)
+    torch.manual_seed(0)
+    width = pipe.text_encoder_2.config.d_model
+    pipe.transformer = FluxTransformer2DModel(
+        patch_size=1, in_channels=pipe.transformer.config.in_channels, num_layers=1, num_single_layers=4,
+        attention_head_dim=128, num_attention_heads=24, joint_attention_dim=width,
+        pooled_projection_dim=pipe.text_encoder.config.hidden_size, guidance_embeds=True, axes_dims_rope=(16, 56, 56))
+    pipe.register_modules(transformer=pipe.transformer)
+    pipe.to(torch.bfloat16).save_pretrained(folder)
+    return folder
 
 
 def measure(system: str, model: str, cap: float | None, args, prompt: str, image: str) -> dict:
@@ -198,7 +222,7 @@ def _gib(value):
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--arch", default="sd15", choices=("sd15", "sdxl"))
+    parser.add_argument("--arch", default="sd15", choices=("sd15", "sdxl", "flux-width"))
     parser.add_argument("--dtype", default="fp32", choices=("fp32", "bf16"))
     parser.add_argument("--size", type=int, default=512)
     parser.add_argument("--steps", type=int, default=2)
@@ -236,8 +260,12 @@ def main() -> None:
     reason = cgroup_unavailable_reason()
     if reason:
         sys.exit(f"cannot cap memory here ({reason}); run where a child memory cgroup can be made")
-    file_dtype = "fp32" if args.arch == "sd15" else "bf16"
-    model = str(build_real_size(args.arch, Path(args.models) / f"{args.arch}-{file_dtype}", file_dtype=parse_dtype(file_dtype)))
+    if args.arch == "flux-width":
+        model = str(build_flux_width(Path(args.models) / "flux-width-bf16"))
+    else:
+        file_dtype = "fp32" if args.arch == "sd15" else "bf16"
+        model = str(build_real_size(args.arch, Path(args.models) / f"{args.arch}-{file_dtype}",
+                                    file_dtype=parse_dtype(file_dtype)))
     caps = [None if c.strip() == "none" else float(c) for c in args.caps.split(",")]
     images = Path(tempfile.mkdtemp(prefix="overhead-images-"))
     args.cache_dir = tempfile.mkdtemp(prefix="overhead-cache-")
