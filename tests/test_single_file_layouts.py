@@ -12,7 +12,6 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import numpy as np
 import pytest
 import torch
 from safetensors.torch import save_file
@@ -109,7 +108,9 @@ def test_sd35_files_convert_as_diffusers_converts_them(changes):
     """SD3.5 Large's q/k norms and SD3.5 Medium's second attention: memfit's conversion of the MMDiT keys is diffusers'
     converter's, tensor for tensor, and the model's own."""
     from diffusers import SD3Transformer2DModel
-    from diffusers.loaders.single_file_utils import convert_sd3_transformer_checkpoint_to_diffusers
+    from diffusers.loaders.single_file_utils import (
+        convert_sd3_transformer_checkpoint_to_diffusers,
+    )
 
     from memfit.models.weight_layouts import MMDIT_SD3
     from memfit.testing.single_file import sd3_mmdit_state_dict
