@@ -29,7 +29,7 @@ SETTINGS = {"flux": dict(guidance=3.5), "sd3": dict(guidance=4.5, negative_promp
             "qwenimage": dict(guidance=1.0), "wan": dict(guidance=1.0, num_frames=5), "chroma": dict(guidance=1.0),
             "sana": dict(guidance=1.0), "aura_flow": dict(guidance=1.0), "lumina2": dict(guidance=1.0),
             "cogview4": dict(guidance=1.0), "hidream": dict(guidance=1.0), "zimage": dict(guidance=0.0),
-            "flux_kontext": dict(guidance=3.5)}
+            "flux_kontext": dict(guidance=3.5), "flux2": dict(guidance=4.0), "flux2_klein": dict(guidance=4.0)}
 
 
 def _output(result):
@@ -63,8 +63,8 @@ def _streams_and_matches(model, loras, kind, streamed_plans, reference, device=N
     assert streamed["denoise"] > 0, streamed
 
 
-@pytest.mark.slow  # the five families end to end, twice each
-@pytest.mark.parametrize("kind", ["flux", "sd3", "qwenimage", "wan", "chroma"])
+@pytest.mark.slow  # seven families end to end, twice each
+@pytest.mark.parametrize("kind", ["flux", "sd3", "qwenimage", "wan", "chroma", "flux2", "flux2_klein"])
 def test_a_peft_lora_equals_diffusers_with_and_without_streaming(tiny_models, tmp_path, streamed_plans, kind):
     model = tiny_models(kind)
     loras = [(str(save_lora(model, tmp_path / "lora", seed=1)), 0.7)]
@@ -113,13 +113,12 @@ def test_a_lora_on_the_other_families_equals_diffusers(tiny_models, tmp_path, ki
 
 def test_every_family_whose_pipeline_has_a_lora_loader_takes_lora():
     """takes_lora says what memfit runs (each tested above or in test_beyond.py): every family whose diffusers
-    pipeline has load_lora_weights, but the SDXL refiner, which runs only after a base model, and FLUX.2, whose
-    LoRAs are not tested yet (docs/families.md says so)."""
+    pipeline has load_lora_weights, but the SDXL refiner, which runs only after a base model."""
     import diffusers
 
     has_loader = {name for name in ADAPTERS if hasattr(getattr(diffusers, name, None), "load_lora_weights")}
     takes = {name for name, adapter in ADAPTERS.items() if adapter.takes_lora}
-    assert takes == has_loader - {"StableDiffusionXLImg2ImgPipeline", "Flux2Pipeline", "Flux2KleinPipeline"}
+    assert takes == has_loader - {"StableDiffusionXLImg2ImgPipeline"}
     assert "PixArtSigmaPipeline" not in takes
 
 

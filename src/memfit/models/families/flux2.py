@@ -50,6 +50,7 @@ class _LoopDone(Exception):
 
 class Flux2Adapter(PipelineAdapter):
     class_name = "Flux2Pipeline"
+    takes_lora = True  # into the transformer, the only LoRA-loadable module of both FLUX.2 pipelines
     encode_components = ("tokenizer", "text_encoder")
     denoise_components = ("transformer", "scheduler")
     text_encoders = ("text_encoder", "tokenizer")
