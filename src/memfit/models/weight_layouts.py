@@ -7,7 +7,8 @@ original layout (``flux1-dev.safetensors``) or diffusers'; a Wan transformer in 
 ``wan2.2_t2v_high_noise_14B_fp8_scaled.safetensors``, QuantStack's GGUF files) or diffusers'; a Qwen-Image
 transformer in diffusers' names, which its single files keep (Comfy's ``qwen_image_fp8_e4m3fn.safetensors``,
 city96's GGUF files); an SD3/SD3.5 transformer in Stability's original MMDiT layout (``sd3.5_large.safetensors``,
-city96's GGUF files) or diffusers'; a T5 encoder in transformers' layout (``t5xxl_fp16.safetensors``). A layout is known by a marker, one tensor name only it has; where that name is found
+city96's GGUF files) or diffusers'; a T5 encoder in transformers' layout (``t5xxl_fp16.safetensors``). A layout
+is known by a marker, one tensor name only it has; where that name is found
 in a file fixes the prefix the component's tensors share there (``first_stage_model.`` in an
 all-in-one checkpoint, nothing in a file of its own), so the same layout reads a component alone
 or out of a whole checkpoint.
@@ -24,8 +25,8 @@ from typing import Callable
 
 import torch
 
-__all__ = ["AS_SAVED", "BFL_FLUX", "MMDIT_SD3", "ORIGINAL_WAN", "COMPONENT_LAYOUTS", "LDM_UNET", "LDM_VAE", "LLAMA_CPP_T5", "Layout", "OPEN_CLIP", "TRANSFORMERS_CLIP",
-           "TRANSFORMERS_T5", "find_layouts", "group_counts"]
+__all__ = ["AS_SAVED", "BFL_FLUX", "COMPONENT_LAYOUTS", "LDM_UNET", "LDM_VAE", "LLAMA_CPP_T5", "Layout", "MMDIT_SD3",
+           "OPEN_CLIP", "ORIGINAL_WAN", "TRANSFORMERS_CLIP", "TRANSFORMERS_T5", "find_layouts", "group_counts"]
 
 
 def _convert_unet(tensors: dict, config: dict, module) -> dict:
@@ -156,8 +157,7 @@ def _convert_flux(tensors: dict, config: dict, module) -> dict:
             renames = _FLUX_DOUBLE_RENAMES if kind == "double_blocks" else _FLUX_SINGLE_RENAMES
             converted[f"{head}{renames.get(inner, inner)}.{leaf}"] = value
         elif path == "final_layer.adaLN_modulation.1":
-            shift, scale = value.chunk(2)
-            converted[f"norm_out.linear.{leaf}"] = torch.cat([scale, shift])
+            converted[f"norm_out.linear.{leaf}"] = _swap_halves(value)
         else:
             converted[f"{_FLUX_RENAMES.get(path, path)}.{leaf}"] = value
     return converted
@@ -287,17 +287,23 @@ LLAMA_CPP_T5 = Layout("llama.cpp", ("enc.blk.0.attn_q.weight",), _convert_llama_
 # A file memfit wrote (--quantize): the model's own names, whatever its class.
 AS_SAVED = Layout("memfit", (), _as_stored)
 
+
+def _diffusers(marker: str) -> Layout:
+    """A component's file in diffusers' own names, known by ``marker``: read as stored."""
+    return Layout("diffusers", (marker,), _as_stored)
+
+
 # The layouts memfit reads a component's file in, by the component's class.
 COMPONENT_LAYOUTS = {
-    "UNet2DConditionModel": (LDM_UNET, Layout("diffusers", ("time_embedding.linear_1.weight",), _as_stored)),
-    "AutoencoderKL": (LDM_VAE, Layout("diffusers", ("encoder.conv_norm_out.weight",), _as_stored)),
+    "UNet2DConditionModel": (LDM_UNET, _diffusers("time_embedding.linear_1.weight")),
+    "AutoencoderKL": (LDM_VAE, _diffusers("encoder.conv_norm_out.weight")),
     "CLIPTextModel": (TRANSFORMERS_CLIP, OPEN_CLIP),
     "CLIPTextModelWithProjection": (TRANSFORMERS_CLIP, OPEN_CLIP),
-    "FluxTransformer2DModel": (BFL_FLUX, Layout("diffusers", ("transformer_blocks.0.attn.to_q.weight",), _as_stored)),
-    "WanTransformer3DModel": (ORIGINAL_WAN, Layout("diffusers", ("blocks.0.attn1.to_q.weight",), _as_stored)),
+    "FluxTransformer2DModel": (BFL_FLUX, _diffusers("transformer_blocks.0.attn.to_q.weight")),
+    "WanTransformer3DModel": (ORIGINAL_WAN, _diffusers("blocks.0.attn1.to_q.weight")),
     # Qwen-Image's single files hold diffusers' names (diffusers' own single-file loading renames nothing).
-    "QwenImageTransformer2DModel": (Layout("diffusers", ("transformer_blocks.0.img_mod.1.weight",), _as_stored),),
-    "SD3Transformer2DModel": (MMDIT_SD3, Layout("diffusers", ("transformer_blocks.0.attn.to_q.weight",), _as_stored)),
+    "QwenImageTransformer2DModel": (_diffusers("transformer_blocks.0.img_mod.1.weight"),),
+    "SD3Transformer2DModel": (MMDIT_SD3, _diffusers("transformer_blocks.0.attn.to_q.weight")),
     "T5EncoderModel": (TRANSFORMERS_T5, LLAMA_CPP_T5),
     "UMT5EncoderModel": (TRANSFORMERS_T5, LLAMA_CPP_T5),
 }

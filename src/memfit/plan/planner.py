@@ -33,8 +33,8 @@ from memfit.sizes import format_bytes
 from memfit.errors import MemfitError
 from memfit.text_enum import TextEnum
 
-__all__ = ["PLAN_FORMAT", "BlockSpec", "Plan", "Placement", "StageInput", "StagePlan", "Tier", "host_need", "make_plan",
-           "minimum_device_bytes", "stage_input", "stage_plan", "staging_ring_bytes"]
+__all__ = ["PLAN_FORMAT", "BlockSpec", "Plan", "Placement", "StageInput", "StagePlan", "Tier", "alternating", "host_need",
+           "make_plan", "minimum_device_bytes", "phase_stages", "stage_input", "stage_plan", "staging_ring_bytes"]
 
 #: The format version Plan.to_dict writes and Plan.from_dict reads; a change to the fields makes a new one.
 PLAN_FORMAT = "memfit-plan/1"
@@ -83,6 +83,25 @@ class StageInput:
     blocks: tuple[BlockSpec, ...]
     activation_bytes: int
     runs: int = 1
+
+
+def alternating(members: Iterable[str], names: Iterable[str]) -> tuple[str, ...]:
+    """Of ``members`` (components that run one at a time, in the order they run: Wan 2.2's experts), those among
+    ``names``, where two or more are; else none, and the stage is planned as any stage is."""
+    names = set(names)
+    present = tuple(name for name in members if name in names)
+    return present if len(present) > 1 else ()
+
+
+def phase_stages(stage: str, names: Iterable[str], phases: Sequence[str]) -> list[tuple[str, list[str]]]:
+    """The stages to plan for ``stage`` with components ``names``: with ``phases`` (alternating), one per phase,
+    "STAGE:PHASE", holding the components that are no phase and that phase, so the stage needs the largest
+    phase, not their sum; else ``stage`` itself with every component."""
+    names = list(names)
+    if not phases:
+        return [(stage, names)]
+    common = [name for name in names if name not in phases]
+    return [(f"{stage}:{phase}", [*common, phase]) for phase in phases]
 
 
 def stage_input(name: str, components: Iterable, activation_bytes: int, runs: int = 1) -> StageInput:

@@ -62,7 +62,7 @@ from memfit.run.offload import (HookRegistry, PhaseSwitch, Phases, Prefetches, R
 from memfit.quant.formats import dequantized_elements
 from memfit.run.weight_sources import WeightSource, in_memory_only, weight_source
 from memfit.safetensors_header import same_samples
-from memfit.plan.planner import BlockSpec, Plan, StageInput, Tier, make_plan
+from memfit.plan.planner import BlockSpec, Plan, StageInput, Tier, alternating, make_plan, phase_stages
 
 __all__ = ["optimize", "restore", "is_optimized", "keep_dequantized", "live_blocks", "plan_stage", "unrun_blocks",
            "blocks_not_run", "reads_in_place", "refuse_cuda_graphs_while_streaming"]
@@ -218,7 +218,7 @@ def optimize(
     if activation_bytes is None:  # a given or forced plan is not fitted to a budget: nothing to reserve
         planned = plan is None and force_tiers is None
         activation_bytes = _estimated_activations(pipe, stage, dtype, device) if planned else 0
-    phases = _present(phases, components) if stage is not None else ()
+    phases = alternating(phases, components) if stage is not None else ()
     stages = _stage_inputs(_without(blocks, unrun), stage, activation_bytes, type(pipe).__name__, phases)
     if plan is None and force_tiers is not None:
         plan = _forced_plan(stages, force_tiers, staging_ring=device.separate_memory)
@@ -353,7 +353,7 @@ def plan_stage(pipe, budget: Budget, stage: str, activation_bytes: int = 0,
     host figure counts the disk tier's staging ring); None: the CPU. ``phases``: as optimize's (a stage per phase)."""
     blocks = {name: live_blocks(name, module, dtype) for name, module in _components(pipe).items() if name not in skip}
     stages = _stage_inputs(_without(blocks, unrun_blocks(blocks, parts)), stage, activation_bytes, type(pipe).__name__,
-                           _present(phases, blocks))
+                           alternating(phases, blocks))
     return make_plan(stages, budget, staging_ring=device is not None and device.separate_memory)
 
 
@@ -390,12 +390,6 @@ def _without(blocks: dict[str, list[LiveBlock]], left_out: list[LiveBlock]) -> d
                    for b in found if id(b) not in ids or b.fixed_bytes] for name, found in blocks.items()}
 
 
-def _present(phases: Sequence[str], components: Collection[str]) -> tuple[str, ...]:
-    """The phase components (optimize's ``phases``) among ``components``; none unless two or more are."""
-    present = tuple(name for name in phases if name in components)
-    return present if len(present) > 1 else ()
-
-
 def _stage_inputs(blocks: dict[str, list[LiveBlock]], stage: str | None, activation_bytes: int | Callable[[str], int],
                   pipeline_class: str = "", phases: Sequence[str] = ()) -> list[StageInput]:
     """One stage named ``stage`` holding every component, or (no stage named) one stage per group of
@@ -413,12 +407,9 @@ def _stage_inputs(blocks: dict[str, list[LiveBlock]], stage: str | None, activat
     def activations(name: str, members) -> int:  # one layer dequantizes at a time: the largest scratch
         return estimate(name) + max((scratch[member] for member in members), default=0)
 
-    if stage is not None and phases:
-        common = [name for name in specs if name not in phases]
-        return [StageInput(f"{stage}:{phase}", tuple(spec for member in [*common, phase] for spec in specs[member]),
-                           activations(stage, [*common, phase])) for phase in phases]
     if stage is not None:
-        return [StageInput(stage, tuple(spec for found in specs.values() for spec in found), activations(stage, specs))]
+        return [StageInput(name, tuple(spec for member in members for spec in specs[member]), activations(stage, members))
+                for name, members in phase_stages(stage, specs, phases)]
     return [StageInput(name, tuple(spec for member in members for spec in specs[member]), activations(name, members))
             for name, members in run_together(pipeline_class, specs)]
 

@@ -44,9 +44,9 @@ from memfit.text_enum import TextEnum
 from memfit.run.timeline import record_move
 from memfit.safetensors_header import MappedFile
 
-__all__ = ["ALIGNMENT", "HookRegistry", "MappedSafetensors", "ModuleHook", "MappedPages", "Modes", "Prefetches",
-           "PhaseSwitch", "Phases", "ResidentHook", "Runtime", "Shared", "Slot", "SlotKind", "StagingRing", "SwapHook", "aligned",
-           "inference_mode_for", "mapped_view", "weights_ready"]
+__all__ = ["ALIGNMENT", "HookRegistry", "MappedSafetensors", "ModuleHook", "MappedPages", "Modes", "PhaseSwitch",
+           "Phases", "Prefetches", "ResidentHook", "Runtime", "Shared", "Slot", "SlotKind", "StagingRing", "SwapHook",
+           "aligned", "inference_mode_for", "mapped_view", "weights_ready"]
 
 REGISTRY_ATTR = "_memfit_hooks"
 READER_THREAD = "memfit-prefetch"  # the name prefix of the threads that read blocks ahead
@@ -759,9 +759,7 @@ class Phases:
     def enter(self, index: int) -> None:
         if index == self.active:
             return
-        if self.active is not None:
-            for hook in self.pinned[self.active]:
-                hook.unpin()
+        self.leave()
         self.active = index
         for hook in self.pinned[index]:
             hook.pin()

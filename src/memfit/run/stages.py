@@ -25,8 +25,8 @@ from memfit.plan.activations import StrategyKind
 from memfit.run.media import IMAGE_SUFFIXES, VIDEO_SUFFIXES, save_png, save_video
 from memfit.run.runner import Stage, StageContext
 
-__all__ = ["Generation", "check_backend_takes_stored_weights", "check_embeddings", "decode_stage", "denoise_stage", "encode_stage", "open_model",
-           "pipeline_stage", "png_metadata", "run_result", "source_notes"]
+__all__ = ["Generation", "check_backend_takes_stored_weights", "check_embeddings", "decode_stage", "denoise_stage",
+           "encode_stage", "open_model", "pipeline_stage", "png_metadata", "run_result", "source_notes"]
 
 
 def open_model(model: str | Path | ModelFolder | None, *, allow_pickle: bool = False,

@@ -264,6 +264,12 @@ _FLUX_BLOCKS = {
 }
 
 
+def _original_modulation(tensor: torch.Tensor) -> torch.Tensor:
+    """A final-norm modulation of diffusers' (scale, shift) as the original layouts store it: (shift, scale)."""
+    scale, shift = tensor.chunk(2)
+    return torch.cat([shift, scale])
+
+
 def flux_bfl_state_dict(transformer) -> dict[str, torch.Tensor]:
     """A FluxTransformer2DModel's tensors in Black Forest Labs' original keys: each double block's q, k and v
     fused in one ``qkv``, each single block's q, k, v and MLP input in ``linear1``, the final norm's modulation
@@ -285,8 +291,7 @@ def flux_bfl_state_dict(transformer) -> dict[str, torch.Tensor]:
             old = renames[parts[2]]
             out[f"{head}{old}.{'scale' if old.endswith('_norm') else leaf}"] = tensor
         elif path == "norm_out.linear":
-            scale, shift = tensor.chunk(2)
-            out[f"final_layer.adaLN_modulation.1.{leaf}"] = torch.cat([shift, scale])
+            out[f"final_layer.adaLN_modulation.1.{leaf}"] = _original_modulation(tensor)
         else:
             out[f"{_FLUX_TOP[path]}.{leaf}"] = tensor
     out.update({key: torch.cat(slots) for key, slots in fused.items()})
@@ -425,12 +430,10 @@ def sd3_mmdit_state_dict(transformer) -> dict[str, torch.Tensor]:
                 fused.setdefault(f"{head}{name}.{leaf}", [None] * 3)[slot] = tensor
                 continue
             if inner == "norm1_context.linear" and int(index) == last:
-                scale, shift = tensor.chunk(2)
-                tensor = torch.cat([shift, scale])
+                tensor = _original_modulation(tensor)
             out[f"{head}{_SD3_BLOCK[inner]}.{leaf}"] = tensor
         elif path == "norm_out.linear":
-            scale, shift = tensor.chunk(2)
-            out[f"final_layer.adaLN_modulation.1.{leaf}"] = torch.cat([shift, scale])
+            out[f"final_layer.adaLN_modulation.1.{leaf}"] = _original_modulation(tensor)
         else:
             out[f"{_SD3_TOP[path]}.{leaf}"] = tensor
     out.update({key: torch.cat(slots) for key, slots in fused.items()})

@@ -182,8 +182,9 @@ class PipelineAdapter:
     def present_experts(self, names) -> tuple[str, ...]:
         """The experts (``experts``) among ``names``, where there are two or more: else none, and the
         stage's components are planned together as any stage's."""
-        present = tuple(name for name in self.experts if name in names)
-        return present if len(present) > 1 else ()
+        from memfit.plan.planner import alternating
+
+        return alternating(self.experts, names)
 
     @property
     def denoiser(self) -> str:
