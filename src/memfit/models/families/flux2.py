@@ -58,6 +58,7 @@ class Flux2Adapter(PipelineAdapter):
     max_text_tokens = 512
     guidance_batch = 1
     tasks = {IMG2IMG: "Flux2Pipeline"}
+    takes_negative_prompt = False  # dev runs no negative pass; klein's second guidance pass takes one
 
     def size_multiple(self) -> int:
         return self.vae_scale_factor() * 2  # latents are patchified 2x2
@@ -68,14 +69,12 @@ class Flux2Adapter(PipelineAdapter):
     def guided(self, settings) -> bool:
         return False  # guidance-distilled: the guidance scale is embedded, no negative pass
 
-    def resolve(self, prompt, negative_prompt, *args, **kwargs):
-        if negative_prompt:
+    def resolve(self, prompt, negative_prompt, *args, conditioning=None, **kwargs):
+        """PipelineAdapter.resolve, refusing a negative prompt dev has no pass for and a reference image the
+        pipeline's image processor would refuse."""
+        if negative_prompt and not self.takes_negative_prompt:
             raise MemfitError(f"{self.class_name} takes no negative prompt: FLUX.2 dev is guidance-distilled and "
                               "runs no negative pass; leave --negative-prompt out.")
-        return self.resolve_with_reference(prompt, negative_prompt, *args, **kwargs)
-
-    def resolve_with_reference(self, prompt, negative_prompt, *args, conditioning=None, **kwargs):
-        """PipelineAdapter.resolve, refusing a reference image the pipeline's image processor would refuse."""
         if conditioning is not None and conditioning.image is not None:
             from diffusers.pipelines.flux2.image_processor import Flux2ImageProcessor
 
@@ -84,7 +83,7 @@ class Flux2Adapter(PipelineAdapter):
             except ValueError as exc:
                 raise MemfitError(f"{self.class_name} cannot take this --image: {exc}; "
                                   "give a larger image or one closer to square.") from None
-        return PipelineAdapter.resolve(self, prompt, negative_prompt, *args, conditioning=conditioning, **kwargs)
+        return super().resolve(prompt, negative_prompt, *args, conditioning=conditioning, **kwargs)
 
     def context_tokens(self, settings):
         if settings.task != IMG2IMG:
@@ -126,9 +125,7 @@ class Flux2KleinAdapter(Flux2Adapter):
     tasks = {IMG2IMG: "Flux2KleinPipeline"}
     unequal_lengths = "native: the two guidance passes are separate transformer calls, each with its own text ids"
     separate_guidance_passes = True
-
-    def resolve(self, prompt, negative_prompt, *args, **kwargs):
-        return self.resolve_with_reference(prompt, negative_prompt, *args, **kwargs)  # klein takes a negative prompt
+    takes_negative_prompt = True
 
     @property
     def distilled(self) -> bool:
