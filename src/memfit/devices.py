@@ -78,10 +78,6 @@ class DeviceRuntime:
         """Whether ``tensor`` is in this device's memory already."""
         return tensor.device == self.device
 
-    def record_stream(self, tensor: torch.Tensor, stream) -> None:
-        """``tensor``, allocated on another stream, is used on ``stream``: its memory must not be reused
-        before the work queued there so far has run."""
-
     # --- copies and host memory ------------------------------------------------------------------
 
     def to_device(self, host: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
@@ -91,6 +87,15 @@ class DeviceRuntime:
         same stream, and for other streams only once they wait for an event recorded after it.
         """
         return host if dtype is None else host.to(dtype)
+
+    def copy_into(self, target: torch.Tensor, host: torch.Tensor) -> None:
+        """Copy ``host`` into ``target`` (device memory of ``host``'s shape, converted to ``target``'s dtype on
+        the device), queued on the current stream, asynchronous where ``to_device``'s copy is."""
+        target.copy_(host)
+
+    def device_buffer(self, nbytes: int) -> torch.Tensor:
+        """``nbytes`` (uint8, at least 1) of device memory that memfit lays tensors out in itself."""
+        return torch.empty(max(nbytes, 1), dtype=torch.uint8, device=self.device)
 
     def pinned_arena(self, nbytes: int) -> torch.Tensor:
         """A host buffer of exactly ``nbytes`` (uint8) that the device copies from asynchronously (where it can
@@ -234,13 +239,16 @@ class CudaRuntime(DeviceRuntime):
     def new_event(self):
         return torch.cuda.Event()
 
-    def record_stream(self, tensor: torch.Tensor, stream) -> None:
-        tensor.record_stream(stream)
-
     def to_device(self, host: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
         # Copied in the file's dtype and converted on the GPU: the host never makes a converted copy.
         moved = host.to(self.device, non_blocking=True)
         return moved if dtype is None or dtype == moved.dtype else moved.to(dtype)
+
+    def copy_into(self, target: torch.Tensor, host: torch.Tensor) -> None:
+        if host.dtype == target.dtype:
+            target.copy_(host, non_blocking=True)
+        else:  # as to_device: copied in the file's dtype, converted on the GPU
+            target.copy_(host.to(self.device, non_blocking=True))
 
     def pinned_arena(self, nbytes: int) -> torch.Tensor:
         # Registered rather than allocated pinned: torch's pinned allocator rounds every request up to

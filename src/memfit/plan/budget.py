@@ -150,7 +150,7 @@ class BudgetTooSmall(StageDoesNotFit):
 
 
 def stage_budget(budget: Budget, device, *, already_used: int = 0, stream_from: str | None = None,
-                 loaded: bool = False, host_in_use: int = 0) -> Budget:
+                 loaded: bool = False, host_in_use: int = 0, kept_host: int = 0) -> Budget:
     """What the run's ``budget`` means for one stage's weights and activations on ``device`` (a
     memfit.devices runtime): the one rule the stage runner and memfit.optimize share, on any device.
 
@@ -159,7 +159,8 @@ def stage_budget(budget: Budget, device, *, already_used: int = 0, stream_from: 
     host:   on a device with memory of its own the host tier is page-locked RAM: bounded by what the
             host has available now (less a reserve) where the budget names no host part, never
             unlimited; ``host_in_use``, the pipeline's weights that sit in host RAM now, is added,
-            since the host tier takes their place.
+            since the host tier takes their place, and so is ``kept_host`` where the host part is
+            detected: host tiers kept from earlier runs, given back when a new one needs their room.
             On the CPU the host is the device: a stage that streams from ``stream_from`` (the model's
             own files) parks nothing in host RAM (host 0); a pipeline ``loaded`` already keeps what is
             not resident where it is (host unlimited); otherwise the budget's host part.
@@ -175,7 +176,7 @@ def stage_budget(budget: Budget, device, *, already_used: int = 0, stream_from: 
         limit -= already_used
     disk = stream_from if stream_from is not None else budget.disk
     if getattr(device, "separate_memory", False):
-        host = (budget.host if budget.host is not None else detect(device).budget.host) + host_in_use
+        host = (budget.host if budget.host is not None else detect(device).budget.host + kept_host) + host_in_use
     elif stream_from is not None:
         host = 0
     elif loaded:

@@ -48,6 +48,7 @@ import dataclasses
 import fnmatch
 import json
 import os
+import threading
 import weakref
 from pathlib import Path
 from typing import Callable, Collection, Mapping, Sequence
@@ -57,14 +58,14 @@ import torch
 from memfit.devices import DeviceRuntime, runtime_for
 from memfit.plan.budget import AUTO, NONE, Budget, BudgetLike, resolve_budget, stage_budget
 from memfit.errors import MemfitError
-from memfit.run.offload import (HookRegistry, PhaseSwitch, Phases, Prefetches, ResidentHook, Runtime, Shared, Slot,
+from memfit.run.offload import (BlockSlots, HookRegistry, PhaseSwitch, Phases, Prefetches, ResidentHook, Runtime, Shared, Slot,
                                 SlotKind, StagingRing, SwapHook, aligned, inference_mode_for)
 from memfit.quant.formats import dequantized_elements
 from memfit.run.weight_sources import WeightSource, in_memory_only, weight_source
 from memfit.safetensors_header import same_samples
 from memfit.plan.planner import BlockSpec, Plan, StageInput, Tier, alternating, make_plan, phase_stages
 
-__all__ = ["optimize", "restore", "is_optimized", "keep_dequantized", "live_blocks", "plan_stage", "unrun_blocks",
+__all__ = ["KeptHostTiers", "host_tier_reused", "optimize", "restore", "is_optimized", "keep_dequantized", "live_blocks", "plan_stage", "unrun_blocks",
            "blocks_not_run", "reads_in_place", "refuse_cuda_graphs_while_streaming"]
 
 STATE_ATTR = "_memfit_state"
@@ -107,6 +108,9 @@ class _State:
     dequantized: list = dataclasses.field(default_factory=list)  # QuantizedLinears keeping their weight dequantized
     phases: Phases | None = None  # components that run one at a time (optimize's ``phases``)
     switched: list = dataclasses.field(default_factory=list)  # the components that carry a PhaseSwitch
+    # (arena, what it holds, the KeptHostTiers it goes back to on release, not to the device)
+    kept: list = dataclasses.field(default_factory=list)
+    host_tier_reused: int = 0  # bytes of host tier taken filled from KeptHostTiers (not pinned or read again)
 
 
 # --- public -------------------------------------------------------------------------------------
@@ -114,6 +118,12 @@ class _State:
 
 def is_optimized(pipe) -> bool:
     return STATE_ATTR in vars(pipe)
+
+
+def host_tier_reused(pipe) -> int:
+    """The bytes of ``pipe``'s pinned host tier that optimize took filled from its ``host_tiers``."""
+    state = vars(pipe).get(STATE_ATTR)
+    return 0 if state is None else state.host_tier_reused
 
 
 def reads_in_place(pipe) -> bool:
@@ -144,6 +154,7 @@ def optimize(
     dtype: torch.dtype | None = None,
     skip: Collection[str] = (),
     phases: Sequence[str] = (),
+    host_tiers: "KeptHostTiers | None" = None,
 ):
     """Apply a plan to the live pipeline ``pipe`` and return the same object.
 
@@ -185,6 +196,9 @@ def optimize(
                  placed now; each later one is brought in when it is first called, and the one before is
                  released to its home first (memfit.run.offload.Phases). On the CPU every block of a phase
                  component has its file as home, so a released one holds no memory.
+    host_tiers:  on a device with memory of its own, where the pinned host tier goes when the pipeline is
+                 restored or dropped, and where a later optimize of the same blocks takes it back filled
+                 (KeptHostTiers: a Session keeps one between runs).
     """
     plan = _saved_plan(plan)
     no_budget = isinstance(budget, str) and budget.strip().lower() == NONE
@@ -255,7 +269,7 @@ def optimize(
                    own_resident=streams_from_disk and not device.separate_memory)
     # A pipeline dropped without restore (a staged run's finished stage) gives its pinned memory
     # back when it is collected, once nothing reads it; restore gives it back at once (and empties the list).
-    weakref.finalize(state, _release_arenas, runtime.prefetches, state.arenas)
+    weakref.finalize(state, _release_arenas, runtime.prefetches, state.arenas, state.kept)
     try:
         # A pipeline loaded in inference mode gets its new tensors made in it, whatever mode optimize runs in.
         with inference_mode_for(t for module in components.values() for t in module.parameters()):
@@ -276,8 +290,9 @@ def optimize(
                 runtime.plan_order([hook for _, found in placed for hook in found])
                 resident += [block for block, found in placed if not found]
             _mark_resident(state, resident)
-            _place_host_tier(state)
+            _place_host_tier(state, host_tiers)
             _make_staging_ring(state)
+            _make_block_slots(state, kept={id(hook) for found in pinned.values() for hook in found})
             if state.phases is not None:
                 state.phases.enter(0)
     except BaseException:
@@ -771,31 +786,120 @@ def _own_memory(tensor: torch.Tensor, dtype: torch.dtype, full_name: str, files:
         source.pages.release()
 
 
-def _place_host_tier(state: _State) -> None:
+def _place_host_tier(state: _State, host_tiers: "KeptHostTiers | None") -> None:
     """Put every host-tier tensor of the stage into ONE pinned arena of exactly their aligned sizes.
 
     One arena, not one pinned buffer per tensor: a pinned allocator rounds each request up (to a
     power of two in torch's), so per-tensor buffers take up to twice what the plan counts. Values
     are read from the model's memory-mapped file where the weight is there (no detour through
-    the loaded copy, wherever that lives), else from the loaded tensor.
+    the loaded copy, wherever that lives), else from the loaded tensor. With ``host_tiers``, an arena
+    kept there holding exactly these tensors of the same files is taken back as it is, and this one
+    goes there when the pipeline is let go (only where every tensor is read from a file: the
+    contents are then known from the files alone).
     """
     if not state.host_sources:
         return
     device = state.runtime.device_runtime
     sizes = [slot.tensor.numel() * slot.tensor.element_size() for slot, _ in state.host_sources]
-    arena = device.pinned_arena(sum(aligned(n) for n in sizes))
+    total = sum(aligned(n) for n in sizes)
+    contents = None if host_tiers is None else _host_tier_contents(state.host_sources)
+    arena = None if contents is None else host_tiers.take(contents)
+    filled = arena is not None
+    if arena is None:
+        if host_tiers is not None:
+            host_tiers.make_room(total)
+        arena = device.pinned_arena(total)
     state.arenas.append(arena)
+    if contents is not None:
+        state.kept.append((arena, contents, host_tiers))
+    state.host_tier_reused = total if filled else 0
     offset = 0
     for (slot, source), nbytes in zip(state.host_sources, sizes):
         tensor = slot.tensor
         home = arena[offset:offset + nbytes].view(tensor.dtype).view(tensor.shape)
         offset += aligned(nbytes)
-        home.copy_(source.tensor if source is not None else tensor.data)
+        if not filled:
+            home.copy_(source.tensor if source is not None else tensor.data)
         if source is not None and source.pages is not None:
             source.pages.release()
         slot.home = home
         tensor.data = home
     state.host_sources.clear()
+
+
+def _host_tier_contents(host_sources: list) -> tuple | None:
+    """What a host-tier arena of ``host_sources`` holds, as a key: per tensor its run dtype and shape and the
+    file bytes it is read from, with each file's size, modification time and inode (a file changed in place
+    is another key); None where a tensor is not read from a file."""
+    files: dict[str, tuple] = {}
+    contents = []
+    for slot, source in host_sources:
+        if source is None or source.origin is None:
+            return None
+        path = source.origin[0]
+        if path not in files:
+            try:
+                stat = os.stat(path)
+            except OSError:
+                return None
+            files[path] = (stat.st_size, stat.st_mtime_ns, stat.st_ino)
+        contents.append((str(slot.tensor.dtype), tuple(slot.tensor.shape), source.origin, files[path]))
+    return tuple(contents)
+
+
+class KeptHostTiers:
+    """Pinned host tiers kept filled between runs on a device with memory of its own (a Session's pool keeps
+    one), so that the next optimize of the same blocks neither page-locks nor reads them again (for Flux at
+    a quarter resident, 18 GB each run).
+
+    An arena is kept under the key of what it holds (_host_tier_contents) when the pipeline holding it is
+    restored or dropped, and taken back by an optimize that would fill one with the same contents. Kept
+    arenas hold host RAM the stages' plans count as free (``nbytes``): before a new arena is page-locked,
+    the oldest kept ones are given back until the host has room for it (``make_room``).
+    """
+
+    def __init__(self) -> None:
+        self._kept: dict[tuple, tuple[torch.Tensor, DeviceRuntime]] = {}  # oldest first
+        self._lock = threading.Lock()
+
+    def take(self, contents: tuple) -> torch.Tensor | None:
+        with self._lock:
+            found = self._kept.pop(contents, None)
+        return None if found is None else found[0]
+
+    def keep(self, contents: tuple, arena: torch.Tensor, device: DeviceRuntime) -> None:
+        with self._lock:
+            replaced = self._kept.pop(contents, None)
+            self._kept[contents] = (arena, device)
+        if replaced is not None:
+            replaced[1].release_arena(replaced[0])
+
+    def nbytes(self) -> int:
+        """The bytes kept now: host RAM the plans may count as free."""
+        with self._lock:
+            return sum(arena.numel() for arena, _ in self._kept.values())
+
+    def make_room(self, nbytes: int) -> None:
+        """Give back the oldest kept arenas until ``nbytes`` more fit in the host's available RAM (less
+        memfit's host reserve)."""
+        from memfit.plan.budget import host_reserve, read_host_memory
+
+        while True:
+            host = read_host_memory()
+            if host.available - host_reserve(host.total or host.available) >= nbytes:
+                return
+            with self._lock:
+                if not self._kept:
+                    return
+                arena, device = self._kept.pop(next(iter(self._kept)))
+            device.release_arena(arena)
+            del arena
+
+    def clear(self) -> None:
+        with self._lock:
+            kept, self._kept = list(self._kept.values()), {}
+        for arena, device in kept:
+            device.release_arena(arena)
 
 
 def _make_staging_ring(state: _State) -> None:
@@ -812,6 +916,22 @@ def _make_staging_ring(state: _State) -> None:
     if largest:
         runtime.ring = StagingRing(runtime.device_runtime, largest, runtime.window)
         state.arenas.append(runtime.ring.arena)
+
+
+def _make_block_slots(state: _State, kept: Collection[int]) -> None:
+    """The device memory streamed blocks run in on a device with memory of its own (BlockSlots): one slot per
+    block of the streaming window, as large as the largest streamed blocks, whose sum the plan counts as the
+    window. ``kept``: the hooks (by id) a phase keeps resident while it runs, which take no slot; nor do the
+    blocks the stage does not run (parked on disk, outside the plan: one called anyway takes a free slot it
+    fits, else memory of its own)."""
+    runtime = state.runtime
+    if not runtime.separate_memory:
+        return
+    unrun = {id(module) for block in state.unrun for module, _ in block.units}
+    hooks = [HookRegistry.get(module).hooks[SwapHook.name] for module in state.hooked if id(module) not in unrun]
+    sizes = sorted((hook.run_bytes for hook in hooks if id(hook) not in kept), reverse=True)[:runtime.window]
+    if sizes:
+        runtime.use_slots(BlockSlots(runtime.device_runtime, sizes))
 
 
 def _file_view(files: WeightSource, full_name: str, tensor) -> Shared | None:
@@ -870,7 +990,7 @@ def _undo(state: _State) -> None:
     state.slots.clear()
     state.hooked.clear()
     state.marked.clear()
-    _release_arenas(state.runtime.prefetches, state.arenas)
+    _release_arenas(state.runtime.prefetches, state.arenas, state.kept)
 
 
 def _put_back(slots: list[Slot]) -> None:
@@ -887,9 +1007,17 @@ def _put_back(slots: list[Slot]) -> None:
         slot.tensor.data = data
 
 
-def _release_arenas(prefetches: Prefetches, arenas: list) -> None:
-    """Give ``arenas`` back to the device once no read or copy from them is under way."""
+def _release_arenas(prefetches: Prefetches, arenas: list, kept: list) -> None:
+    """Give ``arenas`` back to the device once no read or copy from them is under way; those in ``kept``
+    ((arena, contents, KeptHostTiers)) go to their KeptHostTiers instead."""
     if arenas:
         prefetches.settle()
+    keepers = {id(arena): (contents, host_tiers) for arena, contents, host_tiers in kept}
+    kept.clear()
     while arenas:
-        prefetches.device.release_arena(arenas.pop())
+        arena = arenas.pop()
+        if id(arena) in keepers:
+            contents, host_tiers = keepers[id(arena)]
+            host_tiers.keep(contents, arena, prefetches.device)
+        else:
+            prefetches.device.release_arena(arena)

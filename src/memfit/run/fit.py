@@ -40,7 +40,7 @@ from memfit.models.folder import ModelFolder
 from memfit.plan.activations import DEVICE_ACTIVATION_MARGIN, StrategyKind, choose, stage_strategies
 from memfit.plan.budget import Budget, BudgetTooSmall, StageDoesNotFit, stage_budget
 from memfit.plan.compiled import COMPILED_BLOCK_BUILD, COMPILED_BLOCK_OVERHEAD, choose_compiled, compiled_blocks_extra
-from memfit.run.executor import (blocks_not_run, keep_dequantized, live_blocks, optimize, plan_stage,
+from memfit.run.executor import (blocks_not_run, host_tier_reused, keep_dequantized, live_blocks, optimize, plan_stage,
                                  reads_in_place)
 from memfit.run.memory import return_large_frees_to_os
 from memfit.run.options import RunOptions
@@ -155,8 +155,12 @@ def _plan_and_place(pipe, folder: ModelFolder, options: RunOptions, *, stage: st
     # (each a model of its own), the others streamed eagerly. The block models cost more than the weights
     # they replace (compiled_blocks_extra), so that is set aside and the stage planned again: less room keeps
     # fewer blocks, which need less set aside; the least reserve that holds is kept.
+    host_tiers = options.pool.host_tiers if options.pool is not None and runtime.separate_memory else None
+    kept_host = 0 if host_tiers is None else host_tiers.nbytes()
+
     def plan_with(extra: int):
-        room = stage_budget(budget, runtime, already_used=already_used + extra, stream_from=stream_from)
+        room = stage_budget(budget, runtime, already_used=already_used + extra, stream_from=stream_from,
+                            kept_host=kept_host)
         try:
             strategy, plan = choose(choices, lambda activations: plan_stage(
                 pipe, room, stage, int(activations * margin), parts, skip=compiled, dtype=dtype, device=runtime,
@@ -213,7 +217,11 @@ def _plan_and_place(pipe, folder: ModelFolder, options: RunOptions, *, stage: st
         skip = () if runtime.separate_memory else {*compiled, *(key for found in blocks_compiled.values()
                                                                for key in found)}
         optimize(pipe, plan=plan, model_dir=folder.path, device=runtime, parts=parts, dtype=dtype, skip=skip,
-                 stage=stage, phases=phases)
+                 stage=stage, phases=phases, host_tiers=host_tiers)
+        reused = host_tier_reused(pipe)
+        if reused:
+            notes.append(f"{stage}: its pinned host tier ({format_bytes(reused)}) kept from the last run, not "
+                         "page-locked or read again")
     else:
         for planned_stage in plan.stages:
             _refuse_streaming(planned_stage, stage, runtime)

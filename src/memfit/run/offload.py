@@ -27,12 +27,13 @@ weights and user references keep pointing at the live parameter.
 from __future__ import annotations
 
 import contextlib
+import functools
 import mmap
 import os
 import threading
 import time
-from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Iterator
 
@@ -44,8 +45,8 @@ from memfit.text_enum import TextEnum
 from memfit.run.timeline import record_move
 from memfit.safetensors_header import MappedFile
 
-__all__ = ["ALIGNMENT", "HookRegistry", "MappedSafetensors", "ModuleHook", "MappedPages", "Modes", "PhaseSwitch",
-           "Phases", "Prefetches", "ResidentHook", "Runtime", "Shared", "Slot", "SlotKind", "StagingRing", "SwapHook",
+__all__ = ["ALIGNMENT", "BlockSlots", "HookRegistry", "MappedSafetensors", "ModuleHook", "MappedPages", "Modes", "PhaseSwitch",
+           "Phases", "Prefetches", "ReadAhead", "ResidentHook", "Runtime", "Shared", "Slot", "SlotKind", "StagingRing", "SwapHook",
            "aligned", "inference_mode_for", "mapped_view", "weights_ready"]
 
 REGISTRY_ATTR = "_memfit_hooks"
@@ -166,14 +167,17 @@ class Shared:
 
     ``copy.deepcopy(pipe)`` would otherwise clone every memory-mapped weight into RAM (and fail on
     the mmap object itself). The file behind it never changes while memfit runs, so sharing is safe.
-    ``pages`` (for a mapped view) lets the hooks hint the kernel about its pages.
+    ``pages`` (for a mapped view) lets the hooks hint the kernel about its pages; ``origin`` says which
+    bytes of which file it is (path, byte range, the view's shape, stride and offset), for what holds a
+    copy of it to know what it holds.
     """
 
-    __slots__ = ("tensor", "pages")
+    __slots__ = ("tensor", "pages", "origin")
 
-    def __init__(self, tensor: torch.Tensor, pages: "MappedPages | None" = None):
+    def __init__(self, tensor: torch.Tensor, pages: "MappedPages | None" = None, origin: tuple | None = None):
         self.tensor = tensor
         self.pages = pages
+        self.origin = origin
 
     def __deepcopy__(self, memo):
         return self
@@ -241,14 +245,16 @@ class MappedSafetensors:
 def mapped_view(mapped: MappedFile, key: str, view: torch.Tensor | None = None) -> Shared:
     """``key`` of ``mapped`` (or ``view``, a view of it) as a Shared with the page range it covers."""
     tensor = mapped.tensor(key) if view is None else view
-    if tensor.numel() == 0:
-        return Shared(tensor)
     begin, end = mapped.byte_range(key)
+    origin = (str(mapped.path), begin, end, str(tensor.dtype), tuple(tensor.shape), tuple(tensor.stride()),
+              tensor.storage_offset())
+    if tensor.numel() == 0:
+        return Shared(tensor, origin=origin)
     if view is not None:  # only the bytes the view spans (a row slice of a fused tensor covers part of it)
         itemsize = view.element_size()
         last = sum((size - 1) * stride for size, stride in zip(view.shape, view.stride()))
         begin, end = begin + view.storage_offset() * itemsize, begin + (view.storage_offset() + last + 1) * itemsize
-    return Shared(tensor, MappedPages(mapped.mapping, begin, end))
+    return Shared(tensor, MappedPages(mapped.mapping, begin, end), origin)
 
 
 # --- swapping -------------------------------------------------------------------------------------
@@ -342,8 +348,9 @@ class StagingRing:
         self._next = 0
         self._lock = threading.Lock()
 
-    def copy_in(self, slots: list[Slot]) -> list[torch.Tensor]:
-        """Device copies of ``slots``' mapped homes, queued on the current stream through one ring slot."""
+    def copy_in(self, slots: list[Slot], targets: list[torch.Tensor] | None = None) -> list[torch.Tensor]:
+        """Device copies of ``slots``' mapped homes, queued on the current stream through one ring slot: into
+        ``targets`` (device memory laid out by BlockSlots) where given, else into new device tensors."""
         device = self.device
         with self._lock:
             index, self._next = self._next, (self._next + 1) % len(self._free)
@@ -361,7 +368,11 @@ class StagingRing:
                     staged.copy_(home)
                 if slot.pages is not None:
                     slot.pages.release()
-                out.append(device.to_device(staged, slot.dtype))  # converted on the device, after the copy
+                if targets is None:
+                    out.append(device.to_device(staged, slot.dtype))  # converted on the device, after the copy
+                else:
+                    device.copy_into(targets[len(out)], staged)
+                    out.append(targets[len(out)])
                 offset += aligned(nbytes)
             event = device.new_event()
             event.record(device.current_stream())
@@ -369,9 +380,87 @@ class StagingRing:
         return out
 
 
+class BlockSlots:
+    """The device memory streamed blocks run in, on a device with memory of its own: one buffer of the
+    plan's streaming window, cut into one slot per block of the window, as large as the window's
+    blocks (the largest streamed blocks). It is allocated when the first block streams, so a stage's
+    loading holds its resident weights only, as the plan says.
+
+    A block is copied into the smallest free slot it fits, by the stream that copies it, after that
+    stream waited, on the device, for the event recorded after the forward that used the slot last:
+    the host never waits for the GPU to bring a block in, and no streamed block goes through the
+    caching allocator (nothing of its rounding, its per-stream pools or its cached blocks to count
+    beside the window). A slot is free for the host as soon as the forward of the block in it has
+    been queued, or its read-ahead dropped. A read-ahead that finds no free slot it fits does not
+    start; a block needed now that finds none (one nested in another streamed block) is copied on the
+    compute stream into memory of its own from the allocator, which that stream reuses in order.
+    """
+
+    def __init__(self, device: DeviceRuntime, sizes: list[int]):
+        self.device = device
+        self.sizes = sorted(sizes, reverse=True)
+        self.offsets = [sum(self.sizes[:index]) for index in range(len(self.sizes))]
+        self.buffer: torch.Tensor | None = None
+        self._last_use: list = [None] * len(self.sizes)  # per slot: the event after its last forward
+        self._free = set(range(len(self.sizes)))
+        self._lock = threading.Lock()
+
+    def take(self, nbytes: int, modes: "Modes") -> int | None:
+        """The smallest free slot of at least ``nbytes``, now the caller's; None when none is free. The
+        buffer is made in ``modes`` (those of the blocks' run forms: see Modes)."""
+        with self._lock:
+            if self.buffer is None:
+                with modes.entered():
+                    self.buffer = self.device.device_buffer(sum(self.sizes))
+            fitting = [index for index in self._free if self.sizes[index] >= nbytes]
+            if not fitting:
+                return None
+            index = min(fitting, key=lambda i: (self.sizes[i], i))
+            self._free.discard(index)
+            return index
+
+    def lay_out(self, index: int, shapes: list[tuple[torch.Size, torch.dtype]]) -> list[torch.Tensor]:
+        """Views of slot ``index``, one per (shape, dtype), for the current stream to copy into: it waits
+        for the slot's last forward first."""
+        event = self._last_use[index]
+        if event is not None:
+            self.device.current_stream().wait_event(event)
+        offset = self.offsets[index]
+        views = []
+        for shape, dtype in shapes:
+            nbytes = shape.numel() * dtype.itemsize
+            views.append(self.buffer[offset:offset + nbytes].view(dtype).view(shape))
+            offset += aligned(nbytes)
+        return views
+
+    def give_back(self, index: int, last_use) -> None:
+        """Slot ``index`` is free once the device reached ``last_use`` (an event; None: nothing to wait for)."""
+        with self._lock:
+            self._last_use[index] = last_use
+            self._free.add(index)
+
+
+@dataclass
+class ReadAhead:
+    """A block read ahead on a device with memory of its own: the slot it is copied into, and its copies
+    (device tensors and the event after them), or the reader thread's Future of them."""
+
+    place: int
+    work: Future | None = None
+    tensors: list = field(default_factory=list)
+    event: object = None
+
+    def copies(self) -> tuple[list[torch.Tensor], object]:
+        if self.work is not None:
+            self.tensors, self.event = self.work.result()
+            self.work = None
+        return self.tensors, self.event
+
+
 class Prefetches:
     """The prefetches of one Runtime: the reader thread, the side stream, and the blocks read ahead
-    (``pending``: a hook's run form, or the Future of it the reader thread works on, by id(hook)).
+    (``pending``, by id(hook): on the CPU the Future of a hook's run form the reader thread works on; on
+    a GPU a ReadAhead into one of the ``slots``).
 
     It holds nothing of the pipeline, so the finalizer of an optimized pipeline that is dropped
     without restore can keep it, and ``settle`` it before the pinned arenas are given back: the
@@ -382,7 +471,8 @@ class Prefetches:
 
     def __init__(self, device: DeviceRuntime):
         self.device = device
-        self.pending: dict[int, Future | tuple] = {}
+        self.pending: dict[int, Future | ReadAhead] = {}
+        self.slots: BlockSlots | None = None
         self._pool: ThreadPoolExecutor | None = None
         self._stream = None
 
@@ -396,22 +486,23 @@ class Prefetches:
             self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix=READER_THREAD)
         return self._pool
 
-    def take(self, hook) -> Future | tuple | None:
+    def take(self, hook) -> Future | ReadAhead | None:
         return self.pending.pop(id(hook), None)
 
+    def forget(self, pending: Future | ReadAhead | None) -> None:
+        """Let go of a block read ahead that will not be used: its slot is free again once its copies ran
+        (on the device: no wait here)."""
+        if isinstance(pending, Future):
+            if not pending.cancel():
+                pending.result()
+        elif isinstance(pending, ReadAhead):
+            cancelled = pending.work is not None and pending.work.cancel()
+            self.slots.give_back(pending.place, None if cancelled else pending.copies()[1])
+
     def drop(self, keep) -> None:
-        """Forget every block read ahead but ``keep``'s, once its copies have run: then its device memory
-        is free when the host lets go of it (a wait, but only where the order was not the one expected)."""
-        for key, pending in list(self.pending.items()):
-            if key == id(keep):
-                continue
-            del self.pending[key]
-            if isinstance(pending, Future):
-                if pending.cancel():
-                    continue
-                pending = pending.result()
-            if isinstance(pending, tuple):
-                pending[1].synchronize()
+        """Forget every block read ahead but ``keep``'s (read ahead in an order that did not come)."""
+        for key in [key for key in self.pending if key != id(keep)]:
+            self.forget(self.pending.pop(key))
 
     def settle(self) -> None:
         """Wait for the reader thread's work and for every copy queued on the device, and drop the
@@ -421,6 +512,9 @@ class Prefetches:
             # A collection can run this finalizer on the reader thread itself, which cannot wait for itself.
             pool.shutdown(wait=not threading.current_thread().name.startswith(READER_THREAD))
         self.device.synchronize()
+        for pending in self.pending.values():
+            if isinstance(pending, ReadAhead):
+                self.slots.give_back(pending.place, None)
         self.pending.clear()
 
 
@@ -443,10 +537,9 @@ class Runtime:
 
     Blocks in flight: ``window`` streamed blocks at most hold device memory at once (the plan's
     1 + prefetch): those running, those read ahead, and those whose forward the GPU may still be
-    running. The host queues work far ahead of a GPU, and a block's memory freed on the host
-    is reusable only once the GPU has run the forward that used it; so an event is recorded after
-    every streamed block's forward and, before another block is copied in, the host waits for the
-    oldest ones until no more than ``window`` blocks can be on the device.
+    running. They run in the ``slots`` (BlockSlots), whose reuse the device orders by an event
+    recorded after every streamed block's forward, so the host never waits for the GPU to bring a
+    block in.
     """
 
     def __init__(self, device: DeviceRuntime, prefetch: bool = True, window: int = 2):
@@ -457,21 +550,29 @@ class Runtime:
         self.next_of: dict[int, "SwapHook"] = {}
         self.last: "SwapHook | None" = None
         self.ring: StagingRing | None = None
+        self.slots: BlockSlots | None = None
         self.prefetches = Prefetches(device)
-        self._finished: deque = deque()  # events after forwards whose blocks' memory may be in use
-        self._running = 0  # streamed blocks inside their forward now
         self._ended: "SwapHook | None" = None  # the streamed block that ended last, until another starts
 
     def __deepcopy__(self, memo):
         # A copy gets its own prefetcher and learns its own order; threads and streams cannot be copied.
         copy = Runtime(self.device_runtime, self.prefetch, self.window)
         copy.ring = self.ring  # the ring's lock and events keep the two copies' slots apart
+        copy.use_slots(self.slots)  # and so do the block slots'
         memo[id(self)] = copy
         return copy
 
     @property
     def separate_memory(self) -> bool:
         return self.device_runtime.separate_memory
+
+    def use_slots(self, slots: BlockSlots | None) -> None:
+        self.slots = self.prefetches.slots = slots
+
+    def take_slot(self, hook: "SwapHook", modes: "Modes") -> int | None:
+        """A free slot ``hook``'s block fits in (BlockSlots.take), or None (none, or no slots: every block
+        the stage streams is one it does not run)."""
+        return None if self.slots is None else self.slots.take(hook.run_bytes, modes)
 
     def plan_order(self, hooks: list["SwapHook"]) -> None:
         """Take one component's hooks in plan order as the order until they have run (see the class
@@ -501,46 +602,29 @@ class Runtime:
         if self.prefetch and upcoming is not None and upcoming is not hook:
             upcoming.start_prefetch()
 
-    def before_onload(self) -> bool:
-        """Wait (host side) until one more block fits the window; see the class docstring. False when
-        the blocks running and read ahead fill it with nothing to wait for: a block needed now, or the
-        next one of a block nested in another, then goes over it; a read-ahead does not start."""
-        if not self.separate_memory:
-            return True
-        while self._finished and self._in_flight() >= self.window:
-            self._finished.popleft().synchronize()
-        return self._in_flight() < self.window
-
-    def _in_flight(self) -> int:
-        return len(self._finished) + self._running + len(self.prefetches.pending)
-
-    def started(self) -> None:
-        self._running += 1
-
     def finished(self, hook: "SwapHook") -> None:
-        self._running -= 1
-        if self.separate_memory:
+        """``hook``'s forward is queued: its slot is free for blocks copied after the device ran it."""
+        if hook.place is not None:
             event = self.device_runtime.new_event()
             event.record(self.device_runtime.current_stream())
-            self._finished.append(event)
+            self.slots.give_back(hook.place, event)
+            hook.place = None
         self._ended = hook
 
     def resident_entered(self) -> None:
         """A resident block starts. The first after a streamed block starts the copies of the blocks
-        after that one in the order, as many as the window holds (waiting for the GPU to finish that
-        block's forward where the window needs its place)."""
+        after that one in the order, as many as the window's free slots hold."""
         hook, self._ended = self._ended, None
         if hook is None or not self.prefetch:
             return
         upcoming = self.next_of.get(id(hook))
         for _ in range(self.window):
-            if upcoming is None or upcoming is hook or not upcoming.start_prefetch(within_window=True):
+            if upcoming is None or upcoming is hook or not upcoming.start_prefetch():
                 return
             upcoming = self.next_of.get(id(upcoming))
 
     def close(self) -> None:
         self.prefetches.settle()
-        self._finished.clear()
 
 
 class ResidentHook(ModuleHook):
@@ -572,6 +656,17 @@ class SwapHook(ModuleHook):
         self.runtime = runtime
         self._depth = 0  # a module re-entered (rare; e.g. a shared submodule) swaps once
         self.pinned = False  # kept in its run form between forwards (pin): resident for a phase of the stage
+        self.place: int | None = None  # the runtime's slot its run form is in, while it is (on a GPU)
+
+    @functools.cached_property
+    def run_shapes(self) -> list[tuple[torch.Size, torch.dtype]]:
+        """(shape, dtype) of each slot's run form on a device with memory of its own."""
+        return [(slot.home_tensor().shape, slot.dtype or slot.home_tensor().dtype) for slot in self.slots]
+
+    @property
+    def run_bytes(self) -> int:
+        """The device memory its run form takes in a slot of BlockSlots."""
+        return sum(aligned(shape.numel() * dtype.itemsize) for shape, dtype in self.run_shapes)
 
     def pin(self) -> None:
         """Bring the block in and keep it until ``unpin``: resident while its phase runs (Phases). On the
@@ -580,9 +675,7 @@ class SwapHook(ModuleHook):
         the same kernels and sums run); a converted one is memory of the process's own, freed by unpin."""
         if self.pinned:
             return
-        pending = self.runtime.prefetches.take(self)
-        if isinstance(pending, Future):
-            pending.result()  # a read-ahead of this block: dropped, the block is made here
+        self.runtime.prefetches.forget(self.runtime.prefetches.take(self))  # made here, not in a slot
         started = time.perf_counter()
         if self.runtime.separate_memory:
             tensors = self._materialize(Modes.for_slots(self.slots))
@@ -620,20 +713,32 @@ class SwapHook(ModuleHook):
     def reads_files(self) -> bool:
         return any(slot.kind == SlotKind.MMAP for slot in self.slots)
 
-    def _materialize(self, modes: Modes) -> list[torch.Tensor]:
-        """The run form of every slot, made in ``modes``; on a GPU queued on the current stream."""
+    def _materialize(self, modes: Modes, place: int | None = None) -> list[torch.Tensor]:
+        """The run form of every slot, made in ``modes``; on a GPU queued on the current stream, into the
+        runtime's slot ``place`` where given."""
         with modes.entered():
-            return self._run_form()
+            return self._run_form(place)
 
-    def _run_form(self) -> list[torch.Tensor]:
+    def _run_form(self, place: int | None = None) -> list[torch.Tensor]:
         started = time.perf_counter()
         device = self.runtime.device_runtime
         ring = self.runtime.ring
         if device.separate_memory:
-            mapped = [slot for slot in self.slots if slot.kind == SlotKind.MMAP] if ring is not None else []
-            staged = iter(ring.copy_in(mapped)) if mapped else iter(())
-            out = [next(staged) if mapped and slot.kind == SlotKind.MMAP
-                   else device.to_device(slot.home_tensor(), slot.dtype) for slot in self.slots]
+            targets = None if place is None else self.runtime.slots.lay_out(place, self.run_shapes)
+            staged_from_ring = [ring is not None and slot.kind == SlotKind.MMAP for slot in self.slots]
+            staged = iter(ring.copy_in([slot for slot, ringed in zip(self.slots, staged_from_ring) if ringed],
+                                       None if targets is None else
+                                       [t for t, ringed in zip(targets, staged_from_ring) if ringed])
+                          if any(staged_from_ring) else ())
+            out = []
+            for index, (slot, ringed) in enumerate(zip(self.slots, staged_from_ring)):
+                if ringed:
+                    out.append(next(staged))
+                elif targets is None:
+                    out.append(device.to_device(slot.home_tensor(), slot.dtype))
+                else:
+                    device.copy_into(targets[index], slot.home_tensor())
+                    out.append(targets[index])
         else:
             for slot in self.slots:
                 if slot.pages is not None:
@@ -652,17 +757,17 @@ class SwapHook(ModuleHook):
                     "device", sum(t.numel() * t.element_size() for t in out), started, time.perf_counter())
         return out
 
-    def _copy_on(self, stream, modes: Modes) -> tuple[list[torch.Tensor], object]:
+    def _copy_on(self, stream, modes: Modes, place: int) -> tuple[list[torch.Tensor], object]:
         device = self.runtime.device_runtime
         with device.use_stream(stream):
-            tensors = self._materialize(modes)
+            tensors = self._materialize(modes, place)
             event = device.new_event()
             event.record(stream)
         return tensors, event
 
-    def start_prefetch(self, within_window: bool = False) -> bool:
-        """Start reading this block ahead; False when it did not start: it is running, or
-        ``within_window`` and the window is full (Runtime.before_onload)."""
+    def start_prefetch(self) -> bool:
+        """Start reading this block ahead; False when it did not start: it is running, or (on a GPU) no
+        free slot of the runtime fits it."""
         prefetches = self.runtime.prefetches
         if id(self) in prefetches.pending:
             return True
@@ -671,16 +776,17 @@ class SwapHook(ModuleHook):
         device = self.runtime.device_runtime
         modes = Modes.for_slots(self.slots)  # this thread's, for the reader thread too
         if device.separate_memory:
-            if not self.runtime.before_onload() and within_window:
+            place = self.runtime.take_slot(self, modes)
+            if place is None:
                 return False
             stream = prefetches.stream()
             stream.wait_stream(device.current_stream())
             if self.reads_files:
                 # Reading the file into the ring is host work: the reader thread does it (and queues
                 # the copy after it) while this thread goes on queuing the current block's kernels.
-                pending = prefetches.pool().submit(self._copy_on, stream, modes)
+                pending = ReadAhead(place, work=prefetches.pool().submit(self._copy_on, stream, modes, place))
             else:
-                pending = self._copy_on(stream, modes)
+                pending = ReadAhead(place, None, *self._copy_on(stream, modes, place))
         else:
             pending = prefetches.pool().submit(self._materialize, modes)
         prefetches.pending[id(self)] = pending
@@ -690,18 +796,16 @@ class SwapHook(ModuleHook):
         pending = self.runtime.prefetches.take(self)
         device = self.runtime.device_runtime
         if pending is None:
-            self.runtime.before_onload()
+            modes = Modes.for_slots(self.slots)
+            if device.separate_memory:  # no free slot: memory of its own (see BlockSlots)
+                self.place = self.runtime.take_slot(self, modes)
             # queued on the current stream: later work there sees it
-            return self._materialize(Modes.for_slots(self.slots))
+            return self._materialize(modes, self.place)
         if isinstance(pending, Future):
-            pending = pending.result()
-            if not device.separate_memory:
-                return pending
-        tensors, event = pending
-        current = device.current_stream()
-        current.wait_event(event)
-        for t in tensors:  # the side stream's allocations are now used on the compute stream
-            device.record_stream(t, current)
+            return pending.result()
+        self.place = pending.place
+        tensors, event = pending.copies()
+        device.current_stream().wait_event(event)
         return tensors
 
     def pre_forward(self, module) -> None:
@@ -713,7 +817,6 @@ class SwapHook(ModuleHook):
         self.runtime.entering(self)
         for slot, tensor in zip(self.slots, self._take()):
             slot.tensor.data = tensor
-        self.runtime.started()
         self.runtime.entered(self)
 
     def post_forward(self, module) -> None:
@@ -729,9 +832,7 @@ class SwapHook(ModuleHook):
         self.runtime.finished(self)
 
     def deinitialize(self, module) -> None:
-        pending = self.runtime.prefetches.take(self)
-        if isinstance(pending, Future):
-            pending.result()
+        self.runtime.prefetches.forget(self.runtime.prefetches.take(self))
 
     def __deepcopy__(self, memo):
         import copy
@@ -743,6 +844,7 @@ class SwapHook(ModuleHook):
         new.runtime = copy.deepcopy(self.runtime, memo)  # with no prefetch in flight: those are the original's
         new._depth = 0
         new.pinned = False
+        new.place = None
         return new
 
 

@@ -33,7 +33,11 @@ class StagePool(Protocol):
     A stage hands its fitted pipeline to the pool instead of dropping it (``keep``), and the next run's
     stage takes it back (``take``) instead of loading and fitting again; ``slot`` names the stage's load,
     ``made_for`` what the pipeline was made for (a pipe made for something else is never handed out).
+    ``host_tiers`` (memfit.run.executor.KeptHostTiers) keeps the pinned host tiers of streaming stages on a
+    GPU between runs.
     """
+
+    host_tiers: Any
 
     def take(self, slot: tuple, made_for: tuple) -> Any: ...
 

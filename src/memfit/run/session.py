@@ -37,6 +37,7 @@ from typing import Any
 import torch
 
 from memfit.compile.entry_points import release_buffers
+from memfit.run.executor import KeptHostTiers
 from memfit.run.generate import generate
 from memfit.run.memory import release_freed_memory
 from memfit.run.options import default_device
@@ -62,6 +63,9 @@ class WarmPool:
         # stage -> the most its memory grew by while it ran, measured since it last loaded a pipeline
         # (that run's growth counts the loading too: an over-estimate for a warm run, never an under-one)
         self._growth: dict[str, int] = {}
+        # On a GPU, the pinned host tiers of the stages that stream, kept filled for their next run (even where
+        # the pipelines themselves are not kept: a stage that streams takes the device's room).
+        self.host_tiers = KeptHostTiers()
 
     def take(self, slot: tuple, made_for: tuple):
         """The kept pipeline for ``slot`` (removed from the pool until the stage hands it back) if it was
@@ -101,12 +105,15 @@ class WarmPool:
         release_freed_memory()
 
     def give_up(self, reason: str) -> None:
-        """Release every kept pipeline and keep none from now on."""
+        """Release every kept pipeline and keep none from now on (the host tiers stay: they take no device
+        memory, and the stages' plans count them as free host RAM)."""
         self.gave_up = reason
-        self.clear()
+        self._pipes.clear()
+        release_freed_memory()
 
     def clear(self) -> None:
         self._pipes.clear()
+        self.host_tiers.clear()
         release_freed_memory()
 
     def components(self) -> list[str]:

@@ -13,11 +13,17 @@ What it models, after how a GPU behaves (memfit.devices.DeviceRuntime is the int
     The copy reads its source when it runs, as a DMA engine does, so a pinned buffer reused too
     early gives wrong numbers too. Copies on the current (compute) stream run at once: work queued
     after them on that stream sees them.
-  * Device memory: every tensor made by ``to_device`` is allocated until its storage is freed.
-    A freed tensor that ``record_stream`` marked as used on a stream stays reserved (not reusable)
-    until that stream's work up to the mark is known complete: in lazy mode, the compute stream is
-    known complete only up to events the host synchronized, so a host that runs ahead of the
-    "GPU" without bound sees reserved memory grow, as on a real one.
+  * Device memory: every tensor made by ``to_device`` is allocated until its storage is freed
+    (``allocations`` counts them, with ``device_buffer``'s: the caching allocator's churn). memfit
+    uses each on the stream that allocated it (the allocator reuses freed memory in that stream's
+    order), so reserved memory is allocated memory here.
+  * ``device_buffer`` is device memory memfit lays tensors out in itself; ``copy_into`` copies into it
+    as ``to_device`` copies (NaN until the copy runs). A copy queued on a side stream into memory whose
+    last contents the compute stream took (waited for) after the side stream last waited for the
+    compute stream is counted in ``unordered_overwrites``: a GPU could overwrite weights a queued
+    forward has yet to read.
+  * ``host_waits`` counts the times memfit made the host wait for the device (an event or stream
+    synchronized), which a GPU's host spends idle instead of queuing work.
   * Pinned memory: ``pinned_arena`` counts its bytes; copies from memory outside every arena are
     counted in ``pageable_copy_bytes`` (on a real GPU they are synchronous, slow, and staged). An
     arena given back (``release_arena``) while a queued copy has yet to read it is counted in
@@ -59,6 +65,8 @@ class FakeStream:
         self._cond = threading.Condition()
         self._worker: threading.Thread | None = None
         self._running = threading.RLock()
+        self.known_compute = 0  # (side streams) the compute stream position this stream waited for last
+        self.copied: list[tuple[int, int, int]] = []  # (position, begin, end) of copy_into's copies not yet taken
 
     def mark(self) -> int:
         """A new position on this stream (a kernel boundary); returns it."""
@@ -115,6 +123,7 @@ class FakeStream:
                 self._cond.wait()
 
     def synchronize(self) -> None:
+        self.runtime.host_waits += 1
         self.complete_to(self.enqueued)
 
     def wait_event(self, event: "FakeEvent") -> None:
@@ -123,9 +132,12 @@ class FakeStream:
         if event.stream is None:
             return
         if self.compute:
-            event.synchronize()
+            event.complete()
+            self.runtime.taken(event)
+        elif event.stream.compute:
+            self.known_compute = max(self.known_compute, event.position)
         else:
-            self.enqueue(lambda: event.synchronize())
+            self.enqueue(event.complete)
 
     def wait_stream(self, other: "FakeStream") -> None:
         position = other.enqueued
@@ -133,6 +145,8 @@ class FakeStream:
             other.complete_to(position)
         elif not other.compute:
             self.enqueue(lambda: other.complete_to(position))
+        else:
+            self.known_compute = max(self.known_compute, position)
         # A side stream waiting for the compute stream: the compute work queued so far has run on
         # the CPU already, so the data is there; and a GPU's host does not learn that the compute
         # stream got this far from it, so nothing is marked complete.
@@ -154,6 +168,13 @@ class FakeEvent:
         return self.stream is None or self.stream.completed >= self.position
 
     def synchronize(self) -> None:
+        """The host waits for the event (counted in the runtime's host_waits)."""
+        if self.stream is not None:
+            self.stream.runtime.host_waits += 1
+        self.complete()
+
+    def complete(self) -> None:
+        """Run the work up to the event (a stream waiting for it, in this model)."""
         if self.stream is not None:
             self.stream.complete_to(self.position)
 
@@ -162,15 +183,11 @@ class FakeEvent:
 
 
 class _Allocation:
-    __slots__ = ("storage", "nbytes", "uses")
+    __slots__ = ("storage", "nbytes")
 
     def __init__(self, tensor: torch.Tensor):
         self.storage = StorageWeakRef(tensor.untyped_storage())
         self.nbytes = tensor.untyped_storage().nbytes()
-        self.uses: list[tuple[FakeStream, int]] = []
-
-    def pending(self) -> bool:
-        return any(stream.completed < position for stream, position in self.uses)
 
 
 _current_runtime: list["FakeCudaRuntime"] = []
@@ -206,6 +223,10 @@ class FakeCudaRuntime(DeviceRuntime):
         self.released_while_read = 0
         self._reads: dict[int, int] = {}  # arena address -> copies from it queued and not yet run
         self.copies = 0
+        self.allocations = 0
+        self.host_waits = 0
+        self.unordered_overwrites = 0
+        self._taken: list[tuple[int, int, int]] = []  # (begin, end, compute position) of copy_into's copies taken
 
     # --- streams and events ----------------------------------------------------------------------
 
@@ -229,17 +250,20 @@ class FakeCudaRuntime(DeviceRuntime):
     def new_event(self) -> FakeEvent:
         return FakeEvent()
 
-    def record_stream(self, tensor: torch.Tensor, stream: FakeStream) -> None:
-        found = self._allocation_of(tensor)
-        if found is not None:
-            found.uses.append((stream, stream.mark() if stream.compute else stream.enqueued))
-
     # --- copies and host memory ------------------------------------------------------------------
 
     def to_device(self, host: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
         dtype = dtype or host.dtype
         target = torch.empty(host.shape, dtype=dtype)
         target.fill_(float("nan") if dtype.is_floating_point else -1)
+        with self._lock:
+            self._allocations.append(_Allocation(target))
+            self.allocations += 1
+        self._queue_copy(target, host, target.is_inference())
+        self._update_peaks()
+        return target
+
+    def _queue_copy(self, target: torch.Tensor, host: torch.Tensor, inference: bool) -> None:
         nbytes = host.numel() * host.element_size()
         with self._lock:
             self.copies += 1
@@ -250,12 +274,10 @@ class FakeCudaRuntime(DeviceRuntime):
                 self._reads[arena] = self._reads.get(arena, 0) + 1
             self.bytes_in_flight += nbytes
             self.max_bytes_in_flight = max(self.max_bytes_in_flight, self.bytes_in_flight)
-            self._allocations.append(_Allocation(target))
-        self._update_peaks()
 
         def copy() -> None:
             # It may run after the inference_mode block that queued it has ended, as a GPU's would.
-            with torch.inference_mode(target.is_inference()):
+            with torch.inference_mode(inference):
                 target.copy_(host)
             with self._lock:
                 self.bytes_in_flight -= nbytes
@@ -263,7 +285,45 @@ class FakeCudaRuntime(DeviceRuntime):
                     self._reads[arena] -= 1
 
         self.current_stream().enqueue(copy)
-        return target
+
+    def copy_into(self, target: torch.Tensor, host: torch.Tensor) -> None:
+        stream = self.current_stream()
+        begin = target.data_ptr()
+        end = begin + target.numel() * target.element_size()
+        with self._lock:
+            if not stream.compute and any(b < end and begin < e and stream.known_compute < position
+                                          for b, e, position in self._taken):
+                self.unordered_overwrites += 1
+            self._taken = [(b, e, position) for b, e, position in self._taken if not (b < end and begin < e)]
+        # A view made in inference mode is written in it (torch refuses otherwise), wherever the copy runs.
+        inference = target.is_inference() or torch.is_inference_mode_enabled()
+        with torch.inference_mode(inference):
+            target.fill_(float("nan") if target.dtype.is_floating_point else -1)
+        self._queue_copy(target, host, inference)
+        if stream.compute:  # taken at once by the work queued after it
+            with self._lock:
+                self._taken.append((begin, end, stream.mark()))
+        else:
+            stream.copied.append((stream.enqueued, begin, end))
+
+    def taken(self, event: FakeEvent) -> None:
+        """The compute stream waited for ``event``: the copy_into copies before it on its stream are taken."""
+        stream = event.stream
+        done = [entry for entry in stream.copied if entry[0] <= event.position]
+        if not done:
+            return
+        stream.copied = [entry for entry in stream.copied if entry[0] > event.position]
+        position = self._compute.mark()
+        with self._lock:
+            self._taken += [(begin, end, position) for _, begin, end in done]
+
+    def device_buffer(self, nbytes: int) -> torch.Tensor:
+        buffer = torch.empty(max(nbytes, 1), dtype=torch.uint8)
+        with self._lock:
+            self._allocations.append(_Allocation(buffer))
+            self.allocations += 1
+        self._update_peaks()
+        return buffer
 
     def pinned_arena(self, nbytes: int) -> torch.Tensor:
         arena = torch.empty(max(nbytes, 1), dtype=torch.uint8)
@@ -292,7 +352,7 @@ class FakeCudaRuntime(DeviceRuntime):
 
     def _sizes(self) -> tuple[int, int]:
         with self._lock:
-            live = [a for a in self._allocations if not a.storage.expired() or a.pending()]
+            live = [a for a in self._allocations if not a.storage.expired()]
             self._allocations = live
             allocated = sum(a.nbytes for a in live if not a.storage.expired())
             return allocated, sum(a.nbytes for a in live)
@@ -338,9 +398,9 @@ class FakeCudaRuntime(DeviceRuntime):
         return self._allocation_of(tensor) is not None
 
     def synchronize(self) -> None:
-        for stream in self._streams:
-            stream.synchronize()
-        self._compute.synchronize()
+        self.host_waits += 1
+        for stream in [*self._streams, self._compute]:
+            stream.complete_to(stream.enqueued)
 
     def empty_cache(self) -> None:
         self._update_peaks()
