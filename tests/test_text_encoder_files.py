@@ -249,3 +249,29 @@ def test_a_bare_qwen3_file_for_flux2_klein_ties_its_lm_head(tiny_models, tmp_pat
     assert np.array_equal(_pixels(_generate(folder, path)), image)
     places = file_places(_loaded_encoder(folder, path))
     assert places.places["lm_head.weight"].key == "embed_tokens.weight" and not places.materialized
+
+
+@pytest.mark.parametrize("file", ["text-only", "gguf"])
+def test_text_only_files_stream_under_the_smallest_budget(qwenimage, streamed_plans, file):
+    """A Qwen2.5-VL file without its vision tower (safetensors, or llama.cpp's Q8_0 GGUF) streams from its file under
+    the smallest budget of the encode stage: the embeddings of the encode with no budget, bit for bit."""
+    import re
+
+    from memfit.testing.quantized import save_gguf
+
+    folder, out, state, _ = qwenimage
+    if file == "gguf":
+        path = save_gguf(_gguf_state(state, "qwenimage"), out / "streamed-Q8_0.gguf", "Q8_0", architecture="qwen2vl")
+    else:
+        path = out / "streamed-text-only.safetensors"
+        save_file({key: value for key, value in _comfy_qwen25_vl(state).items() if not key.startswith("visual.")},
+                  str(path))
+    components = {"text_encoder": path}
+    expected, _ = memfit.encode(SETTINGS["prompt"], model=folder, components=components, budget="none")
+    with pytest.raises(MemfitError) as refused:
+        memfit.encode(SETTINGS["prompt"], model=folder, components=components, budget=1)
+    budget = int(re.search(r"smallest budget that works is (\d+) bytes", str(refused.value)).group(1))
+    streamed_plans.clear()
+    embeddings, _ = memfit.encode(SETTINGS["prompt"], model=folder, components=components, budget=budget)
+    assert streamed_plans[0].stages[0].streamed_from_disk_bytes > 0
+    assert expected.tensors and all(torch.equal(embeddings.tensors[key], expected.tensors[key]) for key in expected.tensors)
