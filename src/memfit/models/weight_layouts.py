@@ -292,7 +292,8 @@ def _convert_causal_lm(tensors: dict, config: dict, module) -> dict:
     """A transformers text encoder's file (Qwen2.5-VL's, Qwen3's) in the model's own names, by renames alone
     (_live_name). What the file leaves out and the image pipelines never read is made up without a copy: an
     absent LM head (its logits are not used: the pipelines read hidden states) is the token embedding, as a tied
-    model's is; an absent vision tower is left out of the model (_AbsentVisionTower). An LM head the model has no
+    model's is (a tied model is tied after loading, as from_pretrained ties it); an absent vision tower is left
+    out of the model (_AbsentVisionTower). An LM head the model has no
     place for (a Qwen3ForCausalLM file for a Qwen3Model) is dropped; any other name is kept, so loading names it
     as extra."""
     live = module.state_dict()
@@ -304,7 +305,9 @@ def _convert_causal_lm(tensors: dict, config: dict, module) -> dict:
         converted[name or key] = value
     embedding = next((name for name in ("model.language_model.embed_tokens.weight", "model.embed_tokens.weight",
                                         "embed_tokens.weight") if name in live), None)
-    if "lm_head.weight" in live and "lm_head.weight" not in converted and embedding in converted:
+    tied = any(getattr(config_, "tie_word_embeddings", False)  # then tied after loading
+               for config_ in (module.config, module.config.get_text_config()))
+    if "lm_head.weight" in live and "lm_head.weight" not in converted and embedding in converted and not tied:
         converted["lm_head.weight"] = converted[embedding]
     tower = next((path for path in ("model.visual", "visual") if any(name.startswith(path + ".") for name in live)),
                  None)
