@@ -16,6 +16,11 @@ or out of a whole checkpoint.
 A converter takes the component's tensors with that prefix removed (views of the file's map), the
 component's config and its empty module, and returns them under diffusers' names: diffusers' own
 converters where they only rename and take views, or as diffusers does it where it copies.
+
+Text encoders' files (ComfyUI's ``models/text_encoders``): T5 in transformers' or llama.cpp's names; Qwen2.5-VL
+(Qwen-Image's) and Qwen3 (Z-Image's, FLUX.2 [klein]'s) in transformers' names, older or newer
+(``qwen_2.5_vl_7b.safetensors``: ``model.layers``, ``visual.blocks``; ``qwen_3_4b.safetensors``: Qwen3ForCausalLM's
+over a Qwen3Model), or llama.cpp's (their GGUF files), each renamed to the installed transformers' names.
 """
 
 from __future__ import annotations
@@ -24,6 +29,8 @@ from dataclasses import dataclass
 from typing import Callable
 
 import torch
+
+from memfit.errors import MemfitError
 
 __all__ = ["AS_SAVED", "BFL_FLUX", "COMPONENT_LAYOUTS", "LDM_UNET", "LDM_VAE", "LLAMA_CPP_LM", "LLAMA_CPP_T5", "MMDIT_SD3",
            "OPEN_CLIP", "ORIGINAL_WAN", "TRANSFORMERS_CLIP", "TRANSFORMERS_QWEN3", "TRANSFORMERS_QWEN25_VL",
@@ -281,8 +288,6 @@ class _AbsentVisionTower(torch.nn.Module):
         self.path_hint = path_hint
 
     def forward(self, *args, **kwargs):
-        from memfit.errors import MemfitError
-
         raise MemfitError(f"This text encoder was read from a file with no vision tower ({self.path_hint}.* tensors), "
                           "so it encodes text alone; give a file that holds it (ComfyUI's qwen_2.5_vl_7b.safetensors) "
                           "to encode images.")
@@ -290,12 +295,11 @@ class _AbsentVisionTower(torch.nn.Module):
 
 def _convert_causal_lm(tensors: dict, config: dict, module) -> dict:
     """A transformers text encoder's file (Qwen2.5-VL's, Qwen3's) in the model's own names, by renames alone
-    (_live_name). What the file leaves out and the image pipelines never read is made up without a copy: an
-    absent LM head (its logits are not used: the pipelines read hidden states) is the token embedding, as a tied
-    model's is (a tied model is tied after loading, as from_pretrained ties it); an absent vision tower is left
-    out of the model (_AbsentVisionTower). An LM head the model has no
-    place for (a Qwen3ForCausalLM file for a Qwen3Model) is dropped; any other name is kept, so loading names it
-    as extra."""
+    (_live_name). What the file leaves out and the image pipelines never run is made up without a copy: an absent
+    LM head (the pipelines read hidden states, never the logits) is the token embedding, as a tied model's is (a
+    tied model is tied after loading, as from_pretrained ties it); an absent vision tower is left out of the model
+    (_AbsentVisionTower). An LM head the model has no place for (a Qwen3ForCausalLM file for a Qwen3Model) is
+    passed over; any other name is kept, so loading names it as extra."""
     live = module.state_dict()
     converted = {}
     for key, value in tensors.items():
@@ -305,8 +309,8 @@ def _convert_causal_lm(tensors: dict, config: dict, module) -> dict:
         converted[name or key] = value
     embedding = next((name for name in ("model.language_model.embed_tokens.weight", "model.embed_tokens.weight",
                                         "embed_tokens.weight") if name in live), None)
-    tied = any(getattr(config_, "tie_word_embeddings", False)  # then tied after loading
-               for config_ in (module.config, module.config.get_text_config()))
+    # Qwen2.5-VL's config says it on top, Qwen3's on its one config.
+    tied = any(getattr(part, "tie_word_embeddings", False) for part in (module.config, module.config.get_text_config()))
     if "lm_head.weight" in live and "lm_head.weight" not in converted and embedding in converted and not tied:
         converted["lm_head.weight"] = converted[embedding]
     tower = next((path for path in ("model.visual", "visual") if any(name.startswith(path + ".") for name in live)),
@@ -324,9 +328,8 @@ def _convert_llama_cpp_causal_lm(tensors: dict, config: dict, module) -> dict:
     (an absent ``output.weight`` is the token embedding, an absent vision tower left out)."""
     import gguf
 
-    text = getattr(module.config, "text_config", module.config)
     architecture = gguf.MODEL_ARCH.QWEN2VL if hasattr(module.config, "vision_config") else gguf.MODEL_ARCH.QWEN3
-    names = gguf.TensorNameMap(architecture, text.num_hidden_layers)
+    names = gguf.TensorNameMap(architecture, module.config.get_text_config().num_hidden_layers)
     stored_names = {}
     for live in module.state_dict():
         for candidate in (live, "model." + live, live.replace("model.language_model.", "model.", 1)):
