@@ -226,6 +226,20 @@ def _flux_gguf(quant_type, *, width=32, cut=0):
     return make
 
 
+def _qwen25_vl_file(model, tmp):
+    """A Qwen2.5-VL text encoder's file as ComfyUI's qwen_2.5_vl_7b.safetensors names it (a few of its tensors)."""
+    path = tmp / "qwen_2.5_vl_7b.safetensors"
+    names = ("model.embed_tokens.weight", "model.layers.0.self_attn.q_proj.weight", "model.norm.weight",
+             "visual.blocks.0.attn.qkv.weight", "visual.patch_embed.proj.weight", "lm_head.weight")
+    save_file({name: torch.zeros(4, 4) for name in names}, path)
+    return path
+
+
+def _qwen25_vl_for_t5(model, tmp):
+    return {"family": "flux", "args": ["--prompt", "a red circle", "--component",
+                                       f"text_encoder_2={_qwen25_vl_file(model, tmp)}"]}
+
+
 # -- LoRA faults (--lora FILE[:SCALE]) ----------------------------------------------------------
 
 def lora(make_file):
@@ -322,6 +336,13 @@ CASES = [
     ("component-no-equals", args("--component", "vae"), "give NAME=FILE"),
     ("component-of-another-architecture", component("vae", lambda model, tmp: _weights(model, "unet")),
      "holds no AutoencoderKL in a layout memfit reads"),
+    ("component-qwen25-vl-file-for-a-clip-encoder", component("text_encoder", _qwen25_vl_file),
+     ("qwen_2.5_vl_7b.safetensors: the file holds no CLIPTextModel in a layout memfit reads (transformers "
+      "('text_model.embeddings.token_embedding.weight'), OpenCLIP ('positional_embedding')); it holds 6 tensors: "
+      "model.* (3), visual.* (2), lm_head.* (1). Give a text_encoder file of this model's family.")),
+    ("component-qwen25-vl-file-for-a-t5-encoder", _qwen25_vl_for_t5,
+     ("the file holds no T5EncoderModel in a layout memfit reads (transformers "
+      "('encoder.block.0.layer.0.SelfAttention.q.weight'), llama.cpp ('enc.blk.0.attn_q.weight'))")),
     ("component-vae-of-another-family", component("vae", _vae_with_latent_channels(16)),
      "has 16 latent channels where the model's has 4"),
     ("component-flux-transformer-of-another-width", _flux_transformer_of_width(64),

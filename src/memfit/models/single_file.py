@@ -656,6 +656,11 @@ _SIZE_NAMES = {
                                lambda config: config.get("num_attention_heads", 0) * config.get("attention_head_dim", 0)),
     "T5EncoderModel": ("width {}", "shared.weight", 1, lambda config: config.get("d_model")),
     "UMT5EncoderModel": ("width {}", "shared.weight", 1, lambda config: config.get("d_model")),
+    # transformers 5 nests Qwen2.5-VL's text width in text_config; older configs (Qwen-Image's own) keep it on top.
+    "Qwen2_5_VLForConditionalGeneration": ("width {}", "embed_tokens.weight", 1, lambda config: config.get(
+        "hidden_size") or config.get("text_config", {}).get("hidden_size")),
+    "Qwen3Model": ("width {}", "embed_tokens.weight", 1, lambda config: config.get("hidden_size")),
+    "Qwen3ForCausalLM": ("width {}", "embed_tokens.weight", 1, lambda config: config.get("hidden_size")),
 }
 
 

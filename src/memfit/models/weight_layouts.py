@@ -16,6 +16,11 @@ or out of a whole checkpoint.
 A converter takes the component's tensors with that prefix removed (views of the file's map), the
 component's config and its empty module, and returns them under diffusers' names: diffusers' own
 converters where they only rename and take views, or as diffusers does it where it copies.
+
+Text encoders' files (ComfyUI's ``models/text_encoders``): T5 in transformers' or llama.cpp's names; Qwen2.5-VL
+(Qwen-Image's) and Qwen3 (Z-Image's, FLUX.2 [klein]'s) in transformers' names, older or newer
+(``qwen_2.5_vl_7b.safetensors``: ``model.layers``, ``visual.blocks``; ``qwen_3_4b.safetensors``: Qwen3ForCausalLM's
+over a Qwen3Model), or llama.cpp's (their GGUF files), each renamed to the installed transformers' names.
 """
 
 from __future__ import annotations
@@ -25,8 +30,11 @@ from typing import Callable
 
 import torch
 
-__all__ = ["AS_SAVED", "BFL_FLUX", "COMPONENT_LAYOUTS", "LDM_UNET", "LDM_VAE", "LLAMA_CPP_T5", "Layout", "MMDIT_SD3",
-           "OPEN_CLIP", "ORIGINAL_WAN", "TRANSFORMERS_CLIP", "TRANSFORMERS_T5", "find_layouts", "group_counts"]
+from memfit.errors import MemfitError
+
+__all__ = ["AS_SAVED", "BFL_FLUX", "COMPONENT_LAYOUTS", "LDM_UNET", "LDM_VAE", "LLAMA_CPP_LM", "LLAMA_CPP_T5", "MMDIT_SD3",
+           "OPEN_CLIP", "ORIGINAL_WAN", "TRANSFORMERS_CLIP", "TRANSFORMERS_QWEN3", "TRANSFORMERS_QWEN25_VL",
+           "TRANSFORMERS_T5", "Layout", "find_layouts", "group_counts"]
 
 
 def _convert_unet(tensors: dict, config: dict, module) -> dict:
@@ -260,6 +268,78 @@ def _convert_llama_cpp_t5(tensors: dict, config: dict, module) -> dict:
     return {live_names.get(key, key): value for key, value in tensors.items()}
 
 
+def _live_name(key: str, live) -> str | None:
+    """The name ``live`` (a model's state dict names) gives the file's tensor ``key``: as it is, or with the
+    prefixes a causal-LM text encoder's files differ by: transformers' ``model.`` over the bare model (ComfyUI's
+    ``qwen_3_4b.safetensors`` is Qwen3ForCausalLM's names, Z-Image's encoder a Qwen3Model), and Qwen2.5-VL's
+    older layout (``model.layers``, ``visual.blocks``: ComfyUI's ``qwen_2.5_vl_7b.safetensors``, which
+    transformers 5 nests as ``model.language_model`` and ``model.visual``)."""
+    bare = key.removeprefix("model.")
+    return next((name for name in (key, "model." + key, bare, "model.language_model." + bare) if name in live), None)
+
+
+class _AbsentVisionTower(torch.nn.Module):
+    """Where a Qwen2.5-VL text encoder's vision tower is when its file holds none (llama.cpp's text GGUF keeps it in
+    a separate mmproj file, text-only exports leave it out): text-to-image never runs it, so it is not built;
+    giving the encoder an image says which file lacked it."""
+
+    def __init__(self, path_hint: str):
+        super().__init__()
+        self.path_hint = path_hint
+
+    def forward(self, *args, **kwargs):
+        raise MemfitError(f"This text encoder was read from a file with no vision tower ({self.path_hint}.* tensors), "
+                          "so it encodes text alone; give a file that holds it (ComfyUI's qwen_2.5_vl_7b.safetensors) "
+                          "to encode images.")
+
+
+def _convert_causal_lm(tensors: dict, config: dict, module) -> dict:
+    """A transformers text encoder's file (Qwen2.5-VL's, Qwen3's) in the model's own names, by renames alone
+    (_live_name). What the file leaves out and the image pipelines never run is made up without a copy: an absent
+    LM head (the pipelines read hidden states, never the logits) is the token embedding, as a tied model's is (a
+    tied model is tied after loading, as from_pretrained ties it); an absent vision tower is left out of the model
+    (_AbsentVisionTower). An LM head the model has no place for (a Qwen3ForCausalLM file for a Qwen3Model) is
+    passed over; any other name is kept, so loading names it as extra."""
+    live = module.state_dict()
+    converted = {}
+    for key, value in tensors.items():
+        name = _live_name(key, live)
+        if name is None and key == "lm_head.weight":
+            continue
+        converted[name or key] = value
+    embedding = next((name for name in ("model.language_model.embed_tokens.weight", "model.embed_tokens.weight",
+                                        "embed_tokens.weight") if name in live), None)
+    # Qwen2.5-VL's config says it on top, Qwen3's on its one config.
+    tied = any(getattr(part, "tie_word_embeddings", False) for part in (module.config, module.config.get_text_config()))
+    if "lm_head.weight" in live and "lm_head.weight" not in converted and embedding in converted and not tied:
+        converted["lm_head.weight"] = converted[embedding]
+    tower = next((path for path in ("model.visual", "visual") if any(name.startswith(path + ".") for name in live)),
+                 None)
+    if tower is not None and not any(name.startswith(tower + ".") for name in converted):
+        parent, _, child = tower.rpartition(".")
+        setattr(module.get_submodule(parent), child, _AbsentVisionTower(tower.removeprefix("model.")))
+    return converted
+
+
+def _convert_llama_cpp_causal_lm(tensors: dict, config: dict, module) -> dict:
+    """llama.cpp's names (``blk.0.attn_q.weight``, ``token_embd.weight``, ``output_norm.weight``: Qwen2.5-VL's
+    and Qwen3's GGUF files) in the model's own names, by the gguf package's map for the model's architecture,
+    asked for each tensor the model has under the names transformers' files give it; then as _convert_causal_lm
+    (an absent ``output.weight`` is the token embedding, an absent vision tower left out)."""
+    import gguf
+
+    architecture = gguf.MODEL_ARCH.QWEN2VL if hasattr(module.config, "vision_config") else gguf.MODEL_ARCH.QWEN3
+    names = gguf.TensorNameMap(architecture, module.config.get_text_config().num_hidden_layers)
+    stored_names = {}
+    for live in module.state_dict():
+        for candidate in (live, "model." + live, live.replace("model.language_model.", "model.", 1)):
+            stored = names.get_name(candidate, try_suffixes=(".weight", ".bias"))
+            if stored is not None:
+                stored_names.setdefault(stored, live)
+                break
+    return _convert_causal_lm({stored_names.get(key, key): value for key, value in tensors.items()}, config, module)
+
+
 @dataclass(frozen=True)
 class Layout:
     """A way a component's weights are stored: ``name`` for messages; ``markers``, tensor names only this layout
@@ -284,6 +364,13 @@ ORIGINAL_WAN = Layout("Wan", ("blocks.0.self_attn.q.weight",), _convert_wan)
 MMDIT_SD3 = Layout("MMDiT", ("joint_blocks.0.x_block.attn.qkv.weight",), _convert_sd3)
 TRANSFORMERS_T5 = Layout("transformers", ("encoder.block.0.layer.0.SelfAttention.q.weight",), _convert_t5)
 LLAMA_CPP_T5 = Layout("llama.cpp", ("enc.blk.0.attn_q.weight",), _convert_llama_cpp_t5)
+# Qwen2.5-VL (Qwen-Image's encoder) in transformers' older layout (ComfyUI's qwen_2.5_vl_7b.safetensors) or its
+# nested one; Qwen3 (Z-Image's, FLUX.2 [klein]'s) as Qwen3ForCausalLM's (ComfyUI's qwen_3_4b.safetensors) or
+# Qwen3Model's names; both as llama.cpp's GGUF files name them.
+TRANSFORMERS_QWEN25_VL = Layout("transformers", ("model.embed_tokens.weight", "model.language_model.embed_tokens.weight"),
+                                _convert_causal_lm)
+TRANSFORMERS_QWEN3 = Layout("transformers", ("model.embed_tokens.weight", "embed_tokens.weight"), _convert_causal_lm)
+LLAMA_CPP_LM = Layout("llama.cpp", ("blk.0.attn_q.weight",), _convert_llama_cpp_causal_lm)
 # A file memfit wrote (--quantize): the model's own names, whatever its class.
 AS_SAVED = Layout("memfit", (), _as_stored)
 
@@ -306,6 +393,9 @@ COMPONENT_LAYOUTS = {
     "SD3Transformer2DModel": (MMDIT_SD3, _diffusers("transformer_blocks.0.attn.to_q.weight")),
     "T5EncoderModel": (TRANSFORMERS_T5, LLAMA_CPP_T5),
     "UMT5EncoderModel": (TRANSFORMERS_T5, LLAMA_CPP_T5),
+    "Qwen2_5_VLForConditionalGeneration": (TRANSFORMERS_QWEN25_VL, LLAMA_CPP_LM),
+    "Qwen3Model": (TRANSFORMERS_QWEN3, LLAMA_CPP_LM),
+    "Qwen3ForCausalLM": (TRANSFORMERS_QWEN3, LLAMA_CPP_LM),
 }
 
 
