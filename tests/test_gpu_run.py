@@ -159,6 +159,17 @@ def test_stage_baseline_on_a_gpu_is_allocated_memory(patched_cuda):
     assert runtime.memory_in_use() == patched_cuda["allocated"]
 
 
+def test_the_automatic_budget_on_a_gpu_counts_the_allocators_cache(patched_cuda):
+    """Issue 34, item 10: the automatic budget added free memory to what the caller counted in use (allocated
+    tensors), so the allocator's cached blocks, which mem_get_info counts as used and the run reuses, were in
+    neither: 700 MiB of this GPU lost. Now what the process holds counts at least its reserved memory."""
+    runtime = runtime_for("cuda")
+    resolved = resolve_budget("auto", runtime, in_use=runtime.memory_in_use())
+    reserve = resolved.budget.device - (patched_cuda["free"] + patched_cuda["reserved"])
+    assert -GiB <= reserve < 0  # free + held, less the device reserve (256 MiB to 1 GiB)
+    assert "+ 1.00 GiB this process holds" in resolved.source
+
+
 def test_an_explicit_budget_above_what_the_gpu_can_give_now_is_refused(patched_cuda):
     runtime = runtime_for("cuda")
     # 2 GiB free + 1 GiB this process's allocator holds: 3 GiB; another process holds the other 5.

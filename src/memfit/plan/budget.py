@@ -364,7 +364,8 @@ def detect(
     (``.budget``, and ``.source`` in words).
 
     With a CUDA ``device`` ("cuda", "cuda:1"): device = free device memory
-    (``torch.cuda.mem_get_info``) + ``in_use`` minus ``reserve`` (default ``device_reserve``:
+    (``torch.cuda.mem_get_info``) + ``in_use`` (at least what this process's allocator holds, its
+    cache included) minus ``reserve`` (default ``device_reserve``:
     1/16 of the GPU, 256 MiB to 1 GiB); host = available RAM minus ``host_reserve``. Without one
     (None or "cpu"): device = available RAM + ``in_use`` minus ``reserve`` (default
     ``host_reserve``: 1/8 of the container limit or RAM, 64 MiB to 2 GiB) and host = 0, because on
@@ -378,6 +379,9 @@ def detect(
     unified = _is_unified(device)
     if _is_cuda(device):
         free, total = _cuda_memory(device)
+        # The allocator's cached blocks are this process's to reuse, and mem_get_info counts them as used:
+        # what it holds is at least its reserved memory, whatever the caller counted (allocated tensors).
+        in_use = max(in_use, _cuda_held(device))
         d_reserve = device_reserve(total) if reserve is None else parse_size(reserve)
         h_reserve = host_reserve(host.total or host.available)
         budget = Budget(device=max(0, in_use + free - d_reserve), host=max(0, host.available - h_reserve))
