@@ -779,8 +779,7 @@ class SwapHook(ModuleHook):
             place = self.runtime.take_slot(self, modes)
             if place is None:
                 return False
-            stream = prefetches.stream()
-            stream.wait_stream(device.current_stream())
+            stream = prefetches.stream()  # ordered after the slot's last forward by BlockSlots.lay_out, no more
             if self.reads_files:
                 # Reading the file into the ring is host work: the reader thread does it (and queues
                 # the copy after it) while this thread goes on queuing the current block's kernels.
