@@ -14,25 +14,25 @@ import json
 import shutil
 from pathlib import Path
 
-import numpy as np
 import pytest
 import torch
 from safetensors.torch import save_file
 
 import memfit
 from memfit.errors import MemfitError
+from memfit.models.folder import ModelFolder
 from memfit.models.single_file import SingleFileModel, detect_family, file_places
 from memfit.testing import diffusers_output, max_pixel_difference, save_pipeline
 
-IMAGE = dict(prompt="a red house near the sea", steps=2, seed=3, width=32, height=32)
-WAN = dict(prompt="a red circle drifting right", steps=2, seed=3, width=32, height=32, frames=5)
+IMAGE = {"prompt": "a red house near the sea", "steps": 2, "seed": 3, "width": 32, "height": 32}
+WAN = {**IMAGE, "prompt": "a red circle drifting right", "frames": 5}
 SETTINGS = {"wan": WAN, "qwenimage": IMAGE, "chroma": IMAGE, "zimage": IMAGE}
 CLASSES = {"wan": "WanTransformer3DModel", "qwenimage": "QwenImageTransformer2DModel",
            "chroma": "ChromaTransformer2DModel", "zimage": "ZImageTransformer2DModel"}
 FAMILY_TYPES = {"wan": "wan-t2v-1.3B", "qwenimage": "qwen-image", "chroma": "chroma", "zimage": "z-image-turbo"}
 LABELS = {"wan": "Wan text-to-video 1.3B", "qwenimage": "Qwen-Image", "chroma": "Chroma", "zimage": "Z-Image"}
 # ComfyUI's diffusion_models/ files keep the denoiser alone; some carry the all-in-one prefix even so.
-PREFIXES = {"wan": "", "qwenimage": "model.diffusion_model.", "chroma": "", "zimage": "model.diffusion_model."}
+PREFIXES = {"wan": "", "qwenimage": "", "chroma": "model.diffusion_model.", "zimage": "model.diffusion_model."}
 
 
 def _frames(result) -> list:
@@ -112,7 +112,7 @@ def test_an_sd3_checkpoint_streams_under_a_budget(sd3, streamed_plans):
     from conftest import smallest_budget
 
     folder, path, image = sd3
-    budget = smallest_budget(model=path, config=folder, **dict(IMAGE, steps=1))
+    budget = smallest_budget(model=path, config=folder, **{**IMAGE, "steps": 1})
     assert budget < path.stat().st_size
     streamed_plans.clear()
     ours = memfit.generate(model=path, config=folder, budget=budget, progress=False, **IMAGE)
@@ -139,6 +139,9 @@ def test_an_sd3_transformer_alone_takes_the_rest_from_config(sd3, tmp_path):
                                           r".* give --component vae=FILE .*--component text_encoder=FILE \(e.g. "
                                           r"clip_l.safetensors\)"):
         memfit.generate(model=transformer, config=configs_only, budget="none", progress=False, **IMAGE)
+    # A CLIP-L file of its own is read in transformers' names as it is: this one holds SD3's (identity) projection.
+    width = states["text_encoder"]["text_model.embeddings.token_embedding.weight"].shape[1]
+    states["text_encoder"]["text_projection.weight"] = torch.eye(width)
     files = {}
     for name in ("vae", "text_encoder", "text_encoder_2", "text_encoder_3"):
         files[name] = tmp_path / f"{name}.safetensors"
@@ -171,7 +174,11 @@ def test_sd3_sizes_are_told_apart_by_structure(changes, model_type):
 def _original_state(folder: Path, kind: str) -> dict[str, torch.Tensor]:
     import diffusers
 
-    from memfit.testing.single_file import chroma_original_state_dict, wan_original_state_dict, z_image_original_state_dict
+    from memfit.testing.single_file import (
+        chroma_original_state_dict,
+        wan_original_state_dict,
+        z_image_original_state_dict,
+    )
 
     transformer = getattr(diffusers, CLASSES[kind]).from_pretrained(folder / "transformer")
     to_file = {"wan": wan_original_state_dict, "chroma": chroma_original_state_dict,
@@ -209,8 +216,10 @@ def test_a_denoiser_alone_as_the_model_draws_the_folders_image(denoisers, kind):
     assert detect_family(path, SingleFileModel.open_file(path, config=folder).weights["transformer"].checkpoint.shapes
                          ).model_type == FAMILY_TYPES[kind]
     ours = memfit.generate(model=path, config=folder, budget="none", progress=False, **settings)
-    assert ours.report.notes[0].startswith(f"model: {path.name}, a {LABELS[kind]} single-file checkpoint")
-    assert "text_encoder" in ours.report.notes[0].split("; ")[1] and "not in the file: read from" in ours.report.notes[0]
+    others = [name for name in ModelFolder.open(folder).model_components if name != "transformer"]
+    assert ours.report.notes[0] == (f"model: {path.name}, a {LABELS[kind]} single-file checkpoint "
+                                    f"({ModelFolder.open(folder).class_name}); configs and tokenizers from --config "
+                                    f"{folder}; {', '.join(others)} not in the file: read from {folder}")
     assert max_pixel_difference(_frames(ours), image) == 0
     model = SingleFileModel.open_file(path, config=folder)
     transformer = model.load_stage(["transformer"], torch.float32, in_file_dtype=["transformer"]).transformer
@@ -228,7 +237,7 @@ def test_a_denoiser_alone_streams_under_a_budget(denoisers, kind, streamed_plans
 
     folder, path, image = denoisers(kind)
     settings = SETTINGS[kind]
-    budget = smallest_budget(model=path, config=folder, **dict(settings, steps=1))
+    budget = smallest_budget(model=path, config=folder, **{**settings, "steps": 1})
     streamed_plans.clear()
     ours = memfit.generate(model=path, config=folder, budget=budget, progress=False, **settings)
     streamed = {plan.stages[0].name: plan.stages[0].streamed_from_disk_bytes for plan in streamed_plans}
@@ -250,7 +259,9 @@ def test_chroma_converts_as_diffusers_converts_it_at_the_real_width():
     gives diffusers' converter's names and shapes, which are the model's own."""
     from accelerate import init_empty_weights
     from diffusers import ChromaTransformer2DModel
-    from diffusers.loaders.single_file_utils import convert_chroma_transformer_checkpoint_to_diffusers
+    from diffusers.loaders.single_file_utils import (
+        convert_chroma_transformer_checkpoint_to_diffusers,
+    )
 
     from memfit.models.weight_layouts import CHROMA
     from memfit.testing.single_file import chroma_original_state_dict
@@ -268,7 +279,7 @@ def test_chroma_converts_as_diffusers_converts_it_at_the_real_width():
 @pytest.mark.parametrize("kind, repository", [("chroma", "lodestones/Chroma1-HD"), ("qwenimage", "Qwen/Qwen-Image")])
 def test_a_denoiser_alone_offline_without_configs_names_the_three_ways(denoisers, kind, repository, tmp_path,
                                                                          monkeypatch):
-    folder, path, _ = denoisers(kind)
+    _, path, _ = denoisers(kind)
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     monkeypatch.setenv("HF_HOME", str(tmp_path / "no-cache"))
     monkeypatch.delenv("HF_HUB_CACHE", raising=False)

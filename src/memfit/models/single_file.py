@@ -38,8 +38,8 @@ from memfit.errors import MemfitError
 from memfit.models.folder import ModelFolder, check_weight_entries, load_tensors_only, pickle_refused, size_mismatch
 from memfit.models.locate import PICKLE_SUFFIXES, refuse_missing_model
 from memfit.models.weight_layouts import (BFL_FLUX, CHROMA, LDM_UNET, LDM_VAE, MMDIT_SD3, OPEN_CLIP, ORIGINAL_WAN,
-                                          ORIGINAL_Z_IMAGE, QWEN_IMAGE, TRANSFORMERS_CLIP, TRANSFORMERS_T5, Layout,
-                                          group_counts)
+                                          ORIGINAL_Z_IMAGE, QWEN_IMAGE, SD3_CLIP_L, TRANSFORMERS_CLIP, TRANSFORMERS_T5,
+                                          Layout, group_counts)
 from memfit.plan.meta import is_model_class
 from memfit.quant.formats import FP8_FORMATS, STORAGE_DTYPE, StoredTensor
 from memfit.quant.gguf_file import MappedGguf
@@ -113,8 +113,8 @@ _FLUX_FILES = ("scheduler", "tokenizer", "tokenizer_2")
 # model.diffusion_model., the 16-channel VAE in LDM keys, CLIP-L, CLIP-G and T5-XXL in transformers' names under
 # text_encoders.; sd3.5_large.safetensors holds the MMDiT alone, ComfyUI's diffusion_models/ files with no prefix.
 _SD3_PARTS = {"transformer": Part(("model.diffusion_model.", ""), MMDIT_SD3),
-              "vae": Part(("first_stage_model.",), LDM_VAE, optional=True, usual_file="a VAE in LDM keys"),
-              "text_encoder": Part(("text_encoders.clip_l.transformer.",), TRANSFORMERS_CLIP, optional=True,
+              "vae": Part(("first_stage_model.",), LDM_VAE, optional=True),
+              "text_encoder": Part(("text_encoders.clip_l.transformer.",), SD3_CLIP_L, optional=True,
                                    usual_file="clip_l.safetensors"),
               "text_encoder_2": Part(("text_encoders.clip_g.transformer.",), TRANSFORMERS_CLIP, optional=True,
                                      usual_file="clip_g.safetensors"),

@@ -27,8 +27,26 @@ from typing import Callable
 
 import torch
 
-__all__ = ["AS_SAVED", "BFL_FLUX", "CHROMA", "COMPONENT_LAYOUTS", "LDM_UNET", "LDM_VAE", "LLAMA_CPP_T5", "Layout", "MMDIT_SD3",
-           "OPEN_CLIP", "ORIGINAL_WAN", "ORIGINAL_Z_IMAGE", "QWEN_IMAGE", "TRANSFORMERS_CLIP", "TRANSFORMERS_T5", "find_layouts", "group_counts"]
+__all__ = [
+    "AS_SAVED",
+    "BFL_FLUX",
+    "CHROMA",
+    "COMPONENT_LAYOUTS",
+    "LDM_UNET",
+    "LDM_VAE",
+    "LLAMA_CPP_T5",
+    "MMDIT_SD3",
+    "OPEN_CLIP",
+    "ORIGINAL_WAN",
+    "ORIGINAL_Z_IMAGE",
+    "QWEN_IMAGE",
+    "SD3_CLIP_L",
+    "TRANSFORMERS_CLIP",
+    "TRANSFORMERS_T5",
+    "Layout",
+    "find_layouts",
+    "group_counts",
+]
 
 
 def _convert_unet(tensors: dict, config: dict, module) -> dict:
@@ -60,16 +78,17 @@ def _text_model_names(tensors: dict, module) -> dict:
 
 
 def _convert_clip(tensors: dict, config: dict, module) -> dict:
-    """transformers' layout (an LDM checkpoint's CLIP-L, ComfyUI's clip_l): the names as they are.
+    """transformers' layout (an LDM checkpoint's CLIP-L, ComfyUI's clip_l): the names as they are."""
+    return _text_model_names(tensors, module)
 
-    SD3 runs its CLIP-L with a projection, which Stability's all-in-one files and ComfyUI's clip_l.safetensors do
-    not hold: SD3 runs it as the identity (as diffusers' single-file loading and ComfyUI do), the one tensor
-    materialized. A projection the file holds is used as it is."""
+
+def _convert_sd3_clip_l(tensors: dict, config: dict, module) -> dict:
+    """SD3's CLIP-L in transformers' layout. SD3 runs it with a projection that Stability's all-in-one files do not
+    hold: the identity, as diffusers' single-file loading and ComfyUI give it, the one tensor materialized. A
+    projection the file holds is used as it is."""
     converted = _text_model_names(tensors, module)
-    projection = getattr(module, "text_projection", None)
     embedding = next((value for key, value in converted.items() if key.endswith("token_embedding.weight")), None)
-    if projection is not None and "text_projection.weight" not in converted and embedding is not None \
-            and projection.weight.shape[0] == projection.weight.shape[1] == embedding.shape[1]:
+    if hasattr(module, "text_projection") and "text_projection.weight" not in converted and embedding is not None:
         converted["text_projection.weight"] = torch.eye(embedding.shape[1], dtype=embedding.dtype,
                                                         device=embedding.device)
     return converted
@@ -317,6 +336,7 @@ LDM_UNET = Layout("LDM", ("time_embed.0.weight",), _convert_unet)
 LDM_VAE = Layout("LDM", ("encoder.norm_out.weight",), _convert_vae)
 TRANSFORMERS_CLIP = Layout("transformers", ("text_model.embeddings.token_embedding.weight",
                                             "embeddings.token_embedding.weight"), _convert_clip)
+SD3_CLIP_L = Layout("transformers", TRANSFORMERS_CLIP.markers, _convert_sd3_clip_l)
 OPEN_CLIP = Layout("OpenCLIP", ("positional_embedding",), _convert_open_clip)
 BFL_FLUX = Layout("Black Forest Labs", ("double_blocks.0.img_attn.qkv.weight",), _convert_flux)
 ORIGINAL_WAN = Layout("Wan", ("blocks.0.self_attn.q.weight",), _convert_wan)

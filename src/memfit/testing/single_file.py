@@ -30,9 +30,24 @@ from pathlib import Path
 
 import torch
 
-__all__ = ["FLUX_FILE_NAMES", "FLUX_PREFIXES", "SD3_PREFIXES", "chroma_original_state_dict", "flux_bfl_state_dict",
-           "save_aligned", "save_sd3_checkpoint", "sd3_states", "z_image_original_state_dict", "sd3_mmdit_state_dict", "wan_original_state_dict", "ldm_state_dict", "ldm_vae_state_dict", "save_flux_checkpoint", "save_flux_files",
-           "save_single_file"]
+__all__ = [
+    "FLUX_FILE_NAMES",
+    "FLUX_PREFIXES",
+    "SD3_PREFIXES",
+    "chroma_original_state_dict",
+    "flux_bfl_state_dict",
+    "ldm_state_dict",
+    "ldm_vae_state_dict",
+    "save_aligned",
+    "save_flux_checkpoint",
+    "save_flux_files",
+    "save_sd3_checkpoint",
+    "save_single_file",
+    "sd3_mmdit_state_dict",
+    "sd3_states",
+    "wan_original_state_dict",
+    "z_image_original_state_dict",
+]
 
 # A few of the tensors real SD files carry beside the models (the training schedule, the
 # text encoder's position ids): a loader must leave them alone.
@@ -548,7 +563,9 @@ _Z_IMAGE_RENAMES = (("all_final_layer.2-1.", "final_layer."), ("all_x_embedder.2
 def z_image_original_state_dict(transformer) -> dict[str, torch.Tensor]:
     """A ZImageTransformer2DModel's tensors in Z-Image's original keys (each attention's q, k and v fused in one
     ``qkv``). Raises AssertionError unless diffusers' converter gives the model's own tensors back."""
-    from diffusers.loaders.single_file_utils import convert_z_image_transformer_checkpoint_to_diffusers
+    from diffusers.loaders.single_file_utils import (
+        convert_z_image_transformer_checkpoint_to_diffusers,
+    )
 
     out, fused = {}, {}
     for key, tensor in transformer.state_dict().items():
