@@ -151,8 +151,8 @@ def test_an_sd3_transformer_alone_takes_the_rest_from_config(sd3, tmp_path):
     assert max_pixel_difference(_frames(ours), image) == 0
 
 
-@pytest.mark.parametrize("changes, model_type", [({}, "sd3"), (dict(qk_norm="rms_norm"), "sd35_large"),
-                                                 (dict(qk_norm="rms_norm", dual_attention_layers=(0,)), "sd35_medium")])
+@pytest.mark.parametrize("changes, model_type", [({}, "sd3"), ({"qk_norm": "rms_norm"}, "sd35_large"),
+                                                 ({"qk_norm": "rms_norm", "dual_attention_layers": (0,)}, "sd35_medium")])
 def test_sd3_sizes_are_told_apart_by_structure(changes, model_type):
     """diffusers tells SD3 Medium, SD3.5 Large and SD3.5 Medium apart by the released models' widths and depths,
     which a file of another size lacks: memfit by their q/k norms and second attention, alone or prefixed."""
@@ -170,6 +170,20 @@ def test_sd3_sizes_are_told_apart_by_structure(changes, model_type):
 
 
 # -- Denoisers alone: Wan, Qwen-Image, Chroma, Z-Image ----------------------------------------------------
+
+def test_a_wan_image_to_video_transformer_is_refused_naming_what_diffusers_calls_it():
+    """Wan's image-to-video transformer (its image embedder), which memfit does not run, whatever its width."""
+    shapes = {"blocks.0.self_attn.q.weight": (torch.float32, [24, 24]), "head.modulation": (torch.float32, [1, 2, 24]),
+              "patch_embedding.weight": (torch.float32, [24, 36, 1, 2, 2]),
+              "img_emb.proj.1.weight": (torch.float32, [24, 16])}
+    with pytest.raises(MemfitError, match="is a checkpoint diffusers calls 'wan-i2v-14B', which memfit cannot open"):
+        detect_family(Path("wan2.1_i2v_480p_14B_fp16.safetensors"), shapes)
+    text_to_video = {key: value for key, value in shapes.items() if not key.startswith("img_emb.")}
+    assert detect_family(Path("wan2.1_t2v_1.3B_fp16.safetensors"), text_to_video).model_type == "wan-t2v-1.3B"
+    for width, model_type in ((3072, "wan-ti2v-5B"), (5120, "wan-t2v-14B")):
+        wide = {**text_to_video, "patch_embedding.weight": (torch.float32, [width, 48, 1, 2, 2])}
+        assert detect_family(Path("wan.safetensors"), wide).model_type == model_type
+
 
 def _original_state(folder: Path, kind: str) -> dict[str, torch.Tensor]:
     import diffusers

@@ -155,6 +155,9 @@ FAMILIES = {
                            ("scheduler", "tokenizer"), denoiser_alone=True),
     "wan-t2v-14B": Family("wan-t2v-14B", "Wan text-to-video 14B", "WanPipeline", _denoiser(ORIGINAL_WAN),
                           ("scheduler", "tokenizer"), denoiser_alone=True),
+    # diffusers' single-file loading has no name for Wan 2.2's 5B (it calls it "wan-i2v-14B").
+    "wan-ti2v-5B": Family("wan-ti2v-5B", "Wan 2.2 5B", "WanPipeline", _denoiser(ORIGINAL_WAN), ("scheduler", "tokenizer"),
+                          denoiser_alone=True, repository="Wan-AI/Wan2.2-TI2V-5B-Diffusers"),
     "qwen-image": Family("qwen-image", "Qwen-Image", "QwenImagePipeline", _denoiser(QWEN_IMAGE), ("scheduler", "tokenizer"),
                          denoiser_alone=True, repository="Qwen/Qwen-Image"),
     "chroma": Family("chroma", "Chroma", "ChromaPipeline", _denoiser(CHROMA), ("scheduler", "tokenizer"),
@@ -172,12 +175,12 @@ def _mmdit_type(shapes, prefix: str) -> str:
 
 
 def _wan_type(shapes, prefix: str) -> str | None:
-    """A text-to-video Wan transformer's size; None for an image-to-video one (its image embedder), which memfit
-    does not run."""
+    """A text-to-video Wan transformer's size (Wan 2.2's 5B is 3072 wide); None for an image-to-video one (its image
+    embedder), which memfit does not run."""
     if any(key.startswith(f"{prefix}img_emb.") for key in shapes):
         return None
     width = shapes.get(f"{prefix}patch_embedding.weight", (None, [0]))[1][0]
-    return "wan-t2v-1.3B" if width <= 1536 else "wan-t2v-14B"
+    return "wan-t2v-1.3B" if width <= 1536 else "wan-ti2v-5B" if width == 3072 else "wan-t2v-14B"
 
 
 # The denoisers memfit knows by their layout's marker, where diffusers' inference cannot tell: it tells SD3's
