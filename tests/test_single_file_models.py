@@ -259,6 +259,27 @@ def test_a_denoiser_alone_streams_under_a_budget(denoisers, kind, streamed_plans
     assert max_pixel_difference(_frames(ours), image) == 0
 
 
+@pytest.mark.parametrize("kind", ["wan", "zimage"])
+def test_a_gguf_denoiser_alone_as_the_model_is_the_same_file_as_a_component(tmp_path, kind):
+    """A GGUF Q8_0 transformer (city96's, QuantStack's) as --model: the family from its header's logical shapes, the
+    image that of the same file as --component of the folder (held to diffusers' GGUF loading elsewhere)."""
+    from memfit.quant.linear import QuantizedLinear
+    from memfit.testing.quantized import save_gguf
+
+    folder = save_pipeline(kind, tmp_path / kind, seed=0, scale=4 if kind == "wan" else 1)
+    path = save_gguf(_original_state(folder, kind), tmp_path / f"{kind}-Q8_0.gguf", "Q8_0", architecture=kind,
+                     keep=lambda key: key.endswith("modulation"))
+    settings = SETTINGS[kind]
+    ours = memfit.generate(model=path, config=folder, budget="none", progress=False, **settings)
+    expected = memfit.generate(model=folder, components={"transformer": path}, budget="none", progress=False, **settings)
+    assert max_pixel_difference(_frames(ours), _frames(expected)) == 0
+    assert ours.report.notes[0].startswith(f"model: {path.name}, a {LABELS[kind]} single-file checkpoint")
+    model = SingleFileModel.open_file(path, config=folder)
+    transformer = model.load_stage(["transformer"], torch.float32, in_file_dtype=[]).transformer
+    block = transformer.blocks[0].attn1 if kind == "wan" else transformer.layers[0].attention
+    assert isinstance(block.to_k, QuantizedLinear) and block.to_k.format.name == "Q8_0"
+
+
 @pytest.mark.parametrize("kind", ["chroma", "zimage"])
 def test_a_chroma_or_z_image_transformer_as_a_component(denoisers, kind):
     """--component transformer=FILE reads Chroma's and Z-Image's original keys too."""
