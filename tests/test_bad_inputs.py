@@ -152,6 +152,21 @@ def _as_ckpt(path):
     return ckpt
 
 
+def _mmdit_alone_offline(model, tmp):
+    """A tiny SD3 transformer alone in Stability's MMDiT keys, run offline with no --config and an empty cache."""
+    from diffusers import SD3Transformer2DModel
+
+    from memfit.testing.single_file import sd3_mmdit_state_dict
+
+    transformer = SD3Transformer2DModel(sample_size=16, num_layers=2, attention_head_dim=8, num_attention_heads=2,
+                                        joint_attention_dim=16, caption_projection_dim=16, pooled_projection_dim=16,
+                                        pos_embed_max_size=16)
+    path = tmp / "sd3.5_large.safetensors"
+    save_file({key: value.contiguous() for key, value in sd3_mmdit_state_dict(transformer).items()}, path)
+    return {"model": path, "args": ["--prompt", "a red circle"],
+            "env": {"HF_HUB_OFFLINE": "1", "HF_HOME": str(tmp / "empty-cache")}}
+
+
 def _config_of_another_size(model, tmp):
     made = single_file()(model, tmp)
     config = json.loads((model / "unet" / "config.json").read_text())
@@ -324,6 +339,9 @@ CASES = [
     ("single-file-ckpt-without-allow-pickle", single_file(_as_ckpt), "is a pickle checkpoint"),
     ("single-file-no-configs-offline", single_file(config=False, env={"HF_HUB_OFFLINE": "1", "HF_HOME": "/nonexistent"}),
      "pass --config DIR"),
+    ("single-file-transformer-alone-no-configs-offline", _mmdit_alone_offline,
+     ("is a Stable Diffusion 3 checkpoint, which holds weights but no configs or tokenizers, and none were found "
+      "(HF_HUB_OFFLINE is set): pass --config DIR")),
     ("single-file-config-of-another-size", _config_of_another_size, "the configs are for another model"),
     ("config-for-a-folder", args("--config", "/tmp"), "--config is for a single-file checkpoint"),
     ("refiner-config-for-a-folder", lambda model, tmp: {"args": ["--prompt", "a red circle", "--refiner", str(model),

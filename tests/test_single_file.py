@@ -203,10 +203,11 @@ def test_plan_sizes_the_file_from_its_header_as_the_folder(checkpoint, capsys):
 
 def test_configs_from_the_hugging_face_cache(checkpoint, folder_image, tmp_path, monkeypatch):
     """No --config: the family's default repository in the Hugging Face cache, configs only (no weights)."""
+    from memfit.models.single_file import FAMILIES
     from memfit.models.single_file_configs import default_repository
 
     folder, path = checkpoint
-    repository = default_repository("v1")
+    repository = default_repository(FAMILIES["v1"])
     cache = tmp_path / "hf" / "hub" / f"models--{repository.replace('/', '--')}"
     snapshot = cache / "snapshots" / "0123456789abcdef0123456789abcdef01234567"
     shutil.copytree(folder, snapshot, ignore=shutil.ignore_patterns("*.safetensors"))

@@ -37,7 +37,8 @@ import torch
 from memfit.errors import MemfitError
 from memfit.models.folder import ModelFolder, check_weight_entries, load_tensors_only, pickle_refused, size_mismatch
 from memfit.models.locate import PICKLE_SUFFIXES, refuse_missing_model
-from memfit.models.weight_layouts import (BFL_FLUX, LDM_UNET, LDM_VAE, OPEN_CLIP, TRANSFORMERS_CLIP, TRANSFORMERS_T5,
+from memfit.models.weight_layouts import (BFL_FLUX, CHROMA, LDM_UNET, LDM_VAE, MMDIT_SD3, OPEN_CLIP, ORIGINAL_WAN,
+                                          ORIGINAL_Z_IMAGE, QWEN_IMAGE, SD3_CLIP_L, TRANSFORMERS_CLIP, TRANSFORMERS_T5,
                                           Layout, group_counts)
 from memfit.plan.meta import is_model_class
 from memfit.quant.formats import FP8_FORMATS, STORAGE_DTYPE, StoredTensor
@@ -75,15 +76,20 @@ class Part:
 
 @dataclass(frozen=True)
 class Family:
-    """A family of all-in-one checkpoints memfit opens: ``model_type`` is diffusers' name for it
-    (infer_diffusers_model_type), ``files`` the components whose files (scheduler, tokenizers) the
-    config folder must hold beside the models' configs."""
+    """A family of single-file checkpoints memfit opens: ``model_type`` is diffusers' name for it
+    (infer_diffusers_model_type; memfit's own where diffusers has none), ``files`` the components whose files
+    (scheduler, tokenizers) the config folder must hold beside the models' configs. A family whose files hold
+    the denoiser alone (``denoiser_alone``: Wan's, Qwen-Image's, Chroma's, Z-Image's) takes every other model
+    of the config folder from it (or from ``--component`` files); ``repository`` is where its configs are
+    published when diffusers' single-file loading names none."""
 
     model_type: str
     label: str
     pipeline_class: str
     parts: dict[str, Part]
     files: tuple[str, ...]
+    denoiser_alone: bool = False
+    repository: str = ""
 
     def describe(self) -> str:
         needed = ", ".join(part.describe(name) for name, part in self.parts.items() if not part.optional)
@@ -103,6 +109,24 @@ _FLUX_PARTS = {"transformer": Part(("model.diffusion_model.", ""), BFL_FLUX),
                "text_encoder_2": Part(("text_encoders.t5xxl.transformer.",), TRANSFORMERS_T5, optional=True,
                                       usual_file="t5xxl_fp16.safetensors")}
 _FLUX_FILES = ("scheduler", "tokenizer", "tokenizer_2")
+# Stability's all-in-one SD3 files (sd3_medium_incl_clips_t5xxlfp16.safetensors): the MMDiT under
+# model.diffusion_model., the 16-channel VAE in LDM keys, CLIP-L, CLIP-G and T5-XXL in transformers' names under
+# text_encoders.; sd3.5_large.safetensors holds the MMDiT alone, ComfyUI's diffusion_models/ files with no prefix.
+_SD3_PARTS = {"transformer": Part(("model.diffusion_model.", ""), MMDIT_SD3),
+              "vae": Part(("first_stage_model.",), LDM_VAE, optional=True),
+              "text_encoder": Part(("text_encoders.clip_l.transformer.",), SD3_CLIP_L, optional=True,
+                                   usual_file="clip_l.safetensors"),
+              "text_encoder_2": Part(("text_encoders.clip_g.transformer.",), TRANSFORMERS_CLIP, optional=True,
+                                     usual_file="clip_g.safetensors"),
+              "text_encoder_3": Part(("text_encoders.t5xxl.transformer.",), TRANSFORMERS_T5, optional=True,
+                                     usual_file="t5xxl_fp16.safetensors")}
+_SD3_FILES = ("scheduler", "tokenizer", "tokenizer_2", "tokenizer_3")
+
+
+def _denoiser(layout: Layout) -> dict[str, Part]:
+    """A family whose files hold the transformer alone (ComfyUI's diffusion_models/), or under
+    model.diffusion_model.: the rest of the pipeline comes from the config folder."""
+    return {"transformer": Part(("model.diffusion_model.", ""), layout)}
 
 FAMILIES = {
     "v1": Family("v1", "Stable Diffusion 1.x", "StableDiffusionPipeline",
@@ -123,7 +147,56 @@ FAMILIES = {
                          ("scheduler", "tokenizer_2")),
     "flux-dev": Family("flux-dev", "Flux.1 [dev]", "FluxPipeline", _FLUX_PARTS, _FLUX_FILES),
     "flux-schnell": Family("flux-schnell", "Flux.1 [schnell]", "FluxPipeline", _FLUX_PARTS, _FLUX_FILES),
+    "sd3": Family("sd3", "Stable Diffusion 3", "StableDiffusion3Pipeline", _SD3_PARTS, _SD3_FILES),
+    "sd35_large": Family("sd35_large", "Stable Diffusion 3.5 Large", "StableDiffusion3Pipeline", _SD3_PARTS, _SD3_FILES),
+    "sd35_medium": Family("sd35_medium", "Stable Diffusion 3.5 Medium", "StableDiffusion3Pipeline", _SD3_PARTS,
+                          _SD3_FILES),
+    "wan-t2v-1.3B": Family("wan-t2v-1.3B", "Wan text-to-video 1.3B", "WanPipeline", _denoiser(ORIGINAL_WAN),
+                           ("scheduler", "tokenizer"), denoiser_alone=True),
+    "wan-t2v-14B": Family("wan-t2v-14B", "Wan text-to-video 14B", "WanPipeline", _denoiser(ORIGINAL_WAN),
+                          ("scheduler", "tokenizer"), denoiser_alone=True),
+    # diffusers' single-file loading has no name for Wan 2.2's 5B (it calls it "wan-i2v-14B").
+    "wan-ti2v-5B": Family("wan-ti2v-5B", "Wan 2.2 5B", "WanPipeline", _denoiser(ORIGINAL_WAN), ("scheduler", "tokenizer"),
+                          denoiser_alone=True, repository="Wan-AI/Wan2.2-TI2V-5B-Diffusers"),
+    "qwen-image": Family("qwen-image", "Qwen-Image", "QwenImagePipeline", _denoiser(QWEN_IMAGE), ("scheduler", "tokenizer"),
+                         denoiser_alone=True, repository="Qwen/Qwen-Image"),
+    "chroma": Family("chroma", "Chroma", "ChromaPipeline", _denoiser(CHROMA), ("scheduler", "tokenizer"),
+                     denoiser_alone=True),
+    "z-image-turbo": Family("z-image-turbo", "Z-Image", "ZImagePipeline", _denoiser(ORIGINAL_Z_IMAGE),
+                            ("scheduler", "tokenizer"), denoiser_alone=True),
 }
+
+
+def _mmdit_type(shapes, prefix: str) -> str:
+    """SD3 Medium, SD3.5 Large (q/k norms) or SD3.5 Medium (q/k norms and a second attention), by structure."""
+    if f"{prefix}joint_blocks.0.x_block.attn2.qkv.weight" in shapes:
+        return "sd35_medium"
+    return "sd35_large" if f"{prefix}joint_blocks.0.x_block.attn.ln_q.weight" in shapes else "sd3"
+
+
+def _wan_type(shapes, prefix: str) -> str | None:
+    """A text-to-video Wan transformer's size (Wan 2.2's 5B is 3072 wide); None for an image-to-video one (its image
+    embedder), which memfit does not run."""
+    if any(key.startswith(f"{prefix}img_emb.") for key in shapes):
+        return None
+    width = shapes.get(f"{prefix}patch_embedding.weight", (None, [0]))[1][0]
+    return "wan-t2v-1.3B" if width <= 1536 else "wan-ti2v-5B" if width == 3072 else "wan-t2v-14B"
+
+
+# The denoisers memfit knows by their layout's marker, where diffusers' inference cannot tell: it tells SD3's
+# and Wan's sizes apart by the released models' widths and depths (SD3's 9216-wide modulation and 36864-long
+# position table, SD3.5 Large's 38th block, Wan's 1536 or 5120 channels), so a file of another size (a pruned
+# or distilled model, a tiny test model) gets no type, or a wrong one; and Qwen-Image's own files keep
+# diffusers' names, from which diffusers infers nothing. memfit tells the variants apart by structure instead.
+_KNOWN_BY_MARKER = ((MMDIT_SD3, _mmdit_type), (ORIGINAL_WAN, _wan_type), (QWEN_IMAGE, lambda shapes, prefix: "qwen-image"))
+
+
+def _type_by_marker(shapes) -> str | None:
+    for layout, model_type in _KNOWN_BY_MARKER:
+        for prefix in ("model.diffusion_model.", ""):
+            if any(prefix + marker in shapes for marker in layout.markers):
+                return model_type(shapes, prefix)
+    return None
 
 
 def detect_family(path: Path, shapes: dict[str, tuple[torch.dtype, list[int]]]) -> Family:
@@ -137,6 +210,8 @@ def detect_family(path: Path, shapes: dict[str, tuple[torch.dtype, list[int]]]) 
         model_type = infer_diffusers_model_type(probe)
     except Exception:  # noqa: BLE001 - a branch that reads values, or a shape it did not expect: unknown to us
         model_type = None
+    if model_type not in FAMILIES or model_type == "v1":  # diffusers' "v1" is also its answer for what it does not know
+        model_type = _type_by_marker(shapes) or model_type
     family = FAMILIES.get(model_type)
     supported = "; ".join(f.describe() for f in FAMILIES.values())
     if family is not None:
@@ -404,7 +479,7 @@ class SingleFileModel(ModelFolder):
             raise MemfitError(f"{config_dir / 'model_index.json'} lists no {', '.join(missing)}, which a {family.label} "
                               f"checkpoint holds; give {config_flag} the diffusers folder of a complete pipeline.")
         configs.components = {name: value for name, value in configs.components.items()
-                              if name in family.parts or not is_model_class(*value)}
+                              if name in family.parts or family.denoiser_alone or not is_model_class(*value)}
         configs.check_layout()
         configs.require_configs(family.parts)
         places = {name: part.place(checkpoint.shapes) for name, part in family.parts.items()}
@@ -506,7 +581,7 @@ class SingleFileModel(ModelFolder):
         if self.family is not None:
             notes.append(f"model: {self.path.name}, a {self.family.label} single-file checkpoint ({self.class_name}); "
                          f"configs and tokenizers from {self.config_source}")
-            absent = [name for name in self.family.parts if name not in self.weights]
+            absent = [name for name in self._family_models() if name not in self.weights]
             if absent:
                 notes.append(f"{', '.join(absent)} not in the file: read from {self.config_dir}")
         replaced = [f"{name} from {weights.path} ({weights.layout.name} layout)" for name, weights in self.weights.items()
@@ -545,15 +620,21 @@ class SingleFileModel(ModelFolder):
         A model the checkpoint lacks (a Flux transformer alone in its file) is read from the config folder, which
         may hold only configs: refused then, naming the --component flag that gives it."""
         from_folder = [name for name in names if name not in self.weights]
-        lacking = [name for name in (self.family.parts if self.family is not None else ())
-                   if name not in self.weights and not self.weight_files(name)]
+        lacking = [name for name in self._family_models() if name not in self.weights and not self.weight_files(name)]
         if any(name in lacking for name in from_folder):
             models = ", ".join(f"{name} ({self.components[name][1]})" for name in lacking)
-            flags = ", ".join(f"--component {name}=FILE (e.g. {self.family.parts[name].usual_file or 'a .safetensors'})"
-                              for name in lacking)
+            usual = {name: part.usual_file for name, part in self.family.parts.items()}
+            flags = ", ".join(f"--component {name}=FILE (e.g. {usual.get(name) or 'a .safetensors'})" for name in lacking)
             raise MemfitError(f"{self.path} holds no {models}, and {self.config_dir} holds no weights for them: give "
                               f"{flags}, or {self.config_flag} a diffusers folder that holds their weights.")
         super().check_weights(from_folder)
+
+    def _family_models(self) -> list[str]:
+        """The models a checkpoint of this family holds or may hold: for a denoiser alone, every model of the
+        config folder (the file gives the denoiser, the folder or --component files the rest)."""
+        if self.family is None:
+            return []
+        return list(self.model_components) if self.family.denoiser_alone else list(self.family.parts)
 
     def weight_files(self, name: str) -> list[Path]:
         return [self.weights[name].path] if name in self.weights else super().weight_files(name)

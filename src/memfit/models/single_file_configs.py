@@ -26,11 +26,12 @@ CONFIG_FILES = ["model_index.json", "*/config.json", "*/*_config.json", "tokeniz
                 "tokenizer*/*.model"]
 
 
-def default_repository(model_type: str) -> str:
-    """The repository diffusers' single-file loader takes a family's configs from."""
+def default_repository(family) -> str:
+    """The repository diffusers' single-file loader takes a family's configs from (the family's own, where
+    diffusers names none: Qwen-Image's)."""
     from diffusers.loaders.single_file_utils import DIFFUSERS_DEFAULT_PIPELINE_PATHS
 
-    return DIFFUSERS_DEFAULT_PIPELINE_PATHS[model_type]["pretrained_model_name_or_path"]
+    return family.repository or DIFFUSERS_DEFAULT_PIPELINE_PATHS[family.model_type]["pretrained_model_name_or_path"]
 
 
 def find_configs(checkpoint: Path, family, config: str | Path | None, flag: str = "--config") -> tuple[Path, str]:
@@ -42,7 +43,7 @@ def find_configs(checkpoint: Path, family, config: str | Path | None, flag: str 
             raise MemfitError(f"{flag} {folder} is not a folder; give a diffusers model folder of the "
                               f"{family.label} family (only its configs and tokenizers are read).")
         return folder, f"{flag} {folder}"
-    repository = default_repository(family.model_type)
+    repository = default_repository(family)
     cached = _cached_snapshot(repository, family)
     if cached is not None:
         return cached, f"the Hugging Face cache's snapshot of {repository} ({cached})"

@@ -7,7 +7,9 @@ original layout (``flux1-dev.safetensors``) or diffusers'; a Wan transformer in 
 ``wan2.2_t2v_high_noise_14B_fp8_scaled.safetensors``, QuantStack's GGUF files) or diffusers'; a Qwen-Image
 transformer in diffusers' names, which its single files keep (Comfy's ``qwen_image_fp8_e4m3fn.safetensors``,
 city96's GGUF files); an SD3/SD3.5 transformer in Stability's original MMDiT layout (``sd3.5_large.safetensors``,
-city96's GGUF files) or diffusers'; a T5 encoder in transformers' layout (``t5xxl_fp16.safetensors``). A layout
+city96's GGUF files) or diffusers'; a Chroma transformer in its original keys (Flux's, with the
+``distilled_guidance_layer`` approximator) or diffusers'; a Z-Image transformer in its original keys
+(``layers.0.attention.qkv.weight``) or diffusers'; a T5 encoder in transformers' layout (``t5xxl_fp16.safetensors``). A layout
 is known by a marker, one tensor name only it has; where that name is found
 in a file fixes the prefix the component's tensors share there (``first_stage_model.`` in an
 all-in-one checkpoint, nothing in a file of its own), so the same layout reads a component alone
@@ -32,9 +34,9 @@ import torch
 
 from memfit.errors import MemfitError
 
-__all__ = ["AS_SAVED", "BFL_FLUX", "COMPONENT_LAYOUTS", "LDM_UNET", "LDM_VAE", "LLAMA_CPP_LM", "LLAMA_CPP_T5", "MMDIT_SD3",
-           "OPEN_CLIP", "ORIGINAL_WAN", "TRANSFORMERS_CLIP", "TRANSFORMERS_QWEN3", "TRANSFORMERS_QWEN25_VL",
-           "TRANSFORMERS_T5", "Layout", "find_layouts", "group_counts"]
+__all__ = ["AS_SAVED", "BFL_FLUX", "CHROMA", "COMPONENT_LAYOUTS", "LDM_UNET", "LDM_VAE", "LLAMA_CPP_LM", "LLAMA_CPP_T5",
+           "MMDIT_SD3", "OPEN_CLIP", "ORIGINAL_WAN", "ORIGINAL_Z_IMAGE", "QWEN_IMAGE", "SD3_CLIP_L", "TRANSFORMERS_CLIP",
+           "TRANSFORMERS_QWEN3", "TRANSFORMERS_QWEN25_VL", "TRANSFORMERS_T5", "Layout", "find_layouts", "group_counts"]
 
 
 def _convert_unet(tensors: dict, config: dict, module) -> dict:
@@ -68,6 +70,18 @@ def _text_model_names(tensors: dict, module) -> dict:
 def _convert_clip(tensors: dict, config: dict, module) -> dict:
     """transformers' layout (an LDM checkpoint's CLIP-L, ComfyUI's clip_l): the names as they are."""
     return _text_model_names(tensors, module)
+
+
+def _convert_sd3_clip_l(tensors: dict, config: dict, module) -> dict:
+    """SD3's CLIP-L in transformers' layout. SD3 runs it with a projection that Stability's all-in-one files do not
+    hold: the identity, as diffusers' single-file loading and ComfyUI give it, the one tensor materialized. A
+    projection the file holds is used as it is."""
+    converted = _text_model_names(tensors, module)
+    embedding = next((value for key, value in converted.items() if key.endswith("token_embedding.weight")), None)
+    if hasattr(module, "text_projection") and "text_projection.weight" not in converted and embedding is not None:
+        converted["text_projection.weight"] = torch.eye(embedding.shape[1], dtype=embedding.dtype,
+                                                        device=embedding.device)
+    return converted
 
 
 def _convert_open_clip(tensors: dict, config: dict, module) -> dict:
@@ -169,6 +183,32 @@ def _convert_flux(tensors: dict, config: dict, module) -> dict:
         else:
             converted[f"{_FLUX_RENAMES.get(path, path)}.{leaf}"] = value
     return converted
+
+
+def _convert_chroma(tensors: dict, config: dict, module) -> dict:
+    """Chroma's original layout (``chroma-unlocked-v48.safetensors``: Flux's Black Forest Labs keys without the
+    per-block modulations, which its ``distilled_guidance_layer`` approximator gives) in diffusers' names, as
+    diffusers' convert_chroma_transformer_checkpoint_to_diffusers: the approximator's layers renamed, the rest as
+    _convert_flux converts it (fused projections as row slices split at the file's own width, where diffusers
+    assumes 3072). Renames and slices only: every tensor stays a view of the file."""
+    approximator, rest = {}, {}
+    for key, value in tensors.items():
+        if not key.startswith("distilled_guidance_layer."):
+            rest[key] = value
+            continue
+        name = key.replace(".in_layer.", ".linear_1.").replace(".out_layer.", ".linear_2.")
+        approximator[name.removesuffix(".scale") + ".weight" if ".norms." in name and name.endswith(".scale")
+                     else name] = value
+    return {**_convert_flux(rest, config, module), **approximator}
+
+
+def _convert_z_image(tensors: dict, config: dict, module) -> dict:
+    """Z-Image's original layout (``z_image_turbo_bf16.safetensors``: ``layers.0.attention.qkv.weight``) in
+    diffusers' names, by diffusers' own convert_z_image_transformer_checkpoint_to_diffusers: renames, and the fused
+    q, k, v split by torch.chunk (row slices), so every tensor stays a view of the file."""
+    from diffusers.loaders.single_file_utils import convert_z_image_transformer_checkpoint_to_diffusers
+
+    return convert_z_image_transformer_checkpoint_to_diffusers(dict(tensors))
 
 
 def _convert_wan(tensors: dict, config: dict, module) -> dict:
@@ -358,9 +398,12 @@ LDM_UNET = Layout("LDM", ("time_embed.0.weight",), _convert_unet)
 LDM_VAE = Layout("LDM", ("encoder.norm_out.weight",), _convert_vae)
 TRANSFORMERS_CLIP = Layout("transformers", ("text_model.embeddings.token_embedding.weight",
                                             "embeddings.token_embedding.weight"), _convert_clip)
+SD3_CLIP_L = Layout("transformers", TRANSFORMERS_CLIP.markers, _convert_sd3_clip_l)
 OPEN_CLIP = Layout("OpenCLIP", ("positional_embedding",), _convert_open_clip)
 BFL_FLUX = Layout("Black Forest Labs", ("double_blocks.0.img_attn.qkv.weight",), _convert_flux)
 ORIGINAL_WAN = Layout("Wan", ("blocks.0.self_attn.q.weight",), _convert_wan)
+CHROMA = Layout("Chroma", ("distilled_guidance_layer.layers.0.in_layer.weight",), _convert_chroma)
+ORIGINAL_Z_IMAGE = Layout("Z-Image", ("layers.0.attention.qkv.weight",), _convert_z_image)
 MMDIT_SD3 = Layout("MMDiT", ("joint_blocks.0.x_block.attn.qkv.weight",), _convert_sd3)
 TRANSFORMERS_T5 = Layout("transformers", ("encoder.block.0.layer.0.SelfAttention.q.weight",), _convert_t5)
 LLAMA_CPP_T5 = Layout("llama.cpp", ("enc.blk.0.attn_q.weight",), _convert_llama_cpp_t5)
@@ -380,6 +423,9 @@ def _diffusers(marker: str) -> Layout:
     return Layout("diffusers", (marker,), _as_stored)
 
 
+# Qwen-Image's single files hold diffusers' names (diffusers' own single-file loading renames nothing).
+QWEN_IMAGE = _diffusers("transformer_blocks.0.img_mod.1.weight")
+
 # The layouts memfit reads a component's file in, by the component's class.
 COMPONENT_LAYOUTS = {
     "UNet2DConditionModel": (LDM_UNET, _diffusers("time_embedding.linear_1.weight")),
@@ -388,8 +434,9 @@ COMPONENT_LAYOUTS = {
     "CLIPTextModelWithProjection": (TRANSFORMERS_CLIP, OPEN_CLIP),
     "FluxTransformer2DModel": (BFL_FLUX, _diffusers("transformer_blocks.0.attn.to_q.weight")),
     "WanTransformer3DModel": (ORIGINAL_WAN, _diffusers("blocks.0.attn1.to_q.weight")),
-    # Qwen-Image's single files hold diffusers' names (diffusers' own single-file loading renames nothing).
-    "QwenImageTransformer2DModel": (_diffusers("transformer_blocks.0.img_mod.1.weight"),),
+    "QwenImageTransformer2DModel": (QWEN_IMAGE,),
+    "ChromaTransformer2DModel": (CHROMA, _diffusers("distilled_guidance_layer.layers.0.linear_1.weight")),
+    "ZImageTransformer2DModel": (ORIGINAL_Z_IMAGE, _diffusers("layers.0.attention.to_q.weight")),
     "SD3Transformer2DModel": (MMDIT_SD3, _diffusers("transformer_blocks.0.attn.to_q.weight")),
     "T5EncoderModel": (TRANSFORMERS_T5, LLAMA_CPP_T5),
     "UMT5EncoderModel": (TRANSFORMERS_T5, LLAMA_CPP_T5),

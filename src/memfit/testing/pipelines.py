@@ -320,39 +320,54 @@ def _flux_kontext(scale: int, text_layers: int):
     return FluxKontextPipeline(**_flux(scale, text_layers, vae_levels=5, vae_width=8).components)
 
 
-def _sd3(scale: int, text_layers: int):
+def _sd3(scale: int, text_layers: int, *, clip_g_hidden: int | None = None, latent_channels: int = 4,
+         quant_conv: bool = True):
     from diffusers import FlowMatchEulerDiscreteScheduler, SD3Transformer2DModel, StableDiffusion3Pipeline
 
     tokenizer = clip_tokenizer()
     clip_hidden = 16 * scale
+    clip_g_hidden = clip_g_hidden or clip_hidden
     t5_tokenizer = word_tokenizer()
-    t5_hidden = 2 * clip_hidden  # the CLIP-L and CLIP-G embeddings, concatenated, are padded to T5's width
+    t5_hidden = clip_hidden + clip_g_hidden  # the CLIP-L and CLIP-G embeddings, concatenated, are padded to T5's width
     inner = 32 * scale
     transformer = SD3Transformer2DModel(
         sample_size=16,
         patch_size=2,
-        in_channels=4,
+        in_channels=latent_channels,
         num_layers=2,
         attention_head_dim=8,
         num_attention_heads=inner // 8,
         joint_attention_dim=t5_hidden,
         caption_projection_dim=inner,
-        pooled_projection_dim=2 * clip_hidden,  # both CLIP projections
-        out_channels=4,
+        pooled_projection_dim=clip_hidden + clip_g_hidden,  # both CLIP projections
+        out_channels=latent_channels,
         pos_embed_max_size=16,
     )
     return StableDiffusion3Pipeline(
         transformer=transformer,
         scheduler=FlowMatchEulerDiscreteScheduler(shift=3.0),
-        vae=_vae(scale, scaling_factor=1.5305, shift_factor=0.0609),
+        vae=_vae(scale, latent_channels=latent_channels, scaling_factor=1.5305, shift_factor=0.0609,
+                 use_quant_conv=quant_conv, use_post_quant_conv=quant_conv),
         text_encoder=_clip_text("CLIPTextModelWithProjection", tokenizer, clip_hidden, text_layers, projection_dim=clip_hidden),
         tokenizer=tokenizer,
-        text_encoder_2=_clip_text("CLIPTextModelWithProjection", tokenizer, clip_hidden, text_layers,
-                                  projection_dim=clip_hidden),
+        text_encoder_2=_clip_text("CLIPTextModelWithProjection", tokenizer, clip_g_hidden, text_layers,
+                                  projection_dim=clip_g_hidden),
         tokenizer_2=clip_tokenizer(),
         text_encoder_3=_t5_encoder(t5_tokenizer, t5_hidden, text_layers),
         tokenizer_3=t5_tokenizer,
     )
+
+
+def _sd3_single_file(scale: int, text_layers: int):
+    """The tiny SD3 as Stability's all-in-one checkpoint needs it for diffusers to read the file back: diffusers
+    tells CLIP-L from CLIP-G by their width, and runs a file's CLIP-L with the identity as its projection. Like
+    SD3's own VAE, its VAE has 16 latent channels and no quant convolutions; every tensor is a whole number of
+    64-byte lines, so the file (memfit.testing.single_file.save_aligned) places each aligned, as memory does."""
+    pipe = _sd3(scale, text_layers, clip_g_hidden=32 * scale, latent_channels=16, quant_conv=False)
+    with torch.no_grad():
+        projection = pipe.text_encoder.text_projection.weight
+        projection.copy_(torch.eye(projection.shape[0]))
+    return pipe
 
 
 # The words of QwenImagePipeline's prompt template, so the template does not tokenize to unknowns.
@@ -826,7 +841,7 @@ _BUILDERS: dict[str, Callable[[int, int], object]] = {
     "sd": _sd, "sdxl": _sdxl, "lumina2": _lumina2, "cogview4": _cogview4,
     "flux": _flux, "flux_schnell": _flux_schnell, "sd3": _sd3, "qwenimage": _qwenimage, "wan": _wan, "wan22": _wan22, "chroma": _chroma, "sana": _sana, "pixart_sigma": _pixart_sigma, "aura_flow": _aura_flow, "hidream": _hidream,
     "zimage": _zimage, "flux_kontext": _flux_kontext, "flux2": _flux2, "flux2_klein": _flux2_klein,
-    "sd_pag": _sd_pag, "sdxl_single_file": _sdxl_single_file, "sd2_single_file": _sd2_single_file,
+    "sd_pag": _sd_pag, "sdxl_single_file": _sdxl_single_file, "sd3_single_file": _sd3_single_file, "sd2_single_file": _sd2_single_file,
 }
 
 # Sizes each tiny architecture accepts (multiples of what its VAE and patching need).

@@ -30,8 +30,24 @@ from pathlib import Path
 
 import torch
 
-__all__ = ["FLUX_FILE_NAMES", "FLUX_PREFIXES", "flux_bfl_state_dict", "sd3_mmdit_state_dict", "wan_original_state_dict", "ldm_state_dict", "ldm_vae_state_dict", "save_flux_checkpoint", "save_flux_files",
-           "save_single_file"]
+__all__ = [
+    "FLUX_FILE_NAMES",
+    "FLUX_PREFIXES",
+    "SD3_PREFIXES",
+    "chroma_original_state_dict",
+    "flux_bfl_state_dict",
+    "ldm_state_dict",
+    "ldm_vae_state_dict",
+    "save_aligned",
+    "save_flux_checkpoint",
+    "save_flux_files",
+    "save_sd3_checkpoint",
+    "save_single_file",
+    "sd3_mmdit_state_dict",
+    "sd3_states",
+    "wan_original_state_dict",
+    "z_image_original_state_dict",
+]
 
 # A few of the tensors real SD files carry beside the models (the training schedule, the
 # text encoder's position ids): a loader must leave them alone.
@@ -274,7 +290,10 @@ def flux_bfl_state_dict(transformer) -> dict[str, torch.Tensor]:
     """A FluxTransformer2DModel's tensors in Black Forest Labs' original keys: each double block's q, k and v
     fused in one ``qkv``, each single block's q, k, v and MLP input in ``linear1``, the final norm's modulation
     as (shift, scale), a norm's weight as ``scale``. Any width: works on the meta device too."""
-    state = transformer.state_dict()
+    return _bfl_state(transformer.state_dict())
+
+
+def _bfl_state(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     out, fused = {}, {}
     for key, tensor in state.items():
         path, _, leaf = key.rpartition(".")
@@ -438,6 +457,127 @@ def sd3_mmdit_state_dict(transformer) -> dict[str, torch.Tensor]:
             out[f"{_SD3_TOP[path]}.{leaf}"] = tensor
     out.update({key: torch.cat(slots) for key, slots in fused.items()})
     back = convert_sd3_transformer_checkpoint_to_diffusers(dict(out))
+    original = transformer.state_dict()
+    assert back.keys() == original.keys(), sorted(back.keys() ^ original.keys())[:5]
+    assert all(torch.equal(back[key], original[key]) for key in original)
+    return out
+
+
+# -- SD3 as Stability keeps it, Chroma and Z-Image in their original keys -------------------------------
+
+# Where Stability's all-in-one SD3 checkpoints keep each model.
+SD3_PREFIXES = {"transformer": "model.diffusion_model.", "vae": "first_stage_model.",
+                "text_encoder": "text_encoders.clip_l.transformer.", "text_encoder_2": "text_encoders.clip_g.transformer.",
+                "text_encoder_3": "text_encoders.t5xxl.transformer."}
+
+
+def _clip_state(encoder, *, projection: bool) -> dict[str, torch.Tensor]:
+    """A CLIPTextModelWithProjection in transformers' names, its projection kept (CLIP-G) or left out, as
+    Stability's files leave CLIP-L's (SD3 runs it as the identity)."""
+    state = {}
+    for key, tensor in encoder.state_dict().items():
+        if key == "text_projection.weight":
+            if projection:
+                state[key] = tensor
+            continue
+        state[("" if key.startswith("text_model.") else "text_model.") + key] = tensor
+    return state
+
+
+def sd3_states(folder: str | Path) -> dict[str, dict[str, torch.Tensor]]:
+    """The tiny SD3 diffusers folder ``folder``'s models as Stability's files hold them, by component."""
+    import diffusers
+
+    pipe = diffusers.StableDiffusion3Pipeline.from_pretrained(folder)
+    return {"transformer": sd3_mmdit_state_dict(pipe.transformer), "vae": ldm_vae_state_dict(pipe.vae),
+            "text_encoder": _clip_state(pipe.text_encoder, projection=False),
+            "text_encoder_2": _clip_state(pipe.text_encoder_2, projection=True),
+            "text_encoder_3": _t5_both_names(pipe.text_encoder_3)}
+
+
+def _t5_both_names(encoder) -> dict[str, torch.Tensor]:
+    """A T5 encoder with its tied token embedding under both names, as diffusers' single-file loading needs it (it
+    does not tie them)."""
+    state = encoder.state_dict()
+    state["encoder.embed_tokens.weight"] = state["shared.weight"].clone()
+    return state
+
+
+def save_aligned(state: dict[str, torch.Tensor], path: str | Path) -> Path:
+    """``state`` as a safetensors file in which every tensor of a whole number of 64-byte lines starts on one.
+
+    A weight read in place from a file is used where it lies, and a CPU matmul may add in another order when
+    its operand is not aligned (one bit in the last place); a folder's file places its tensors by chance. The
+    files here are compared with folders bit for bit, so their matrices lie aligned as a model loaded to memory
+    holds them: those first, the header padded with spaces (which the format allows), the odd-sized rest after.
+    """
+    from safetensors.torch import _TYPES
+
+    names = {dtype: name for name, dtype in _TYPES.items()}
+    tensors = {key: tensor.detach().contiguous() for key, tensor in state.items()}
+    size = {key: tensor.numel() * tensor.element_size() for key, tensor in tensors.items()}
+    order = sorted(tensors, key=lambda key: (size[key] % 64 != 0, key))
+    header, offset = {}, 0
+    for key in order:
+        tensor = tensors[key]
+        header[key] = {"dtype": names[tensor.dtype], "shape": list(tensor.shape), "data_offsets": [offset, offset + size[key]]}
+        offset += size[key]
+    text = json.dumps(header, separators=(",", ":")).encode()
+    text += b" " * (-(8 + len(text)) % 64)
+    path = Path(path)
+    with path.open("wb") as handle:
+        handle.write(len(text).to_bytes(8, "little"))
+        handle.write(text)
+        for key in order:
+            handle.write(tensors[key].reshape(-1).view(torch.uint8).numpy().tobytes())
+    return path
+
+
+def save_sd3_checkpoint(folder: str | Path, path: str | Path) -> Path:
+    """Write the tiny SD3 diffusers folder ``folder`` as one all-in-one checkpoint in Stability's layout
+    (``sd3_medium_incl_clips_t5xxlfp16.safetensors``): SD3_PREFIXES, CLIP-L without its projection."""
+    return save_aligned({SD3_PREFIXES[name] + key: tensor for name, state in sd3_states(folder).items()
+                  for key, tensor in state.items()}, Path(path))
+
+
+def chroma_original_state_dict(transformer) -> dict[str, torch.Tensor]:
+    """A ChromaTransformer2DModel's tensors in Chroma's original keys: Flux's Black Forest Labs keys (as
+    flux_bfl_state_dict writes them) and the approximator's ``distilled_guidance_layer.layers.0.in_layer``,
+    ``norms.0.scale``. Any width: works on the meta device too (diffusers' converter assumes the real width)."""
+    state = transformer.state_dict()
+    approximator = {}
+    for key, tensor in state.items():
+        if key.startswith("distilled_guidance_layer."):
+            name = key.replace(".linear_1.", ".in_layer.").replace(".linear_2.", ".out_layer.")
+            approximator[name.removesuffix(".weight") + ".scale" if ".norms." in name else name] = tensor
+    rest = {key: tensor for key, tensor in state.items() if not key.startswith("distilled_guidance_layer.")}
+    return {**_bfl_state(rest), **approximator}
+
+
+# diffusers' names -> Z-Image's (read off diffusers' convert_z_image_transformer_checkpoint_to_diffusers).
+_Z_IMAGE_RENAMES = (("all_final_layer.2-1.", "final_layer."), ("all_x_embedder.2-1.", "x_embedder."),
+                    (".attention.to_out.0.", ".attention.out."), (".attention.norm_k.", ".attention.k_norm."),
+                    (".attention.norm_q.", ".attention.q_norm."))
+
+
+def z_image_original_state_dict(transformer) -> dict[str, torch.Tensor]:
+    """A ZImageTransformer2DModel's tensors in Z-Image's original keys (each attention's q, k and v fused in one
+    ``qkv``). Raises AssertionError unless diffusers' converter gives the model's own tensors back."""
+    from diffusers.loaders.single_file_utils import (
+        convert_z_image_transformer_checkpoint_to_diffusers,
+    )
+
+    out, fused = {}, {}
+    for key, tensor in transformer.state_dict().items():
+        head, _, projection = key.rpartition(".attention.")
+        if head and projection in ("to_q.weight", "to_k.weight", "to_v.weight"):
+            fused.setdefault(f"{head}.attention.qkv.weight", [None] * 3)["qkv".index(projection[3])] = tensor
+            continue
+        for new, old in _Z_IMAGE_RENAMES:
+            key = key.replace(new, old)
+        out[key] = tensor
+    out.update({key: torch.cat(slots) for key, slots in fused.items()})
+    back = convert_z_image_transformer_checkpoint_to_diffusers(dict(out))
     original = transformer.state_dict()
     assert back.keys() == original.keys(), sorted(back.keys() ^ original.keys())[:5]
     assert all(torch.equal(back[key], original[key]) for key in original)
