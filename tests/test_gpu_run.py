@@ -414,8 +414,9 @@ def test_a_session_keeps_the_pinned_host_tier_filled_between_runs(tiny_models, t
         third = session.generate(**SESSION_RUN)
         assert not any("denoise: its pinned host tier" in n for n in third.report.notes)
         assert third.images[0].tobytes() == first.images[0].tobytes()
+        assert gpu.pinned_bytes() == pinned  # one arena kept per stage: the stale one went back
 
-        for arena, _ in session.pool.host_tiers._kept.values():  # what the next run finds is what it uses
+        for arena, _, _ in session.pool.host_tiers._kept.values():  # what the next run finds is what it uses
             arena.zero_()
         assert session.generate(**SESSION_RUN).images[0].tobytes() != first.images[0].tobytes()
 

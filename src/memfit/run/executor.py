@@ -108,7 +108,7 @@ class _State:
     dequantized: list = dataclasses.field(default_factory=list)  # QuantizedLinears keeping their weight dequantized
     phases: Phases | None = None  # components that run one at a time (optimize's ``phases``)
     switched: list = dataclasses.field(default_factory=list)  # the components that carry a PhaseSwitch
-    # (arena, what it holds, the KeptHostTiers it goes back to on release, not to the device)
+    # (arena, what it holds, its stage, the KeptHostTiers it goes back to on release, not to the device)
     kept: list = dataclasses.field(default_factory=list)
     host_tier_reused: int = 0  # bytes of host tier taken filled from KeptHostTiers (not pinned or read again)
 
@@ -290,7 +290,7 @@ def optimize(
                 runtime.plan_order([hook for _, found in placed for hook in found])
                 resident += [block for block, found in placed if not found]
             _mark_resident(state, resident)
-            _place_host_tier(state, host_tiers)
+            _place_host_tier(state, host_tiers, stage)
             _make_staging_ring(state)
             _make_block_slots(state, kept={id(hook) for found in pinned.values() for hook in found})
             if state.phases is not None:
@@ -786,7 +786,7 @@ def _own_memory(tensor: torch.Tensor, dtype: torch.dtype, full_name: str, files:
         source.pages.release()
 
 
-def _place_host_tier(state: _State, host_tiers: "KeptHostTiers | None") -> None:
+def _place_host_tier(state: _State, host_tiers: "KeptHostTiers | None", stage: str | None) -> None:
     """Put every host-tier tensor of the stage into ONE pinned arena of exactly their aligned sizes.
 
     One arena, not one pinned buffer per tensor: a pinned allocator rounds each request up (to a
@@ -811,7 +811,7 @@ def _place_host_tier(state: _State, host_tiers: "KeptHostTiers | None") -> None:
         arena = device.pinned_arena(total)
     state.arenas.append(arena)
     if contents is not None:
-        state.kept.append((arena, contents, host_tiers))
+        state.kept.append((arena, contents, stage, host_tiers))
     state.host_tier_reused = total if filled else 0
     offset = 0
     for (slot, source), nbytes in zip(state.host_sources, sizes):
@@ -853,13 +853,14 @@ class KeptHostTiers:
     a quarter resident, 18 GB each run).
 
     An arena is kept under the key of what it holds (_host_tier_contents) when the pipeline holding it is
-    restored or dropped, and taken back by an optimize that would fill one with the same contents. Kept
-    arenas hold host RAM the stages' plans count as free (``nbytes``): before a new arena is page-locked,
-    the oldest kept ones are given back until the host has room for it (``make_room``).
+    restored or dropped, and taken back by an optimize that would fill one with the same contents. One is
+    kept per stage: the latest (a server's requests of other sizes plan other tiers; the ones before are
+    given back). Kept arenas hold host RAM the stages' plans count as free (``nbytes``): before a new arena
+    is page-locked, the oldest kept ones are given back until the host has room for it (``make_room``).
     """
 
     def __init__(self) -> None:
-        self._kept: dict[tuple, tuple[torch.Tensor, DeviceRuntime]] = {}  # oldest first
+        self._kept: dict[tuple, tuple[torch.Tensor, DeviceRuntime, str | None]] = {}  # oldest first
         self._lock = threading.Lock()
 
     def take(self, contents: tuple) -> torch.Tensor | None:
@@ -867,17 +868,18 @@ class KeptHostTiers:
             found = self._kept.pop(contents, None)
         return None if found is None else found[0]
 
-    def keep(self, contents: tuple, arena: torch.Tensor, device: DeviceRuntime) -> None:
+    def keep(self, contents: tuple, arena: torch.Tensor, device: DeviceRuntime, stage: str | None) -> None:
         with self._lock:
-            replaced = self._kept.pop(contents, None)
-            self._kept[contents] = (arena, device)
-        if replaced is not None:
-            replaced[1].release_arena(replaced[0])
+            replaced = [key for key, (_, _, kept_for) in self._kept.items() if key == contents or kept_for == stage]
+            released = [self._kept.pop(key) for key in replaced]
+            self._kept[contents] = (arena, device, stage)
+        for old, old_device, _ in released:
+            old_device.release_arena(old)
 
     def nbytes(self) -> int:
         """The bytes kept now: host RAM the plans may count as free."""
         with self._lock:
-            return sum(arena.numel() for arena, _ in self._kept.values())
+            return sum(arena.numel() for arena, _, _ in self._kept.values())
 
     def make_room(self, nbytes: int) -> None:
         """Give back the oldest kept arenas until ``nbytes`` more fit in the host's available RAM (less
@@ -891,14 +893,14 @@ class KeptHostTiers:
             with self._lock:
                 if not self._kept:
                     return
-                arena, device = self._kept.pop(next(iter(self._kept)))
+                arena, device, _ = self._kept.pop(next(iter(self._kept)))
             device.release_arena(arena)
             del arena
 
     def clear(self) -> None:
         with self._lock:
             kept, self._kept = list(self._kept.values()), {}
-        for arena, device in kept:
+        for arena, device, _ in kept:
             device.release_arena(arena)
 
 
@@ -1009,15 +1011,15 @@ def _put_back(slots: list[Slot]) -> None:
 
 def _release_arenas(prefetches: Prefetches, arenas: list, kept: list) -> None:
     """Give ``arenas`` back to the device once no read or copy from them is under way; those in ``kept``
-    ((arena, contents, KeptHostTiers)) go to their KeptHostTiers instead."""
+    ((arena, contents, stage, KeptHostTiers)) go to their KeptHostTiers instead."""
     if arenas:
         prefetches.settle()
-    keepers = {id(arena): (contents, host_tiers) for arena, contents, host_tiers in kept}
+    keepers = {id(arena): (contents, stage, host_tiers) for arena, contents, stage, host_tiers in kept}
     kept.clear()
     while arenas:
         arena = arenas.pop()
         if id(arena) in keepers:
-            contents, host_tiers = keepers[id(arena)]
-            host_tiers.keep(contents, arena, prefetches.device)
+            contents, stage, host_tiers = keepers[id(arena)]
+            host_tiers.keep(contents, arena, prefetches.device, stage)
         else:
             prefetches.device.release_arena(arena)
