@@ -9,7 +9,8 @@ transformer in diffusers' names, which its single files keep (Comfy's ``qwen_ima
 city96's GGUF files); an SD3/SD3.5 transformer in Stability's original MMDiT layout (``sd3.5_large.safetensors``,
 city96's GGUF files) or diffusers'; a Chroma transformer in its original keys (Flux's, with the
 ``distilled_guidance_layer`` approximator) or diffusers'; a Z-Image transformer in its original keys
-(``layers.0.attention.qkv.weight``) or diffusers'; a T5 encoder in transformers' layout (``t5xxl_fp16.safetensors``). A layout
+(``layers.0.attention.qkv.weight``) or diffusers'; a Wan 2.1 or Qwen-Image VAE in Wan's original layout
+(ComfyUI's ``wan_2.1_vae.safetensors``, ``qwen_image_vae.safetensors``) or diffusers'; a T5 encoder in transformers' layout (``t5xxl_fp16.safetensors``). A layout
 is known by a marker, one tensor name only it has; where that name is found
 in a file fixes the prefix the component's tensors share there (``first_stage_model.`` in an
 all-in-one checkpoint, nothing in a file of its own), so the same layout reads a component alone
