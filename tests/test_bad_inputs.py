@@ -255,6 +255,21 @@ def _qwen25_vl_for_t5(model, tmp):
                                        f"text_encoder_2={_qwen25_vl_file(model, tmp)}"]}
 
 
+def _clip_without_projection(family):
+    """The tiny ``family`` run with its text_encoder_2 (SD3's CLIP-G, SDXL's bigG) from a file in transformers' names
+    without its text_projection: only SD3's CLIP-L runs with the identity there."""
+    def make(model, tmp):
+        from memfit.testing import build_pipeline
+        from memfit.testing.single_file import _clip_state
+
+        path = tmp / "clip_g.safetensors"
+        encoder = build_pipeline(family).text_encoder_2
+        save_file({k: v.contiguous() for k, v in _clip_state(encoder, projection=False).items()}, path)
+        return {"family": family, "args": ["--prompt", "a red circle", "--component", f"text_encoder_2={path}"]}
+
+    return make
+
+
 # -- LoRA faults (--lora FILE[:SCALE]) ----------------------------------------------------------
 
 def lora(make_file):
@@ -361,6 +376,10 @@ CASES = [
     ("component-qwen25-vl-file-for-a-t5-encoder", _qwen25_vl_for_t5,
      ("the file holds no T5EncoderModel in a layout memfit reads (transformers "
       "('encoder.block.0.layer.0.SelfAttention.q.weight'), llama.cpp ('enc.blk.0.attn_q.weight'))")),
+    ("component-sd3-clip-g-without-projection", _clip_without_projection("sd3_single_file"),
+     "clip_g.safetensors has no tensor 'text_projection.weight', which text_encoder_2 (CLIPTextModelWithProjection) needs"),
+    ("component-sdxl-bigg-without-projection", _clip_without_projection("sdxl"),
+     "clip_g.safetensors has no tensor 'text_projection.weight', which text_encoder_2 (CLIPTextModelWithProjection) needs"),
     ("component-vae-of-another-family", component("vae", _vae_with_latent_channels(16)),
      "has 16 latent channels where the model's has 4"),
     ("component-flux-transformer-of-another-width", _flux_transformer_of_width(64),

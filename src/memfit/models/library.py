@@ -17,9 +17,10 @@ family and configs; a diffusers folder's layout and weight files), so one memfit
 half-copied file, an unknown layout, a pickle without --allow-pickle) is listed with the reason
 instead of dropped, and never found out at the first request. A denoiser alone (ComfyUI's split
 layout: a Flux transformer in diffusion_models/ beside its VAE in vae/ and its text encoders in
-text_encoders/) is paired with them by family: for each model its family needs that neither the file
-nor its config folder holds, the first file of the folder that fits it (the same check as
-``--component NAME=FILE``); one nothing fits is listed with the reason.
+text_encoders/; a Wan, Qwen-Image, Chroma or Z-Image transformer with its VAE and text encoder) is
+paired with them by family: for each model its family needs that neither the file nor its config folder
+holds, the first file of the folder that fits it (the same check as ``--component NAME=FILE``; files whose
+name says the family's, such as wan_2.1_vae, tried first); one nothing fits is listed with the reason.
 """
 
 from __future__ import annotations
@@ -197,7 +198,10 @@ class ModelsDir:
         for name in (family.parts if family is not None else ()):
             if name in model.weights or model.weight_files(name):
                 continue
-            for candidate in vaes if name == "vae" else parts:
+            part = family.parts[name]
+            # A file whose name says it is this part's first: two files may fit (Wan 2.1's VAE and Qwen-Image's).
+            candidates = sorted(vaes if name == "vae" else parts, key=lambda path: not part.named_for(path))
+            for candidate in candidates:
                 try:
                     SingleFileModel.with_components(model, {name: candidate}, allow_pickle=self.allow_pickle)
                 except MemfitError:
@@ -205,7 +209,7 @@ class ModelsDir:
                 chosen[name] = candidate
                 break
             else:
-                usual = family.parts[name].usual_file
+                usual = part.usual_file
                 unpaired.append(f"{name} ({model.components[name][1]}{', e.g. ' + usual if usual else ''}) in "
                                 f"{'vae/' if name == 'vae' else 'text_encoders/ or clip/'}")
         if unpaired:

@@ -38,8 +38,9 @@ from memfit.errors import MemfitError
 from memfit.models.folder import ModelFolder, check_weight_entries, load_tensors_only, pickle_refused, size_mismatch
 from memfit.models.locate import PICKLE_SUFFIXES, refuse_missing_model
 from memfit.models.weight_layouts import (BFL_FLUX, CHROMA, LDM_UNET, LDM_VAE, MMDIT_SD3, OPEN_CLIP, ORIGINAL_WAN,
-                                          ORIGINAL_Z_IMAGE, QWEN_IMAGE, SD3_CLIP_L, TRANSFORMERS_CLIP, TRANSFORMERS_T5,
-                                          Layout, group_counts)
+                                          ORIGINAL_WAN_VAE, ORIGINAL_Z_IMAGE, QWEN_IMAGE, SD3_CLIP_L, TRANSFORMERS_CLIP,
+                                          TRANSFORMERS_QWEN3, TRANSFORMERS_QWEN25_VL, TRANSFORMERS_T5, Layout,
+                                          group_counts)
 from memfit.plan.meta import is_model_class
 from memfit.quant.formats import FP8_FORMATS, STORAGE_DTYPE, StoredTensor
 from memfit.quant.gguf_file import MappedGguf
@@ -62,6 +63,14 @@ class Part:
     layout: Layout
     optional: bool = False
     usual_file: str = ""
+    # Words of the names users keep its files under (letters and digits only: "wan21" is wan_2.1_vae.safetensors'),
+    # for a models folder where two files fit (Wan 2.1's VAE and Qwen-Image's have one architecture).
+    hints: tuple[str, ...] = ()
+
+    def named_for(self, path: Path) -> bool:
+        """Whether the file ``path``'s name says it is this part's (one of ``hints`` in it)."""
+        name = "".join(char for char in path.name.lower() if char.isalnum())
+        return any(hint in name for hint in self.hints)
 
     def place(self, keys) -> str | None:
         """The prefix this part's tensors have in a file of tensor ``keys`` (where its layout's marker is); None
@@ -93,7 +102,9 @@ class Family:
 
     def describe(self) -> str:
         needed = ", ".join(part.describe(name) for name, part in self.parts.items() if not part.optional)
-        optional = ", ".join(part.describe(name) for name, part in self.parts.items() if part.optional)
+        # A part with no prefix is never in the family's files (a file of its own): not said here.
+        optional = ", ".join(part.describe(name) for name, part in self.parts.items()
+                             if part.optional and part.prefixes)
         return f"{self.label} ({needed}{'; optional: ' + optional if optional else ''})"
 
 
@@ -123,10 +134,28 @@ _SD3_PARTS = {"transformer": Part(("model.diffusion_model.", ""), MMDIT_SD3),
 _SD3_FILES = ("scheduler", "tokenizer", "tokenizer_2", "tokenizer_3")
 
 
-def _denoiser(layout: Layout) -> dict[str, Part]:
+def _denoiser(layout: Layout, **own_files: Part) -> dict[str, Part]:
     """A family whose files hold the transformer alone (ComfyUI's diffusion_models/), or under
-    model.diffusion_model.: the rest of the pipeline comes from the config folder."""
-    return {"transformer": Part(("model.diffusion_model.", ""), layout)}
+    model.diffusion_model.: the rest of the pipeline comes from the config folder, or from files of their own
+    (``own_files``: what memfit serve --models-dir pairs it with from vae/ and text_encoders/)."""
+    return {"transformer": Part(("model.diffusion_model.", ""), layout), **own_files}
+
+
+def _own_file(layout: Layout, usual_file: str, *hints: str) -> Part:
+    """A model the family's files never hold, kept in a file of its own (``usual_file``, ComfyUI's name for it)."""
+    return Part((), layout, optional=True, usual_file=usual_file, hints=hints)
+
+
+# The files ComfyUI keeps beside each denoiser alone, by the pipelines' component names.
+_WAN21_FILES = {"vae": _own_file(ORIGINAL_WAN_VAE, "wan_2.1_vae.safetensors", "wan21"),
+                "text_encoder": _own_file(TRANSFORMERS_T5, "umt5_xxl_fp16.safetensors", "umt5")}
+_WAN22_5B_FILES = {**_WAN21_FILES, "vae": _own_file(ORIGINAL_WAN_VAE, "wan2.2_vae.safetensors", "wan22")}
+_QWEN_IMAGE_FILES = {"vae": _own_file(ORIGINAL_WAN_VAE, "qwen_image_vae.safetensors", "qwenimage"),
+                     "text_encoder": _own_file(TRANSFORMERS_QWEN25_VL, "qwen_2.5_vl_7b.safetensors", "qwen25vl")}
+_CHROMA_FILES = {"vae": _own_file(LDM_VAE, "ae.safetensors"),
+                 "text_encoder": _own_file(TRANSFORMERS_T5, "t5xxl_fp16.safetensors", "t5xxl")}
+_Z_IMAGE_FILES = {"vae": _own_file(LDM_VAE, "ae.safetensors"),
+                  "text_encoder": _own_file(TRANSFORMERS_QWEN3, "qwen_3_4b.safetensors", "qwen3")}
 
 FAMILIES = {
     "v1": Family("v1", "Stable Diffusion 1.x", "StableDiffusionPipeline",
@@ -151,18 +180,19 @@ FAMILIES = {
     "sd35_large": Family("sd35_large", "Stable Diffusion 3.5 Large", "StableDiffusion3Pipeline", _SD3_PARTS, _SD3_FILES),
     "sd35_medium": Family("sd35_medium", "Stable Diffusion 3.5 Medium", "StableDiffusion3Pipeline", _SD3_PARTS,
                           _SD3_FILES),
-    "wan-t2v-1.3B": Family("wan-t2v-1.3B", "Wan text-to-video 1.3B", "WanPipeline", _denoiser(ORIGINAL_WAN),
-                           ("scheduler", "tokenizer"), denoiser_alone=True),
-    "wan-t2v-14B": Family("wan-t2v-14B", "Wan text-to-video 14B", "WanPipeline", _denoiser(ORIGINAL_WAN),
-                          ("scheduler", "tokenizer"), denoiser_alone=True),
+    "wan-t2v-1.3B": Family("wan-t2v-1.3B", "Wan text-to-video 1.3B", "WanPipeline",
+                           _denoiser(ORIGINAL_WAN, **_WAN21_FILES), ("scheduler", "tokenizer"), denoiser_alone=True),
+    "wan-t2v-14B": Family("wan-t2v-14B", "Wan text-to-video 14B", "WanPipeline",
+                          _denoiser(ORIGINAL_WAN, **_WAN21_FILES), ("scheduler", "tokenizer"), denoiser_alone=True),
     # diffusers' single-file loading has no name for Wan 2.2's 5B (it calls it "wan-i2v-14B").
-    "wan-ti2v-5B": Family("wan-ti2v-5B", "Wan 2.2 5B", "WanPipeline", _denoiser(ORIGINAL_WAN), ("scheduler", "tokenizer"),
-                          denoiser_alone=True, repository="Wan-AI/Wan2.2-TI2V-5B-Diffusers"),
-    "qwen-image": Family("qwen-image", "Qwen-Image", "QwenImagePipeline", _denoiser(QWEN_IMAGE), ("scheduler", "tokenizer"),
-                         denoiser_alone=True, repository="Qwen/Qwen-Image"),
-    "chroma": Family("chroma", "Chroma", "ChromaPipeline", _denoiser(CHROMA), ("scheduler", "tokenizer"),
-                     denoiser_alone=True),
-    "z-image-turbo": Family("z-image-turbo", "Z-Image", "ZImagePipeline", _denoiser(ORIGINAL_Z_IMAGE),
+    "wan-ti2v-5B": Family("wan-ti2v-5B", "Wan 2.2 5B", "WanPipeline", _denoiser(ORIGINAL_WAN, **_WAN22_5B_FILES),
+                          ("scheduler", "tokenizer"), denoiser_alone=True,
+                          repository="Wan-AI/Wan2.2-TI2V-5B-Diffusers"),
+    "qwen-image": Family("qwen-image", "Qwen-Image", "QwenImagePipeline", _denoiser(QWEN_IMAGE, **_QWEN_IMAGE_FILES),
+                         ("scheduler", "tokenizer"), denoiser_alone=True, repository="Qwen/Qwen-Image"),
+    "chroma": Family("chroma", "Chroma", "ChromaPipeline", _denoiser(CHROMA, **_CHROMA_FILES),
+                     ("scheduler", "tokenizer"), denoiser_alone=True),
+    "z-image-turbo": Family("z-image-turbo", "Z-Image", "ZImagePipeline", _denoiser(ORIGINAL_Z_IMAGE, **_Z_IMAGE_FILES),
                             ("scheduler", "tokenizer"), denoiser_alone=True),
 }
 
@@ -518,7 +548,7 @@ class SingleFileModel(ModelFolder):
     def _component_file(self, name: str, path: Path) -> ComponentWeights:
         """Where component ``name``'s weights are in ``path``: the first layout and place in it that fits the
         component's config."""
-        from memfit.models.weight_layouts import COMPONENT_LAYOUTS, find_layouts, group_counts
+        from memfit.models.weight_layouts import COMPONENT_LAYOUTS, component_layouts, find_layouts, group_counts
 
         if name not in self.model_components:
             what = f"'s {name!r} is a {self.components[name][1]}, which has no weights" if name in self.components \
@@ -533,9 +563,10 @@ class SingleFileModel(ModelFolder):
             raise MemfitError(f"--component {name}={path}: memfit cannot read a {class_name} from a file of its own "
                               f"yet (it reads {', '.join(COMPONENT_LAYOUTS)}); give a diffusers model folder instead.")
         checkpoint = _Checkpoint(path, self.allow_pickle)
-        found = find_layouts(class_name, checkpoint.shapes)
+        layouts = component_layouts(self.class_name, name, class_name)
+        found = find_layouts(layouts, checkpoint.shapes)
         if not found:
-            layouts = ", ".join(layout.describe() for layout in COMPONENT_LAYOUTS[class_name])
+            layouts = ", ".join(layout.describe() for layout in layouts)
             raise MemfitError(
                 f"--component {name}={path}: the file holds no {class_name} in a layout memfit reads ({layouts}); it "
                 f"holds {len(checkpoint.shapes)} tensors: {group_counts(checkpoint.shapes)}. Give a {name} file of "

@@ -9,7 +9,8 @@ transformer in diffusers' names, which its single files keep (Comfy's ``qwen_ima
 city96's GGUF files); an SD3/SD3.5 transformer in Stability's original MMDiT layout (``sd3.5_large.safetensors``,
 city96's GGUF files) or diffusers'; a Chroma transformer in its original keys (Flux's, with the
 ``distilled_guidance_layer`` approximator) or diffusers'; a Z-Image transformer in its original keys
-(``layers.0.attention.qkv.weight``) or diffusers'; a T5 encoder in transformers' layout (``t5xxl_fp16.safetensors``). A layout
+(``layers.0.attention.qkv.weight``) or diffusers'; a Wan 2.1 or Qwen-Image VAE in Wan's original layout
+(ComfyUI's ``wan_2.1_vae.safetensors``, ``qwen_image_vae.safetensors``) or diffusers'; a T5 encoder in transformers' layout (``t5xxl_fp16.safetensors``). A layout
 is known by a marker, one tensor name only it has; where that name is found
 in a file fixes the prefix the component's tensors share there (``first_stage_model.`` in an
 all-in-one checkpoint, nothing in a file of its own), so the same layout reads a component alone
@@ -27,6 +28,7 @@ over a Qwen3Model), or llama.cpp's (their GGUF files), each renamed to the insta
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 from typing import Callable
 
@@ -35,8 +37,9 @@ import torch
 from memfit.errors import MemfitError
 
 __all__ = ["AS_SAVED", "BFL_FLUX", "CHROMA", "COMPONENT_LAYOUTS", "LDM_UNET", "LDM_VAE", "LLAMA_CPP_LM", "LLAMA_CPP_T5",
-           "MMDIT_SD3", "OPEN_CLIP", "ORIGINAL_WAN", "ORIGINAL_Z_IMAGE", "QWEN_IMAGE", "SD3_CLIP_L", "TRANSFORMERS_CLIP",
-           "TRANSFORMERS_QWEN3", "TRANSFORMERS_QWEN25_VL", "TRANSFORMERS_T5", "Layout", "find_layouts", "group_counts"]
+           "MMDIT_SD3", "OPEN_CLIP", "ORIGINAL_WAN", "ORIGINAL_WAN_VAE", "ORIGINAL_Z_IMAGE", "QWEN_IMAGE", "SD3_CLIP_L",
+           "TRANSFORMERS_CLIP", "TRANSFORMERS_QWEN3", "TRANSFORMERS_QWEN25_VL", "TRANSFORMERS_T5", "Layout",
+           "component_layouts", "find_layouts", "group_counts"]
 
 
 def _convert_unet(tensors: dict, config: dict, module) -> dict:
@@ -218,6 +221,55 @@ def _convert_wan(tensors: dict, config: dict, module) -> dict:
     from diffusers.loaders.single_file_utils import convert_wan_transformer_to_diffusers
 
     return convert_wan_transformer_to_diffusers(dict(tensors))
+
+
+# Wan's VAE module names -> diffusers' (AutoencoderKLWan's, AutoencoderKLQwenImage's), as diffusers'
+# convert_wan_vae_to_diffusers renames them.
+_WAN_VAE_RESIDUAL = {"residual.0": "norm1", "residual.2": "conv1", "residual.3": "norm2", "residual.6": "conv2",
+                     "shortcut": "conv_shortcut"}
+_WAN_VAE_RENAMES = {"conv1": "quant_conv", "conv2": "post_quant_conv", "encoder.conv1": "encoder.conv_in",
+                    "decoder.conv1": "decoder.conv_in", "encoder.head.0": "encoder.norm_out",
+                    "encoder.head.2": "encoder.conv_out", "decoder.head.0": "decoder.norm_out",
+                    "decoder.head.2": "decoder.conv_out"}
+_WAN_VAE_BLOCK = re.compile(r"(encoder|decoder)\.(downsamples|upsamples|middle)\.(\d+)\.(.+)")
+
+
+def _wan_vae_inner(inner: str) -> str:
+    """A residual block's inner name (``residual.0.gamma``) as diffusers names it (``norm1.gamma``)."""
+    module, _, leaf = inner.rpartition(".")
+    return f"{_WAN_VAE_RESIDUAL.get(module, module)}.{leaf}"
+
+
+def _convert_wan_vae(tensors: dict, config: dict, module) -> dict:
+    """Wan 2.1's VAE in its original layout (ComfyUI's ``wan_2.1_vae.safetensors`` and ``qwen_image_vae.safetensors``:
+    ``encoder.conv1.weight``, ``decoder.middle.0.residual.0.gamma``) in diffusers' names. As diffusers'
+    convert_wan_vae_to_diffusers, which renames only (the RMS norms' gammas are stored in the shape diffusers' norms
+    have), so every tensor stays a view of the file; except that the decoder's flat list of blocks is grouped into
+    up blocks by the config's num_res_blocks (each up block: num_res_blocks + 1 residual blocks, then its
+    upsampler), where diffusers' table assumes the released models' 2. A name this table does not know is kept, so
+    loading names it as extra."""
+    per_block = config.get("num_res_blocks", 2) + 2
+    converted = {}
+    for key, value in tensors.items():
+        path, _, leaf = key.rpartition(".")
+        if path in _WAN_VAE_RENAMES:
+            converted[f"{_WAN_VAE_RENAMES[path]}.{leaf}"] = value
+            continue
+        block = _WAN_VAE_BLOCK.fullmatch(key)
+        if block is None:
+            converted[key] = value
+            continue
+        side, kind, index, inner = block.groups()
+        index = int(index)
+        if kind == "middle":  # residual, attention, residual
+            head = f"{side}.mid_block.attentions.0" if index == 1 else f"{side}.mid_block.resnets.{index // 2}"
+        elif kind == "downsamples":  # diffusers keeps the encoder's flat list
+            head = f"{side}.down_blocks.{index}"
+        else:
+            up, within = divmod(index, per_block)
+            head = f"{side}.up_blocks.{up}." + ("upsamplers.0" if within == per_block - 1 else f"resnets.{within}")
+        converted[f"{head}.{_wan_vae_inner(inner)}"] = value
+    return converted
 
 
 # Stability's MMDiT module names -> diffusers' (tensor names end in .weight or .bias), as diffusers'
@@ -404,6 +456,8 @@ BFL_FLUX = Layout("Black Forest Labs", ("double_blocks.0.img_attn.qkv.weight",),
 ORIGINAL_WAN = Layout("Wan", ("blocks.0.self_attn.q.weight",), _convert_wan)
 CHROMA = Layout("Chroma", ("distilled_guidance_layer.layers.0.in_layer.weight",), _convert_chroma)
 ORIGINAL_Z_IMAGE = Layout("Z-Image", ("layers.0.attention.qkv.weight",), _convert_z_image)
+# Wan 2.1's VAE (and Qwen-Image's, the same architecture) in Wan's original names.
+ORIGINAL_WAN_VAE = Layout("Wan", ("decoder.middle.0.residual.0.gamma",), _convert_wan_vae)
 MMDIT_SD3 = Layout("MMDiT", ("joint_blocks.0.x_block.attn.qkv.weight",), _convert_sd3)
 TRANSFORMERS_T5 = Layout("transformers", ("encoder.block.0.layer.0.SelfAttention.q.weight",), _convert_t5)
 LLAMA_CPP_T5 = Layout("llama.cpp", ("enc.blk.0.attn_q.weight",), _convert_llama_cpp_t5)
@@ -433,6 +487,8 @@ COMPONENT_LAYOUTS = {
     "CLIPTextModel": (TRANSFORMERS_CLIP, OPEN_CLIP),
     "CLIPTextModelWithProjection": (TRANSFORMERS_CLIP, OPEN_CLIP),
     "FluxTransformer2DModel": (BFL_FLUX, _diffusers("transformer_blocks.0.attn.to_q.weight")),
+    "AutoencoderKLWan": (ORIGINAL_WAN_VAE, _diffusers("decoder.mid_block.resnets.0.norm1.gamma")),
+    "AutoencoderKLQwenImage": (ORIGINAL_WAN_VAE, _diffusers("decoder.mid_block.resnets.0.norm1.gamma")),
     "WanTransformer3DModel": (ORIGINAL_WAN, _diffusers("blocks.0.attn1.to_q.weight")),
     "QwenImageTransformer2DModel": (QWEN_IMAGE,),
     "ChromaTransformer2DModel": (CHROMA, _diffusers("distilled_guidance_layer.layers.0.linear_1.weight")),
@@ -446,11 +502,22 @@ COMPONENT_LAYOUTS = {
 }
 
 
-def find_layouts(class_name: str, keys) -> list[tuple[Layout, str]]:
-    """(layout, prefix) for every place in a file (its tensor ``keys``) where a component of ``class_name`` is
-    stored in a layout memfit reads, in COMPONENT_LAYOUTS' order."""
+# Where one pipeline's component reads its class's files otherwise: SD3's CLIP-L, which SD3 runs with a projection its
+# files (ComfyUI's clip_l.safetensors, Stability's all-in-one files) do not hold, the identity (SD3_CLIP_L). Any other
+# CLIP (SD3's CLIP-G, SDXL's bigG) without its projection is still refused as lacking it.
+SLOT_LAYOUTS = {("StableDiffusion3Pipeline", "text_encoder"): (SD3_CLIP_L, OPEN_CLIP)}
+
+
+def component_layouts(pipeline_class: str, name: str, class_name: str) -> tuple[Layout, ...]:
+    """The layouts component ``name`` (a ``class_name``) of a ``pipeline_class`` is read from a file in."""
+    return SLOT_LAYOUTS.get((pipeline_class, name), COMPONENT_LAYOUTS.get(class_name, ()))
+
+
+def find_layouts(layouts, keys) -> list[tuple[Layout, str]]:
+    """(layout, prefix) for every place in a file (its tensor ``keys``) where a component is stored in one of
+    ``layouts`` (component_layouts'), in their order."""
     found = []
-    for layout in COMPONENT_LAYOUTS.get(class_name, ()):
+    for layout in layouts:
         for marker in layout.markers:
             prefixes = [key[:-len(marker)] for key in keys
                         if key == marker or key.endswith("." + marker)]

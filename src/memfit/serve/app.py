@@ -609,6 +609,9 @@ def create_app(served: Session | Checkpoints, *, limits: Limits = Limits(), auth
         runs = [dict(prompt=settings.prompt, negative_prompt=settings.negative_prompt, steps=settings.steps,
                      guidance=settings.guidance, width=settings.width, height=settings.height, seed=s, sampler=sampler)
                 for s in seeds]
+        if folder.adapter.makes_video:  # A1111's API asks for images: a video model (Wan) draws a one-frame video
+            for run in runs:
+                run.update(frames=1)
         if conditioning is not None and conditioning.image is not None:
             # The size resolved from the image is what memfit generate --image resolves too.
             for run in runs:

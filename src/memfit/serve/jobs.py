@@ -199,7 +199,8 @@ class JobQueue:
                     state = "interrupted"
                     break
                 generation = self.session.generate(on_step=job.on_step, **settings)
-                job.images.append(png_bytes(generation.images[0], generation.metadata))
+                picture = generation.images[0] if generation.images else generation.frames[0]  # a video's one frame
+                job.images.append(png_bytes(picture, generation.metadata))
                 job.reports.append(generation.report.to_dict())
         except Interrupted:
             state = "interrupted"

@@ -406,6 +406,45 @@ def wan_original_state_dict(transformer) -> dict[str, torch.Tensor]:
     return out
 
 
+# -- Wan 2.1's VAE (and Qwen-Image's), in Wan's original keys ----------------------------------------------
+
+# diffusers' names -> Wan's (read off diffusers' convert_wan_vae_to_diffusers).
+_WAN_VAE_TOP = {"quant_conv": "conv1", "post_quant_conv": "conv2", "encoder.conv_in": "encoder.conv1",
+                "decoder.conv_in": "decoder.conv1", "encoder.norm_out": "encoder.head.0",
+                "encoder.conv_out": "encoder.head.2", "decoder.norm_out": "decoder.head.0",
+                "decoder.conv_out": "decoder.head.2"}
+_WAN_VAE_INNER = {"norm1": "residual.0", "conv1": "residual.2", "norm2": "residual.3", "conv2": "residual.6",
+                  "conv_shortcut": "shortcut"}
+
+
+def wan_vae_original_state_dict(vae) -> dict[str, torch.Tensor]:
+    """An AutoencoderKLWan's (or AutoencoderKLQwenImage's) tensors in Wan 2.1's original keys, as ComfyUI's
+    wan_2.1_vae.safetensors and qwen_image_vae.safetensors hold them: the decoder's up blocks flattened into one
+    list of blocks (each up block's residual blocks, then its upsampler), the middle as residual, attention,
+    residual."""
+    per_block = vae.config.num_res_blocks + 2
+    out = {}
+    for key, tensor in vae.state_dict().items():
+        path, _, leaf = key.rpartition(".")
+        parts = path.split(".")
+        if path in _WAN_VAE_TOP:
+            name = _WAN_VAE_TOP[path]
+        elif parts[1] == "mid_block":
+            index = 1 if parts[2] == "attentions" else 2 * int(parts[3])
+            name = ".".join([parts[0], "middle", str(index), *[_WAN_VAE_INNER.get(p, p) for p in parts[4:]]])
+        elif parts[1] == "down_blocks":
+            name = ".".join([parts[0], "downsamples", parts[2], *[_WAN_VAE_INNER.get(p, p) for p in parts[3:]]])
+        elif parts[1] == "up_blocks":
+            up, kind, within, rest = int(parts[2]), parts[3], int(parts[4]), parts[5:]
+            index = up * per_block + (per_block - 1 if kind == "upsamplers" else within)
+            inner = rest if kind == "upsamplers" else [_WAN_VAE_INNER.get(p, p) for p in rest]
+            name = ".".join([parts[0], "upsamples", str(index), *inner])
+        else:
+            raise AssertionError(f"no Wan name for {key}")
+        out[f"{name}.{leaf}"] = tensor
+    return out
+
+
 # -- SD3, in Stability's MMDiT keys --------------------------------------------------------------------
 
 # diffusers' module names -> Stability's (read off diffusers' convert_sd3_transformer_checkpoint_to_diffusers).
