@@ -44,11 +44,11 @@ class WanImageToVideoAdapter(WanAdapter):
 
     def resolve(self, prompt, negative_prompt, steps, guidance, seed, width, height, defaults=None, *,
                 conditioning=None, makes_images: bool = True, **options):
-        _check_prompt_cleaning()
         image = None if conditioning is None else conditioning.image
         if makes_images and image is None:
             raise MemfitError(f"{self.class_name} makes a video from an image: pass --image IMG (its first frame; "
                               "memfit.generate(..., image=...)).")
+        _check_prompt_cleaning()
         if image is not None and (width is None or height is None):
             sized_width, sized_height = self.size_for(image, defaults or {})
             width = sized_width if width is None else width
