@@ -398,7 +398,7 @@ CASES = [
     ("wan-image-to-video-without-an-image", tiny("wan_i2v", "--frames", "5"),
      "WanImageToVideoPipeline makes a video from an image: pass --image IMG"),
     ("wan-text-to-video-with-an-image", tiny_with_image("wan"),
-     "WanPipeline does not take --image yet; supported: "),
+     "folder makes video from text only and takes no --image (only Wan 2.2 TI2V-5B"),
     ("embeddings-of-another-text-encoder", embeddings_of_another_text_encoder, "were made by a different text encoder"),
     ("budget-garbage", args("--budget", "lots"), "lots"),
     ("threads-zero", args("--threads", "0"), "--threads 0: give at least 1 thread"),

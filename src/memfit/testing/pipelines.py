@@ -500,6 +500,32 @@ def _wan22_i2v(scale: int, text_layers: int):
     return _wan(scale, text_layers, boundary_ratio=0.9, image_to_video=True)
 
 
+def _wan22_ti2v(scale: int, text_layers: int):
+    """Wan 2.2 TI2V-5B's layout: a WanPipeline folder with expand_timesteps (each latent patch its own timestep, an
+    input image's latents kept as the first frame at timestep 0) and the Wan 2.2 VAE, which patchifies 2x2 before
+    its three downsamplings (16x spatially) and adds residual shortcuts."""
+    from diffusers import AutoencoderKLWan, WanPipeline
+
+    parts = _wan(scale, text_layers).components
+    vae = AutoencoderKLWan(
+        base_dim=4 * scale,
+        decoder_base_dim=8 * scale,
+        z_dim=4,
+        dim_mult=[1, 1, 1, 1],
+        num_res_blocks=1,
+        temperal_downsample=[False, True, True],
+        latents_mean=[0.1, -0.2, 0.05, 0.3],
+        latents_std=[1.5, 0.8, 1.2, 2.0],
+        is_residual=True,
+        in_channels=12,
+        out_channels=12,
+        patch_size=2,
+        scale_factor_spatial=16,
+        scale_factor_temporal=4,
+    )
+    return WanPipeline(**dict(parts, vae=vae), expand_timesteps=True)
+
+
 def _chroma(scale: int, text_layers: int):
     from diffusers import ChromaPipeline, ChromaTransformer2DModel, FlowMatchEulerDiscreteScheduler
 
@@ -859,13 +885,13 @@ def _sd_pag(scale: int, text_layers: int):
 _BUILDERS: dict[str, Callable[[int, int], object]] = {
     "sd": _sd, "sdxl": _sdxl, "lumina2": _lumina2, "cogview4": _cogview4,
     "flux": _flux, "flux_schnell": _flux_schnell, "sd3": _sd3, "qwenimage": _qwenimage, "wan": _wan, "wan22": _wan22,
-    "wan_i2v": _wan_i2v, "wan22_i2v": _wan22_i2v, "chroma": _chroma, "sana": _sana, "pixart_sigma": _pixart_sigma, "aura_flow": _aura_flow, "hidream": _hidream,
+    "wan_i2v": _wan_i2v, "wan22_i2v": _wan22_i2v, "wan22_ti2v": _wan22_ti2v, "chroma": _chroma, "sana": _sana, "pixart_sigma": _pixart_sigma, "aura_flow": _aura_flow, "hidream": _hidream,
     "zimage": _zimage, "flux_kontext": _flux_kontext, "flux2": _flux2, "flux2_klein": _flux2_klein,
     "sd_pag": _sd_pag, "sdxl_single_file": _sdxl_single_file, "sd2_single_file": _sd2_single_file,
 }
 
 # Sizes each tiny architecture accepts (multiples of what its VAE and patching need).
-DEFAULT_SIZE = {"sd": 32, "sdxl": 32, "lumina2": 32, "cogview4": 32, "flux": 32, "flux_schnell": 32, "sd3": 32, "qwenimage": 32, "wan": 32, "wan22": 32, "wan_i2v": 32, "wan22_i2v": 32, "chroma": 32, "sana": 32, "pixart_sigma": 32, "aura_flow": 32, "hidream": 32,
+DEFAULT_SIZE = {"sd": 32, "sdxl": 32, "lumina2": 32, "cogview4": 32, "flux": 32, "flux_schnell": 32, "sd3": 32, "qwenimage": 32, "wan": 32, "wan22": 32, "wan_i2v": 32, "wan22_i2v": 32, "wan22_ti2v": 64, "chroma": 32, "sana": 32, "pixart_sigma": 32, "aura_flow": 32, "hidream": 32,
                 "zimage": 32, "flux_kontext": 32, "flux2": 32, "flux2_klein": 32}
 
 

@@ -13,21 +13,14 @@ in the denoise stage, as FLUX.1 Kontext's VAE encoder is:
 Wan 2.2's experts are planned apart as in text-to-video; the VAE's encoder and the image encoder run before
 the first expert and are planned beside each.
 
-Size: without --width/--height, the image's aspect ratio at the area of the pipeline's default 832 x 480 (or of
-memfit_defaults.json's width x height), each side rounded down to the transformer's patch in pixels, as
-diffusers' WanImageToVideoPipeline example computes it; the pipeline resizes the image to that size.
-
-The pipeline cleans prompts with ftfy, which this diffusers module uses without checking that it is installed
-(WanPipeline skips it when it is not): memfit refuses the run before anything loads when ftfy is missing.
+Size (without --width/--height) and the ftfy check: as Wan 2.2 TI2V-5B's image path (memfit.models.families.wan).
 """
 
 from __future__ import annotations
 
-import math
-
 from memfit.errors import MemfitError
 from memfit.models.families.base import IMG2IMG
-from memfit.models.families.wan import WanAdapter
+from memfit.models.families.wan import WanAdapter, check_prompt_cleaning
 
 
 class WanImageToVideoAdapter(WanAdapter):
@@ -42,30 +35,17 @@ class WanImageToVideoAdapter(WanAdapter):
             return self.task_denoise_components(IMG2IMG)
         return super().stage_components(stage)
 
+    def takes_image(self) -> bool:
+        return True
+
     def resolve(self, prompt, negative_prompt, steps, guidance, seed, width, height, defaults=None, *,
                 conditioning=None, makes_images: bool = True, **options):
-        image = None if conditioning is None else conditioning.image
-        if makes_images and image is None:
+        if makes_images and (conditioning is None or conditioning.image is None):
             raise MemfitError(f"{self.class_name} makes a video from an image: pass --image IMG (its first frame; "
                               "memfit.generate(..., image=...)).")
-        _check_prompt_cleaning()
-        if image is not None and (width is None or height is None):
-            sized_width, sized_height = self.size_for(image, defaults or {})
-            width = sized_width if width is None else width
-            height = sized_height if height is None else height
+        check_prompt_cleaning()  # its encode_prompt cleans the prompt too, with or without an image
         return super().resolve(prompt, negative_prompt, steps, guidance, seed, width, height, defaults,
                                conditioning=conditioning, makes_images=makes_images, **options)
-
-    def size_for(self, image, defaults: dict) -> tuple[int, int]:
-        """(width, height) for ``image`` without --width/--height: its aspect ratio at the default area."""
-        call_defaults = self.call_defaults()
-        area = defaults.get("width", call_defaults["width"]) * defaults.get("height", call_defaults["height"])
-        patch = self.configs.get("transformer", self.configs.get("transformer_2", {})).get("patch_size", (1, 2, 2))
-        step = self.vae_scale_factor() * patch[1]
-        aspect = image.height / image.width
-        height = max(step, round(math.sqrt(area * aspect)) // step * step)
-        width = max(step, round(math.sqrt(area / aspect)) // step * step)
-        return width, height
 
     def context_tokens(self, settings):
         # Wan 2.1's transformer attends to the CLIP image encoder's tokens (its patches and class token) beside the
@@ -75,12 +55,3 @@ class WanImageToVideoAdapter(WanAdapter):
             return super().context_tokens(settings)
         vision = encoder.get("vision_config", encoder)
         return self.max_text_tokens + (vision.get("image_size", 224) // vision.get("patch_size", 14)) ** 2 + 1
-
-
-def _check_prompt_cleaning() -> None:
-    """Refuse a run WanImageToVideoPipeline would fail in its first step for want of ftfy (a NameError)."""
-    from diffusers.pipelines.wan import pipeline_wan_i2v
-
-    if getattr(pipeline_wan_i2v, "ftfy", None) is None:
-        raise MemfitError("WanImageToVideoPipeline cleans prompts with the ftfy package, which is not installed; "
-                          "install it (pip install ftfy) and run again.")
