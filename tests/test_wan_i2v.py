@@ -1,15 +1,17 @@
-"""Wan image to video (WanImageToVideoPipeline): Wan 2.1 I2V with its CLIP image encoder, Wan 2.2 I2V A14B with
-two experts and none. Staged, the video equals plain diffusers' bit for bit (CPU, fp32), with and without a budget
-that streams; what encodes the input image is planned in the denoise stage, where the pipeline runs it."""
+"""Wan image to video: WanImageToVideoPipeline folders (Wan 2.1 I2V with its CLIP image encoder, Wan 2.2 I2V A14B
+with two experts and none) and Wan 2.2 TI2V-5B (a WanPipeline folder with expand_timesteps, whose image path diffusers
+runs as WanImageToVideoPipeline). Staged, the video equals plain diffusers' bit for bit (CPU, fp32), with and without
+a budget that streams; what encodes the input image is planned in the denoise stage, where the pipeline runs it."""
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import types
 
+import diffusers
 import numpy as np
 import pytest
+import torch
 from PIL import Image
 
 import memfit
@@ -18,16 +20,40 @@ from memfit.cli.app import main
 from memfit.errors import MemfitError
 from memfit.models.families.base import Conditioning
 from memfit.models.folder import ModelFolder
-from memfit.testing import assert_matches_diffusers, diffusers_output, max_pixel_difference
+from memfit.testing import assert_matches_diffusers, max_pixel_difference
 from memfit.testing.conditioning import test_image as picture
 
 PROMPT = "a red house near the sea"
 IMAGE = picture(32, seed=1)
 GUIDED = dict(prompt=PROMPT, negative_prompt="blurry", steps=2, guidance=5.0, seed=7, width=32, height=32,
               frames=5, image=IMAGE)
-KINDS = ["wan_i2v", "wan22_i2v"]
+KINDS = ["wan_i2v", "wan22_i2v", "wan22_ti2v"]
 # What the denoise stage loads beside the transformer(s): what encodes the input image.
-IMAGE_ENCODERS = {"wan_i2v": {"vae", "image_encoder"}, "wan22_i2v": {"vae"}}
+IMAGE_ENCODERS = {"wan_i2v": {"vae", "image_encoder"}, "wan22_i2v": {"vae"}, "wan22_ti2v": {"vae"}}
+# TI2V's tiny VAE shrinks 16x: 64 pixels a side are 2x2 transformer patches a frame.
+SIDE = {"wan22_ti2v": 64}
+
+
+def _settings(kind, **changes):
+    side = SIDE.get(kind, 32)
+    return dict(GUIDED, width=side, height=side, image=picture(side, seed=1), **changes)
+
+
+def _matches_diffusers(model, kind, **settings):
+    """memfit's video and plain diffusers' for the same image: the folder's own pipeline, except for TI2V,
+    whose image path is WanImageToVideoPipeline loaded from the WanPipeline folder (what diffusers offers)."""
+    if kind != "wan22_ti2v":
+        return assert_matches_diffusers(model, atol=0, **settings)[0]
+    ours = memfit.generate(model=model, progress=False, **settings)
+    pipe = diffusers.WanImageToVideoPipeline.from_pretrained(model)
+    pipe.set_progress_bar_config(disable=True)
+    s = ours.settings
+    negative = {} if s.negative_prompt is None else {"negative_prompt": s.negative_prompt}
+    call = ModelFolder.open(model).adapter.call_kwargs(s)
+    reference = pipe(prompt=s.prompt, image=settings["image"], **negative, **call,
+                     generator=torch.Generator().manual_seed(s.seed), output_type="pil").frames[0]
+    assert max_pixel_difference(ours.frames, list(reference)) == 0
+    return ours
 
 
 @pytest.fixture(autouse=True)
@@ -43,21 +69,27 @@ def prompt_cleaning(monkeypatch):
 @pytest.mark.parametrize("guided", [False, True], ids=["no-cfg", "cfg"])
 @pytest.mark.parametrize("kind", KINDS)
 def test_equals_diffusers(tiny_models, kind, guided):
-    settings = GUIDED if guided else dict(GUIDED, guidance=1.0, negative_prompt=None)
-    ours, _ = assert_matches_diffusers(tiny_models(kind), atol=0, **settings)
+    settings = _settings(kind) if guided else _settings(kind, guidance=1.0, negative_prompt=None)
+    if guided and kind == "wan22_i2v":  # the second expert's own guidance reaches it as diffusers takes it
+        settings["guidance_scale_2"] = 2.0
+    ours = _matches_diffusers(tiny_models(kind), kind, **settings)
     assert [stage.stage for stage in ours.report.stages] == ["encode", "denoise", "decode"]
-    assert ours.settings.task == "img2img" and len(ours.frames) == 5 and ours.metadata["pipeline"] == \
-        "WanImageToVideoPipeline"
+    assert ours.settings.task == "img2img" and len(ours.frames) == 5
+    assert ours.metadata["pipeline"] == ("WanPipeline" if kind == "wan22_ti2v" else "WanImageToVideoPipeline")
 
 
 @pytest.mark.parametrize("kind", KINDS)
 def test_the_image_and_the_seed_change_the_video(tiny_models, kind):
     model = tiny_models(kind)
-    ours = memfit.generate(model=model, progress=False, **GUIDED)
-    other_image = memfit.generate(model=model, progress=False, **dict(GUIDED, image=picture(32, seed=2)))
+    settings = _settings(kind)
+    ours = memfit.generate(model=model, progress=False, **settings)
+    other_image = memfit.generate(model=model, progress=False, **dict(settings, image=picture(settings["width"], seed=2)))
     assert max_pixel_difference(ours.frames, other_image.frames) > 0
-    other_seed = diffusers_output(model, dataclasses.replace(ours.settings, seed=8), image=IMAGE)
-    assert max_pixel_difference(ours.frames, other_seed) > 0
+    other_seed = memfit.generate(model=model, progress=False, **dict(settings, seed=8))
+    assert max_pixel_difference(ours.frames, other_seed.frames) > 0
+    if kind == "wan22_ti2v":  # the same folder without the image makes a video from the prompt alone
+        prompt_only = memfit.generate(model=model, progress=False, **dict(settings, image=None))
+        assert prompt_only.settings.task == "text2img" and max_pixel_difference(ours.frames, prompt_only.frames) > 0
 
 
 @pytest.mark.parametrize("kind", KINDS)
@@ -65,14 +97,15 @@ def test_streaming_budget_keeps_the_video(tiny_models, kind, streamed_plans, tmp
     """With the smallest budget that plans, weights stream in the denoise stage and the video is still plain
     diffusers'; the denoise plan (each expert's, for Wan 2.2) places what encodes the input image."""
     model = tiny_models(kind)
-    budget = smallest_budget(model=model, **dict(GUIDED, steps=1))
+    settings = _settings(kind)
+    budget = smallest_budget(model=model, **dict(settings, steps=1))
     denoise = ModelFolder.open(model).adapter.stage_components("denoise")
     weights = sum(path.stat().st_size for name in denoise for path in (ModelFolder.open(model).path / name).glob(
         "*.safetensors"))
     assert budget < weights
     streamed_plans.clear()
     monkeypatch.setenv("MEMFIT_CACHE_DIR", str(tmp_path / "cache"))
-    assert_matches_diffusers(model, atol=0, budget=budget, **GUIDED)
+    _matches_diffusers(model, kind, budget=budget, **settings)
     stages = {plan.stages[0].name: plan.stages for plan in streamed_plans}
     phases = [stage for stage in stages[next(name for name in stages if name.startswith("denoise"))]]
     names = [stage.name for stage in phases]
@@ -80,6 +113,16 @@ def test_streaming_budget_keeps_the_video(tiny_models, kind, streamed_plans, tmp
     for stage in phases:
         assert IMAGE_ENCODERS[kind] <= {placement.component for placement in stage.placements}, stage.name
     assert sum(stage.streamed_from_disk_bytes for stage in phases) > 0
+
+
+def test_generates_from_an_embeddings_file(tiny_models, tmp_path):
+    """memfit encode needs no image; generating from its file with --image gives the video the prompt gives."""
+    model = tiny_models("wan_i2v")
+    embeddings, _ = memfit.encode(PROMPT, model=model, negative_prompt="blurry")
+    embeddings.save(tmp_path / "prompt.safetensors")
+    settings = dict(GUIDED, prompt=None, negative_prompt=None)
+    from_file = memfit.generate(model=model, embeddings=tmp_path / "prompt.safetensors", progress=False, **settings)
+    assert max_pixel_difference(from_file.frames, memfit.generate(model=model, progress=False, **GUIDED).frames) == 0
 
 
 def test_refusals(tiny_models, monkeypatch):
@@ -90,7 +133,7 @@ def test_refusals(tiny_models, monkeypatch):
     settings = dict(GUIDED, image=None)
     with pytest.raises(MemfitError, match=r"makes a video from an image: pass --image IMG"):
         memfit.generate(model=tiny_models("wan_i2v"), progress=False, **settings)
-    with pytest.raises(MemfitError, match=r"WanPipeline does not take --image yet; supported: .*WanImageToVideoPipeline"):
+    with pytest.raises(MemfitError, match=r"This WanPipeline folder makes video from text only and takes no --image"):
         memfit.generate(model=tiny_models("wan"), progress=False, **GUIDED)
     with pytest.raises(MemfitError, match="takes no --strength"):
         memfit.generate(model=tiny_models("wan_i2v"), strength=0.5, progress=False, **GUIDED)
