@@ -5,6 +5,7 @@ a budget that streams; what encodes the input image is planned in the denoise st
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import types
 
@@ -181,3 +182,17 @@ def test_cli_writes_the_video_and_plans_the_image_encoder(tiny_models, tmp_path,
     placed = {stage["name"]: {p["component"] for p in stage["placements"]} for stage in stages}
     assert placed == {"encode": {"text_encoder"}, "denoise": {"transformer", "image_encoder", "vae"},
                       "decode": {"vae"}}
+
+
+@pytest.mark.skipif(importlib.util.find_spec("peft") is None, reason="LoRAs need peft (pip install memfit[lora])")
+def test_a_lora_equals_diffusers(tiny_models, tmp_path):
+    """--lora reaches the image-to-video transformer through the pipeline's own load_lora_weights, as in diffusers."""
+    from memfit.testing import diffusers_output
+    from memfit.testing.conditioning import save_lora
+
+    model = tiny_models("wan_i2v")
+    loras = [(str(save_lora(model, tmp_path / "lora", seed=1)), 0.7)]
+    ours = memfit.generate(model=model, loras=loras, progress=False, **GUIDED)
+    reference = diffusers_output(model, ours.settings, loras=loras, image=IMAGE)
+    assert max_pixel_difference(ours.frames, reference) == 0
+    assert max_pixel_difference(diffusers_output(model, ours.settings, image=IMAGE), reference) > 0
