@@ -84,7 +84,8 @@ def test_the_image_and_the_seed_change_the_video(tiny_models, kind):
     model = tiny_models(kind)
     settings = _settings(kind)
     ours = memfit.generate(model=model, progress=False, **settings)
-    other_image = memfit.generate(model=model, progress=False, **dict(settings, image=picture(settings["width"], seed=2)))
+    another = picture(settings["width"], seed=2)
+    other_image = memfit.generate(model=model, progress=False, **dict(settings, image=another))
     assert max_pixel_difference(ours.frames, other_image.frames) > 0
     other_seed = memfit.generate(model=model, progress=False, **dict(settings, seed=8))
     assert max_pixel_difference(ours.frames, other_seed.frames) > 0
@@ -156,6 +157,10 @@ def test_size_follows_the_image(tiny_models):
     assert width % 16 == 0 and height % 16 == 0 and abs(width / height - 2) < 0.1
     assert 0.9 * 832 * 480 < width * height <= 832 * 480
     assert adapter.resolve(PROMPT, None, 2, None, 0, 64, None, conditioning=wide, num_frames=5).width == 64
+    # Wan 2.2 TI2V-5B's VAE shrinks 16x: its pipeline would round a side to 32 pixels (two patches) unasked.
+    ti2v = ModelFolder.open(tiny_models("wan22_ti2v")).adapter
+    with pytest.raises(MemfitError, match="width 48 is not a positive multiple of 32.*use 32 or 64"):
+        ti2v.resolve(PROMPT, None, 2, None, 0, 48, 64, conditioning=wide, num_frames=5)
 
 
 def test_cli_writes_the_video_and_plans_the_image_encoder(tiny_models, tmp_path, capsys):

@@ -18,9 +18,9 @@ its latents as the first latent frame at timestep 0. Other WanPipeline folders r
 folders (WanImageToVideoPipeline: Wan 2.1 I2V, Wan 2.2 I2V A14B) are memfit.models.families.wan_i2v's.
 With an image and no --width/--height, the video has the image's aspect ratio at the area of __call__'s default
 832 x 480 (or memfit_defaults.json's width x height), each side rounded down to the transformer's patch in
-pixels, as diffusers' WanImageToVideoPipeline example computes it. That pipeline cleans prompts with ftfy, which
-its diffusers module uses without checking that it is installed: a run with an image is refused before anything
-loads when ftfy is missing.
+pixels (size_multiple), as diffusers' WanImageToVideoPipeline example computes it. That pipeline cleans prompts
+with ftfy, which its diffusers module uses without checking that it is installed: a run with an image is refused
+before anything loads when ftfy is missing.
 
 Unequal lengths: native. The pipeline runs the conditional and unconditional passes as separate
 transformer calls and compares no shapes; the transformer takes no text mask (encode_prompt already
@@ -63,7 +63,14 @@ class WanAdapter(PipelineAdapter):
         return self.configs["vae"].get("scale_factor_temporal", 4)
 
     def size_multiple(self) -> int:
-        return 16  # WanPipeline.check_inputs
+        # WanPipeline.check_inputs needs 16; __call__ then rounds a side down, silently, to the VAE's scale times the
+        # transformer's patch (32 with Wan 2.2 TI2V-5B's 16x VAE): memfit refuses a side that would be changed.
+        patch = self._patch_size()
+        return math.lcm(16, self.vae_scale_factor() * patch[1], self.vae_scale_factor() * patch[2])
+
+    def _patch_size(self) -> tuple[int, int, int]:
+        config = self.configs.get("transformer", self.configs.get("transformer_2", {}))
+        return tuple(config.get("patch_size", (1, 2, 2)))
 
     def default_size(self) -> int:
         return self.call_defaults()["height"]  # not square: resolve() takes __call__'s width and height
@@ -106,8 +113,7 @@ class WanAdapter(PipelineAdapter):
         """(width, height) for an input image without --width/--height: its aspect ratio at the default area."""
         call_defaults = self.call_defaults()
         area = defaults.get("width", call_defaults["width"]) * defaults.get("height", call_defaults["height"])
-        patch = self.configs.get("transformer", self.configs.get("transformer_2", {})).get("patch_size", (1, 2, 2))
-        step = self.vae_scale_factor() * patch[1]
+        step = self.size_multiple()
         aspect = image.height / image.width
         height = max(step, round(math.sqrt(area * aspect)) // step * step)
         width = max(step, round(math.sqrt(area / aspect)) // step * step)
