@@ -201,3 +201,24 @@ def test_a_lora_equals_diffusers(tiny_models, tmp_path):
     reference = diffusers_output(model, ours.settings, loras=loras, image=IMAGE)
     assert max_pixel_difference(ours.frames, reference) == 0
     assert max_pixel_difference(diffusers_output(model, ours.settings, image=IMAGE), reference) > 0
+
+
+def test_optimize_groups_the_image_encoder_with_the_transformer(tiny_models):
+    """memfit.optimize on a live WanImageToVideoPipeline: the CLIP image encoder is planned with the transformer,
+    the VAE with decode (where its decoder runs), and the video is unchanged."""
+    from memfit.models.families import run_together
+
+    pipe = diffusers.WanImageToVideoPipeline.from_pretrained(tiny_models("wan_i2v"))
+    pipe.set_progress_bar_config(disable=True)
+    modules = [name for name, value in pipe.components.items() if isinstance(value, torch.nn.Module)]
+    assert run_together("WanImageToVideoPipeline", modules) == [
+        ("encode", ["text_encoder"]), ("denoise", ["image_encoder", "transformer"]), ("decode", ["vae"])]
+    call = dict(prompt=PROMPT, negative_prompt="blurry", image=IMAGE, height=32, width=32, num_frames=5,
+                num_inference_steps=2, guidance_scale=5.0, output_type="pil")
+    reference = pipe(**call, generator=torch.Generator().manual_seed(7)).frames[0]
+    memfit.optimize(pipe)
+    try:
+        ours = pipe(**call, generator=torch.Generator().manual_seed(7)).frames[0]
+    finally:
+        memfit.restore(pipe)
+    assert max_pixel_difference(list(ours), list(reference)) == 0
