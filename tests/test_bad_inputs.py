@@ -294,6 +294,18 @@ def tiny(family, *extra):
     return lambda model, tmp: {"family": family, "args": ["--prompt", "a red circle", *extra]}
 
 
+def tiny_with_image(family):
+    """A run of the tiny ``family`` pipeline with an input image (--image)."""
+    def make(model, tmp):
+        from memfit.testing.conditioning import test_image
+
+        path = tmp / "in.png"
+        test_image(32).save(path)
+        return {"family": family, "args": ["--prompt", "a red circle", "--image", str(path)]}
+
+    return make
+
+
 def embeddings_of_another_text_encoder(model, tmp):
     """Embeddings the model's text encoder made, then one of its weights changed: another encoder now."""
     from memfit.models.folder import ModelFolder
@@ -420,6 +432,10 @@ CASES = [
     ("guidance-nan", args("--guidance", "nan"), "not a finite number"),
     ("wan-beyond-its-position-table", tiny("wan", "--width", "832", "--height", "480"),
      "reaches at most 512x512 with 125 frames"),
+    ("wan-image-to-video-without-an-image", tiny("wan_i2v", "--frames", "5"),
+     "WanImageToVideoPipeline makes a video from an image: pass --image IMG"),
+    ("wan-text-to-video-with-an-image", tiny_with_image("wan"),
+     "folder makes video from text only and takes no --image (only Wan 2.2 TI2V-5B"),
     ("embeddings-of-another-text-encoder", embeddings_of_another_text_encoder, "were made by a different text encoder"),
     ("budget-garbage", args("--budget", "lots"), "lots"),
     ("threads-zero", args("--threads", "0"), "--threads 0: give at least 1 thread"),

@@ -148,7 +148,8 @@ def generate(
     0.8) of the schedule and the refiner finishes (memfit.run.refiner).
 
     Beyond text to image (the family's own diffusers pipeline for each, PipelineAdapter.tasks):
-    `image` (a PIL image or a file) runs img2img, noised by `strength`; with `mask` (white = repaint)
+    `image` (a PIL image or a file) runs img2img, noised by `strength` (a family that edits, refers to or
+    animates it, FLUX.1 Kontext, FLUX.2 and Wan image to video, takes it as it is); with `mask` (white = repaint)
     it inpaints; `control_image` with `controlnet` (a ControlNet model folder; a ControlNet pipeline
     folder has its own) steers every step, the ControlNet loaded and planned in the denoise stage.
     `loras` are LoRA files, each a path, "PATH:SCALE" or (path, scale), loaded unfused with diffusers'

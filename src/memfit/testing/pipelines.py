@@ -433,8 +433,12 @@ def _qwenimage(scale: int, text_layers: int):
     )
 
 
-def _wan(scale: int, text_layers: int, boundary_ratio: float | None = None, ffn_dim: int | None = None):
-    from diffusers import AutoencoderKLWan, FlowMatchEulerDiscreteScheduler, WanPipeline, WanTransformer3DModel
+def _wan(scale: int, text_layers: int, boundary_ratio: float | None = None, ffn_dim: int | None = None, *,
+         image_to_video: bool = False, image_encoder=None, image_processor=None):
+    """A tiny Wan pipeline; ``image_to_video``: WanImageToVideoPipeline's, whose transformers also take the
+    condition latents and mask beside the noise, and (with ``image_encoder``, Wan 2.1's) the CLIP image tokens."""
+    from diffusers import (AutoencoderKLWan, FlowMatchEulerDiscreteScheduler, WanImageToVideoPipeline, WanPipeline,
+                           WanTransformer3DModel)
 
     tokenizer = word_tokenizer()
     text_hidden = 16 * scale
@@ -452,9 +456,12 @@ def _wan(scale: int, text_layers: int, boundary_ratio: float | None = None, ffn_
         patch_size=(1, 2, 2),
         num_attention_heads=2 * scale,
         attention_head_dim=12,
-        in_channels=latent_channels,
+        # image to video: the noise, then the mask (one channel per frame of a temporal group) and the condition
+        in_channels=latent_channels * 2 + 4 if image_to_video else latent_channels,
         out_channels=latent_channels,
         text_dim=text_hidden,
+        image_dim=None if image_encoder is None else image_encoder.config.hidden_size,
+        added_kv_proj_dim=None if image_encoder is None else 24 * scale,
         freq_dim=32,
         ffn_dim=ffn_dim or 32 * scale,
         num_layers=2,
@@ -462,7 +469,7 @@ def _wan(scale: int, text_layers: int, boundary_ratio: float | None = None, ffn_
         qk_norm="rms_norm_across_heads",
         rope_max_seq_len=32,
     ) for _ in range(1 if boundary_ratio is None else 2)]
-    return WanPipeline(
+    components = dict(
         tokenizer=tokenizer,
         text_encoder=_t5_encoder(tokenizer, text_hidden, text_layers, "UMT5EncoderModel"),
         vae=vae,
@@ -471,6 +478,9 @@ def _wan(scale: int, text_layers: int, boundary_ratio: float | None = None, ffn_
         boundary_ratio=boundary_ratio,
         scheduler=FlowMatchEulerDiscreteScheduler(shift=7.0),
     )
+    if image_to_video:
+        return WanImageToVideoPipeline(**components, image_encoder=image_encoder, image_processor=image_processor)
+    return WanPipeline(**components)
 
 
 def _wan22(scale: int, text_layers: int):
@@ -479,6 +489,56 @@ def _wan22(scale: int, text_layers: int):
     feed-forward layers make each expert about 25 MB (fast: the tiny video has 32 tokens), so the memory
     tests see in RSS which expert is in memory."""
     return _wan(scale, text_layers, boundary_ratio=0.875, ffn_dim=2**16 * scale)
+
+
+def _clip_vision(scale: int, image_size: int = 32):
+    """A tiny CLIPVisionModel and the CLIPImageProcessor that feeds it ``image_size`` pixels a side."""
+    import transformers
+
+    config = transformers.CLIPVisionConfig(hidden_size=16 * scale, intermediate_size=32 * scale, num_attention_heads=2,
+                                           num_hidden_layers=2, image_size=image_size, patch_size=8)
+    processor = transformers.CLIPImageProcessor(size={"shortest_edge": image_size},
+                                                crop_size={"height": image_size, "width": image_size})
+    return transformers.CLIPVisionModel(config).eval(), processor
+
+
+def _wan_i2v(scale: int, text_layers: int):
+    """Wan 2.1 I2V's layout: one transformer that also attends to a CLIP image encoder's tokens of the input
+    image (its second-to-last hidden layer), beside the VAE's latents of it."""
+    image_encoder, image_processor = _clip_vision(scale)
+    return _wan(scale, text_layers, image_to_video=True, image_encoder=image_encoder, image_processor=image_processor)
+
+
+def _wan22_i2v(scale: int, text_layers: int):
+    """Wan 2.2 I2V A14B's layout: two experts switched at boundary_ratio, no image encoder (the input image
+    reaches the transformers only as the VAE's latents)."""
+    return _wan(scale, text_layers, boundary_ratio=0.9, image_to_video=True)
+
+
+def _wan22_ti2v(scale: int, text_layers: int):
+    """Wan 2.2 TI2V-5B's layout: a WanPipeline folder with expand_timesteps (each latent patch its own timestep, an
+    input image's latents kept as the first frame at timestep 0) and the Wan 2.2 VAE, which patchifies 2x2 before
+    its three downsamplings (16x spatially) and adds residual shortcuts."""
+    from diffusers import AutoencoderKLWan, WanPipeline
+
+    parts = _wan(scale, text_layers).components
+    vae = AutoencoderKLWan(
+        base_dim=4 * scale,
+        decoder_base_dim=8 * scale,
+        z_dim=4,
+        dim_mult=[1, 1, 1, 1],
+        num_res_blocks=1,
+        temperal_downsample=[False, True, True],
+        latents_mean=[0.1, -0.2, 0.05, 0.3],
+        latents_std=[1.5, 0.8, 1.2, 2.0],
+        is_residual=True,
+        in_channels=12,
+        out_channels=12,
+        patch_size=2,
+        scale_factor_spatial=16,
+        scale_factor_temporal=4,
+    )
+    return WanPipeline(**dict(parts, vae=vae), expand_timesteps=True)
 
 
 def _chroma(scale: int, text_layers: int):
@@ -839,13 +899,14 @@ def _sd_pag(scale: int, text_layers: int):
 
 _BUILDERS: dict[str, Callable[[int, int], object]] = {
     "sd": _sd, "sdxl": _sdxl, "lumina2": _lumina2, "cogview4": _cogview4,
-    "flux": _flux, "flux_schnell": _flux_schnell, "sd3": _sd3, "qwenimage": _qwenimage, "wan": _wan, "wan22": _wan22, "chroma": _chroma, "sana": _sana, "pixart_sigma": _pixart_sigma, "aura_flow": _aura_flow, "hidream": _hidream,
+    "flux": _flux, "flux_schnell": _flux_schnell, "sd3": _sd3, "qwenimage": _qwenimage, "wan": _wan, "wan22": _wan22,
+    "wan_i2v": _wan_i2v, "wan22_i2v": _wan22_i2v, "wan22_ti2v": _wan22_ti2v, "chroma": _chroma, "sana": _sana, "pixart_sigma": _pixart_sigma, "aura_flow": _aura_flow, "hidream": _hidream,
     "zimage": _zimage, "flux_kontext": _flux_kontext, "flux2": _flux2, "flux2_klein": _flux2_klein,
     "sd_pag": _sd_pag, "sdxl_single_file": _sdxl_single_file, "sd3_single_file": _sd3_single_file, "sd2_single_file": _sd2_single_file,
 }
 
 # Sizes each tiny architecture accepts (multiples of what its VAE and patching need).
-DEFAULT_SIZE = {"sd": 32, "sdxl": 32, "lumina2": 32, "cogview4": 32, "flux": 32, "flux_schnell": 32, "sd3": 32, "qwenimage": 32, "wan": 32, "wan22": 32, "chroma": 32, "sana": 32, "pixart_sigma": 32, "aura_flow": 32, "hidream": 32,
+DEFAULT_SIZE = {"sd": 32, "sdxl": 32, "lumina2": 32, "cogview4": 32, "flux": 32, "flux_schnell": 32, "sd3": 32, "qwenimage": 32, "wan": 32, "wan22": 32, "wan_i2v": 32, "wan22_i2v": 32, "wan22_ti2v": 64, "chroma": 32, "sana": 32, "pixart_sigma": 32, "aura_flow": 32, "hidream": 32,
                 "zimage": 32, "flux_kontext": 32, "flux2": 32, "flux2_klein": 32}
 
 

@@ -16,6 +16,7 @@ from memfit.models.families.qwenimage import QwenImageAdapter
 from memfit.models.families.sana import SanaAdapter
 from memfit.models.families.sd3 import StableDiffusion3Adapter
 from memfit.models.families.wan import WanAdapter
+from memfit.models.families.wan_i2v import WanImageToVideoAdapter
 from memfit.models.families.zimage import ZImageAdapter
 from memfit.models.families.generic import GenericAdapter
 from memfit.models.families.lumina2 import Lumina2Adapter
@@ -36,6 +37,7 @@ ADAPTERS: dict[str, type[PipelineAdapter]] = {
         StableDiffusion3Adapter,
         QwenImageAdapter,
         WanAdapter,
+        WanImageToVideoAdapter,
         ChromaAdapter,
         SanaAdapter,
         PixArtSigmaAdapter,
@@ -66,8 +68,11 @@ def run_together(class_name: str, names) -> list[tuple[str, list[str]]]:
     names = list(names)
     adapter = adapter_for(class_name, {}, {name: ("", "") for name in names})
     groups, placed = [], set()
+    decoders = set(adapter.stage_components("decode"))
     for stage in ("encode", "denoise", "decode"):
         wanted = set(adapter.stage_components(stage)) | (set(DENOISE_COMPANIONS) if stage == "denoise" else set())
+        if stage == "denoise":  # a VAE that also encodes an input image in the loop set-up (Wan I2V) groups with decode
+            wanted -= decoders
         members = [name for name in names if name in wanted and name not in placed]
         if members:
             groups.append((stage, members))

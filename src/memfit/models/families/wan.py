@@ -10,6 +10,18 @@ expert, not both), the first is placed as the stage starts and the second is bro
 call, the boundary, when the first is released to its file (``experts``). ``guidance_scale_2`` (Settings
 field, --guidance-2) guides the low-noise steps; without it the pipeline guides them with guidance too.
 
+Input image (--image, the img2img task): Wan 2.2 TI2V-5B, a WanPipeline folder whose model_index.json has
+``expand_timesteps: true``, also makes a video from an image. WanPipeline itself takes none in this diffusers
+version: its image path is WanImageToVideoPipeline's (the same folder loaded as that class, as diffusers does),
+whose loop set-up encodes the image with the VAE's encoder (loaded and planned in the denoise stage) and keeps
+its latents as the first latent frame at timestep 0. Other WanPipeline folders refuse --image; image-to-video
+folders (WanImageToVideoPipeline: Wan 2.1 I2V, Wan 2.2 I2V A14B) are memfit.models.families.wan_i2v's.
+With an image and no --width/--height, the video has the image's aspect ratio at the area of __call__'s default
+832 x 480 (or memfit_defaults.json's width x height), each side rounded down to the transformer's patch in
+pixels (size_multiple), as diffusers' WanImageToVideoPipeline example computes it. That pipeline cleans prompts
+with ftfy, which its diffusers module uses without checking that it is installed: a run with an image is refused
+before anything loads when ftfy is missing.
+
 Unequal lengths: native. The pipeline runs the conditional and unconditional passes as separate
 transformer calls and compares no shapes; the transformer takes no text mask (encode_prompt already
 zero-pads every prompt to max_sequence_length, so its own embeddings are equal in length).
@@ -17,10 +29,12 @@ zero-pads every prompt to max_sequence_length, so its own embeddings are equal i
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 from memfit.errors import MemfitError
-from memfit.models.families.base import PipelineAdapter, paired_embeddings
+from memfit.models.families.base import IMG2IMG, PipelineAdapter, paired_embeddings
 
 
 class WanAdapter(PipelineAdapter):
@@ -35,6 +49,12 @@ class WanAdapter(PipelineAdapter):
     guidance_batch = 1  # the negative pass is a separate transformer call
     separate_guidance_passes = True
     options = ("num_frames", "guidance_scale_2")
+    # Wan 2.2 TI2V-5B's image path (WanPipeline folders without expand_timesteps refuse --image: takes_image).
+    tasks = {IMG2IMG: "WanImageToVideoPipeline"}
+
+    def takes_image(self) -> bool:
+        """Whether this folder makes a video from an input image: Wan 2.2 TI2V-5B (expand_timesteps) does."""
+        return bool(self.pipeline_options.get("expand_timesteps"))
 
     def vae_scale_factor(self) -> int:
         return self.configs["vae"].get("scale_factor_spatial", 8)
@@ -43,19 +63,37 @@ class WanAdapter(PipelineAdapter):
         return self.configs["vae"].get("scale_factor_temporal", 4)
 
     def size_multiple(self) -> int:
-        return 16  # WanPipeline.check_inputs
+        # WanPipeline.check_inputs needs 16; __call__ then rounds a side down, silently, to the VAE's scale times the
+        # transformer's patch (32 with Wan 2.2 TI2V-5B's 16x VAE): memfit refuses a side that would be changed.
+        patch = self._patch_size()
+        return math.lcm(16, self.vae_scale_factor() * patch[1], self.vae_scale_factor() * patch[2])
+
+    def _patch_size(self) -> tuple[int, int, int]:
+        config = self.configs.get("transformer", self.configs.get("transformer_2", {}))
+        return tuple(config.get("patch_size", (1, 2, 2)))
 
     def default_size(self) -> int:
         return self.call_defaults()["height"]  # not square: resolve() takes __call__'s width and height
 
     def resolve(self, prompt, negative_prompt, steps, guidance, seed, width, height, defaults=None, *,
-                makes_images: bool = True, **options):
+                conditioning=None, makes_images: bool = True, **options):
         call_defaults = self.call_defaults()
         defaults = defaults or {}
+        image = None if conditioning is None else conditioning.image
+        if image is not None:
+            if not self.takes_image():
+                raise MemfitError(
+                    f"This {self.class_name} folder makes video from text only and takes no --image (only Wan 2.2 "
+                    "TI2V-5B, whose model_index.json has expand_timesteps: true, does); for image to video use a "
+                    "WanImageToVideoPipeline folder (Wan 2.1 I2V, Wan 2.2 I2V A14B).")
+            check_prompt_cleaning()
+            sized_width, sized_height = self.size_for(image, defaults)
+            width = sized_width if width is None else width
+            height = sized_height if height is None else height
         width = width if width is not None else defaults.get("width", call_defaults["width"])
         height = height if height is not None else defaults.get("height", call_defaults["height"])
         settings = super().resolve(prompt, negative_prompt, steps, guidance, seed, width, height, defaults,
-                                   makes_images=makes_images, **options)
+                                   conditioning=conditioning, makes_images=makes_images, **options)
         if settings.guidance_scale_2 is not None and "transformer_2" not in self.configs:
             raise MemfitError(
                 f"guidance_scale_2 guides Wan 2.2's second expert (transformer_2), which this {self.class_name} "
@@ -70,6 +108,16 @@ class WanAdapter(PipelineAdapter):
         if makes_images:
             self._check_position_table(settings)
         return settings
+
+    def size_for(self, image, defaults: dict) -> tuple[int, int]:
+        """(width, height) for an input image without --width/--height: its aspect ratio at the default area."""
+        call_defaults = self.call_defaults()
+        area = defaults.get("width", call_defaults["width"]) * defaults.get("height", call_defaults["height"])
+        step = self.size_multiple()
+        aspect = image.height / image.width
+        height = max(step, round(math.sqrt(area * aspect)) // step * step)
+        width = max(step, round(math.sqrt(area / aspect)) // step * step)
+        return width, height
 
     def _check_position_table(self, settings) -> None:
         """Refuse a size the transformers' rotary position tables do not reach, before anything loads (diffusers
@@ -131,3 +179,12 @@ class WanAdapter(PipelineAdapter):
         latents = latents / latents_std + latents_mean
         video = vae.decode(latents, return_dict=False)[0]
         return list(pipe.video_processor.postprocess_video(video, output_type="pil")[0])
+
+
+def check_prompt_cleaning() -> None:
+    """Refuse a run WanImageToVideoPipeline would fail in its first step for want of ftfy (a NameError)."""
+    from diffusers.pipelines.wan import pipeline_wan_i2v
+
+    if getattr(pipeline_wan_i2v, "ftfy", None) is None:
+        raise MemfitError("WanImageToVideoPipeline cleans prompts with the ftfy package, which is not installed; "
+                          "install it (pip install ftfy) and run again.")
