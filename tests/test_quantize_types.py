@@ -218,3 +218,30 @@ def test_memfit_plan_sizes_the_new_types_without_writing(wide_flux, capsys, kind
 
     unquantized = FluxTransformer2DModel.from_pretrained(wide_flux / "transformer", torch_dtype=torch.float32)
     assert planned < sum(p.numel() * p.element_size() for p in unquantized.parameters()) / 2
+
+
+@pytest.mark.skipif(not hasattr(torch.ops.aten, "_weight_int8pack_mm"), reason="this torch has no int8 matmul")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_int8_matmul_when_turned_on_is_the_dequantized_layer_up_to_rounding(monkeypatch, dtype):
+    """memfit.quant.linear.INT8_MATMUL (off: docs/int8_matmul.md) multiplies the stored int8 weight directly; its
+    output is the dequantizing layer's within the compute dtype's rounding, bias and leading dimensions kept."""
+    import memfit.quant.linear as linear
+    from memfit.quant.formats import INT8_FORMAT, StoredTensor
+    from memfit.quant.writers import quantize_int8_rows
+
+    values, scale = quantize_int8_rows(_weights(48, 64))
+    layer = linear.QuantizedLinear(64, 48, StoredTensor(INT8_FORMAT, (48, 64), scale), bias=True, device="cpu")
+    layer.weight.data = values
+    layer.bias.data = torch.randn(48)
+    inputs = torch.randn(2, 5, 64).to(dtype)
+    dequantized = layer(inputs)
+    monkeypatch.setattr(linear, "INT8_MATMUL", True)
+    taken = []
+    runs = linear._int8_matmul_runs
+    monkeypatch.setattr(linear, "_int8_matmul_runs", lambda *args: taken.append(runs(*args)) or taken[-1])
+    direct = layer(inputs)
+    assert taken == [True]
+    assert direct.shape == (2, 5, 48) and direct.dtype == dtype
+    tolerance = 1e-5 if dtype == torch.float32 else 2e-2
+    assert (direct.float() - dequantized.float()).abs().max() <= tolerance * dequantized.float().abs().max()
+    assert not torch.equal(direct, torch.zeros_like(direct))
