@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import argparse
 import json
-import platform
+import os
 import statistics
 import sys
 import time
@@ -26,6 +26,9 @@ import torch.nn.functional as F
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "src"))
+sys.path.insert(0, str(ROOT / "benchmarks"))
+
+from common import cpu_name  # noqa: E402
 
 from memfit.quant.formats import INT8_FORMAT, StoredTensor  # noqa: E402
 from memfit.quant.writers import quantize_int8_rows  # noqa: E402
@@ -85,6 +88,10 @@ def render(data: dict) -> str:
                      f"{row['dequantize_max_abs_error']:.3g} | {row['int8_mm_max_abs_error']:.3g} | "
                      f"{row['output_mean_abs']:.3g} |")
     lines += ["", data["decision"], ""]
+    if data.get("load_before"):
+        lines += [f"The machine's load average before the run: {data['load_before']} (a shared machine: single "
+                  "rows can be off by tens of percent; the decision rests on the differences that are several "
+                  "times that).", ""]
     return "\n".join(lines)
 
 
@@ -117,9 +124,10 @@ def main() -> None:
         (args.out / "int8_matmul.md").write_text(render(data))
         return
     torch.set_num_threads(args.threads)
+    load = Path("/proc/loadavg").read_text().split()[0] if Path("/proc/loadavg").is_file() else None
     rows = measure(args.repeats)
-    data = {"machine": platform.processor() or platform.machine(), "torch": torch.__version__, "threads": args.threads,
-            "repeats": args.repeats, "rows": rows, "decision": decide(rows)}
+    data = {"machine": f"{cpu_name()} ({os.cpu_count()} CPUs)", "torch": torch.__version__, "threads": args.threads,
+            "repeats": args.repeats, "load_before": load, "rows": rows, "decision": decide(rows)}
     (args.out / "int8_matmul.json").write_text(json.dumps(data, indent=1) + "\n")
     (args.out / "int8_matmul.md").write_text(render(data))
     print(data["decision"])
