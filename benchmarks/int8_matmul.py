@@ -28,10 +28,10 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "src"))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
-from common import cpu_name  # noqa: E402
+from common import cpu_name
 
-from memfit.quant.formats import INT8_FORMAT, StoredTensor  # noqa: E402
-from memfit.quant.writers import quantize_int8_rows  # noqa: E402
+from memfit.quant.formats import INT8_FORMAT, StoredTensor
+from memfit.quant.writers import quantize_int8_rows
 
 SHAPES = ((3072, 3072), (12288, 3072))  # (out, in): Flux's attention projections and its MLP's first layer
 TOKENS = (16, 256, 1024)
@@ -58,13 +58,18 @@ def measure(repeats: int) -> list[dict]:
             dequantized = stored.dequantize(weight, dtype)
             for tokens in TOKENS:
                 inputs = torch.randn(tokens, in_features).to(dtype)
-                dequantizing = lambda: F.linear(inputs, stored.dequantize(weight, dtype))  # noqa: E731
-                int8 = lambda: torch.ops.aten._weight_int8pack_mm(inputs, weight, scale.to(dtype))  # noqa: E731
+                def dequantizing(inputs=inputs, stored=stored, weight=weight, dtype=dtype):
+                    return F.linear(inputs, stored.dequantize(weight, dtype))
+
+                def int8(inputs=inputs, weight=weight, scale=scale, dtype=dtype):
+                    return torch.ops.aten._weight_int8pack_mm(inputs, weight, scale.to(dtype))
+
                 exact = inputs.double() @ dequantized.double().T
                 row = {"out": out_features, "in": in_features, "tokens": tokens, "dtype": str(dtype).removeprefix("torch."),
                        "dequantize_s": _median_seconds(dequantizing, repeats),
                        "int8_mm_s": _median_seconds(int8, repeats),
-                       "kept_dequantized_s": _median_seconds(lambda: F.linear(inputs, dequantized), repeats),
+                       "kept_dequantized_s": _median_seconds(
+                           lambda inputs=inputs, dequantized=dequantized: F.linear(inputs, dequantized), repeats),
                        "dequantize_max_abs_error": (dequantizing().double() - exact).abs().max().item(),
                        "int8_mm_max_abs_error": (int8().double() - exact).abs().max().item(),
                        "int8_mm_vs_dequantize_max_abs": (int8().double() - dequantizing().double()).abs().max().item(),
@@ -76,12 +81,12 @@ def measure(repeats: int) -> list[dict]:
 
 def render(data: dict) -> str:
     lines = ["# int8 weight-only matmul on the CPU", "",
-             f"`benchmarks/int8_matmul.py`: {data['machine']}, torch {data['torch']}, {data['threads']} threads, "
-             f"median of {data['repeats']}. Seconds per layer forward; errors are max abs against the exact product "
-             "of the inputs and the dequantized weight in the compute dtype (what the dequantize path computes "
-             "before rounding its output).", "",
-             "| layer (out x in) | dtype | tokens | dequantize + matmul | int8 matmul | kept dequantized | "
-             "error: dequantize | error: int8 matmul | mean abs output |", "|---|---|---|---|---|---|---|---|---|"]
+             (f"`benchmarks/int8_matmul.py`: {data['machine']}, torch {data['torch']}, {data['threads']} threads, "
+              f"median of {data['repeats']}. Seconds per layer forward; errors are max abs against the exact product "
+              "of the inputs and the dequantized weight in the compute dtype (what the dequantize path computes "
+              "before rounding its output)."), "",
+             ("| layer (out x in) | dtype | tokens | dequantize + matmul | int8 matmul | kept dequantized | "
+              "error: dequantize | error: int8 matmul | mean abs output |"), "|---|---|---|---|---|---|---|---|---|"]
     for row in data["rows"]:
         lines.append(f"| {row['out']}x{row['in']} | {row['dtype']} | {row['tokens']} | {row['dequantize_s'] * 1e3:.1f} ms"
                      f" | {row['int8_mm_s'] * 1e3:.1f} ms | {row['kept_dequantized_s'] * 1e3:.1f} ms | "
@@ -89,9 +94,9 @@ def render(data: dict) -> str:
                      f"{row['output_mean_abs']:.3g} |")
     lines += ["", data["decision"], ""]
     if data.get("load_before"):
-        lines += [f"The machine's load average before the run: {data['load_before']} (a shared machine: single "
-                  "rows can be off by tens of percent; the decision rests on the differences that are several "
-                  "times that).", ""]
+        lines += [(f"The machine's load average before the run: {data['load_before']} (a shared machine: single "
+                   "rows can be off by tens of percent; the decision rests on the differences that are several "
+                   "times that)."), ""]
     return "\n".join(lines)
 
 

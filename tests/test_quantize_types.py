@@ -20,7 +20,7 @@ import memfit
 
 gguf = pytest.importorskip("gguf")
 
-SETTINGS = dict(prompt="a red house near the sea", steps=2, seed=3, width=32, height=32)
+SETTINGS = {"prompt": "a red house near the sea", "steps": 2, "seed": 3, "width": 32, "height": 32}
 
 
 def _pixels(result) -> np.ndarray:
@@ -89,7 +89,10 @@ def test_q4_k_blocks_round_trip_through_gguf_and_memfit():
     theirs = torch.from_numpy(gguf.quants.dequantize(blocks, gguf.GGMLQuantizationType.Q4_K))
     q4_1 = gguf.GGMLQuantizationType.Q4_1
     reference = torch.from_numpy(gguf.quants.dequantize(gguf.quants.quantize(weights.numpy(), q4_1), q4_1))
-    rmse = lambda values: (values - weights)[3:].square().mean().sqrt().item()  # noqa: E731 - the random rows
+
+    def rmse(values):  # over the random rows
+        return (values - weights)[3:].square().mean().sqrt().item()
+
     assert rmse(theirs) <= rmse(reference) * 1.02 and rmse(theirs) < 0.1 * weights[3:].std().item()
     # Each value within two steps of its sub-block (its range / 15) and the 6-bit rounding of its scale (15 times
     # the super-block's d, its largest step / 63) and minimum (dmin, its largest minimum / 63): a sub-block of
@@ -225,7 +228,7 @@ def test_memfit_plan_sizes_the_new_types_without_writing(wide_flux, capsys, kind
 def test_the_int8_matmul_when_turned_on_is_the_dequantized_layer_up_to_rounding(monkeypatch, dtype):
     """memfit.quant.linear.INT8_MATMUL (off: docs/int8_matmul.md) multiplies the stored int8 weight directly; its
     output is the dequantizing layer's within the compute dtype's rounding, bias and leading dimensions kept."""
-    import memfit.quant.linear as linear
+    from memfit.quant import linear
     from memfit.quant.formats import INT8_FORMAT, StoredTensor
     from memfit.quant.writers import quantize_int8_rows
 

@@ -66,7 +66,7 @@ def _meta_quantized(model: ModelFolder, name: str, kind: str) -> torch.nn.Module
     layers = quantized_layers(module, kind)
     linears = {path: layer for path, layer in layers.items() if isinstance(layer, torch.nn.Linear)}
     if not linears:
-        what = "linear layer whose rows are whole blocks of the type" if kind != "fp8" else "linear layer"
+        what = "linear layer" if kind in ("fp8", "int8") else "linear layer whose rows are whole blocks of the type"
         raise MemfitError(f"--quantize {name}={kind}: {name} ({class_name}) has no {what} outside its norms and "
                           "embeddings, which is what memfit stores quantized, so it would not be smaller; leave it out.")
     if kind == "fp8":

@@ -2,9 +2,10 @@
 
 A format knows its block: ``block_size`` values stored in ``type_size`` bytes along a tensor's last
 dimension (fp8: one value in one byte), so a tensor's stored shape is its logical shape with the last
-dimension in bytes. int8 (what ``--quantize NAME=int8`` writes) is one value per byte with one float32 scale
-per output row, kept beside the bytes (StoredTensor.scale of shape [rows]). The GGUF arithmetic is diffusers' own (diffusers.quantizers.gguf.utils, the
-functions its GGUF loading runs), so a weight dequantizes to the same values as there, bit for bit.
+dimension in bytes. int8 (what ``--quantize NAME=int8`` writes) is one value per byte with one float32
+scale per output row, kept beside the bytes (StoredTensor.scale of shape [rows]). The GGUF arithmetic is
+diffusers' own (diffusers.quantizers.gguf.utils, the functions its GGUF loading runs), so a weight
+dequantizes to the same values as there, bit for bit.
 """
 
 from __future__ import annotations
@@ -18,8 +19,8 @@ import torch
 
 from memfit.errors import MemfitError
 
-__all__ = ["FP8_FORMATS", "INT8_FORMAT", "INT8_SCALE_SUFFIX", "STORAGE_DTYPE", "StoredFormat", "StoredTensor", "dequantized_elements",
-           "gguf_format", "int8_row_scale", "is_stored", "mark_stored", "readable_gguf_types"]
+__all__ = ["FP8_FORMATS", "INT8_FORMAT", "INT8_SCALE_SUFFIX", "STORAGE_DTYPE", "StoredFormat", "StoredTensor",
+           "dequantized_elements", "gguf_format", "int8_row_scale", "is_stored", "mark_stored", "readable_gguf_types"]
 
 _STORED_ATTR = "_memfit_stored_format"
 #: The dtype stored bytes are held in. int8, not uint8: it is the dtype of quantized weights the libraries
@@ -107,10 +108,10 @@ INT8_SCALE_SUFFIX = "_scale"
 
 def int8_row_scale(file, key: str, shapes: dict) -> torch.Tensor | None:
     """The per-row scales (float32, [rows]) of int8 weight ``key`` of a safetensors ``file`` (``shapes``: its
-    key -> (dtype, shape)) when the file has them as ``key + INT8_SCALE_SUFFIX`` (what memfit's int8 writer stores), else
-    None: an int8 tensor without them is an ordinary int8 tensor."""
+    key -> (dtype, shape)) when the file has them as ``key + INT8_SCALE_SUFFIX`` (what memfit's int8 writer
+    stores), else None: an int8 tensor without them is an ordinary int8 tensor."""
     scale_key = key + INT8_SCALE_SUFFIX
-    dtype, shape = shapes[key]
+    shape = shapes[key][1]
     if not key.endswith(".weight") or len(shape) != 2 or scale_key not in shapes:
         return None
     scale_dtype, scale_shape = shapes[scale_key]

@@ -29,10 +29,9 @@ import torch
 from memfit.errors import MemfitError
 from memfit.quant.formats import INT8_SCALE_SUFFIX
 
-__all__ = ["GGUF_TYPES", "QUANTIZE_TYPES", "quantize_int8_rows", "quantized_layers",
-           "write_quantized"]
+__all__ = ["GGUF_TYPES", "QUANTIZE_TYPES", "quantize_int8_rows", "quantized_layers", "write_quantized"]
 
-#: --quantize's types: the name users give -> the GGUF type the gguf package quantizes to, or the fp8 dtype.
+#: --quantize's types: fp8, int8, and the GGUF ones (the name users give -> the GGUF type written).
 GGUF_TYPES = {"q8_0": "Q8_0", "q5_1": "Q5_1", "q5_0": "Q5_0", "q4_1": "Q4_1", "q4_0": "Q4_0", "q4_k": "Q4_K"}
 QUANTIZE_TYPES = ("fp8", "int8", *GGUF_TYPES)
 
