@@ -248,3 +248,29 @@ def test_the_int8_matmul_when_turned_on_is_the_dequantized_layer_up_to_rounding(
     tolerance = 1e-5 if dtype == torch.float32 else 2e-2
     assert (direct.float() - dequantized.float()).abs().max() <= tolerance * dequantized.float().abs().max()
     assert not torch.equal(direct, torch.zeros_like(direct))
+
+
+def test_a_layouts_row_conversion_carries_each_rows_int8_scale():
+    """A conversion that splits a fused int8 weight by rows, or joins two, takes each row's scale with it: the
+    converted tensors dequantize to the converted dequantized weights."""
+    from memfit.quant.formats import INT8_FORMAT, StoredTensor
+    from memfit.quant.rows import convert_stored
+    from memfit.quant.writers import quantize_int8_rows
+
+    fused, other = _weights(12, 8), _weights(4, 8) * 3
+    tensors, stored = {}, {}
+    for name, weight in (("qkv.weight", fused), ("extra.weight", other)):
+        tensors[name], scale = quantize_int8_rows(weight)
+        stored[name] = StoredTensor(INT8_FORMAT, tuple(weight.shape), scale)
+
+    def convert(state):
+        q, k, v = state["qkv.weight"].chunk(3)
+        return {"q.weight": q, "k.weight": k, "joined.weight": torch.cat([v, state["extra.weight"]])}
+
+    values = {name: stored[name].dequantize(tensor, torch.float32) for name, tensor in tensors.items()}
+    expected = convert(values)
+    converted, formats = convert_stored(convert, tensors, stored, "test")
+    assert set(formats) == set(expected)
+    for name, weight in expected.items():
+        assert formats[name].scale.shape == (weight.shape[0],)
+        assert torch.equal(formats[name].dequantize(converted[name], torch.float32), weight)
