@@ -44,7 +44,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 GiB = 2**30
 FILE_TYPES = ["Q8_0", "Q5_1", "Q5_0", "Q4_1", "Q4_0", "fp8", "fp8-scaled"]
-ON_THE_FLY = ["fp8", "q8_0", "q5_0", "q4_0"]
+# The Flux-width transformer quantized on the fly (memfit's file, diffusers' keys): the types no downloaded file
+# holds (int8 is memfit's own; the gguf package cannot write Q4_K), and q8_0 and q4_0 beside them, since on the
+# fly leaves more layers unquantized than a downloaded file (the AdaLN modulation linears match the "norm" skip).
+ON_THE_FLY_FILE_TYPES = ["q8_0", "q4_0", "int8", "q4_k"]
+ON_THE_FLY = ["fp8", "int8", "q8_0", "q5_0", "q4_0", "q4_k"]
 SPEED_TYPES = ["bf16", "Q8_0", "Q4_0", "fp8"]
 
 
@@ -85,13 +89,16 @@ def quantized_file(folder: Path, out: Path, kind: str) -> Path:
     return path
 
 
-def load_transformer(folder: Path, file: Path | None, dtype: torch.dtype):
+def load_transformer(folder: Path, file: Path | None, dtype: torch.dtype, quantize: str | None = None):
     from memfit.models.folder import ModelFolder
+    from memfit.models.quantize import with_quantized
     from memfit.models.single_file import SingleFileModel
 
     model = ModelFolder.open(folder)
     if file is not None:
         model = SingleFileModel.with_components(model, {"transformer": file})
+    if quantize is not None:
+        model = with_quantized(model, {"transformer": quantize})
     return model.load_stage(["transformer"], dtype, in_file_dtype=[]).transformer
 
 
@@ -112,9 +119,12 @@ def stored_bytes(module) -> int:
 
 # --- quality ----------------------------------------------------------------------------------------
 
-def quality(models: Path) -> dict:
+def quality(models: Path, only: list[str] | None = None, earlier: dict | None = None) -> dict:
+    """The quality rows; with ``only``, those types' rows alone, the others kept from ``earlier`` (the page's)."""
     import memfit
+    from memfit.errors import MemfitError
 
+    wanted = lambda kind: only is None or kind in only  # noqa: E731
     folder = flux_width_folder(models)
     reference = load_transformer(folder, None, torch.float32)
     feed = inputs(reference, 256, 128, torch.float32)
@@ -122,12 +132,18 @@ def quality(models: Path) -> dict:
         expected = reference(**feed).sample
     rows = [{"type": "fp32 (unquantized)", "stored_bytes": stored_bytes(reference), "max_abs_error": 0.0,
              "mean_abs_error": 0.0}]
-    for kind in FILE_TYPES:
-        transformer = load_transformer(folder, quantized_file(folder, models, kind), torch.float32)
+    for kind in [*FILE_TYPES, *ON_THE_FLY_FILE_TYPES]:
+        if not wanted(kind):
+            rows += [row for row in (earlier or {}).get("flux_width", []) if row["type"] == kind]
+            continue
+        if kind in ON_THE_FLY_FILE_TYPES:
+            transformer = load_transformer(folder, None, torch.float32, quantize=kind)
+        else:
+            transformer = load_transformer(folder, quantized_file(folder, models, kind), torch.float32)
         with torch.no_grad():
             error = (transformer(**feed).sample - expected).abs()
         rows.append({"type": kind, "stored_bytes": stored_bytes(transformer), "max_abs_error": error.max().item(),
-                     "mean_abs_error": error.mean().item()})
+                     "mean_abs_error": error.mean().item(), "on_the_fly": kind in ON_THE_FLY_FILE_TYPES})
         print(f"quality {kind}: {rows[-1]}", flush=True)
     output_scale = expected.abs().mean().item()
 
@@ -135,8 +151,16 @@ def quality(models: Path) -> dict:
     fp32 = np.asarray(memfit.generate("a red house near the sea", seed=0, progress=False, budget="none").images[0],
                       dtype=np.float64)
     for kind in ON_THE_FLY:
-        result = memfit.generate("a red house near the sea", seed=0, progress=False, budget="none",
-                                 quantize={"unet": kind})
+        if not wanted(kind):
+            demo += [row for row in (earlier or {}).get("demo", []) if row["type"] == kind]
+            continue
+        try:
+            result = memfit.generate("a red house near the sea", seed=0, progress=False, budget="none",
+                                     quantize={"unet": kind})
+        except MemfitError as exc:  # q4_k: a UNet with no linear layer 256 values wide
+            demo.append({"type": kind, "refused": str(exc)})
+            print(f"demo {kind}: refused: {exc}", flush=True)
+            continue
         image = np.asarray(result.images[0], dtype=np.float64)
         mse = float(np.mean((image - fp32) ** 2))
         demo.append({"type": kind, "psnr_db": math.inf if mse == 0 else 10 * math.log10(255**2 / mse),
@@ -342,6 +366,12 @@ def _gib(value) -> str:
     return "-" if value is None else f"{value / GiB:.2f} GiB"
 
 
+def _elsewhere(row: dict, data: dict) -> str:
+    """A row run again on another machine than the page's (``--types``) says which."""
+    cpu = row.get("cpu")
+    return f" (on {cpu})" if cpu and cpu != data["machine"]["cpu"] else ""
+
+
 def render(data: dict) -> str:
     lines = ["# Quantized weights: quality, speed, memory", "",
              f"`python benchmarks/quantized.py` on {data['machine']['cpu']}, {data['machine']['cpu_count']} CPUs, "
@@ -355,13 +385,17 @@ def render(data: dict) -> str:
                   "| type | stored bytes | of fp32 | max abs error | mean abs error |", "|---|---|---|---|---|"]
         fp32 = quality_["flux_width"][0]["stored_bytes"]
         for row in quality_["flux_width"]:
-            lines.append(f"| {row['type']} | {row['stored_bytes'] / 1e6:.0f} MB | {row['stored_bytes'] / fp32:.3f} | "
+            label = row["type"] + (" (memfit's, on the fly)" if row.get("on_the_fly") else "") + _elsewhere(row, data)
+            lines.append(f"| {label} | {row['stored_bytes'] / 1e6:.0f} MB | {row['stored_bytes'] / fp32:.3f} | "
                          f"{row['max_abs_error']:.3g} | {row['mean_abs_error']:.3g} |")
         lines += ["", "The built-in demo model with its UNet quantized on the fly (`quantize={\"unet\": TYPE}`), its "
                   "image against its fp32 image:", "", "| type | PSNR | max pixel difference |", "|---|---|---|"]
         for row in quality_["demo"]:
+            if "refused" in row:
+                lines.append(f"| {row['type']}{_elsewhere(row, data)} | refused: no layer 256 wide | - |")
+                continue
             psnr = "identical" if math.isinf(row["psnr_db"]) else f"{row['psnr_db']:.1f} dB"
-            lines.append(f"| {row['type']} | {psnr} | {row['max_pixel_difference']}/255 |")
+            lines.append(f"| {row['type']}{_elsewhere(row, data)} | {psnr} | {row['max_pixel_difference']}/255 |")
         lines.append("")
     if "speed" in data:
         speed_ = data["speed"]
@@ -410,6 +444,8 @@ def main() -> None:
     parser.add_argument("--configs")
     parser.add_argument("--file")
     parser.add_argument("--budget")
+    parser.add_argument("--types", help="quality rows to run again (comma-separated types, e.g. int8,q4_k); the "
+                        "rest are kept from the page's last run")
     parser.add_argument("--only", help="memory rows to run again (a substring of 'ROW TYPE CAP BUDGET'); the rest "
                         "are kept from the page's last run")
     args = parser.parse_args()
@@ -424,9 +460,17 @@ def main() -> None:
     parts = args.parts.split(",")
     # A run of some parts keeps the others' figures from the page's last run (the same machine's).
     page = Path(__file__).resolve().parent.parent / "docs" / "quantized_weights.json"
-    data = {**(json.loads(page.read_text()) if page.is_file() else {}), "machine": machine()}
+    data = json.loads(page.read_text()) if page.is_file() else {}
+    if not args.types or "machine" not in data:  # rows run again alone keep the page's machine and name their own
+        data["machine"] = machine()
     if "quality" in parts:
-        data["quality"] = quality(args.models)
+        earlier = data.get("quality")
+        data["quality"] = quality(args.models, args.types.split(",") if args.types else None, earlier)
+        if args.types:
+            data["quality"]["output_mean_abs"] = earlier.get("output_mean_abs", data["quality"]["output_mean_abs"])
+            for row in data["quality"]["flux_width"][1:] + data["quality"]["demo"]:
+                if row["type"] in args.types.split(","):
+                    row["cpu"] = machine()["cpu"]
     if "speed" in parts:
         data["speed"] = speed(args.models, args.rounds, args.repeats)
     if "memory" in parts:

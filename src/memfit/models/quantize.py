@@ -17,7 +17,7 @@ import torch
 from memfit.errors import MemfitError
 from memfit.models.folder import ModelFolder
 from memfit.plan.meta import build_on_meta, measure_module
-from memfit.quant.formats import FP8_FORMATS, StoredTensor, readable_gguf_types
+from memfit.quant.formats import FP8_FORMATS, INT8_FORMAT, StoredTensor, readable_gguf_types
 from memfit.quant.linear import use_stored_linears
 from memfit.quant.writers import (
     GGUF_TYPES,
@@ -66,11 +66,15 @@ def _meta_quantized(model: ModelFolder, name: str, kind: str) -> torch.nn.Module
     layers = quantized_layers(module, kind)
     linears = {path: layer for path, layer in layers.items() if isinstance(layer, torch.nn.Linear)}
     if not linears:
-        what = "linear layer whose rows are whole blocks of the type" if kind != "fp8" else "linear layer"
+        what = "linear layer" if kind in ("fp8", "int8") else "linear layer whose rows are whole blocks of the type"
         raise MemfitError(f"--quantize {name}={kind}: {name} ({class_name}) has no {what} outside its norms and "
                           "embeddings, which is what memfit stores quantized, so it would not be smaller; leave it out.")
-    fmt = next(iter(FP8_FORMATS.values())) if kind == "fp8" else \
-        next(f for f in readable_gguf_types().values() if f.name == GGUF_TYPES[kind])
+    if kind == "fp8":
+        fmt = next(iter(FP8_FORMATS.values()))
+    elif kind == "int8":
+        fmt = INT8_FORMAT  # its scales (4 bytes a row) are held beside the weight, not in the module's tensors
+    else:
+        fmt = next(f for f in readable_gguf_types().values() if f.name == GGUF_TYPES[kind])
     use_stored_linears(module, {f"{path}.weight": StoredTensor(fmt, (layer.out_features, layer.in_features))
                                 for path, layer in linears.items()})
     return module

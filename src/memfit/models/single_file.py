@@ -42,7 +42,8 @@ from memfit.models.weight_layouts import (BFL_FLUX, CHROMA, LDM_UNET, LDM_VAE, M
                                           TRANSFORMERS_QWEN3, TRANSFORMERS_QWEN25_VL, TRANSFORMERS_T5, Layout,
                                           group_counts)
 from memfit.plan.meta import is_model_class
-from memfit.quant.formats import FP8_FORMATS, STORAGE_DTYPE, StoredTensor
+from memfit.quant.formats import (FP8_FORMATS, INT8_FORMAT, INT8_SCALE_SUFFIX, STORAGE_DTYPE, StoredTensor,
+                                  int8_row_scale)
 from memfit.quant.gguf_file import MappedGguf
 from memfit.safetensors_header import MappedFile, check_complete
 
@@ -362,6 +363,10 @@ class _Checkpoint:
         matmuls memfit does not run, and a ``scaled_fp8`` marker."""
         side = {key for key in self.shapes if key == "scaled_fp8" or key.endswith(".scale_input")}
         for key, (dtype, shape) in self.shapes.items():
+            if dtype == torch.int8 and (scale := int8_row_scale(self.file, key, self.shapes)) is not None:
+                side.add(key + INT8_SCALE_SUFFIX)  # memfit's int8 (--quantize NAME=int8): one scale per row
+                self.stored[key] = StoredTensor(INT8_FORMAT, tuple(shape), scale)
+                continue
             if dtype not in FP8_FORMATS:
                 continue
             base = key.removesuffix(".weight")

@@ -1,9 +1,11 @@
-"""The stored formats memfit reads: GGUF's block types and fp8, each a way to turn stored bytes into values.
+"""The stored formats memfit reads: GGUF's block types, fp8 and int8, each a way to turn stored bytes into values.
 
 A format knows its block: ``block_size`` values stored in ``type_size`` bytes along a tensor's last
 dimension (fp8: one value in one byte), so a tensor's stored shape is its logical shape with the last
-dimension in bytes. The GGUF arithmetic is diffusers' own (diffusers.quantizers.gguf.utils, the
-functions its GGUF loading runs), so a weight dequantizes to the same values as there, bit for bit.
+dimension in bytes. int8 (what ``--quantize NAME=int8`` writes) is one value per byte with one float32
+scale per output row, kept beside the bytes (StoredTensor.scale of shape [rows]). The GGUF arithmetic is
+diffusers' own (diffusers.quantizers.gguf.utils, the functions its GGUF loading runs), so a weight
+dequantizes to the same values as there, bit for bit.
 """
 
 from __future__ import annotations
@@ -17,8 +19,8 @@ import torch
 
 from memfit.errors import MemfitError
 
-__all__ = ["FP8_FORMATS", "STORAGE_DTYPE", "StoredFormat", "StoredTensor", "dequantized_elements", "gguf_format",
-           "is_stored", "mark_stored", "readable_gguf_types"]
+__all__ = ["FP8_FORMATS", "INT8_FORMAT", "INT8_SCALE_SUFFIX", "STORAGE_DTYPE", "StoredFormat", "StoredTensor",
+           "dequantized_elements", "gguf_format", "int8_row_scale", "is_stored", "mark_stored", "readable_gguf_types"]
 
 _STORED_ATTR = "_memfit_stored_format"
 #: The dtype stored bytes are held in. int8, not uint8: it is the dtype of quantized weights the libraries
@@ -55,17 +57,38 @@ class StoredFormat:
 
 
 class StoredTensor(NamedTuple):
-    """One tensor stored smaller than it runs: its format, its logical shape, and the per-tensor scale its values
-    are multiplied by where the file has one (Comfy's "scaled" fp8: ``scale_weight`` beside the weight)."""
+    """One tensor stored smaller than it runs: its format, its logical shape, and the scale its values are
+    multiplied by where the file has one: one per tensor (Comfy's "scaled" fp8: ``scale_weight`` beside the
+    weight, a 0-d tensor) or one per output row (int8's ``weight_scale``, float32 of shape [rows])."""
 
     format: StoredFormat
     shape: tuple[int, ...]
     scale: torch.Tensor | None = None
 
     def dequantize(self, stored: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        if self.scale is not None and self.scale.ndim == 1:
+            return _scale_rows(self.format, stored, self.scale, dtype)
         values = self.format.dequantize(stored, dtype)
         # As ComfyUI applies it: the weight in the compute dtype times the scale in the compute dtype.
         return values if self.scale is None else values * self.scale.to(device=values.device, dtype=dtype)
+
+
+#: Rows dequantized per step of a per-row scaled weight: the float32 product lives for one step only, so the
+#: scratch a layer takes stays its weight in the compute dtype (what the planner counts), plus this much.
+_SCALED_STEP_ELEMENTS = 1 << 20
+
+
+def _scale_rows(fmt: StoredFormat, stored: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Each row's values times its scale, the product in float32 and rounded once into ``dtype``."""
+    rows = stored.shape[0]
+    out = torch.empty(fmt.logical_shape(stored.shape), dtype=dtype, device=stored.device)
+    scale = scale.to(device=stored.device, dtype=torch.float32)
+    step = max(1, _SCALED_STEP_ELEMENTS // max(1, out[0].numel()))
+    for begin in range(0, rows, step):
+        end = min(rows, begin + step)
+        values = fmt.dequantize(stored[begin:end], torch.float32)
+        out[begin:end] = values * scale[begin:end].reshape(-1, *(1,) * (values.ndim - 1))
+    return out
 
 
 def _fp8(dtype: torch.dtype) -> Callable[[torch.Tensor], torch.Tensor]:
@@ -75,6 +98,28 @@ def _fp8(dtype: torch.dtype) -> Callable[[torch.Tensor], torch.Tensor]:
 
 FP8_FORMATS = {dtype: StoredFormat(str(dtype).removeprefix("torch.").replace("float8", "fp8"), 1, 1, _fp8(dtype))
                for dtype in (getattr(torch, "float8_e4m3fn", None), getattr(torch, "float8_e5m2", None)) if dtype}
+
+
+#: ``--quantize NAME=int8``: one signed byte per value (its weight_scale, one per row, beside it).
+INT8_FORMAT = StoredFormat("int8", 1, 1, lambda blocks: blocks.view(torch.int8))
+#: An int8 weight ``X.weight``'s per-row scales are ``X.weight_scale`` (the name Comfy's scaled files use).
+INT8_SCALE_SUFFIX = "_scale"
+
+
+def int8_row_scale(file, key: str, shapes: dict) -> torch.Tensor | None:
+    """The per-row scales (float32, [rows]) of int8 weight ``key`` of a safetensors ``file`` (``shapes``: its
+    key -> (dtype, shape)) when the file has them as ``key + INT8_SCALE_SUFFIX`` (what memfit's int8 writer
+    stores), else None: an int8 tensor without them is an ordinary int8 tensor."""
+    scale_key = key + INT8_SCALE_SUFFIX
+    shape = shapes[key][1]
+    if not key.endswith(".weight") or len(shape) != 2 or scale_key not in shapes:
+        return None
+    scale_dtype, scale_shape = shapes[scale_key]
+    if not scale_dtype.is_floating_point or list(scale_shape) != [shape[0]]:
+        raise MemfitError(f"{file.path} scales int8 weight {key} by {scale_key} of shape {list(scale_shape)} "
+                          f"({scale_dtype}): memfit reads one float scale per row, shape [{shape[0]}]; quantize the "
+                          "component again (--quantize NAME=int8) or use a file in bf16.")
+    return file.tensor(scale_key).to(torch.float32)
 
 
 def readable_gguf_types() -> dict[int, StoredFormat]:

@@ -15,9 +15,21 @@ from collections.abc import Iterator
 import torch
 import torch.nn.functional as F
 
-from memfit.quant.formats import STORAGE_DTYPE, StoredTensor, mark_stored
+from memfit.quant.formats import INT8_FORMAT, STORAGE_DTYPE, StoredTensor, mark_stored
 
-__all__ = ["QuantizedLinear", "logical_weights", "use_stored_linears"]
+__all__ = ["INT8_MATMUL", "QuantizedLinear", "logical_weights", "use_stored_linears"]
+
+#: Whether an int8 layer on the CPU multiplies its stored weight directly (torch's _weight_int8pack_mm) rather
+#: than dequantizing it first. Off: docs/int8_matmul.md has the measurements that decided it.
+INT8_MATMUL = False
+
+
+def _int8_matmul_runs(inputs: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Whether torch's CPU int8 weight-only matmul takes these operands (activations in a float dtype on the CPU;
+    the op is missing from older torch)."""
+    return (inputs.device.type == "cpu" and weight.device.type == "cpu"
+            and inputs.dtype in (torch.float32, torch.bfloat16, torch.float16)
+            and hasattr(torch.ops.aten, "_weight_int8pack_mm"))
 
 
 class QuantizedLinear(torch.nn.Linear):
@@ -38,6 +50,7 @@ class QuantizedLinear(torch.nn.Linear):
         # The weight dequantized once, kept while a budget has room for it (memfit.run.executor
         # keep_dequantized): a forward then runs as fast as with unquantized weights.
         self.dequantized: torch.Tensor | None = None
+        self._scale_on_device: torch.Tensor | None = None
 
     def _load_from_state_dict(self, *args, **kwargs):
         super()._load_from_state_dict(*args, **kwargs)
@@ -45,12 +58,29 @@ class QuantizedLinear(torch.nn.Linear):
 
     def forward(self, inputs: torch.Tensor) -> torch.Tensor:
         kept = self.dequantized
+        bias = self.bias.to(inputs.dtype) if self.bias is not None else None
         if kept is not None and kept.dtype == inputs.dtype and kept.device == self.weight.device:
             weight = kept
         else:
-            weight = self.stored.dequantize(self.weight, inputs.dtype)
-        bias = self.bias.to(inputs.dtype) if self.bias is not None else None
+            stored = self._stored_here()
+            if INT8_MATMUL and stored.format is INT8_FORMAT and _int8_matmul_runs(inputs, self.weight):
+                flat = inputs.reshape(-1, self.in_features).contiguous()
+                out = torch.ops.aten._weight_int8pack_mm(flat, self.weight, stored.scale.to(inputs.dtype))
+                out = out.reshape(*inputs.shape[:-1], self.out_features)
+                return out + bias if bias is not None else out
+            weight = stored.dequantize(self.weight, inputs.dtype)
         return F.linear(inputs, weight, bias)
+
+    def _stored_here(self) -> StoredTensor:
+        """``stored`` with a per-row scale (int8's) on the weight's device: copied there once per device, not at
+        every forward (a copy from the file's mapping would make the host wait for the device)."""
+        scale = self.stored.scale
+        if scale is None or scale.ndim == 0 or scale.device == self.weight.device:
+            return self.stored
+        moved = self._scale_on_device
+        if moved is None or moved.device != self.weight.device:
+            moved = self._scale_on_device = scale.to(self.weight.device)
+        return self.stored._replace(scale=moved)
 
     def extra_repr(self) -> str:
         scaled = ", scaled" if self.stored.scale is not None else ""

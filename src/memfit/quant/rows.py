@@ -54,13 +54,17 @@ def convert_stored(convert: Callable[[dict], dict], tensors: dict[str, torch.Ten
         rows = ids & ((1 << _ROW_BITS) - 1)
         sources = [keys[n] for n in numbers.unique().tolist()]
         first = stored[sources[0]]
+        per_row = first.scale is not None and first.scale.ndim == 1
         if any(stored[key].format != first.format or stored[key].shape[1:] != tuple(value.shape[1:])
                or (stored[key].scale is not None) != (first.scale is not None) for key in sources) or (
-                first.scale is not None and len(sources) > 1):
+                first.scale is not None and not per_row and len(sources) > 1):
             raise MemfitError(f"{where}: {name!r} is made of tensors stored in different formats, widths or scales "
                               f"({', '.join(sources)}), which memfit cannot join; use a file quantized alike.")
         out[name] = _rows(tensors, sources, numbers, rows, keys)
-        formats[name] = first._replace(shape=tuple(value.shape))
+        # A per-row scale (int8's) goes with its row.
+        scale = _rows({key: stored[key].scale for key in sources}, sources, numbers, rows, keys) if per_row \
+            else first.scale
+        formats[name] = first._replace(shape=tuple(value.shape), scale=scale)
     return out, formats
 
 

@@ -4,11 +4,16 @@ Which layers: those diffusers' layerwise casting stores smaller (its supported l
 patterns: norms, position and patch embeddings, proj_in/proj_out, and a model's own
 ``_skip_layerwise_casting_patterns`` and ``_keep_in_fp32_modules``), so an fp8 component holds exactly
 the values ``enable_layerwise_casting(storage_dtype=torch.float8_e4m3fn)`` holds: every weight and bias
-of those layers rounded to fp8. A GGUF type quantizes their linear weights whose rows are whole blocks
-(the gguf package's quantizers, as city96's converter uses them); the rest keeps its dtype.
+of those layers rounded to fp8. int8 quantizes their linear weights (weight-only, symmetric, one scale per
+output row: ``scale = max|row| / 127``, each value rounded to the nearest of -127..127); their convolutions
+keep their dtype (a convolution's stored weight would be dequantized when loaded, so nothing would be saved).
+A GGUF type quantizes their linear weights whose rows are whole blocks (the gguf package's quantizers, as
+city96's converter uses them; Q4_K memfit.quant.q4_k's, which the gguf package lacks); the rest keeps its
+dtype.
 
 Files are written one tensor at a time (a model never sits in memory twice): GGUF through the gguf
-package's streaming writer, fp8 as a safetensors file.
+package's streaming writer, fp8 and int8 as a safetensors file. An int8 weight ``X.weight`` (I8, its logical
+shape [out, in]) has its scales beside it as ``X.weight_scale`` (F32, shape [out]): value = int8 * scale.
 """
 
 from __future__ import annotations
@@ -22,12 +27,14 @@ import numpy as np
 import torch
 
 from memfit.errors import MemfitError
+from memfit.quant.formats import INT8_SCALE_SUFFIX
 
-__all__ = ["GGUF_TYPES", "QUANTIZE_TYPES", "quantized_layers", "write_quantized"]
+__all__ = ["GGUF_TYPES", "QUANTIZE_TYPES", "quantize_int8_rows", "quantized_layers", "write_quantized"]
 
-#: --quantize's types: the name users give -> the GGUF type the gguf package quantizes to, or the fp8 dtype.
-GGUF_TYPES = {"q8_0": "Q8_0", "q5_1": "Q5_1", "q5_0": "Q5_0", "q4_1": "Q4_1", "q4_0": "Q4_0"}
-QUANTIZE_TYPES = ("fp8", *GGUF_TYPES)
+#: --quantize's types: fp8, int8, and the GGUF ones (the name users give -> the GGUF type written).
+GGUF_TYPES = {"q8_0": "Q8_0", "q5_1": "Q5_1", "q5_0": "Q5_0", "q4_1": "Q4_1", "q4_0": "Q4_0", "q4_k": "Q4_K"}
+QUANTIZE_TYPES = ("fp8", "int8", *GGUF_TYPES)
+
 
 
 def _skip_patterns(module: torch.nn.Module) -> tuple[str, ...]:
@@ -62,7 +69,7 @@ def quantized_layers(module: torch.nn.Module, quant_type: str) -> dict[str, torc
 
 
 def _block_size(quant_type: str) -> int:
-    if quant_type == "fp8":
+    if quant_type in ("fp8", "int8"):
         return 1
     import gguf
 
@@ -85,6 +92,8 @@ def write_quantized(module: torch.nn.Module, quant_type: str, folder: Path) -> P
         chosen = {f"{path}.{leaf}" for path, layer in layers.items() for leaf, _ in layer.named_parameters(recurse=False)}
         return _write_fp8(dict(_named_tensors(module)), chosen, folder / "model.safetensors")
     chosen = {f"{path}.weight" for path in layers}
+    if quant_type == "int8":
+        return _write_int8(dict(_named_tensors(module)), chosen, folder / "model.safetensors")
     return _write_gguf(dict(_named_tensors(module)), chosen, GGUF_TYPES[quant_type], folder / "model.gguf")
 
 
@@ -111,7 +120,7 @@ def _write_gguf(tensors: dict[str, torch.Tensor], chosen: set[str], type_name: s
     for name in planned:
         tensor = tensors[name]
         if name in chosen:
-            writer.write_tensor_data(gguf.quants.quantize(tensor.to(torch.float32).numpy(), kind))
+            writer.write_tensor_data(_gguf_blocks(tensor, kind))
         elif tensor.dtype == torch.bfloat16:
             writer.write_tensor_data(tensor.contiguous().view(torch.int16).numpy().view(np.uint16))
         else:
@@ -119,6 +128,26 @@ def _write_gguf(tensors: dict[str, torch.Tensor], chosen: set[str], type_name: s
                                      .contiguous().numpy())
     writer.close()
     return path
+
+
+def _gguf_blocks(tensor: torch.Tensor, kind) -> np.ndarray:
+    import gguf
+
+    if kind == gguf.GGMLQuantizationType.Q4_K:  # the gguf package quantizes no K-quant
+        from memfit.quant.q4_k import quantize_q4_k
+
+        return quantize_q4_k(tensor)
+    return gguf.quants.quantize(tensor.to(torch.float32).numpy(), kind)
+
+
+def quantize_int8_rows(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(int8 values, float32 scale per row) of a [out, in] weight: symmetric, ``scale = max|row| / 127``; a row of
+    zeros has scale 0."""
+    weight = weight.to(torch.float32)
+    scale = weight.abs().amax(dim=1) / 127.0
+    divisor = torch.where(scale > 0, scale, torch.ones_like(scale))
+    values = torch.round(weight / divisor[:, None]).clamp(-127, 127).to(torch.int8)
+    return values, scale
 
 
 _SAFETENSORS_DTYPES = {torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16", torch.int64: "I64",
@@ -129,19 +158,50 @@ def _write_fp8(tensors: dict[str, torch.Tensor], chosen: set[str], path: Path) -
     fp8 = getattr(torch, "float8_e4m3fn", None)
     if fp8 is None:
         raise MemfitError(f"--quantize ...=fp8 needs a torch with fp8 dtypes (2.1 or newer); this is {torch.__version__}.")
-    header, offset = {}, 0
+    entries = []
     for name, tensor in tensors.items():
-        dtype = "F8_E4M3" if name in chosen else _SAFETENSORS_DTYPES.get(tensor.dtype)
-        if dtype is None:
-            raise MemfitError(f"{name} is a {tensor.dtype} tensor, which memfit does not write; leave out --quantize.")
-        size = tensor.numel() * (1 if name in chosen else tensor.element_size())
-        header[name] = {"dtype": dtype, "shape": list(tensor.shape), "data_offsets": [offset, offset + size]}
+        if name in chosen:
+            entries.append((name, "F8_E4M3", tuple(tensor.shape), tensor.numel(), lambda t=tensor: t.to(fp8)))
+        else:
+            entries.append(_plain_entry(name, tensor))
+    return _write_safetensors(entries, path)
+
+
+def _write_int8(tensors: dict[str, torch.Tensor], chosen: set[str], path: Path) -> Path:
+    entries, scales = [], {}
+
+    def values(name: str, tensor: torch.Tensor) -> torch.Tensor:
+        quantized, scales[name] = quantize_int8_rows(tensor)
+        return quantized
+
+    for name, tensor in tensors.items():
+        if name not in chosen:
+            entries.append(_plain_entry(name, tensor))
+            continue
+        rows = tensor.shape[0]
+        entries.append((name, "I8", tuple(tensor.shape), tensor.numel(), lambda n=name, t=tensor: values(n, t)))
+        entries.append((name + INT8_SCALE_SUFFIX, "F32", (rows,), rows * 4, lambda n=name: scales.pop(n)))
+    return _write_safetensors(entries, path)
+
+
+def _plain_entry(name: str, tensor: torch.Tensor) -> tuple:
+    dtype = _SAFETENSORS_DTYPES.get(tensor.dtype)
+    if dtype is None:
+        raise MemfitError(f"{name} is a {tensor.dtype} tensor, which memfit does not write; leave out --quantize.")
+    return name, dtype, tuple(tensor.shape), tensor.numel() * tensor.element_size(), lambda: tensor
+
+
+def _write_safetensors(entries: list[tuple], path: Path) -> Path:
+    """A safetensors file of ``entries`` (name, dtype code, shape, bytes, a function making the tensor), each
+    tensor made only when it is written."""
+    header, offset = {}, 0
+    for name, dtype, shape, size, _ in entries:
+        header[name] = {"dtype": dtype, "shape": list(shape), "data_offsets": [offset, offset + size]}
         offset += size
     text = json.dumps(header, separators=(",", ":")).encode()
     text += b" " * (-len(text) % 8)
     with path.open("wb") as out:
         out.write(len(text).to_bytes(8, "little") + text)
-        for name, tensor in tensors.items():
-            values = tensor.to(fp8) if name in chosen else tensor
-            out.write(values.contiguous().reshape(-1).view(torch.uint8).numpy().tobytes())
+        for _, _, _, _, make in entries:
+            out.write(make().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes())
     return path

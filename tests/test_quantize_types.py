@@ -1,0 +1,276 @@
+"""--quantize's int8 and q4_k: the quantizers' arithmetic, the files they write, and the images drawn from them.
+
+int8 (one float32 scale per output row, a safetensors file memfit writes) draws plain diffusers' image with the
+dequantized weights loaded, bit for bit; q4_k (memfit's own Q4_K quantizer, llama.cpp's block layout) writes a
+GGUF file the gguf package and diffusers' GGUF loading read, and draws the latter's image bit for bit. Each is
+quantized once: a second run maps memfit's cache.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+import memfit
+
+gguf = pytest.importorskip("gguf")
+
+SETTINGS = {"prompt": "a red house near the sea", "steps": 2, "seed": 3, "width": 32, "height": 32}
+
+
+def _pixels(result) -> np.ndarray:
+    return np.asarray(result.images[0], dtype=np.int16)
+
+
+def _psnr(a: np.ndarray, b: np.ndarray) -> float:
+    mse = float(((a.astype(np.float64) - b) ** 2).mean())
+    return math.inf if mse == 0 else 10 * math.log10(255**2 / mse)
+
+
+def _diffusers_image(pipe) -> np.ndarray:
+    out = pipe(prompt=SETTINGS["prompt"], num_inference_steps=SETTINGS["steps"], width=SETTINGS["width"],
+               height=SETTINGS["height"], generator=torch.Generator().manual_seed(SETTINGS["seed"]))
+    return np.asarray(out.images[0], dtype=np.int16)
+
+
+def _written(kind: str) -> Path:
+    """The one file memfit's cache holds for ``kind``."""
+    from memfit.cache import open_store
+
+    entries = [entry for entry in open_store().ls("quantized") if entry.meta.get("type") == kind]
+    assert len(entries) == 1
+    return next(path for path in entries[0].path.rglob("*") if path.suffix in (".gguf", ".safetensors"))
+
+
+def _weights(rows: int, width: int) -> torch.Tensor:
+    """Weights as a model's: small values, a row of zeros, a constant row, a row with an outlier."""
+    torch.manual_seed(0)
+    weights = torch.randn(rows, width) * 0.02
+    weights[0] = 0
+    weights[1] = 0.5
+    weights[2, 7] = 1.0
+    return weights
+
+
+# ---- the quantizers ---------------------------------------------------------------------------------------------
+
+
+def test_int8_rows_are_symmetric_with_one_scale_each():
+    from memfit.quant.formats import INT8_FORMAT, StoredTensor
+    from memfit.quant.writers import quantize_int8_rows
+
+    weights = _weights(16, 48)
+    values, scale = quantize_int8_rows(weights)
+    assert values.dtype == torch.int8 and scale.dtype == torch.float32 and scale.shape == (16,)
+    assert scale[0] == 0 and (values[0] == 0).all()
+    assert torch.equal(values[1:].abs().amax(dim=1), torch.full((15,), 127, dtype=torch.int8))
+    dequantized = StoredTensor(INT8_FORMAT, (16, 48), scale).dequantize(values, torch.float32)
+    assert torch.equal(dequantized, values.float() * scale[:, None])
+    assert ((dequantized - weights).abs() <= scale[:, None] / 2 + 1e-7).all()
+    # bf16: the float32 product rounded once (the same as rounding the float32 weight)
+    assert torch.equal(StoredTensor(INT8_FORMAT, (16, 48), scale).dequantize(values, torch.bfloat16),
+                       dequantized.to(torch.bfloat16))
+
+
+def test_q4_k_blocks_round_trip_through_gguf_and_memfit():
+    """memfit's Q4_K bytes dequantize, by the gguf package's own Q4_K dequantizer and by memfit's reader, to the
+    weights within 4-bit error: as close as the gguf package's Q4_1 (5 bits a weight) gets, or closer."""
+    from memfit.quant.formats import STORAGE_DTYPE, readable_gguf_types
+    from memfit.quant.q4_k import quantize_q4_k
+
+    weights = _weights(24, 512)
+    blocks = quantize_q4_k(weights)
+    assert blocks.dtype == np.uint8 and blocks.shape == (24, 2 * 144)
+    theirs = torch.from_numpy(gguf.quants.dequantize(blocks, gguf.GGMLQuantizationType.Q4_K))
+    q4_1 = gguf.GGMLQuantizationType.Q4_1
+    reference = torch.from_numpy(gguf.quants.dequantize(gguf.quants.quantize(weights.numpy(), q4_1), q4_1))
+
+    def rmse(values):  # over the random rows
+        return (values - weights)[3:].square().mean().sqrt().item()
+
+    assert rmse(theirs) <= rmse(reference) * 1.02 and rmse(theirs) < 0.1 * weights[3:].std().item()
+    # Each value within two steps of its sub-block (its range / 15) and the 6-bit rounding of its scale (15 times
+    # the super-block's d, its largest step / 63) and minimum (dmin, its largest minimum / 63): a sub-block of
+    # small values beside an outlier is coarse, a misplaced byte would be off by its whole range.
+    sub = weights.reshape(-1, 8, 32)
+    step = (sub.amax(dim=-1) - sub.amin(dim=-1).clamp(max=0)) / 15
+    d = step.amax(dim=-1, keepdim=True) / 63
+    dmin = (-sub.amin(dim=-1).clamp(max=0)).amax(dim=-1, keepdim=True) / 63
+    bound = 2 * step + 15 * d + dmin + 1e-6
+    assert ((theirs.reshape(-1, 8, 32) - sub).abs() <= bound[..., None]).all()
+    assert torch.equal(theirs[0], torch.zeros(512)) and (theirs[1] - 0.5).abs().max() < 1e-3
+    fmt = next(f for f in readable_gguf_types().values() if f.name == "Q4_K")
+    ours = fmt.dequantize(torch.from_numpy(blocks).view(STORAGE_DTYPE), torch.float32)
+    assert ours.shape == (24, 512) and (ours - theirs).abs().max() <= 2e-3 * weights.abs().max()
+
+
+# ---- on the fly ---------------------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def flux(tiny_models):
+    return Path(tiny_models("flux"))
+
+
+@pytest.fixture(scope="module")
+def wide_flux(tmp_path_factory):
+    """A tiny Flux 256 wide: its attention projections are whole Q4_K super-blocks."""
+    from memfit.testing import save_pipeline
+
+    return save_pipeline("flux", tmp_path_factory.mktemp("wide-flux") / "flux", seed=0, scale=8)
+
+
+def test_int8_on_the_fly_is_diffusers_with_the_dequantized_weights(flux, capsys, streamed_plans, monkeypatch):
+    """--quantize transformer=int8: every linear layer of the transformer outside the skipped ones stays int8 in
+    memory; the image is plain diffusers' with the file's weights dequantized (int8 * scale) and loaded, bit for
+    bit, close to the unquantized one; a second run maps the cached file; a streaming budget draws the same."""
+    from diffusers import FluxPipeline, FluxTransformer2DModel
+    from safetensors.torch import load_file
+
+    from memfit.models.model_path import open_model_path
+    from memfit.quant.formats import INT8_FORMAT, is_stored
+    from memfit.quant.linear import QuantizedLinear
+    from memfit.quant.writers import quantized_layers
+
+    monkeypatch.setenv("MEMFIT_CACHE", "1")  # the quantized file is kept; streamed_plans turns the cache off
+    quantize = {"transformer": "int8"}
+    ours = memfit.generate(model=flux, quantize=quantize, budget="none", progress=False, **SETTINGS)
+    assert "quantizing transformer to int8" in capsys.readouterr().err
+    unquantized = _pixels(memfit.generate(model=flux, budget="none", progress=False, **SETTINGS))
+    assert not np.array_equal(_pixels(ours), unquantized) and _psnr(_pixels(ours), unquantized) > 40
+
+    written = load_file(str(_written("int8")))
+    transformer = FluxTransformer2DModel.from_pretrained(flux / "transformer", torch_dtype=torch.float32)
+    chosen = quantized_layers(transformer, "int8")
+    assert chosen and all(isinstance(layer, torch.nn.Linear) for layer in chosen.values())
+    for path, layer in chosen.items():
+        assert written[f"{path}.weight"].dtype == torch.int8
+        assert written[f"{path}.weight_scale"].shape == (layer.out_features,)
+    state = {key: value for key, value in written.items() if not key.endswith(".weight_scale")}
+    for key, value in state.items():
+        if value.dtype == torch.int8:
+            state[key] = value.float() * written[key + "_scale"][:, None]
+    transformer.load_state_dict(state)
+    theirs = _diffusers_image(FluxPipeline.from_pretrained(flux, transformer=transformer, torch_dtype=torch.float32))
+    assert np.array_equal(_pixels(ours), theirs)
+
+    again = memfit.generate(model=flux, quantize=quantize, budget="none", progress=False, **SETTINGS)
+    assert "quantizing" not in capsys.readouterr().err and np.array_equal(_pixels(again), _pixels(ours))
+
+    loaded = open_model_path(flux, quantize=quantize).load_stage(["transformer"], torch.float32, in_file_dtype=[])
+    layers = [layer for layer in loaded.transformer.modules() if isinstance(layer, QuantizedLinear)]
+    assert len(layers) == len(chosen) and all(layer.format is INT8_FORMAT and is_stored(layer.weight)
+                                                for layer in layers)
+
+    from conftest import smallest_budget
+
+    budget = smallest_budget(model=flux, quantize=quantize, **SETTINGS)
+    streamed_plans.clear()
+    streamed = memfit.generate(model=flux, quantize=quantize, budget=budget, progress=False, **SETTINGS)
+    assert np.array_equal(_pixels(streamed), _pixels(ours))
+    denoise = next(plan for plan in streamed_plans if plan.stages[0].name == "denoise")
+    assert denoise.stages[0].streamed_from_disk_bytes > 0
+
+
+def test_q4_k_on_the_fly_is_diffusers_gguf_loading(wide_flux, capsys):
+    """--quantize transformer=q4_k writes a GGUF file of Q4_K blocks (the 256-wide layers) that diffusers' GGUF
+    loading draws memfit's image from, bit for bit; close to the unquantized image; a second run maps it."""
+    from diffusers import FluxPipeline, FluxTransformer2DModel, GGUFQuantizationConfig
+
+    quantize = {"transformer": "q4_k"}
+    ours = memfit.generate(model=wide_flux, quantize=quantize, budget="none", progress=False, **SETTINGS)
+    assert "quantizing transformer to q4_k" in capsys.readouterr().err
+    unquantized = _pixels(memfit.generate(model=wide_flux, budget="none", progress=False, **SETTINGS))
+    assert not np.array_equal(_pixels(ours), unquantized) and _psnr(_pixels(ours), unquantized) > 35
+
+    path = _written("q4_k")
+    types = {tensor.name: tensor.tensor_type.name for tensor in gguf.GGUFReader(path).tensors}
+    assert types["transformer_blocks.0.attn.to_q.weight"] == "Q4_K"
+    assert set(types.values()) <= {"Q4_K", "F32"}
+    transformer = FluxTransformer2DModel.from_single_file(
+        str(path), config=str(wide_flux), subfolder="transformer",
+        quantization_config=GGUFQuantizationConfig(compute_dtype=torch.float32), torch_dtype=torch.float32)
+    theirs = _diffusers_image(FluxPipeline.from_pretrained(wide_flux, transformer=transformer, torch_dtype=torch.float32))
+    assert np.array_equal(_pixels(ours), theirs)
+
+    again = memfit.generate(model=wide_flux, quantize=quantize, budget="none", progress=False, **SETTINGS)
+    assert "quantizing" not in capsys.readouterr().err and np.array_equal(_pixels(again), _pixels(ours))
+
+
+@pytest.mark.parametrize("kind", ["int8", "q4_k"])
+def test_memfit_plan_sizes_the_new_types_without_writing(wide_flux, capsys, kind):
+    """memfit plan --quantize transformer=KIND plans the transformer at the bytes a run loads, writing nothing."""
+    from memfit.cache import open_store
+    from memfit.cli.app import main
+    from memfit.models.model_path import open_model_path
+
+    assert main(["plan", "--model", str(wide_flux), "--quantize", f"transformer={kind}", "--budget", "1GiB",
+                 "--process-memory", "0", "--json"]) == 0
+    stages = {stage["name"]: stage for stage in json.loads(capsys.readouterr().out)["plan"]["stages"]}
+    planned = sum(p["bytes"] for p in stages["denoise"]["placements"])
+    assert open_store().ls("quantized") == []
+    model = open_model_path(wide_flux, quantize={"transformer": kind})
+    transformer = model.load_stage(["transformer"], torch.float32, in_file_dtype=[]).transformer
+    assert planned == sum(p.numel() * p.element_size() for p in transformer.parameters())
+    from diffusers import FluxTransformer2DModel
+
+    unquantized = FluxTransformer2DModel.from_pretrained(wide_flux / "transformer", torch_dtype=torch.float32)
+    assert planned < sum(p.numel() * p.element_size() for p in unquantized.parameters()) / 2
+
+
+@pytest.mark.skipif(not hasattr(torch.ops.aten, "_weight_int8pack_mm"), reason="this torch has no int8 matmul")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_int8_matmul_when_turned_on_is_the_dequantized_layer_up_to_rounding(monkeypatch, dtype):
+    """memfit.quant.linear.INT8_MATMUL (off: docs/int8_matmul.md) multiplies the stored int8 weight directly; its
+    output is the dequantizing layer's within the compute dtype's rounding, bias and leading dimensions kept."""
+    from memfit.quant import linear
+    from memfit.quant.formats import INT8_FORMAT, StoredTensor
+    from memfit.quant.writers import quantize_int8_rows
+
+    values, scale = quantize_int8_rows(_weights(48, 64))
+    layer = linear.QuantizedLinear(64, 48, StoredTensor(INT8_FORMAT, (48, 64), scale), bias=True, device="cpu")
+    layer.weight.data = values
+    layer.bias.data = torch.randn(48)
+    inputs = torch.randn(2, 5, 64).to(dtype)
+    dequantized = layer(inputs)
+    monkeypatch.setattr(linear, "INT8_MATMUL", True)
+    taken = []
+    runs = linear._int8_matmul_runs
+    monkeypatch.setattr(linear, "_int8_matmul_runs", lambda *args: taken.append(runs(*args)) or taken[-1])
+    direct = layer(inputs)
+    assert taken == [True]
+    assert direct.shape == (2, 5, 48) and direct.dtype == dtype
+    tolerance = 1e-5 if dtype == torch.float32 else 2e-2
+    assert (direct.float() - dequantized.float()).abs().max() <= tolerance * dequantized.float().abs().max()
+    assert not torch.equal(direct, torch.zeros_like(direct))
+
+
+def test_a_layouts_row_conversion_carries_each_rows_int8_scale():
+    """A conversion that splits a fused int8 weight by rows, or joins two, takes each row's scale with it: the
+    converted tensors dequantize to the converted dequantized weights."""
+    from memfit.quant.formats import INT8_FORMAT, StoredTensor
+    from memfit.quant.rows import convert_stored
+    from memfit.quant.writers import quantize_int8_rows
+
+    fused, other = _weights(12, 8), _weights(4, 8) * 3
+    tensors, stored = {}, {}
+    for name, weight in (("qkv.weight", fused), ("extra.weight", other)):
+        tensors[name], scale = quantize_int8_rows(weight)
+        stored[name] = StoredTensor(INT8_FORMAT, tuple(weight.shape), scale)
+
+    def convert(state):
+        q, k, v = state["qkv.weight"].chunk(3)
+        return {"q.weight": q, "k.weight": k, "joined.weight": torch.cat([v, state["extra.weight"]])}
+
+    values = {name: stored[name].dequantize(tensor, torch.float32) for name, tensor in tensors.items()}
+    expected = convert(values)
+    converted, formats = convert_stored(convert, tensors, stored, "test")
+    assert set(formats) == set(expected)
+    for name, weight in expected.items():
+        assert formats[name].scale.shape == (weight.shape[0],)
+        assert torch.equal(formats[name].dequantize(converted[name], torch.float32), weight)
