@@ -40,23 +40,23 @@ def _encoder_state(folder: Path) -> dict[str, torch.Tensor]:
     return {key: value.detach().clone() for key, value in pipe.text_encoder.state_dict().items()}
 
 
-@pytest.fixture(scope="module")
-def qwenimage(tiny_models, tmp_path_factory):
-    """(the tiny Qwen-Image folder, a folder for its encoder's files, the encoder's state, the folder's image)."""
-    folder = Path(tiny_models("qwenimage"))
+def _case(tiny_models, tmp_path_factory, kind: str, files: str):
+    """(the tiny ``kind`` folder, a folder for its encoder's files, the encoder's state, the folder's image)."""
+    folder = Path(tiny_models(kind))
     with pytest.MonkeyPatch.context() as patch:
         patch.setenv("MEMFIT_CACHE", "0")
         image = _pixels(memfit.generate(model=folder, budget="none", progress=False, **SETTINGS))
-    return folder, tmp_path_factory.mktemp("qwen25vl"), _encoder_state(folder), image
+    return folder, tmp_path_factory.mktemp(files), _encoder_state(folder), image
+
+
+@pytest.fixture(scope="module")
+def qwenimage(tiny_models, tmp_path_factory):
+    return _case(tiny_models, tmp_path_factory, "qwenimage", "qwen25vl")
 
 
 @pytest.fixture(scope="module")
 def zimage(tiny_models, tmp_path_factory):
-    folder = Path(tiny_models("zimage"))
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setenv("MEMFIT_CACHE", "0")
-        image = _pixels(memfit.generate(model=folder, budget="none", progress=False, **SETTINGS))
-    return folder, tmp_path_factory.mktemp("qwen3"), _encoder_state(folder), image
+    return _case(tiny_models, tmp_path_factory, "zimage", "qwen3")
 
 
 def _pixels(result):
