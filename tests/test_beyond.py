@@ -272,7 +272,7 @@ def test_flags_a_family_does_not_take_are_refused(tiny_models, inputs, tmp_path)
     lora = tmp_path / "x.safetensors"
     lora.write_bytes(b"")
     with pytest.raises(MemfitError, match=r"PixArtSigmaPipeline does not take --lora yet; supported: AuraFlowPipeline, "
-                                          r"ChromaPipeline, .*FluxPipeline, .*StableDiffusionXLPipeline, WanPipeline"):
+                                          r"ChromaPipeline, .*FluxPipeline, .*StableDiffusionXLPipeline, .*WanPipeline"):
         memfit.generate(PROMPT, model=tiny_models("pixart_sigma"), loras=[str(lora)], progress=False)
     sd = tiny_models("sd")
     for kwargs, message in [
