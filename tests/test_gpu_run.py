@@ -431,3 +431,33 @@ def test_a_session_keeps_the_pinned_host_tier_filled_between_runs(tiny_models, t
         assert gpu.pinned_bytes() > 0
         session.close()
         assert gpu.pinned_bytes() == 0 and session.pool.host_tiers.nbytes() == 0
+
+
+def test_the_plan_host_figure_counts_the_pinned_homes_of_a_phase_kept_resident(tiny_models, streamed_plans):
+    """Issue 33: on a GPU the blocks an expert of Wan 2.2 keeps resident while it runs keep their pinned host home
+    (they go back to it at the switch), which the plan's host figure left out: 51.5 MB page-locked against 25.8 MB
+    planned with the tiny experts. Now each phase stage counts its own resident blocks' homes too."""
+    from pathlib import Path
+
+    from safetensors import safe_open
+
+    from memfit.run.offload import ALIGNMENT
+
+    model = tiny_models("wan22")
+    experts = [sum(p.stat().st_size for p in (Path(model) / name).glob("*.safetensors"))
+               for name in ("transformer", "transformer_2")]
+    pinned = []
+    with fake_gpu() as gpu:
+        memfit.generate(model=model, device="cuda", budget={"device": 3 * max(experts) // 2, "host": "1GiB"},
+                        num_frames=5, guidance=5.0, on_step=lambda stage, done, total: pinned.append(gpu.pinned_bytes()),
+                        **{**RUN, "steps": 4})
+    denoise = next(plan for plan in streamed_plans if any(s.name.startswith("denoise:") for s in plan.stages))
+    assert {s.name for s in denoise.stages} == {"denoise:transformer", "denoise:transformer_2"}
+    assert all(s.resident_bytes > max(experts) // 2 for s in denoise.stages)  # each expert kept mostly resident
+    tensors = 0  # each pinned tensor starts on an ALIGNMENT boundary in its arena, which starts on a page
+    for name in ("transformer", "transformer_2"):
+        for path in (Path(model) / name).glob("*.safetensors"):
+            with safe_open(path, "pt") as weights:
+                tensors += len(list(weights.keys()))
+    assert max(pinned) > sum(experts) * 9 // 10  # both experts' homes are page-locked during the stage
+    assert max(pinned) <= denoise.host_peak_bytes + tensors * ALIGNMENT + 2 * 4096

@@ -34,7 +34,7 @@ from memfit.errors import MemfitError
 from memfit.text_enum import TextEnum
 
 __all__ = ["PLAN_FORMAT", "BlockSpec", "Plan", "Placement", "StageInput", "StagePlan", "Tier", "alternating", "host_need",
-           "make_plan", "minimum_device_bytes", "phase_stages", "stage_input", "stage_plan", "staging_ring_bytes"]
+           "homed_with", "make_plan", "minimum_device_bytes", "phase_stages", "stage_input", "stage_plan", "staging_ring_bytes"]
 
 #: The format version Plan.to_dict writes and Plan.from_dict reads; a change to the fields makes a new one.
 PLAN_FORMAT = "memfit-plan/1"
@@ -77,12 +77,16 @@ class StageInput:
 
     ``runs`` is how many forward passes the stage makes (denoise: one per step, or two with
     unbatched guidance); it only decides which streamed blocks deserve host RAM over disk.
+    ``homed``: components whose blocks keep their home while resident (a phase's, which goes back to its
+    home when the next phase comes in: on a device with memory of its own that home is host RAM the
+    stage holds).
     """
 
     name: str
     blocks: tuple[BlockSpec, ...]
     activation_bytes: int
     runs: int = 1
+    homed: tuple[str, ...] = ()
 
 
 def alternating(members: Iterable[str], names: Iterable[str]) -> tuple[str, ...]:
@@ -104,14 +108,21 @@ def phase_stages(stage: str, names: Iterable[str], phases: Sequence[str]) -> lis
     return [(f"{stage}:{phase}", [*common, phase]) for phase in phases]
 
 
-def stage_input(name: str, components: Iterable, activation_bytes: int, runs: int = 1) -> StageInput:
+def homed_with(stage_name: str, phases: Sequence[str]) -> tuple[str, ...]:
+    """The phase of a stage phase_stages named "STAGE:PHASE" (its StageInput's ``homed``), else none."""
+    phase = stage_name.rpartition(":")[2]
+    return (phase,) if ":" in stage_name and phase in phases else ()
+
+
+def stage_input(name: str, components: Iterable, activation_bytes: int, runs: int = 1,
+                homed: tuple[str, ...] = ()) -> StageInput:
     """Build a StageInput from measured components (anything with ``.name`` and ``.blocks`` whose
     items have ``.name`` and ``.bytes``, such as meta.ComponentSize), keeping their block order. The largest
     dequantization scratch of its components (``scratch_bytes``) is held beside the activations."""
     components = list(components)
     blocks = tuple(BlockSpec(c.name, b.name, b.bytes) for c in components for b in c.blocks)
     scratch = max((getattr(c, "scratch_bytes", 0) for c in components), default=0)
-    return StageInput(name=name, blocks=blocks, activation_bytes=activation_bytes + scratch, runs=runs)
+    return StageInput(name=name, blocks=blocks, activation_bytes=activation_bytes + scratch, runs=runs, homed=homed)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -320,7 +331,12 @@ def make_plan(stages: Sequence[StageInput], budget: BudgetLike, *, prefetch: int
 
     _check_device_fits(stages, budget, prefetch)
     resident_per_stage = [_choose_resident(stage, device_capacity, prefetch) for stage in stages]
-    homes = _choose_homes(stages, resident_per_stage, budget, 1 + prefetch if staging_ring else 0)
+    # What each stage holds in host RAM besides what it does not keep resident: on a device with memory of its
+    # own, a phase's resident blocks keep their home too (they go back to it when the next phase comes in).
+    off_host = resident_per_stage if not staging_ring else [
+        frozenset(key for key in resident if key.split("/")[0] not in stage.homed)
+        for stage, resident in zip(stages, resident_per_stage)]
+    homes = _choose_homes(stages, resident_per_stage, budget, 1 + prefetch if staging_ring else 0, off_host)
 
     stage_plans = tuple(
         stage_plan(stage, resident, homes, prefetch) for stage, resident in zip(stages, resident_per_stage)
@@ -331,7 +347,7 @@ def make_plan(stages: Sequence[StageInput], budget: BudgetLike, *, prefetch: int
         prefetch=prefetch,
         stages=stage_plans,
         homes=tuple(homes.items()),
-        host_peak_bytes=host_need(host_keys, _block_sizes(stages), resident_per_stage)
+        host_peak_bytes=host_need(host_keys, _block_sizes(stages), off_host)
         + (staging_ring_bytes(stage_plans, prefetch) if staging_ring else 0),
     )
 
@@ -429,7 +445,10 @@ def host_need(host_keys: Iterable[str], sizes: dict[str, int], resident_per_stag
     return max((sum(sizes[k] for k in keys if k not in resident) for resident in resident_per_stage), default=0)
 
 
-def _choose_homes(stages, resident_per_stage, budget: Budget, ring_slots: int = 0) -> dict[str, Tier]:
+def _choose_homes(stages, resident_per_stage, budget: Budget, ring_slots: int = 0, off_host=None) -> dict[str, Tier]:
+    """Each block's home (see make_plan); ``off_host``: per stage, the resident blocks that hold no host RAM
+    (default: every resident block)."""
+    off_host = resident_per_stage if off_host is None else off_host
     sizes = _block_sizes(stages)
     reads = dict.fromkeys(sizes, 0)
     streamed: set[str] = set()
@@ -444,7 +463,7 @@ def _choose_homes(stages, resident_per_stage, budget: Budget, ring_slots: int = 
     homes: dict[str, Tier] = {}
     on_host: list[str] = []
     for key in sorted(sizes, key=lambda k: (-reads[k], first_use[k])):
-        if host_need(on_host + [key], sizes, resident_per_stage) <= capacity:
+        if host_need(on_host + [key], sizes, off_host) <= capacity:
             on_host.append(key)
             homes[key] = Tier.HOST
         else:
@@ -452,7 +471,7 @@ def _choose_homes(stages, resident_per_stage, budget: Budget, ring_slots: int = 
 
     spilled = [k for k, home in homes.items() if home == Tier.DISK]
     if spilled and budget.disk is None:
-        needed = host_need(sizes, sizes, resident_per_stage)
+        needed = host_need(sizes, sizes, off_host)
         raise MemfitError(
             f"The host budget of {format_bytes(budget.host or 0)} cannot hold the weights parked off the "
             f"device ({len(spilled)} blocks, e.g. {spilled[0]}, do not fit) and no disk directory was "
@@ -465,7 +484,7 @@ def _choose_homes(stages, resident_per_stage, budget: Budget, ring_slots: int = 
 
     # The staging ring of the blocks that went to disk takes host RAM too: the least read blocks kept
     # leave the host until both fit.
-    while ring() and host_need(on_host, sizes, resident_per_stage) + ring() > capacity:
+    while ring() and host_need(on_host, sizes, off_host) + ring() > capacity:
         if not on_host:
             raise MemfitError(
                 f"The host budget of {format_bytes(budget.host or 0)} cannot hold the pinned staging ring the disk "
