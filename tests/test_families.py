@@ -49,6 +49,8 @@ CASES = {
     # FLUX.2 dev's guidance is embedded only: no negative pass, no negative prompt
     "flux2": (dict(guidance=1.0), dict(guidance=4.0)),
     "flux2_klein": (dict(guidance=1.0), dict(guidance=4.0, negative_prompt=NEGATIVE)),
+    # HunyuanImage's guidance is its guiders' scale (3.5 in the tiny folder): both runs change it
+    "hunyuan_image": (dict(guidance=1.0), dict(guidance=4.0, negative_prompt=NEGATIVE)),
 }
 
 
@@ -283,6 +285,76 @@ def test_qwenimage_unequal_lengths_are_native(tiny_models, tmp_path):
     cut.pop("negative_prompt_embeds_mask", None)
     shorter = memfit.generate(model=model, embeddings=_embeddings(model, cut), progress=False, **settings)
     assert max_pixel_difference(shorter.images, ours.images) > 0
+
+
+def test_hunyuan_image_embeddings_round_trip_and_unequal_lengths_are_native(tiny_models, tmp_path):
+    """HunyuanImage's embeddings (Qwen2.5-VL and ByT5, each with its mask) saved by memfit encode and
+    given back with --embeddings draw plain diffusers' image from the prompts; a negative cut shorter
+    than the positive in both sequences goes through as it is (the guider's passes are separate
+    transformer calls) and equals plain diffusers given the same embeddings, and differs from the whole."""
+    import diffusers
+
+    model = tiny_models("hunyuan_image")
+    settings = dict(steps=2, guidance=4.0, seed=7, width=32, height=32)
+    embeddings, _ = memfit.encode(PROMPT, model=model, negative_prompt=NEGATIVE)
+    full = embeddings.tensors
+    assert set(full) == {f"{prefix}prompt_embeds{part}" for prefix in ("", "negative_")
+                         for part in ("", "_mask", "_2", "_mask_2")}
+    assert full["prompt_embeds"].shape[1] == 1000 and full["prompt_embeds_2"].shape[1] == 128
+    assert not full["prompt_embeds_2"].any()  # no quoted text: the glyph embeddings are zero
+    path = embeddings.save(tmp_path / "prompt.safetensors")
+    ours = memfit.generate(model=model, embeddings=path, progress=False, **settings)
+    assert max_pixel_difference(ours.images, diffusers_output(model, ours.settings)) == 0
+
+    valid = int(full["negative_prompt_embeds_mask"].sum())
+    assert 0 < valid < 48
+
+    def cut_negative(length):
+        cut = dict(full)
+        for name, kept in (("prompt_embeds", length), ("prompt_embeds_mask", length), ("prompt_embeds_2", 16),
+                           ("prompt_embeds_mask_2", 16)):
+            cut[f"negative_{name}"] = full[f"negative_{name}"][:, :kept]
+        return cut
+
+    # Cut to 48 tokens, the negative loses only padding its mask hides: the image is the whole one's.
+    shorter = memfit.generate(model=model, embeddings=_embeddings(model, cut_negative(48)), progress=False, **settings)
+    assert any("1000 (positive) and 48 (negative)" in note for note in shorter.report.notes)
+    assert max_pixel_difference(shorter.images, ours.images) == 0
+    # Cut into its words, it is a different negative, and still plain diffusers' image given the same embeddings.
+    pipe = diffusers.DiffusionPipeline.from_pretrained(model)
+    pipe.set_progress_bar_config(disable=True)
+    pipe.guider, pipe.ocr_guider = pipe.guider.new(guidance_scale=4.0), pipe.ocr_guider.new(guidance_scale=4.0)
+    cut = cut_negative(valid - 2)
+    fewer = memfit.generate(model=model, embeddings=_embeddings(model, cut), progress=False, **settings)
+    reference = pipe(**cut, num_inference_steps=2, width=32, height=32, generator=torch.Generator().manual_seed(7)).images
+    assert max_pixel_difference(fewer.images, reference) == 0
+    assert max_pixel_difference(fewer.images, ours.images) > 0
+
+
+def test_hunyuan_image_guidance_is_its_guiders_scale(tiny_models):
+    """Without --guidance a run takes the guider's own scale and runs both guiders as the folder has
+    them; --guidance rebuilds both at that scale for the run only; a prompt with quoted text runs the
+    ByT5 encoder and the OCR guider, equal to plain diffusers."""
+    model = tiny_models("hunyuan_image")
+    adapter = ModelFolder.open(model).adapter
+    settings = adapter.resolve(PROMPT, None, 2, None, 7, 32, 32)
+    assert settings.guidance == 3.5 and adapter.guided(settings)
+    assert not adapter.guided(adapter.resolve(PROMPT, None, 2, 1.0, 7, 32, 32))
+    import diffusers
+
+    pipe = diffusers.DiffusionPipeline.from_pretrained(model)
+    assert adapter.call_components(pipe, settings) == {}
+    rebuilt = adapter.call_components(pipe, dataclasses.replace(settings, guidance=6.0))
+    assert {name: guider.guidance_scale for name, guider in rebuilt.items()} == {"guider": 6.0, "ocr_guider": 6.0}
+    assert pipe.guider.guidance_scale == 3.5  # the pipeline's own are left as they are
+
+    quoted = 'a sign that says "open"'
+    embeddings, _ = memfit.encode(quoted, model=model)
+    assert embeddings.tensors["prompt_embeds_2"].any() and embeddings.tensors["prompt_embeds_mask_2"].sum() > 0
+    ours, _ = assert_matches_diffusers(model, atol=0, **dict(BASE, prompt=quoted))
+    default, _ = assert_matches_diffusers(model, atol=0, **BASE)
+    assert ours.settings.guidance == default.settings.guidance == 3.5
+    assert max_pixel_difference(ours.images, default.images) > 0
 
 
 def test_wan_unequal_lengths_are_native(tiny_models):

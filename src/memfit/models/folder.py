@@ -87,7 +87,7 @@ def load_tensors_only(path: Path):
 
 
 def _needs_config(class_name: str) -> bool:
-    """Tokenizers and processors keep their own files; every model and scheduler has a config."""
+    """Tokenizers and processors keep their own files; every model, scheduler and guider has a config."""
     return not any(word in class_name for word in ("Tokenizer", "Processor", "FeatureExtractor"))
 
 
@@ -257,7 +257,7 @@ class ModelFolder:
         }
         configs = {}
         for name in components:
-            for config_name in ("config.json", "scheduler_config.json"):
+            for config_name in ("config.json", "scheduler_config.json", "guider_config.json"):
                 config_path = path / name / config_name
                 if config_path.is_file():
                     configs[name] = _read_json(config_path)

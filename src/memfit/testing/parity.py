@@ -53,6 +53,9 @@ def diffusers_output(model_dir: str | Path, settings, dtype: torch.dtype = torch
     pipe = pipeline_class.from_pretrained(model_dir, torch_dtype=dtype, **(components or {}))
     pipe.set_progress_bar_config(disable=True)
     load_loras_as_diffusers(pipe, loras)
+    adapter = ModelFolder.open(model_dir).adapter
+    for name, component in adapter.call_components(pipe, settings).items():  # a setting held by a component
+        setattr(pipe, name, component)
     if settings.negative_prompt is not None:  # else the pipeline's own default, as a plain call leaves it
         if "negative_prompt" in inspect.signature(type(pipe).__call__).parameters:
             call_kwargs["negative_prompt"] = settings.negative_prompt
@@ -60,7 +63,7 @@ def diffusers_output(model_dir: str | Path, settings, dtype: torch.dtype = torch
             call_kwargs["negative_prompt_embeds"] = pipe.encode_prompt(prompt=settings.negative_prompt)[0]
     output = pipe(
         prompt=settings.prompt,
-        **ModelFolder.open(model_dir).adapter.call_kwargs(settings),
+        **adapter.call_kwargs(settings),
         generator=torch.Generator(device="cpu").manual_seed(settings.seed), output_type="pil", **call_kwargs,
     )
     images = getattr(output, "images", None)

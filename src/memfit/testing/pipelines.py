@@ -16,7 +16,7 @@ import torch
 from memfit.testing.tokenizers import clip_tokenizer, word_tokenizer
 
 PIPELINE_KINDS = ("sd", "sdxl", "lumina2", "cogview4", "flux", "flux_schnell", "sd3", "qwenimage", "chroma", "sana", "pixart_sigma",
-                  "aura_flow", "hidream", "zimage", "flux_kontext", "flux2", "flux2_klein")
+                  "aura_flow", "hidream", "zimage", "flux_kontext", "flux2", "flux2_klein", "hunyuan_image")
 
 
 def _vae(scale: int, *, levels: int = 2, latent_channels: int = 4, width: int = 16, **extra):
@@ -377,17 +377,12 @@ _QWEN_TEMPLATE_WORDS = (
 ).split()
 
 
-def _qwenimage(scale: int, text_layers: int):
-    from diffusers import (AutoencoderKLQwenImage, FlowMatchEulerDiscreteScheduler, QwenImagePipeline,
-                           QwenImageTransformer2DModel)
+def _qwen2_5_vl(tokenizer, text_hidden: int, text_layers: int):
+    """A tiny Qwen2.5-VL for the word tokenizer; stands in for Qwen2.5-VL-7B (QwenImage, HunyuanImage 2.1)."""
     from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
 
-    from memfit.testing.tokenizers import DEFAULT_WORDS
-
-    tokenizer = word_tokenizer([*DEFAULT_WORDS, *_QWEN_TEMPLATE_WORDS])
-    text_hidden = 16 * scale
     vocab = len(tokenizer)
-    text_encoder = Qwen2_5_VLForConditionalGeneration(
+    return Qwen2_5_VLForConditionalGeneration(
         Qwen2_5_VLConfig(
             text_config={
                 "hidden_size": text_hidden, "intermediate_size": 2 * text_hidden, "num_hidden_layers": text_layers,
@@ -403,6 +398,17 @@ def _qwenimage(scale: int, text_layers: int):
             video_token_id=vocab + 4, vocab_size=vocab,
         )
     ).eval()
+
+
+def _qwenimage(scale: int, text_layers: int):
+    from diffusers import (AutoencoderKLQwenImage, FlowMatchEulerDiscreteScheduler, QwenImagePipeline,
+                           QwenImageTransformer2DModel)
+
+    from memfit.testing.tokenizers import DEFAULT_WORDS
+
+    tokenizer = word_tokenizer([*DEFAULT_WORDS, *_QWEN_TEMPLATE_WORDS])
+    text_hidden = 16 * scale
+    text_encoder = _qwen2_5_vl(tokenizer, text_hidden, text_layers)
     latent_channels = 4
     transformer = QwenImageTransformer2DModel(
         patch_size=2,
@@ -430,6 +436,42 @@ def _qwenimage(scale: int, text_layers: int):
         text_encoder=text_encoder,
         tokenizer=tokenizer,
         transformer=transformer,
+    )
+
+
+def _hunyuan_image(scale: int, text_layers: int):
+    """HunyuanImage 2.1: a tiny Qwen2.5-VL, a tiny T5 encoder with the byte-level ByT5 tokenizer (for the
+    quoted text of a prompt), and guiders whose adaptive projected guidance starts at step 1, so a
+    few-step test runs both its CFG and its APG branch."""
+    from diffusers import (AdaptiveProjectedMixGuidance, AutoencoderKLHunyuanImage, FlowMatchEulerDiscreteScheduler,
+                           HunyuanImagePipeline, HunyuanImageTransformer2DModel)
+    from transformers import ByT5Tokenizer
+
+    from memfit.testing.tokenizers import DEFAULT_WORDS
+
+    tokenizer = word_tokenizer([*DEFAULT_WORDS, *_QWEN_TEMPLATE_WORDS])
+    text_hidden = 16 * scale
+    tokenizer_2 = ByT5Tokenizer()
+    latent_channels = 4
+    transformer = HunyuanImageTransformer2DModel(
+        in_channels=latent_channels, out_channels=latent_channels, num_attention_heads=2 * scale,
+        attention_head_dim=16, num_layers=1, num_single_layers=1, num_refiner_layers=1,
+        text_embed_dim=text_hidden, text_embed_2_dim=text_hidden, rope_axes_dim=(8, 8),
+    )
+    vae = AutoencoderKLHunyuanImage(
+        in_channels=3, out_channels=3, latent_channels=latent_channels, block_out_channels=(32, 32),
+        layers_per_block=1, spatial_compression_ratio=2, sample_size=32, scaling_factor=0.75,
+    )
+    return HunyuanImagePipeline(
+        scheduler=FlowMatchEulerDiscreteScheduler(shift=4.0),
+        vae=vae,
+        text_encoder=_qwen2_5_vl(tokenizer, text_hidden, text_layers),
+        tokenizer=tokenizer,
+        text_encoder_2=_t5_encoder(tokenizer_2, text_hidden, text_layers),
+        tokenizer_2=tokenizer_2,
+        transformer=transformer,
+        guider=AdaptiveProjectedMixGuidance(guidance_scale=3.5, adaptive_projected_guidance_start_step=1),
+        ocr_guider=AdaptiveProjectedMixGuidance(guidance_scale=3.5, adaptive_projected_guidance_start_step=0),
     )
 
 
@@ -902,12 +944,12 @@ _BUILDERS: dict[str, Callable[[int, int], object]] = {
     "flux": _flux, "flux_schnell": _flux_schnell, "sd3": _sd3, "qwenimage": _qwenimage, "wan": _wan, "wan22": _wan22,
     "wan_i2v": _wan_i2v, "wan22_i2v": _wan22_i2v, "wan22_ti2v": _wan22_ti2v, "chroma": _chroma, "sana": _sana, "pixart_sigma": _pixart_sigma, "aura_flow": _aura_flow, "hidream": _hidream,
     "zimage": _zimage, "flux_kontext": _flux_kontext, "flux2": _flux2, "flux2_klein": _flux2_klein,
-    "sd_pag": _sd_pag, "sdxl_single_file": _sdxl_single_file, "sd3_single_file": _sd3_single_file, "sd2_single_file": _sd2_single_file,
+    "sd_pag": _sd_pag, "hunyuan_image": _hunyuan_image, "sdxl_single_file": _sdxl_single_file, "sd3_single_file": _sd3_single_file, "sd2_single_file": _sd2_single_file,
 }
 
 # Sizes each tiny architecture accepts (multiples of what its VAE and patching need).
 DEFAULT_SIZE = {"sd": 32, "sdxl": 32, "lumina2": 32, "cogview4": 32, "flux": 32, "flux_schnell": 32, "sd3": 32, "qwenimage": 32, "wan": 32, "wan22": 32, "wan_i2v": 32, "wan22_i2v": 32, "wan22_ti2v": 64, "chroma": 32, "sana": 32, "pixart_sigma": 32, "aura_flow": 32, "hidream": 32,
-                "zimage": 32, "flux_kontext": 32, "flux2": 32, "flux2_klein": 32}
+                "zimage": 32, "flux_kontext": 32, "flux2": 32, "flux2_klein": 32, "hunyuan_image": 32}
 
 
 def build_pipeline(kind: str, *, seed: int = 0, scale: int = 1, text_layers: int = 2):

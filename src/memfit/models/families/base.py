@@ -232,6 +232,13 @@ class PipelineAdapter:
         """The latent frames the denoiser sees at once (video pipelines); for activation estimates."""
         return 1
 
+    def call_components(self, pipe, settings: Settings) -> dict[str, Any]:
+        """{name: component} to run the pipeline with in place of its own, for these settings: where a
+        setting lives in a component rather than a __call__ argument (HunyuanImage's guiders hold its
+        guidance scale). A plain diffusers user passes the same components to from_pretrained; the parity
+        oracle (memfit.testing.parity) does so too. Here: none."""
+        return {}
+
     def call_kwargs(self, settings: Settings) -> dict[str, Any]:
         """The pipeline's __call__ arguments for these settings, embeddings and generator aside."""
         kwargs = dict(num_inference_steps=settings.steps, guidance_scale=settings.guidance, height=settings.height,
