@@ -167,3 +167,22 @@ def test_a_file_that_fits_no_slot_or_is_not_listed_is_refused(api, comfyui, tmp_
         assert both.status_code == 422 and "text_encoder is taken by t5xxl_a.safetensors" in both.json()["detail"]
         assert send("t5xxl_b.safetensors").status_code == 422  # a list is required
     assert httpx.get(url + "/sdapi/v1/options").json()["forge_additional_modules"] == []
+
+
+@pytest.mark.slow
+def test_the_web_page_picks_the_file(api, comfyui, browser):
+    from selenium.webdriver.common.by import By
+    from selenium.webdriver.support.ui import Select, WebDriverWait
+
+    _, url = api
+    _, _, files = comfyui
+    browser.get(url + "/")
+    WebDriverWait(browser, 30).until(lambda b: b.find_elements(By.ID, "module-text_encoder"))
+    picker = Select(browser.find_element(By.ID, "module-text_encoder"))
+    assert [option.get_attribute("value") for option in picker.options] == [str(files["first"]), str(files["second"])]
+    assert picker.first_selected_option.text == "text_encoder: t5xxl_a.safetensors"
+    picker.select_by_value(str(files["second"]))
+    WebDriverWait(browser, 60).until(lambda b: b.find_element(By.ID, "status").text == "serving t5xxl_b.safetensors")
+    assert httpx.get(url + "/sdapi/v1/options").json()["forge_additional_modules"] == [str(files["second"])]
+    WebDriverWait(browser, 30).until(lambda b: Select(b.find_element(By.ID, "module-text_encoder"))
+                                     .first_selected_option.get_attribute("value") == str(files["second"]))
