@@ -63,6 +63,8 @@ class Checkpoints:
         self._lock = threading.Lock()  # the hashes
         self._hashes: dict[Path, tuple[tuple[int, int], str]] = {}  # path -> (its size and mtime then, sha256)
         self._to_hash: queue.SimpleQueue = queue.SimpleQueue()
+        # (checkpoint, module files) -> their slots: a request with a choice made is not checked against the files again
+        self._slots: dict[tuple[Path, tuple[Path, ...]], tuple[tuple[str, Path], ...]] = {}
         threading.Thread(target=self._hash_files, name="memfit-serve-hashes", daemon=True).start()
         self._queue_hashes()
 
@@ -165,6 +167,13 @@ class Checkpoints:
         none of the slots left, and those slots."""
         if not files:
             return ()
+        key = (entry.path, tuple(files))
+        if key not in self._slots:
+            self._slots[key] = self._fit_modules(entry, files)
+        return self._slots[key]
+
+    def _fit_modules(self, entry: ModelEntry, files) -> tuple[tuple[str, Path], ...]:
+        """modules_for, checked against the files: each tried in the free slots as --component NAME=FILE is."""
         from memfit.models.single_file import SingleFileModel
 
         folder = self.folder(entry)
@@ -177,7 +186,7 @@ class Checkpoints:
                 try:
                     SingleFileModel.with_components(folder, {slot: file}, allow_pickle=folder.allow_pickle)
                 except MemfitError:
-                    continue
+                    continue  # another model's file, or another family's
                 chosen[slot] = file
                 break
             else:
@@ -192,6 +201,7 @@ class Checkpoints:
         """List the models folder again (a new file, a finished copy); the open Session is kept."""
         if self.library is not None:
             listing = self.library.scan()
+            self._slots = {}  # a file may have changed
             with self._lock:  # a file changed since it was hashed is listed without a hash until hashed again
                 self._hashes = {path: known for path, known in self._hashes.items() if _version(path) == known[0]}
             self.listing = replace(listing, checkpoints=[*self.pinned, *listing.checkpoints])
