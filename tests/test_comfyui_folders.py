@@ -235,6 +235,7 @@ def test_each_denoiser_alone_is_paired_with_its_familys_files(comfyui):
         entry = entries[made["transformer"]]
         assert entry.error == "" and entry.pipeline, (kind, entry.error)
         assert dict(entry.components) == {"vae": made["vae"], "text_encoder": made["text_encoder"]}, kind
+        assert dict(entry.candidates) == {"vae": (made["vae"],), "text_encoder": (made["text_encoder"],)}, kind
         model = open_entry(entry, configs=library.configs)
         assert model.weight_files("vae") == [made["vae"]] and model.weight_files("text_encoder") == [made["text_encoder"]]
 

@@ -21,12 +21,14 @@ text_encoders/; a Wan, Qwen-Image, Chroma or Z-Image transformer with its VAE an
 paired with them by family: for each model its family needs that neither the file nor its config folder
 holds, the first file of the folder that fits it (the same check as ``--component NAME=FILE``; files whose
 name says the family's, such as wan_2.1_vae, tried first); one nothing fits is listed with the reason.
+Every file that fits is kept as a candidate (``ModelEntry.candidates``, the first the default): memfit serve
+lets a client choose another (Forge's forge_additional_modules).
 """
 
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from memfit.errors import MemfitError
@@ -59,6 +61,8 @@ class ModelEntry:
     pipeline: str = ""
     # A denoiser alone: the files of the models paired with it ((component, file) pairs, as --component gives them).
     components: tuple[tuple[str, Path], ...] = ()
+    # ... and every file of the folder that fits each of those models, the one paired first: what a client may choose.
+    candidates: tuple[tuple[str, tuple[Path, ...]], ...] = ()
 
     @classmethod
     def for_path(cls, path: str | Path) -> "ModelEntry":
@@ -80,6 +84,12 @@ class Listing:
     checkpoints: list[ModelEntry]
     vaes: list[NamedFile]
     loras: list[NamedFile]
+    # The text encoder files of text_encoders/ or clip/ (Forge lists them with the VAEs as "modules").
+    text_encoders: list[NamedFile] = field(default_factory=list)
+
+    def modules(self) -> list[NamedFile]:
+        """The files that may replace a checkpoint's VAE or text encoders, as Forge's /sdapi/v1/sd-modules lists them."""
+        return [*self.vaes, *self.text_encoders]
 
 
 def _natural_key(text: str) -> list:
@@ -101,10 +111,11 @@ def _config_for(path: Path, configs: dict[str, Path]) -> Path | None:
 
 
 def open_entry(entry: ModelEntry, *, configs: dict[str, Path] | None = None, allow_pickle: bool = False,
-               vae: Path | None = None) -> ModelFolder:
+               vae: Path | None = None, modules: tuple[tuple[str, Path], ...] = ()) -> ModelFolder:
     """The model ``entry`` names, opened and its weight files checked as memfit serve checks its --model;
-    MemfitError saying what is wrong otherwise. ``configs``: pipeline class -> --config folder; ``vae``: a VAE
-    file read instead of the model's own VAE (A1111's sd_vae)."""
+    MemfitError saying what is wrong otherwise. ``configs``: pipeline class -> --config folder; ``modules``:
+    (component, file) pairs read instead of the model's own or paired ones (Forge's forge_additional_modules);
+    ``vae``: a VAE file read instead of the model's own VAE (A1111's sd_vae, over a VAE among ``modules``)."""
     from memfit.plan.stages import planned_models
 
     if entry.path.suffix in UNREAD_SUFFIXES:
@@ -113,7 +124,7 @@ def open_entry(entry: ModelEntry, *, configs: dict[str, Path] | None = None, all
                           "folders.")
     configs = configs or {}
     config = _config_for(entry.path, configs) if entry.kind != "diffusers" else None
-    components = {**dict(entry.components), **({"vae": vae} if vae is not None else {})}
+    components = {**dict(entry.components), **dict(modules), **({"vae": vae} if vae is not None else {})}
     try:
         folder = open_model_path(entry.path, config=config, allow_pickle=allow_pickle, components=components or None)
     except MemfitError as exc:
@@ -171,18 +182,21 @@ class ModelsDir:
         for root in (path for path, role in roles.items() if role == "split"):
             found += [self._paired(ModelEntry(path.relative_to(base).as_posix(), path, "split"),
                                    [vae.path for vae in vaes], parts) for path in _walk(root)]
+        text_encoders = [NamedFile(path.name, path) for path in parts]
         loras = {}
         for root in (path for path, role in roles.items() if role == "lora"):
             for path in _walk(root):
                 if path.suffix in WEIGHT_SUFFIXES:
                     loras.setdefault(path.stem, NamedFile(path.stem, path))
         checkpoints = [entry if entry.error else _probe(entry, self.configs, self.allow_pickle) for entry in found]
-        return Listing(checkpoints, sorted(vaes, key=lambda f: _natural_key(f.name)), list(loras.values()))
+        return Listing(checkpoints, sorted(vaes, key=lambda f: _natural_key(f.name)), list(loras.values()),
+                       text_encoders)
 
 
     def _paired(self, entry: ModelEntry, vaes: list[Path], parts: list[Path]) -> ModelEntry:
         """The denoiser alone ``entry`` with, for each model its family needs that neither its file nor its
-        config folder holds, the first of ``vaes`` (for the VAE) or ``parts`` (text encoders) that fits it."""
+        config folder holds, the first of ``vaes`` (for the VAE) or ``parts`` (text encoders) that fits it, and every
+        one that fits as its candidates."""
         from memfit.models.single_file import SingleFileModel
 
         if entry.path.suffix not in MAPPED_SUFFIXES:
@@ -192,7 +206,7 @@ class ModelsDir:
                                               allow_pickle=self.allow_pickle)
         except MemfitError as exc:
             return replace(entry, error=str(exc))
-        chosen: dict[str, Path] = {}
+        fitting: dict[str, tuple[Path, ...]] = {}
         unpaired = []
         family = model.family
         for name in (family.parts if family is not None else ()):
@@ -201,13 +215,15 @@ class ModelsDir:
             part = family.parts[name]
             # A file whose name says it is this part's first: two files may fit (Wan 2.1's VAE and Qwen-Image's).
             candidates = sorted(vaes if name == "vae" else parts, key=lambda path: not part.named_for(path))
+            fits = []
             for candidate in candidates:
                 try:
                     SingleFileModel.with_components(model, {name: candidate}, allow_pickle=self.allow_pickle)
                 except MemfitError:
                     continue  # another family's, or another of this family's models
-                chosen[name] = candidate
-                break
+                fits.append(candidate)
+            if fits:
+                fitting[name] = tuple(fits)
             else:
                 usual = part.usual_file
                 unpaired.append(f"{name} ({model.components[name][1]}{', e.g. ' + usual if usual else ''}) in "
@@ -215,7 +231,8 @@ class ModelsDir:
         if unpaired:
             return replace(entry, error=f"{entry.path} is a {family.label} denoiser alone, and no file of the models "
                                         f"folder fits its {'; '.join(unpaired)}: put that file there and refresh.")
-        return replace(entry, components=tuple(chosen.items()))
+        return replace(entry, components=tuple((name, fits[0]) for name, fits in fitting.items()),
+                       candidates=tuple(fitting.items()))
 
 
 def config_folders(configs) -> dict[str, Path]:

@@ -168,7 +168,7 @@ IMG2IMG_HARMLESS = {"resize_mode": (0,), "include_init_images": (False,), "mask_
                     "initial_noise_multiplier": (1,), "image_cfg_scale": (1.5,), "latent_mask": (),
                     "mask_round": (True,)}
 # The settings memfit acts on, in POST /sdapi/v1/options and a request's override_settings.
-SETTINGS_ACTED_ON = ("sd_model_checkpoint", "sd_vae")
+SETTINGS_ACTED_ON = ("sd_model_checkpoint", "sd_vae", "forge_additional_modules")
 MASK_ONLY = {"mask_blur", "mask_blur_x", "mask_blur_y", "inpainting_fill", "inpaint_full_res",
              "inpaint_full_res_padding", "inpainting_mask_invert", "latent_mask", "mask_round"}
 
@@ -183,7 +183,8 @@ def create_app(served: Session | Checkpoints, *, limits: Limits = Limits(), auth
     checkpoints = served if isinstance(served, Checkpoints) else Checkpoints(served)
     queue = JobQueue(checkpoints)
     step_times = StepTimes()
-    settings = {"sd_vae": "Automatic"}  # the options memfit keeps besides the checkpoint
+    # The options memfit keeps besides the checkpoint; forge_additional_modules: the module files chosen for it.
+    settings: dict[str, Any] = {"sd_vae": "Automatic", "forge_additional_modules": ()}
     answered = {"requests": 0, "images": 0}
 
     async def lifespan(app):
@@ -233,8 +234,8 @@ def create_app(served: Session | Checkpoints, *, limits: Limits = Limits(), auth
         """One request's job, checked, queued, waited for and answered: txt2img, or img2img for an Img2ImgRequest."""
         _check_prompts(body)
         conditioning = await _conditioning(body) if isinstance(body, Img2ImgRequest) else None
-        entry, vae = _overridden(body)
-        folder = await _opened(entry, vae)
+        entry, vae, modules = await _overridden(body)
+        folder = await _opened(entry, vae, modules)
         notes = []
         if conditioning is not None:
             image, notes = await _init_image_sized(conditioning.image, folder)
@@ -243,7 +244,7 @@ def create_app(served: Session | Checkpoints, *, limits: Limits = Limits(), auth
                                     None if conditioning is None else body.denoising_strength)
         estimate, check_pace = _priced(entry, folder, runs)
         for run in runs:
-            run["checkpoint"], run["vae"] = entry, vae
+            run["checkpoint"], run["vae"], run["modules"] = entry, vae, modules
         job = Job(runs, check_pace=check_pace, **({"id": body.force_task_id} if body.force_task_id else {}))
         if body.force_task_id and queue.get(body.force_task_id) is not None:
             raise HTTPException(422, f"force_task_id {body.force_task_id!r} is already in use; send a new id or none.")
@@ -321,6 +322,11 @@ def create_app(served: Session | Checkpoints, *, limits: Limits = Limits(), auth
     @app.get("/sdapi/v1/sd-vae")
     async def sd_vae():
         return [{"model_name": vae.name, "filename": str(vae.path)} for vae in checkpoints.listing.vaes]
+
+    @app.get("/sdapi/v1/sd-modules")
+    async def sd_modules():
+        """Forge's list of the files that may replace a checkpoint's VAE or text encoders (forge_additional_modules)."""
+        return [{"model_name": module.name, "filename": str(module.path)} for module in checkpoints.listing.modules()]
 
     @app.get("/sdapi/v1/loras")
     async def loras():
@@ -413,7 +419,9 @@ def create_app(served: Session | Checkpoints, *, limits: Limits = Limits(), auth
         session = checkpoints.session
         selected = checkpoints.selected
         return {"sd_model_checkpoint": checkpoints.title(selected), "sd_checkpoint_hash": checkpoints.sha256(selected),
-                "sd_vae": settings["sd_vae"], "samples_format": "png", "memfit_pipeline": selected.pipeline,
+                "sd_vae": settings["sd_vae"],
+                "forge_additional_modules": [str(path) for path in settings["forge_additional_modules"]],
+                "samples_format": "png", "memfit_pipeline": selected.pipeline,
                 "memfit_dtype": session.dtype, "memfit_device": str(session.device),
                 "memfit_budget": None if session.budget is None else str(session.budget),
                 "memfit_limits": limits.__dict__}
@@ -422,14 +430,19 @@ def create_app(served: Session | Checkpoints, *, limits: Limits = Limits(), auth
     async def set_options(request: Request):
         options = await _json_object(request)
         vae = _vae(options, "sd_vae")
+        files = _module_files(options, "forge_additional_modules")
         checkpoint = options.get("sd_model_checkpoint")
-        if checkpoint is not None or vae is not None:
+        if checkpoint is not None or vae is not None or files is not None:
             entry = checkpoints.selected if checkpoint is None else _find(checkpoint, "sd_model_checkpoint")
+            files = _kept_modules(entry) if files is None else files
+            modules = await _modules(entry, files, "forge_additional_modules")
             try:  # waits for the running request, as A1111's switch does
-                await asyncio.to_thread(checkpoints.select, entry, checkpoints.vae_file(vae or settings["sd_vae"]))
+                await asyncio.to_thread(checkpoints.select, entry, checkpoints.vae_file(vae or settings["sd_vae"]),
+                                        modules)
             except MemfitError as exc:
                 raise HTTPException(422, f"sd_vae {vae!r} cannot be used with {checkpoints.title(entry)!r}: {exc}"
                                     if vae is not None and vae not in OWN_VAE else str(exc)) from exc
+            settings["forge_additional_modules"] = files
         if vae is not None:
             settings["sd_vae"] = vae
         return None
@@ -455,7 +468,8 @@ def create_app(served: Session | Checkpoints, *, limits: Limits = Limits(), auth
                 "checkpoints": [{"title": checkpoints.title(entry), "name": entry.name, "kind": entry.kind,
                                  "filename": str(entry.path), "pipeline": entry.pipeline or None,
                                  "sha256": checkpoints.sha256(entry), "error": entry.error or None,
-                                 "components": {name: str(path) for name, path in entry.components}}
+                                 "components": {name: str(path) for name, path in entry.components},
+                                 "candidates": {name: [str(path) for path in paths] for name, paths in entry.candidates}}
                                 for entry in checkpoints.listing.checkpoints]}
 
     @app.get("/", response_class=HTMLResponse)
@@ -545,26 +559,57 @@ def create_app(served: Session | Checkpoints, *, limits: Limits = Limits(), auth
                 raise HTTPException(422, f"{field}: {exc}") from exc
         return vae
 
-    def _overridden(body: Txt2ImgRequest) -> tuple[ModelEntry, Path | None]:
-        """The checkpoint a request runs on and the VAE file it reads instead of the checkpoint's own (None: its
-        own): its override_settings' sd_model_checkpoint and sd_vae, else the selected ones. With
+    def _module_files(options: dict, field: str) -> tuple[Path, ...] | None:
+        """The module files a request's forge_additional_modules names (None: it names none); HTTP 422 for a value
+        that is not a list of names or for a file not listed (GET /sdapi/v1/sd-modules)."""
+        names = options.get("forge_additional_modules")
+        if names is None:
+            return None
+        if not isinstance(names, list) or not all(isinstance(name, str) for name in names):
+            raise HTTPException(422, f"{field} must be a list of module files' model_name or filename (GET "
+                                     f"/sdapi/v1/sd-modules), got {names!r}.")
+        try:
+            return tuple(dict.fromkeys(checkpoints.module_file(name) for name in names))
+        except MemfitError as exc:
+            raise HTTPException(422, f"{field}: {exc}") from exc
+
+    def _kept_modules(entry: ModelEntry) -> tuple[Path, ...]:
+        """The module files chosen, while ``entry`` is the selected checkpoint; another checkpoint starts with its
+        own files (the choice is for the checkpoint it was made on, whose slots it fits)."""
+        return settings["forge_additional_modules"] if entry.path == checkpoints.selected.path else ()
+
+    async def _modules(entry: ModelEntry, files: tuple[Path, ...], field: str) -> tuple[tuple[str, Path], ...]:
+        try:
+            return await asyncio.to_thread(checkpoints.modules_for, entry, files)
+        except MemfitError as exc:
+            raise HTTPException(422, f"{field}: {exc}") from exc
+
+    async def _overridden(body: Txt2ImgRequest) -> tuple[ModelEntry, Path | None, tuple[tuple[str, Path], ...]]:
+        """The checkpoint a request runs on, the VAE file it reads instead of the checkpoint's own (None: its
+        own) and the module files it reads instead of its own ((component, file) pairs): its override_settings'
+        sd_model_checkpoint, sd_vae and forge_additional_modules, else the selected ones. With
         override_settings_restore_afterwards false the overrides stay selected, as in A1111."""
         extra = body.model_extra or {}
         overrides = extra.get("override_settings") or {}
         if not isinstance(overrides, dict):
             raise HTTPException(422, f"override_settings must be an object of settings, got {overrides!r}.")
         vae = _vae(overrides, "override_settings.sd_vae")
+        files = _module_files(overrides, "override_settings.forge_additional_modules")
         requested = overrides.get("sd_model_checkpoint")
         entry = checkpoints.selected if requested is None else _find(requested, "override_settings.sd_model_checkpoint")
+        files = _kept_modules(entry) if files is None else files
+        modules = await _modules(entry, files, "override_settings.forge_additional_modules")
         if extra.get("override_settings_restore_afterwards", True) is False:
             checkpoints.selected = entry
+            settings["forge_additional_modules"] = files
             if vae is not None:
                 settings["sd_vae"] = vae
-        return entry, checkpoints.vae_file(vae or settings["sd_vae"])
+        return entry, checkpoints.vae_file(vae or settings["sd_vae"]), modules
 
-    async def _opened(entry: ModelEntry, vae: Path | None = None) -> ModelFolder:
+    async def _opened(entry: ModelEntry, vae: Path | None = None,
+                      modules: tuple[tuple[str, Path], ...] = ()) -> ModelFolder:
         try:
-            return await asyncio.to_thread(checkpoints.folder, entry, vae)
+            return await asyncio.to_thread(checkpoints.folder, entry, vae, modules)
         except MemfitError as exc:
             raise HTTPException(422, str(exc)) from exc
 

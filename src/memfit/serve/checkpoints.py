@@ -15,7 +15,9 @@ One Session is open at a time. Switching releases the open Session's stages firs
 new model (its stages are planned inside the budget when they run, with the memory in use then)
 and keeps it warm. Each request runs on the checkpoint selected when it arrived (``selected``, A1111's
 sd_model_checkpoint), or on the one its override_settings name, with the VAE file its sd_vae names read
-instead of the checkpoint's own (``vae_file``; a different VAE is a switch too).
+instead of the checkpoint's own (``vae_file``; a different VAE is a switch too), and the module files its
+forge_additional_modules name (Forge's setting: VAE and text encoder files of the models folder, each put in
+the slot of the checkpoint it fits, ``modules_for``) read instead of the checkpoint's own or paired ones.
 """
 
 from __future__ import annotations
@@ -52,6 +54,7 @@ class Checkpoints:
         self.current = self.selected = entry or replace(ModelEntry.for_path(session.folder.path),
                                                         pipeline=session.folder.class_name)
         self.current_vae: Path | None = None  # the VAE file the open Session reads instead of its model's own
+        self.current_modules: tuple[tuple[str, Path], ...] = ()  # the (component, file) pairs it reads instead
         self.library = library
         self.pinned = pinned
         self.listing = listing or Listing([self.current], [], [])
@@ -60,6 +63,8 @@ class Checkpoints:
         self._lock = threading.Lock()  # the hashes
         self._hashes: dict[Path, tuple[tuple[int, int], str]] = {}  # path -> (its size and mtime then, sha256)
         self._to_hash: queue.SimpleQueue = queue.SimpleQueue()
+        # (checkpoint, module files) -> their slots: a request with a choice made is not checked against the files again
+        self._slots: dict[tuple[Path, tuple[Path, ...]], tuple[tuple[str, Path], ...]] = {}
         threading.Thread(target=self._hash_files, name="memfit-serve-hashes", daemon=True).start()
         self._queue_hashes()
 
@@ -80,7 +85,7 @@ class Checkpoints:
         entry = replace(entry, pipeline=folder.class_name)
         session_options = {**session_options, "allow_pickle": allow_pickle}
         if listing is not None and pinned:
-            listing = Listing([entry, *listing.checkpoints], listing.vaes, listing.loras)
+            listing = replace(listing, checkpoints=[entry, *listing.checkpoints])
         return cls(Session(folder, **session_options), entry=entry, library=library, pinned=(entry,) if pinned else (),
                    listing=listing, session_options=session_options)
 
@@ -144,49 +149,102 @@ class Checkpoints:
                               f"checkpoint's own VAE) or one of the VAE files listed: {listed}.")
         return found
 
+    def module_file(self, requested: str) -> Path:
+        """The module file (VAE or text encoder, GET /sdapi/v1/sd-modules) ``requested`` names by its model_name or
+        filename; MemfitError naming those listed otherwise."""
+        modules = self.listing.modules()
+        found = next((module.path for module in modules if requested in (module.name, str(module.path))), None)
+        if found is None:
+            listed = ", ".join(repr(module.name) for module in modules) or "none (start memfit serve with " \
+                "--models-dir DIR, whose vae/ and text_encoders/ folders hold the module files)"
+            raise MemfitError(f"{requested!r} is not a module file this server lists; name one of {listed} (GET "
+                              "/sdapi/v1/sd-modules lists them; POST /sdapi/v1/refresh-vae rescans the models folder).")
+        return found
+
+    def modules_for(self, entry: ModelEntry, files: list[Path] | tuple[Path, ...]) -> tuple[tuple[str, Path], ...]:
+        """The (component, file) pairs that put each of ``files`` in the slot of ``entry``'s model it fits (its VAE or
+        a text encoder; a slot a file was listed as a candidate for tried first); MemfitError naming a file that fits
+        none of the slots left, and those slots."""
+        if not files:
+            return ()
+        key = (entry.path, tuple(files))
+        if key not in self._slots:
+            self._slots[key] = self._fit_modules(entry, files)
+        return self._slots[key]
+
+    def _fit_modules(self, entry: ModelEntry, files) -> tuple[tuple[str, Path], ...]:
+        """modules_for, checked against the files: each tried in the free slots as --component NAME=FILE is."""
+        from memfit.models.single_file import SingleFileModel
+
+        folder = self.folder(entry)
+        slots = [name for name in folder.model_components if name == "vae" or name.startswith("text_encoder")]
+        listed = {name: paths for name, paths in entry.candidates}
+        chosen: dict[str, Path] = {}
+        for file in files:
+            free = sorted((slot for slot in slots if slot not in chosen), key=lambda slot: file not in listed.get(slot, ()))
+            for slot in free:
+                try:
+                    SingleFileModel.with_components(folder, {slot: file}, allow_pickle=folder.allow_pickle)
+                except MemfitError:
+                    continue  # another model's file, or another family's
+                chosen[slot] = file
+                break
+            else:
+                taken = "; ".join(f"{slot} is taken by {chosen[slot].name}" for slot in chosen)
+                raise MemfitError(f"Module {file.name} ({file}) fits none of the slots of {self.title(entry)!r} "
+                                  f"({', '.join(free) or 'none left'}){'; ' + taken if taken else ''}; choose files "
+                                  "that fit its VAE or text encoders (GET /memfit/v1/models lists each checkpoint's "
+                                  "candidates).")
+        return tuple(chosen.items())
+
     def refresh(self) -> None:
         """List the models folder again (a new file, a finished copy); the open Session is kept."""
         if self.library is not None:
             listing = self.library.scan()
+            self._slots = {}  # a file may have changed
             with self._lock:  # a file changed since it was hashed is listed without a hash until hashed again
                 self._hashes = {path: known for path, known in self._hashes.items() if _version(path) == known[0]}
-            self.listing = Listing([*self.pinned, *listing.checkpoints], listing.vaes, listing.loras)
+            self.listing = replace(listing, checkpoints=[*self.pinned, *listing.checkpoints])
             self._queue_hashes()
 
     # ---- running -------------------------------------------------------------------------------
-    def folder(self, entry: ModelEntry, vae: Path | None = None) -> ModelFolder:
-        """``entry``'s model with ``vae`` (a VAE file) for its own, opened: the open Session's, or opened now (its
-        header and configs: what a request is checked against). Nothing opened is kept beside the open
-        Session, whose budget would not count it."""
-        if (entry.path, vae) == (self.current.path, self.current_vae):
+    def folder(self, entry: ModelEntry, vae: Path | None = None,
+               modules: tuple[tuple[str, Path], ...] = ()) -> ModelFolder:
+        """``entry``'s model with ``vae`` (a VAE file) for its own and ``modules`` ((component, file) pairs, from
+        modules_for) for those components, opened: the open Session's, or opened now (its header and configs: what
+        a request is checked against). Nothing opened is kept beside the open Session, whose budget would not
+        count it."""
+        if (entry.path, vae, modules) == (self.current.path, self.current_vae, self.current_modules):
             return self.session.folder
         library = self.library
         return open_entry(entry, configs=library.configs if library else None,
-                          allow_pickle=self._options.get("allow_pickle", False), vae=vae)
+                          allow_pickle=self._options.get("allow_pickle", False), vae=vae, modules=modules)
 
-    def select(self, entry: ModelEntry, vae: Path | None = None) -> None:
+    def select(self, entry: ModelEntry, vae: Path | None = None, modules: tuple[tuple[str, Path], ...] = ()) -> None:
         """Make ``entry`` the checkpoint requests run on (A1111's sd_model_checkpoint), switching to it (with the
-        VAE file ``vae``, None: its own) now."""
+        VAE file ``vae``, None: its own, and the module files ``modules``) now."""
         with self._run_lock:
-            self._switch(entry, vae)
+            self._switch(entry, vae, modules)
             self.selected = entry
 
-    def generate(self, prompt: str, *, checkpoint: ModelEntry | None = None, vae: Path | None = None, **settings):
+    def generate(self, prompt: str, *, checkpoint: ModelEntry | None = None, vae: Path | None = None,
+                 modules: tuple[tuple[str, Path], ...] = (), **settings):
         """Session.generate on ``checkpoint`` (default: the selected one) with the VAE file ``vae`` (None: its
-        own), switching to them first if needed."""
+        own) and the module files ``modules``, switching to them first if needed."""
         with self._run_lock:
-            return self._switch(checkpoint or self.selected, vae).generate(prompt, **settings)
+            return self._switch(checkpoint or self.selected, vae, modules).generate(prompt, **settings)
 
     def close(self) -> None:
         self._to_hash.put(None)
         self.session.close()
 
-    def _switch(self, entry: ModelEntry, vae: Path | None = None) -> Session:
-        if (entry.path, vae) != (self.current.path, self.current_vae):
-            folder = self.folder(entry, vae)
+    def _switch(self, entry: ModelEntry, vae: Path | None = None,
+                modules: tuple[tuple[str, Path], ...] = ()) -> Session:
+        if (entry.path, vae, modules) != (self.current.path, self.current_vae, self.current_modules):
+            folder = self.folder(entry, vae, modules)
             self.session.close()  # the old stages go before the new model's are planned
             self.session = Session(folder, **self._options)
-            self.current, self.current_vae = entry, vae
+            self.current, self.current_vae, self.current_modules = entry, vae, modules
         return self.session
 
     # ---- hashes --------------------------------------------------------------------------------
