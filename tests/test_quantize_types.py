@@ -77,6 +77,74 @@ def test_int8_rows_are_symmetric_with_one_scale_each():
                        dequantized.to(torch.bfloat16))
 
 
+MODULATION = ("transformer_blocks.0.norm1.linear", "transformer_blocks.0.norm1_context.linear",
+              "single_transformer_blocks.0.norm.linear")
+FIRST_AND_LAST = ("x_embedder", "context_embedder", "time_text_embed.timestep_embedder.linear_1",
+                  "time_text_embed.text_embedder.linear_2", "norm_out.linear", "proj_out")
+
+
+def _tiny_flux():
+    """The test pipelines' Flux transformer (32 wide), random weights."""
+    from diffusers import FluxTransformer2DModel
+
+    torch.manual_seed(0)
+    return FluxTransformer2DModel(patch_size=1, in_channels=16, num_layers=1, num_single_layers=1,
+                                  attention_head_dim=16, num_attention_heads=2, joint_attention_dim=32,
+                                  pooled_projection_dim=32, guidance_embeds=True, axes_dims_rope=(4, 4, 8))
+
+
+@pytest.mark.parametrize("kind", ["q8_0", "int8"])
+def test_weight_only_types_quantize_the_adaln_modulation_linears_and_fp8_does_not(kind):
+    """int8 and the GGUF types pick the layers downloaded GGUF files quantize: the AdaLN modulation linears too, not
+    the first and last layers nor weights of 1024 values or fewer; fp8 keeps layerwise casting's choice (no norm).
+    A model's _keep_in_fp32_modules and _skip_layerwise_casting_patterns (other than "norm") are honoured."""
+    from memfit.quant.writers import quantized_layers
+
+    transformer = _tiny_flux()
+    chosen = quantized_layers(transformer, kind)
+    fp8 = quantized_layers(transformer, "fp8")
+    assert set(MODULATION) <= set(chosen) and not set(MODULATION) & set(fp8)
+    assert not set(FIRST_AND_LAST) & set(chosen)
+    small = "transformer_blocks.0.attn.to_q"  # 32 x 32: 1024 values
+    assert small not in chosen and small in fp8
+    assert "transformer_blocks.0.ff_context.net.2" in chosen and "single_transformer_blocks.0.proj_mlp" in chosen
+
+    transformer._keep_in_fp32_modules = ["ff_context"]
+    transformer._skip_layerwise_casting_patterns = ["pos_embed", "norm", "proj_mlp"]
+    honoured = set(quantized_layers(transformer, kind))
+    assert set(MODULATION) <= honoured
+    assert not any("ff_context" in path or "proj_mlp" in path for path in honoured)
+
+
+@pytest.mark.parametrize("kind", ["q8_0", "int8"])
+def test_a_written_file_holds_the_chosen_weights_at_the_types_bits(kind, tmp_path):
+    """The file's bytes are the chosen weights at the type's bits (Q8_0: 34 bytes a block of 32; int8: a byte a value
+    and a float32 scale a row) and every other value at float32, plus a header: smaller than the file the earlier
+    choice wrote, which kept the modulation linears at float32."""
+    from memfit.quant.writers import quantized_layers, write_quantized
+
+    transformer = _tiny_flux()
+    chosen = quantized_layers(transformer, kind)
+    path = write_quantized(transformer, kind, tmp_path)
+    quantized = sum(layer.weight.numel() for layer in chosen.values())
+    rest = sum(value.numel() for value in transformer.state_dict().values()) - quantized
+    if kind == "q8_0":
+        expected = quantized * 34 // 32 + rest * 4
+        types = {tensor.name: tensor.tensor_type.name for tensor in gguf.GGUFReader(path).tensors}
+        assert all(types[f"{name}.weight"] == "Q8_0" for name in MODULATION)
+    else:
+        expected = quantized + sum(layer.out_features for layer in chosen.values()) * 4 + rest * 4
+        from safetensors import safe_open
+
+        with safe_open(str(path), "pt") as stored:
+            assert all(stored.get_slice(f"{name}.weight").get_dtype() == "I8" for name in MODULATION)
+    header = 16 * 1024
+    size = path.stat().st_size
+    assert expected <= size < expected + header
+    modulation = sum(transformer.get_submodule(name).weight.numel() for name in MODULATION)
+    assert modulation * 2.5 > header  # the earlier file (modulation at float32) fails the bound above
+
+
 def test_q4_k_blocks_round_trip_through_gguf_and_memfit():
     """memfit's Q4_K bytes dequantize, by the gguf package's own Q4_K dequantizer and by memfit's reader, to the
     weights within 4-bit error: as close as the gguf package's Q4_1 (5 bits a weight) gets, or closer."""

@@ -29,7 +29,7 @@ from memfit.quant.writers import (
 __all__ = ["check_quantize", "plan_quantized", "with_quantized"]
 
 CACHE_KIND = "quantized"
-WRITER_VERSION = "1"  # bump when what write_quantized writes changes: older entries then miss
+WRITER_VERSION = "2"  # bump when what write_quantized writes changes: older entries then miss
 
 
 def check_quantize(model: ModelFolder, quantize: dict[str, str]) -> dict[str, str]:
