@@ -177,6 +177,43 @@ def test_q4_k_blocks_round_trip_through_gguf_and_memfit():
     assert ours.shape == (24, 512) and (ours - theirs).abs().max() <= 2e-3 * weights.abs().max()
 
 
+@pytest.mark.parametrize("kind, reference_type, ratio", [("q5_k", "Q5_1", 1.02), ("q6_k", "Q5_1", 0.6)])
+def test_q5_k_and_q6_k_blocks_round_trip_through_gguf_and_memfit(kind, reference_type, ratio, tmp_path):
+    """memfit's Q5_K and Q6_K bytes dequantize, by the gguf package's dequantizers and by memfit's reader, to the
+    weights: Q5_K as close as the gguf package's Q5_1 (6 bits a weight), Q6_K well closer; a row of zeros reads
+    zeros, a constant row and an outlier read back; write_quantized stores a 256-wide linear layer in the type."""
+    from memfit.quant.formats import STORAGE_DTYPE, readable_gguf_types
+    from memfit.quant.q5_k import quantize_q5_k
+    from memfit.quant.q6_k import quantize_q6_k
+    from memfit.quant.writers import GGUF_TYPES, write_quantized
+
+    name = GGUF_TYPES[kind]
+    quantize, block_bytes = {"q5_k": (quantize_q5_k, 176), "q6_k": (quantize_q6_k, 210)}[kind]
+    weights = _weights(24, 512)
+    blocks = quantize(weights)
+    assert blocks.dtype == np.uint8 and blocks.shape == (24, 2 * block_bytes)
+    theirs = torch.from_numpy(gguf.quants.dequantize(blocks, gguf.GGMLQuantizationType[name]))
+    reference_kind = gguf.GGMLQuantizationType[reference_type]
+    reference = torch.from_numpy(gguf.quants.dequantize(gguf.quants.quantize(weights.numpy(), reference_kind),
+                                                        reference_kind))
+
+    def rmse(values):  # over the random rows
+        return (values - weights)[3:].square().mean().sqrt().item()
+
+    assert rmse(theirs) <= rmse(reference) * ratio
+    assert torch.equal(theirs[0], torch.zeros(512)) and (theirs[1] - 0.5).abs().max() < 1e-3
+    assert abs(theirs[2, 7].item() - 1.0) < 5e-3
+    fmt = next(f for f in readable_gguf_types().values() if f.name == name)
+    ours = fmt.dequantize(torch.from_numpy(blocks).view(STORAGE_DTYPE), torch.float32)
+    assert ours.shape == (24, 512) and (ours - theirs).abs().max() <= 2e-3 * weights.abs().max()
+
+    torch.manual_seed(0)
+    layer = torch.nn.Sequential(torch.nn.Linear(256, 8))
+    path = write_quantized(layer, kind, tmp_path)
+    types = {tensor.name: tensor.tensor_type.name for tensor in gguf.GGUFReader(path).tensors}
+    assert types == {"0.weight": name, "0.bias": "F32"}
+
+
 # ---- on the fly ---------------------------------------------------------------------------------------------------
 
 

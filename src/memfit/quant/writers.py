@@ -22,8 +22,9 @@ whose weight has more than ``SMALL_WEIGHT_ELEMENTS`` values and whose rows are w
 
 int8 rounds each chosen weight symmetrically, one scale per output row: ``scale = max|row| / 127``, each value
 rounded to the nearest of -127..127. A GGUF type quantizes with the gguf package's quantizers (as city96's
-converter uses them; Q4_K with memfit.quant.q4_k's, which the gguf package lacks). Convolutions keep their
-dtype in both (a convolution's stored weight would be dequantized when loaded, so nothing would be saved).
+converter uses them; the K-quants Q4_K, Q5_K and Q6_K with memfit.quant.q4_k's, q5_k's and q6_k's, which
+the gguf package lacks). Convolutions keep their dtype in both (a convolution's stored weight would be
+dequantized when loaded, so nothing would be saved).
 
 Files are written one tensor at a time (a model never sits in memory twice): GGUF through the gguf
 package's streaming writer, fp8 and int8 as a safetensors file. An int8 weight ``X.weight`` (I8, its logical
@@ -47,14 +48,16 @@ __all__ = ["FIRST_AND_LAST_LAYERS", "GGUF_TYPES", "QUANTIZE_TYPES", "SMALL_WEIGH
            "quantized_layers", "write_quantized"]
 
 #: --quantize's types: fp8, int8, and the GGUF ones (the name users give -> the GGUF type written).
-GGUF_TYPES = {"q8_0": "Q8_0", "q5_1": "Q5_1", "q5_0": "Q5_0", "q4_1": "Q4_1", "q4_0": "Q4_0", "q4_k": "Q4_K"}
+GGUF_TYPES = {"q8_0": "Q8_0", "q6_k": "Q6_K", "q5_k": "Q5_K", "q5_1": "Q5_1", "q5_0": "Q5_0", "q4_1": "Q4_1",
+              "q4_0": "Q4_0", "q4_k": "Q4_K"}
 QUANTIZE_TYPES = ("fp8", "int8", *GGUF_TYPES)
 
 
 #: Weights this small (a value count) keep their dtype under int8 and the GGUF types: quantizing saves little.
 SMALL_WEIGHT_ELEMENTS = 1024
 #: A model's first and last layers (top-level module names), which int8 and the GGUF types leave in their dtype.
-FIRST_AND_LAST_LAYERS = r"^(?:[^.]*embed[^.]*|img_in|txt_in|proj_in|proj_out|norm_out|conv_in|conv_out|final_layer)(?:\.|$)"
+FIRST_AND_LAST_LAYERS = (r"^(?:[^.]*embed[^.]*|img_in|txt_in|proj_in|proj_out|norm_out|conv_in|conv_out|final_layer)"
+                         r"(?:\.|$)")
 
 
 def _skip_patterns(module: torch.nn.Module, quant_type: str) -> tuple[str, ...]:
@@ -160,11 +163,18 @@ def _write_gguf(tensors: dict[str, torch.Tensor], chosen: set[str], type_name: s
 def _gguf_blocks(tensor: torch.Tensor, kind) -> np.ndarray:
     import gguf
 
-    if kind == gguf.GGMLQuantizationType.Q4_K:  # the gguf package quantizes no K-quant
-        from memfit.quant.q4_k import quantize_q4_k
-
-        return quantize_q4_k(tensor)
+    k_quants = _k_quantizers()  # the gguf package quantizes no K-quant
+    if kind.name in k_quants:
+        return k_quants[kind.name](tensor)
     return gguf.quants.quantize(tensor.to(torch.float32).numpy(), kind)
+
+
+def _k_quantizers() -> dict:
+    from memfit.quant.q4_k import quantize_q4_k
+    from memfit.quant.q5_k import quantize_q5_k
+    from memfit.quant.q6_k import quantize_q6_k
+
+    return {"Q4_K": quantize_q4_k, "Q5_K": quantize_q5_k, "Q6_K": quantize_q6_k}
 
 
 def quantize_int8_rows(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
