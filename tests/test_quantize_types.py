@@ -1,9 +1,11 @@
-"""--quantize's int8 and q4_k: the quantizers' arithmetic, the files they write, and the images drawn from them.
+"""--quantize's int8 and K-quants: the quantizers' arithmetic, the layers chosen, the files written, and the images
+drawn from them.
 
 int8 (one float32 scale per output row, a safetensors file memfit writes) draws plain diffusers' image with the
-dequantized weights loaded, bit for bit; q4_k (memfit's own Q4_K quantizer, llama.cpp's block layout) writes a
-GGUF file the gguf package and diffusers' GGUF loading read, and draws the latter's image bit for bit. Each is
-quantized once: a second run maps memfit's cache.
+dequantized weights loaded, bit for bit; q4_k, q5_k, q6_k (memfit's own quantizers, llama.cpp's block layouts)
+write a GGUF file the gguf package and diffusers' GGUF loading read, and draw the latter's image bit for bit.
+Each is quantized once: a second run maps memfit's cache. int8 and the GGUF types quantize the layers downloaded
+GGUF files have quantized (AdaLN modulation linears too); fp8 keeps layerwise casting's.
 """
 
 from __future__ import annotations
@@ -282,21 +284,26 @@ def test_int8_on_the_fly_is_diffusers_with_the_dequantized_weights(flux, capsys,
     assert denoise.stages[0].streamed_from_disk_bytes > 0
 
 
-def test_q4_k_on_the_fly_is_diffusers_gguf_loading(wide_flux, capsys):
-    """--quantize transformer=q4_k writes a GGUF file of Q4_K blocks (the 256-wide layers) that diffusers' GGUF
-    loading draws memfit's image from, bit for bit; close to the unquantized image; a second run maps it."""
+@pytest.mark.parametrize("kind", ["q4_k", "q5_k", "q6_k"])
+def test_k_quants_on_the_fly_are_diffusers_gguf_loading(wide_flux, capsys, kind):
+    """--quantize transformer=q4_k (q5_k, q6_k) writes a GGUF file of K-quant blocks (the 256-wide layers) that
+    diffusers' GGUF loading draws memfit's image from, bit for bit; close to the unquantized image; a second run
+    maps it."""
     from diffusers import FluxPipeline, FluxTransformer2DModel, GGUFQuantizationConfig
 
-    quantize = {"transformer": "q4_k"}
+    from memfit.quant.writers import GGUF_TYPES
+
+    quantize = {"transformer": kind}
     ours = memfit.generate(model=wide_flux, quantize=quantize, budget="none", progress=False, **SETTINGS)
-    assert "quantizing transformer to q4_k" in capsys.readouterr().err
+    assert f"quantizing transformer to {kind}" in capsys.readouterr().err
     unquantized = _pixels(memfit.generate(model=wide_flux, budget="none", progress=False, **SETTINGS))
     assert not np.array_equal(_pixels(ours), unquantized) and _psnr(_pixels(ours), unquantized) > 35
 
-    path = _written("q4_k")
+    path = _written(kind)
     types = {tensor.name: tensor.tensor_type.name for tensor in gguf.GGUFReader(path).tensors}
-    assert types["transformer_blocks.0.attn.to_q.weight"] == "Q4_K"
-    assert set(types.values()) <= {"Q4_K", "F32"}
+    assert types["transformer_blocks.0.attn.to_q.weight"] == GGUF_TYPES[kind]
+    assert types["transformer_blocks.0.norm1.linear.weight"] == GGUF_TYPES[kind]
+    assert set(types.values()) <= {GGUF_TYPES[kind], "F32"}
     transformer = FluxTransformer2DModel.from_single_file(
         str(path), config=str(wide_flux), subfolder="transformer",
         quantization_config=GGUFQuantizationConfig(compute_dtype=torch.float32), torch_dtype=torch.float32)

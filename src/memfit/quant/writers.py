@@ -7,8 +7,8 @@ the values ``enable_layerwise_casting(storage_dtype=torch.float8_e4m3fn)`` holds
 of those layers rounded to fp8.
 
 Which layers, int8 and the GGUF types (weight-only: a linear layer's weight is stored quantized, its bias and
-every other tensor keep their dtype): those the GGUF files users download have quantized (city96's converter's
-rule), so a file memfit writes is the size of a downloaded one of the same type. That is every ``nn.Linear``
+every other tensor keep their dtype): those the GGUF files users download have quantized, so a file memfit
+writes is the size of a downloaded one of the same type. That is every ``nn.Linear``
 whose weight has more than ``SMALL_WEIGHT_ELEMENTS`` values and whose rows are whole blocks of the type, except
 
 * the model's first and last layers, kept in their dtype: its input, timestep, text and guidance embedders and
@@ -21,7 +21,7 @@ whose weight has more than ``SMALL_WEIGHT_ELEMENTS`` values and whose rows are w
   a third of its weights, and downloaded files quantize it, so memfit does too.
 
 int8 rounds each chosen weight symmetrically, one scale per output row: ``scale = max|row| / 127``, each value
-rounded to the nearest of -127..127. A GGUF type quantizes with the gguf package's quantizers (as city96's
+rounded to the nearest of -127..127. A GGUF type quantizes with the gguf package's quantizers (as those files'
 converter uses them; the K-quants Q4_K, Q5_K and Q6_K with memfit.quant.q4_k's, q5_k's and q6_k's, which
 the gguf package lacks). Convolutions keep their dtype in both (a convolution's stored weight would be
 dequantized when loaded, so nothing would be saved).
