@@ -406,12 +406,13 @@ CASES = [
     ("gguf-of-another-width", _flux_gguf("Q8_0", width=64),
      "the file's FluxTransformer2DModel has width 64 where the model's has width 32"),
     ("quantize-unknown-type", args("--quantize", "unet=q3_k"),
-     "--quantize unet=q3_k: memfit quantizes to fp8, int8, q8_0, q5_1, q5_0, q4_1, q4_0, q4_k"),
+     "--quantize unet=q3_k: memfit quantizes to fp8, int8, q8_0, q6_k, q5_k, q5_1, q5_0, q4_1, q4_0, q4_k"),
     ("quantize-unknown-component", args("--quantize", "unte=q8_0"), "has no model component 'unte'; the components"),
     ("quantize-no-equals", args("--quantize", "unet"), "--quantize unet: give NAME=TYPE"),
     ("quantize-nothing-to-quantize", lambda model, tmp: {"family": "flux", "args": [
         "--prompt", "a red circle", "--quantize", "text_encoder_2=q8_0"]},
-     "text_encoder_2 (T5EncoderModel) has no linear layer whose rows are whole blocks of the type outside its norms"),
+     "text_encoder_2 (T5EncoderModel) has no linear layer whose rows are whole blocks of the type of more than "
+     "1024 values outside its first and last layers"),
     ("quantize-a-quantized-file", lambda model, tmp: {**_flux_gguf("Q8_0")(model, tmp), "args": [
         *_flux_gguf("Q8_0")(model, tmp)["args"], "--quantize", "transformer=q4_0"]}, "is already quantized"),
     ("openvino-over-a-gguf-file", lambda model, tmp: {**_flux_gguf("Q8_0")(model, tmp), "args": [

@@ -1,9 +1,11 @@
-"""--quantize's int8 and q4_k: the quantizers' arithmetic, the files they write, and the images drawn from them.
+"""--quantize's int8 and K-quants: the quantizers' arithmetic, the layers chosen, the files written, and the images
+drawn from them.
 
 int8 (one float32 scale per output row, a safetensors file memfit writes) draws plain diffusers' image with the
-dequantized weights loaded, bit for bit; q4_k (memfit's own Q4_K quantizer, llama.cpp's block layout) writes a
-GGUF file the gguf package and diffusers' GGUF loading read, and draws the latter's image bit for bit. Each is
-quantized once: a second run maps memfit's cache.
+dequantized weights loaded, bit for bit; q4_k, q5_k, q6_k (memfit's own quantizers, llama.cpp's block layouts)
+write a GGUF file the gguf package and diffusers' GGUF loading read, and draw the latter's image bit for bit.
+Each is quantized once: a second run maps memfit's cache. int8 and the GGUF types quantize the layers downloaded
+GGUF files have quantized (AdaLN modulation linears too); fp8 keeps layerwise casting's.
 """
 
 from __future__ import annotations
@@ -77,6 +79,74 @@ def test_int8_rows_are_symmetric_with_one_scale_each():
                        dequantized.to(torch.bfloat16))
 
 
+MODULATION = ("transformer_blocks.0.norm1.linear", "transformer_blocks.0.norm1_context.linear",
+              "single_transformer_blocks.0.norm.linear")
+FIRST_AND_LAST = ("x_embedder", "context_embedder", "time_text_embed.timestep_embedder.linear_1",
+                  "time_text_embed.text_embedder.linear_2", "norm_out.linear", "proj_out")
+
+
+def _tiny_flux():
+    """The test pipelines' Flux transformer (32 wide), random weights."""
+    from diffusers import FluxTransformer2DModel
+
+    torch.manual_seed(0)
+    return FluxTransformer2DModel(patch_size=1, in_channels=16, num_layers=1, num_single_layers=1,
+                                  attention_head_dim=16, num_attention_heads=2, joint_attention_dim=32,
+                                  pooled_projection_dim=32, guidance_embeds=True, axes_dims_rope=(4, 4, 8))
+
+
+@pytest.mark.parametrize("kind", ["q8_0", "int8"])
+def test_weight_only_types_quantize_the_adaln_modulation_linears_and_fp8_does_not(kind):
+    """int8 and the GGUF types pick the layers downloaded GGUF files quantize: the AdaLN modulation linears too, not
+    the first and last layers nor weights of 1024 values or fewer; fp8 keeps layerwise casting's choice (no norm).
+    A model's _keep_in_fp32_modules and _skip_layerwise_casting_patterns (other than "norm") are honoured."""
+    from memfit.quant.writers import quantized_layers
+
+    transformer = _tiny_flux()
+    chosen = quantized_layers(transformer, kind)
+    fp8 = quantized_layers(transformer, "fp8")
+    assert set(MODULATION) <= set(chosen) and not set(MODULATION) & set(fp8)
+    assert not set(FIRST_AND_LAST) & set(chosen)
+    small = "transformer_blocks.0.attn.to_q"  # 32 x 32: 1024 values
+    assert small not in chosen and small in fp8
+    assert "transformer_blocks.0.ff_context.net.2" in chosen and "single_transformer_blocks.0.proj_mlp" in chosen
+
+    transformer._keep_in_fp32_modules = ["ff_context"]
+    transformer._skip_layerwise_casting_patterns = ["pos_embed", "norm", "proj_mlp"]
+    honoured = set(quantized_layers(transformer, kind))
+    assert set(MODULATION) <= honoured
+    assert not any("ff_context" in path or "proj_mlp" in path for path in honoured)
+
+
+@pytest.mark.parametrize("kind", ["q8_0", "int8"])
+def test_a_written_file_holds_the_chosen_weights_at_the_types_bits(kind, tmp_path):
+    """The file's bytes are the chosen weights at the type's bits (Q8_0: 34 bytes a block of 32; int8: a byte a value
+    and a float32 scale a row) and every other value at float32, plus a header: smaller than the file the earlier
+    choice wrote, which kept the modulation linears at float32."""
+    from memfit.quant.writers import quantized_layers, write_quantized
+
+    transformer = _tiny_flux()
+    chosen = quantized_layers(transformer, kind)
+    path = write_quantized(transformer, kind, tmp_path)
+    quantized = sum(layer.weight.numel() for layer in chosen.values())
+    rest = sum(value.numel() for value in transformer.state_dict().values()) - quantized
+    if kind == "q8_0":
+        expected = quantized * 34 // 32 + rest * 4
+        types = {tensor.name: tensor.tensor_type.name for tensor in gguf.GGUFReader(path).tensors}
+        assert all(types[f"{name}.weight"] == "Q8_0" for name in MODULATION)
+    else:
+        expected = quantized + sum(layer.out_features for layer in chosen.values()) * 4 + rest * 4
+        from safetensors import safe_open
+
+        with safe_open(str(path), "pt") as stored:
+            assert all(stored.get_slice(f"{name}.weight").get_dtype() == "I8" for name in MODULATION)
+    header = 16 * 1024
+    size = path.stat().st_size
+    assert expected <= size < expected + header
+    modulation = sum(transformer.get_submodule(name).weight.numel() for name in MODULATION)
+    assert modulation * 2.5 > header  # the earlier file (modulation at float32) fails the bound above
+
+
 def test_q4_k_blocks_round_trip_through_gguf_and_memfit():
     """memfit's Q4_K bytes dequantize, by the gguf package's own Q4_K dequantizer and by memfit's reader, to the
     weights within 4-bit error: as close as the gguf package's Q4_1 (5 bits a weight) gets, or closer."""
@@ -107,6 +177,43 @@ def test_q4_k_blocks_round_trip_through_gguf_and_memfit():
     fmt = next(f for f in readable_gguf_types().values() if f.name == "Q4_K")
     ours = fmt.dequantize(torch.from_numpy(blocks).view(STORAGE_DTYPE), torch.float32)
     assert ours.shape == (24, 512) and (ours - theirs).abs().max() <= 2e-3 * weights.abs().max()
+
+
+@pytest.mark.parametrize("kind, reference_type, ratio", [("q5_k", "Q5_1", 1.02), ("q6_k", "Q5_1", 0.6)])
+def test_q5_k_and_q6_k_blocks_round_trip_through_gguf_and_memfit(kind, reference_type, ratio, tmp_path):
+    """memfit's Q5_K and Q6_K bytes dequantize, by the gguf package's dequantizers and by memfit's reader, to the
+    weights: Q5_K as close as the gguf package's Q5_1 (6 bits a weight), Q6_K well closer; a row of zeros reads
+    zeros, a constant row and an outlier read back; write_quantized stores a 256-wide linear layer in the type."""
+    from memfit.quant.formats import STORAGE_DTYPE, readable_gguf_types
+    from memfit.quant.q5_k import quantize_q5_k
+    from memfit.quant.q6_k import quantize_q6_k
+    from memfit.quant.writers import GGUF_TYPES, write_quantized
+
+    name = GGUF_TYPES[kind]
+    quantize, block_bytes = {"q5_k": (quantize_q5_k, 176), "q6_k": (quantize_q6_k, 210)}[kind]
+    weights = _weights(24, 512)
+    blocks = quantize(weights)
+    assert blocks.dtype == np.uint8 and blocks.shape == (24, 2 * block_bytes)
+    theirs = torch.from_numpy(gguf.quants.dequantize(blocks, gguf.GGMLQuantizationType[name]))
+    reference_kind = gguf.GGMLQuantizationType[reference_type]
+    reference = torch.from_numpy(gguf.quants.dequantize(gguf.quants.quantize(weights.numpy(), reference_kind),
+                                                        reference_kind))
+
+    def rmse(values):  # over the random rows
+        return (values - weights)[3:].square().mean().sqrt().item()
+
+    assert rmse(theirs) <= rmse(reference) * ratio
+    assert torch.equal(theirs[0], torch.zeros(512)) and (theirs[1] - 0.5).abs().max() < 1e-3
+    assert abs(theirs[2, 7].item() - 1.0) < 5e-3
+    fmt = next(f for f in readable_gguf_types().values() if f.name == name)
+    ours = fmt.dequantize(torch.from_numpy(blocks).view(STORAGE_DTYPE), torch.float32)
+    assert ours.shape == (24, 512) and (ours - theirs).abs().max() <= 2e-3 * weights.abs().max()
+
+    torch.manual_seed(0)
+    layer = torch.nn.Sequential(torch.nn.Linear(256, 8))
+    path = write_quantized(layer, kind, tmp_path)
+    types = {tensor.name: tensor.tensor_type.name for tensor in gguf.GGUFReader(path).tensors}
+    assert types == {"0.weight": name, "0.bias": "F32"}
 
 
 # ---- on the fly ---------------------------------------------------------------------------------------------------
@@ -177,21 +284,26 @@ def test_int8_on_the_fly_is_diffusers_with_the_dequantized_weights(flux, capsys,
     assert denoise.stages[0].streamed_from_disk_bytes > 0
 
 
-def test_q4_k_on_the_fly_is_diffusers_gguf_loading(wide_flux, capsys):
-    """--quantize transformer=q4_k writes a GGUF file of Q4_K blocks (the 256-wide layers) that diffusers' GGUF
-    loading draws memfit's image from, bit for bit; close to the unquantized image; a second run maps it."""
+@pytest.mark.parametrize("kind", ["q4_k", "q5_k", "q6_k"])
+def test_k_quants_on_the_fly_are_diffusers_gguf_loading(wide_flux, capsys, kind):
+    """--quantize transformer=q4_k (q5_k, q6_k) writes a GGUF file of K-quant blocks (the 256-wide layers) that
+    diffusers' GGUF loading draws memfit's image from, bit for bit; close to the unquantized image; a second run
+    maps it."""
     from diffusers import FluxPipeline, FluxTransformer2DModel, GGUFQuantizationConfig
 
-    quantize = {"transformer": "q4_k"}
+    from memfit.quant.writers import GGUF_TYPES
+
+    quantize = {"transformer": kind}
     ours = memfit.generate(model=wide_flux, quantize=quantize, budget="none", progress=False, **SETTINGS)
-    assert "quantizing transformer to q4_k" in capsys.readouterr().err
+    assert f"quantizing transformer to {kind}" in capsys.readouterr().err
     unquantized = _pixels(memfit.generate(model=wide_flux, budget="none", progress=False, **SETTINGS))
     assert not np.array_equal(_pixels(ours), unquantized) and _psnr(_pixels(ours), unquantized) > 35
 
-    path = _written("q4_k")
+    path = _written(kind)
     types = {tensor.name: tensor.tensor_type.name for tensor in gguf.GGUFReader(path).tensors}
-    assert types["transformer_blocks.0.attn.to_q.weight"] == "Q4_K"
-    assert set(types.values()) <= {"Q4_K", "F32"}
+    assert types["transformer_blocks.0.attn.to_q.weight"] == GGUF_TYPES[kind]
+    assert types["transformer_blocks.0.norm1.linear.weight"] == GGUF_TYPES[kind]
+    assert set(types.values()) <= {GGUF_TYPES[kind], "F32"}
     transformer = FluxTransformer2DModel.from_single_file(
         str(path), config=str(wide_flux), subfolder="transformer",
         quantization_config=GGUFQuantizationConfig(compute_dtype=torch.float32), torch_dtype=torch.float32)

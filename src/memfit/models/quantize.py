@@ -22,6 +22,7 @@ from memfit.quant.linear import use_stored_linears
 from memfit.quant.writers import (
     GGUF_TYPES,
     QUANTIZE_TYPES,
+    SMALL_WEIGHT_ELEMENTS,
     quantized_layers,
     write_quantized,
 )
@@ -29,7 +30,7 @@ from memfit.quant.writers import (
 __all__ = ["check_quantize", "plan_quantized", "with_quantized"]
 
 CACHE_KIND = "quantized"
-WRITER_VERSION = "1"  # bump when what write_quantized writes changes: older entries then miss
+WRITER_VERSION = "2"  # bump when what write_quantized writes changes: older entries then miss
 
 
 def check_quantize(model: ModelFolder, quantize: dict[str, str]) -> dict[str, str]:
@@ -66,9 +67,14 @@ def _meta_quantized(model: ModelFolder, name: str, kind: str) -> torch.nn.Module
     layers = quantized_layers(module, kind)
     linears = {path: layer for path, layer in layers.items() if isinstance(layer, torch.nn.Linear)}
     if not linears:
-        what = "linear layer" if kind in ("fp8", "int8") else "linear layer whose rows are whole blocks of the type"
-        raise MemfitError(f"--quantize {name}={kind}: {name} ({class_name}) has no {what} outside its norms and "
-                          "embeddings, which is what memfit stores quantized, so it would not be smaller; leave it out.")
+        if kind == "fp8":
+            what = "linear layer outside its norms and embeddings"
+        else:
+            rows = "" if kind == "int8" else " whose rows are whole blocks of the type"
+            what = (f"linear layer{rows} of more than {SMALL_WEIGHT_ELEMENTS} values outside its first and last "
+                    "layers (embedders, output)")
+        raise MemfitError(f"--quantize {name}={kind}: {name} ({class_name}) has no {what}, which is what memfit "
+                          "stores quantized, so it would not be smaller; leave it out.")
     if kind == "fp8":
         fmt = next(iter(FP8_FORMATS.values()))
     elif kind == "int8":

@@ -15,7 +15,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-__all__ = ["BLOCK_BYTES", "BLOCK_VALUES", "quantize_q4_k"]
+__all__ = ["BLOCK_BYTES", "BLOCK_VALUES", "quantize_q4_k", "quantize_super_blocks", "scales_and_mins"]
 
 BLOCK_VALUES = 256  # QK_K
 BLOCK_BYTES = 144
@@ -25,25 +25,31 @@ _ROWS_PER_STEP_VALUES = 1 << 22  # values quantized at once: bounds the temporar
 
 def quantize_q4_k(weights: torch.Tensor | np.ndarray) -> np.ndarray:
     """``weights`` ([..., n], n a multiple of 256) as Q4_K bytes: uint8 of shape [..., n // 256 * 144]."""
+    return quantize_super_blocks(weights, "Q4_K", BLOCK_BYTES, _blocks)
+
+
+def quantize_super_blocks(weights: torch.Tensor | np.ndarray, name: str, block_bytes: int, blocks) -> np.ndarray:
+    """``weights`` ([..., n], n a multiple of 256) as ``blocks`` ([count, 256] float32 -> [count, block_bytes]
+    uint8) writes them, a bounded number of super-blocks at a time: uint8 of shape [..., n // 256 * block_bytes]."""
     values = torch.as_tensor(weights).to(torch.float32)
     *outer, width = values.shape
     if width % BLOCK_VALUES:
-        raise ValueError(f"Q4_K needs rows of whole 256-value blocks; these have {width} values")
+        raise ValueError(f"{name} needs rows of whole 256-value blocks; these have {width} values")
     flat = values.reshape(-1, BLOCK_VALUES)
-    out = np.empty((flat.shape[0], BLOCK_BYTES), dtype=np.uint8)
+    out = np.empty((flat.shape[0], block_bytes), dtype=np.uint8)
     step = max(1, _ROWS_PER_STEP_VALUES // BLOCK_VALUES)
     for begin in range(0, flat.shape[0], step):
-        out[begin:begin + step] = _blocks(flat[begin:begin + step]).numpy()
-    return out.reshape(*outer, width // BLOCK_VALUES * BLOCK_BYTES)
+        out[begin:begin + step] = blocks(flat[begin:begin + step]).numpy()
+    return out.reshape(*outer, width // BLOCK_VALUES * block_bytes)
 
 
-def _refined(sub: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor, steps: int = 2
+def _refined(sub: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor, top: int, steps: int = 2
              ) -> tuple[torch.Tensor, torch.Tensor]:
     """Each sub-block's (step, minimum) after ``steps`` least-squares fits of its values to its quants."""
 
     def fit(scales, mins):
         safe = torch.where(scales > 0, scales, torch.ones_like(scales)).unsqueeze(-1)
-        quants = torch.round((sub + mins.unsqueeze(-1)) / safe).clamp(0, 15)
+        quants = torch.round((sub + mins.unsqueeze(-1)) / safe).clamp(0, top)
         error = (quants * scales.unsqueeze(-1) - mins.unsqueeze(-1) - sub).square().sum(dim=-1)
         return quants, error
 
@@ -62,13 +68,13 @@ def _refined(sub: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor, steps:
     return scales, mins
 
 
-def _blocks(blocks: torch.Tensor) -> torch.Tensor:
-    """[n, 256] float32 -> [n, 144] uint8."""
-    count = blocks.shape[0]
-    sub = blocks.reshape(count, 8, _SUB)
+def scales_and_mins(sub: torch.Tensor, top: int) -> tuple[torch.Tensor, ...]:
+    """Q4_K's and Q5_K's shared part, of [n, 8, 32] sub-blocks whose quants run 0..``top``: (fp16 ``d`` and ``dmin``
+    as [n, 2] uint8 each, the 12 bytes of packed 6-bit scales and mins [n, 12], the quants [n, 8, 32] uint8)."""
+    count = sub.shape[0]
     low = sub.amin(dim=-1).clamp(max=0.0)  # the sub-block's minimum, never above 0
     high = sub.amax(dim=-1)
-    scales, mins = _refined(sub, (high - low) / 15.0, -low)
+    scales, mins = _refined(sub, (high - low) / top, -low, top)
     max_scale = scales.amax(dim=-1, keepdim=True)
     max_min = mins.amax(dim=-1, keepdim=True)
     d = (max_scale / 63.0).to(torch.float16)
@@ -83,7 +89,7 @@ def _blocks(blocks: torch.Tensor) -> torch.Tensor:
     offset = (dmin.to(torch.float32) * quantized_mins.to(torch.float32)).unsqueeze(-1)
     safe_step = torch.where(step > 0, step, torch.ones_like(step))
     quants = torch.where(step > 0, torch.round((sub + offset) / safe_step), torch.zeros_like(sub))
-    quants = quants.clamp(0, 15).to(torch.uint8)  # [n, 8, 32]
+    quants = quants.clamp(0, top).to(torch.uint8)  # [n, 8, 32]
 
     packed_scales = torch.empty(count, 12, dtype=torch.uint8)
     low_scales, high_scales = quantized_scales[:, :4], quantized_scales[:, 4:]
@@ -91,6 +97,13 @@ def _blocks(blocks: torch.Tensor) -> torch.Tensor:
     packed_scales[:, 0:4] = (low_scales & 0x3F) | ((high_scales >> 4) << 6)
     packed_scales[:, 4:8] = (low_mins & 0x3F) | ((high_mins >> 4) << 6)
     packed_scales[:, 8:12] = (high_scales & 0x0F) | ((high_mins & 0x0F) << 4)
+    return d.view(torch.uint8), dmin.view(torch.uint8), packed_scales, quants
+
+
+def _blocks(blocks: torch.Tensor) -> torch.Tensor:
+    """[n, 256] float32 -> [n, 144] uint8."""
+    count = blocks.shape[0]
+    d, dmin, packed_scales, quants = scales_and_mins(blocks.reshape(count, 8, _SUB), 15)
     pairs = quants.reshape(count, 4, 2, _SUB)  # sub-blocks 2j (low nibbles) and 2j + 1 (high nibbles)
     packed_quants = (pairs[:, :, 0] | (pairs[:, :, 1] << 4)).reshape(count, 128)
-    return torch.cat([d.view(torch.uint8), dmin.view(torch.uint8), packed_scales, packed_quants], dim=1)
+    return torch.cat([d, dmin, packed_scales, packed_quants], dim=1)

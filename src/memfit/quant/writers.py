@@ -1,15 +1,30 @@
 """Quantizing a component's weights into a file memfit reads back like a user's quantized file.
 
-Which layers: those diffusers' layerwise casting stores smaller (its supported layers, outside its skip
+Which layers, fp8: those diffusers' layerwise casting stores smaller (its supported layers, outside its skip
 patterns: norms, position and patch embeddings, proj_in/proj_out, and a model's own
 ``_skip_layerwise_casting_patterns`` and ``_keep_in_fp32_modules``), so an fp8 component holds exactly
 the values ``enable_layerwise_casting(storage_dtype=torch.float8_e4m3fn)`` holds: every weight and bias
-of those layers rounded to fp8. int8 quantizes their linear weights (weight-only, symmetric, one scale per
-output row: ``scale = max|row| / 127``, each value rounded to the nearest of -127..127); their convolutions
-keep their dtype (a convolution's stored weight would be dequantized when loaded, so nothing would be saved).
-A GGUF type quantizes their linear weights whose rows are whole blocks (the gguf package's quantizers, as
-city96's converter uses them; Q4_K memfit.quant.q4_k's, which the gguf package lacks); the rest keeps its
-dtype.
+of those layers rounded to fp8.
+
+Which layers, int8 and the GGUF types (weight-only: a linear layer's weight is stored quantized, its bias and
+every other tensor keep their dtype): those the GGUF files users download have quantized, so a file memfit
+writes is the size of a downloaded one of the same type. That is every ``nn.Linear``
+whose weight has more than ``SMALL_WEIGHT_ELEMENTS`` values and whose rows are whole blocks of the type, except
+
+* the model's first and last layers, kept in their dtype: its input, timestep, text and guidance embedders and
+  its output layers (the top-level modules ``FIRST_AND_LAST_LAYERS`` matches: ``x_embedder``,
+  ``context_embedder``, ``time_text_embed``, ``img_in``, ``txt_in``, ``norm_out``, ``proj_out``, ...);
+* the model's ``_keep_in_fp32_modules``, and its ``_skip_layerwise_casting_patterns`` and diffusers' default ones
+  other than ``norm``. That pattern keeps normalization layers' scales in their dtype, which holds here anyway
+  (they are 1-D, not linear layers); the linear inside an AdaLN norm (a Flux block's ``norm1.linear``,
+  ``norm1_context.linear``, a single block's ``norm.linear``) is the block's modulation projection, a fifth to
+  a third of its weights, and downloaded files quantize it, so memfit does too.
+
+int8 rounds each chosen weight symmetrically, one scale per output row: ``scale = max|row| / 127``, each value
+rounded to the nearest of -127..127. A GGUF type quantizes with the gguf package's quantizers (as those files'
+converter uses them; the K-quants Q4_K, Q5_K and Q6_K with memfit.quant.q4_k's, q5_k's and q6_k's, which
+the gguf package lacks). Convolutions keep their dtype in both (a convolution's stored weight would be
+dequantized when loaded, so nothing would be saved).
 
 Files are written one tensor at a time (a model never sits in memory twice): GGUF through the gguf
 package's streaming writer, fp8 and int8 as a safetensors file. An int8 weight ``X.weight`` (I8, its logical
@@ -29,36 +44,51 @@ import torch
 from memfit.errors import MemfitError
 from memfit.quant.formats import INT8_SCALE_SUFFIX
 
-__all__ = ["GGUF_TYPES", "QUANTIZE_TYPES", "quantize_int8_rows", "quantized_layers", "write_quantized"]
+__all__ = ["FIRST_AND_LAST_LAYERS", "GGUF_TYPES", "QUANTIZE_TYPES", "SMALL_WEIGHT_ELEMENTS", "quantize_int8_rows",
+           "quantized_layers", "write_quantized"]
 
 #: --quantize's types: fp8, int8, and the GGUF ones (the name users give -> the GGUF type written).
-GGUF_TYPES = {"q8_0": "Q8_0", "q5_1": "Q5_1", "q5_0": "Q5_0", "q4_1": "Q4_1", "q4_0": "Q4_0", "q4_k": "Q4_K"}
+GGUF_TYPES = {"q8_0": "Q8_0", "q6_k": "Q6_K", "q5_k": "Q5_K", "q5_1": "Q5_1", "q5_0": "Q5_0", "q4_1": "Q4_1",
+              "q4_0": "Q4_0", "q4_k": "Q4_K"}
 QUANTIZE_TYPES = ("fp8", "int8", *GGUF_TYPES)
 
 
+#: Weights this small (a value count) keep their dtype under int8 and the GGUF types: quantizing saves little.
+SMALL_WEIGHT_ELEMENTS = 1024
+#: A model's first and last layers (top-level module names), which int8 and the GGUF types leave in their dtype.
+FIRST_AND_LAST_LAYERS = (r"^(?:[^.]*embed[^.]*|img_in|txt_in|proj_in|proj_out|norm_out|conv_in|conv_out|final_layer)"
+                         r"(?:\.|$)")
 
-def _skip_patterns(module: torch.nn.Module) -> tuple[str, ...]:
+
+def _skip_patterns(module: torch.nn.Module, quant_type: str) -> tuple[str, ...]:
     from diffusers.hooks.layerwise_casting import DEFAULT_SKIP_MODULES_PATTERN
 
-    patterns = tuple(DEFAULT_SKIP_MODULES_PATTERN)
-    for attribute in ("_keep_in_fp32_modules", "_skip_layerwise_casting_patterns"):
-        patterns += tuple(getattr(module, attribute, None) or ())
-    return patterns
+    casting = (*DEFAULT_SKIP_MODULES_PATTERN, *(getattr(module, "_skip_layerwise_casting_patterns", None) or ()))
+    kept_fp32 = tuple(getattr(module, "_keep_in_fp32_modules", None) or ())
+    if quant_type == "fp8":
+        return (*casting, *kept_fp32)
+    return (FIRST_AND_LAST_LAYERS, *(pattern for pattern in casting if pattern != "norm"), *kept_fp32)
 
 
 def quantized_layers(module: torch.nn.Module, quant_type: str) -> dict[str, torch.nn.Module]:
     """{path: layer} of the layers of ``module`` that ``quant_type`` stores smaller (see the module docstring)."""
     from diffusers.hooks._common import _GO_LC_SUPPORTED_PYTORCH_LAYERS
 
-    patterns = _skip_patterns(module)
+    patterns = _skip_patterns(module, quant_type)
     block = _block_size(quant_type)
     found = {}
+
+    def chosen(layer: torch.nn.Module) -> bool:
+        if quant_type == "fp8":
+            return True
+        return (isinstance(layer, torch.nn.Linear) and layer.weight.dim() == 2 and layer.in_features % block == 0
+                and layer.weight.numel() > SMALL_WEIGHT_ELEMENTS)
 
     def walk(layer: torch.nn.Module, path: str) -> None:
         if any(re.search(pattern, path) for pattern in patterns):
             return
         if isinstance(layer, _GO_LC_SUPPORTED_PYTORCH_LAYERS):
-            if quant_type == "fp8" or (isinstance(layer, torch.nn.Linear) and layer.in_features % block == 0):
+            if chosen(layer):
                 found[path] = layer
             return
         for name, child in layer.named_children():
@@ -133,11 +163,18 @@ def _write_gguf(tensors: dict[str, torch.Tensor], chosen: set[str], type_name: s
 def _gguf_blocks(tensor: torch.Tensor, kind) -> np.ndarray:
     import gguf
 
-    if kind == gguf.GGMLQuantizationType.Q4_K:  # the gguf package quantizes no K-quant
-        from memfit.quant.q4_k import quantize_q4_k
-
-        return quantize_q4_k(tensor)
+    k_quants = _k_quantizers()  # the gguf package quantizes no K-quant
+    if kind.name in k_quants:
+        return k_quants[kind.name](tensor)
     return gguf.quants.quantize(tensor.to(torch.float32).numpy(), kind)
+
+
+def _k_quantizers() -> dict:
+    from memfit.quant.q4_k import quantize_q4_k
+    from memfit.quant.q5_k import quantize_q5_k
+    from memfit.quant.q6_k import quantize_q6_k
+
+    return {"Q4_K": quantize_q4_k, "Q5_K": quantize_q5_k, "Q6_K": quantize_q6_k}
 
 
 def quantize_int8_rows(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
