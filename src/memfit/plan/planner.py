@@ -34,7 +34,7 @@ from memfit.errors import MemfitError
 from memfit.text_enum import TextEnum
 
 __all__ = ["PLAN_FORMAT", "BlockSpec", "Plan", "Placement", "StageInput", "StagePlan", "Tier", "alternating", "host_need",
-           "homed_with", "make_plan", "minimum_device_bytes", "phase_stages", "stage_input", "stage_plan", "staging_ring_bytes"]
+           "make_plan", "minimum_device_bytes", "phase_stages", "stage_input", "stage_plan", "staging_ring_bytes"]
 
 #: The format version Plan.to_dict writes and Plan.from_dict reads; a change to the fields makes a new one.
 PLAN_FORMAT = "memfit-plan/1"
@@ -97,21 +97,17 @@ def alternating(members: Iterable[str], names: Iterable[str]) -> tuple[str, ...]
     return present if len(present) > 1 else ()
 
 
-def phase_stages(stage: str, names: Iterable[str], phases: Sequence[str]) -> list[tuple[str, list[str]]]:
-    """The stages to plan for ``stage`` with components ``names``: with ``phases`` (alternating), one per phase,
-    "STAGE:PHASE", holding the components that are no phase and that phase, so the stage needs the largest
-    phase, not their sum; else ``stage`` itself with every component."""
+def phase_stages(stage: str, names: Iterable[str],
+                 phases: Sequence[str]) -> list[tuple[str, list[str], tuple[str, ...]]]:
+    """The stages to plan for ``stage`` with components ``names``, each (name, components, homed: its
+    StageInput's ``homed``): with ``phases`` (alternating), one per phase, "STAGE:PHASE", holding the components
+    that are no phase and that phase (homed), so the stage needs the largest phase, not their sum; else
+    ``stage`` itself with every component."""
     names = list(names)
     if not phases:
-        return [(stage, names)]
+        return [(stage, names, ())]
     common = [name for name in names if name not in phases]
-    return [(f"{stage}:{phase}", [*common, phase]) for phase in phases]
-
-
-def homed_with(stage_name: str, phases: Sequence[str]) -> tuple[str, ...]:
-    """The phase of a stage phase_stages named "STAGE:PHASE" (its StageInput's ``homed``), else none."""
-    phase = stage_name.rpartition(":")[2]
-    return (phase,) if ":" in stage_name and phase in phases else ()
+    return [(f"{stage}:{phase}", [*common, phase], (phase,)) for phase in phases]
 
 
 def stage_input(name: str, components: Iterable, activation_bytes: int, runs: int = 1,

@@ -13,7 +13,7 @@ from types import SimpleNamespace
 from memfit.errors import MemfitError
 from memfit.plan.activations import Strategy, choose, stage_strategies, vae_execution_dtype
 from memfit.plan.budget import Budget
-from memfit.plan.planner import StageInput, homed_with, make_plan, phase_stages, stage_input
+from memfit.plan.planner import StageInput, make_plan, phase_stages, stage_input
 
 __all__ = ["DEFAULT_STEPS", "STAGES", "choose_strategies", "planned_components", "planned_models", "stage_options"]
 
@@ -68,11 +68,9 @@ def stage_options(adapter, *, dtype: str, width: int, height: int,
         runs = steps if stage == "denoise" else 1
         strategies = stage_strategies(adapter, stage, settings, True, dtype)
         # Experts that run one at a time are a stage each, with the stage's other components, as a run plans them.
-        experts = adapter.present_experts(sizes)
-        for name, members in phase_stages(stage, sizes, experts):
+        for name, members, homed in phase_stages(stage, sizes, adapter.present_experts(sizes)):
             result.append([(strategy, stage_input(name, [sizes[m] for m in members], strategy.activation_bytes,
-                                                  runs=runs, homed=homed_with(name, experts)))
-                           for strategy in strategies])
+                                                  runs=runs, homed=homed)) for strategy in strategies])
     return result
 
 

@@ -63,7 +63,7 @@ from memfit.run.offload import (BlockSlots, HookRegistry, PhaseSwitch, Phases, P
 from memfit.quant.formats import dequantized_elements
 from memfit.run.weight_sources import WeightSource, in_memory_only, weight_source
 from memfit.safetensors_header import same_samples
-from memfit.plan.planner import BlockSpec, Plan, StageInput, Tier, alternating, homed_with, make_plan, phase_stages
+from memfit.plan.planner import BlockSpec, Plan, StageInput, Tier, alternating, make_plan, phase_stages
 
 __all__ = ["KeptHostTiers", "host_tier_reused", "optimize", "restore", "is_optimized", "keep_dequantized", "live_blocks", "plan_stage", "unrun_blocks",
            "blocks_not_run", "reads_in_place", "refuse_cuda_graphs_while_streaming"]
@@ -424,8 +424,8 @@ def _stage_inputs(blocks: dict[str, list[LiveBlock]], stage: str | None, activat
 
     if stage is not None:
         return [StageInput(name, tuple(spec for member in members for spec in specs[member]), activations(stage, members),
-                           homed=homed_with(name, phases))
-                for name, members in phase_stages(stage, specs, phases)]
+                           homed=homed)
+                for name, members, homed in phase_stages(stage, specs, phases)]
     return [StageInput(name, tuple(spec for member in members for spec in specs[member]), activations(name, members))
             for name, members in run_together(pipeline_class, specs)]
 
@@ -885,7 +885,7 @@ class KeptHostTiers:
     def make_room(self, nbytes: int) -> None:
         """Give back the oldest kept arenas until ``nbytes`` more fit in the host's available RAM (less
         memfit's host reserve)."""
-        from memfit.plan.budget import host_reserve, read_host_memory
+        from memfit.plan.budget import host_reserve, read_host_memory  # looked up at the call: tests stand one in
 
         while True:
             host = read_host_memory()

@@ -348,9 +348,9 @@ class StagingRing:
         self._next = 0
         self._lock = threading.Lock()
 
-    def copy_in(self, slots: list[Slot], targets: list[torch.Tensor] | None = None) -> list[torch.Tensor]:
-        """Device copies of ``slots``' mapped homes, queued on the current stream through one ring slot: into
-        ``targets`` (device memory laid out by BlockSlots) where given, else into new device tensors."""
+    def copy_in(self, slots: list[Slot], targets: list[torch.Tensor | None]) -> list[torch.Tensor]:
+        """Device copies of ``slots``' mapped homes, queued on the current stream through one ring slot: each
+        into its ``targets`` entry (device memory laid out by BlockSlots), or new device memory for None."""
         device = self.device
         with self._lock:
             index, self._next = self._next, (self._next + 1) % len(self._free)
@@ -358,7 +358,7 @@ class StagingRing:
                 self._free[index].synchronize()
             offset = index * self.slot_bytes
             out = []
-            for slot in slots:
+            for slot, target in zip(slots, targets):
                 home = slot.home_tensor()
                 nbytes = home.numel() * home.element_size()
                 # Bytes, not weights: inference mode writes an arena made in it (an inference tensor) as
@@ -368,16 +368,22 @@ class StagingRing:
                     staged.copy_(home)
                 if slot.pages is not None:
                     slot.pages.release()
-                if targets is None:
-                    out.append(device.to_device(staged, slot.dtype))  # converted on the device, after the copy
-                else:
-                    device.copy_into(targets[len(out)], staged)
-                    out.append(targets[len(out)])
+                out.append(_onto_device(device, staged, slot.dtype, target))  # converted there, after the copy
                 offset += aligned(nbytes)
             event = device.new_event()
             event.record(device.current_stream())
             self._free[index] = event
         return out
+
+
+def _onto_device(device: DeviceRuntime, host: torch.Tensor, dtype: torch.dtype | None,
+                 target: torch.Tensor | None) -> torch.Tensor:
+    """``host`` on the device in ``dtype``, queued on the current stream: copied into ``target`` (a BlockSlots
+    view) where given, else into new device memory."""
+    if target is None:
+        return device.to_device(host, dtype)
+    device.copy_into(target, host)
+    return target
 
 
 class BlockSlots:
@@ -724,21 +730,12 @@ class SwapHook(ModuleHook):
         device = self.runtime.device_runtime
         ring = self.runtime.ring
         if device.separate_memory:
-            targets = None if place is None else self.runtime.slots.lay_out(place, self.run_shapes)
-            staged_from_ring = [ring is not None and slot.kind == SlotKind.MMAP for slot in self.slots]
-            staged = iter(ring.copy_in([slot for slot, ringed in zip(self.slots, staged_from_ring) if ringed],
-                                       None if targets is None else
-                                       [t for t, ringed in zip(targets, staged_from_ring) if ringed])
-                          if any(staged_from_ring) else ())
-            out = []
-            for index, (slot, ringed) in enumerate(zip(self.slots, staged_from_ring)):
-                if ringed:
-                    out.append(next(staged))
-                elif targets is None:
-                    out.append(device.to_device(slot.home_tensor(), slot.dtype))
-                else:
-                    device.copy_into(targets[index], slot.home_tensor())
-                    out.append(targets[index])
+            targets = [None] * len(self.slots) if place is None else self.runtime.slots.lay_out(place, self.run_shapes)
+            ringed = [i for i, slot in enumerate(self.slots) if ring is not None and slot.kind == SlotKind.MMAP]
+            staged = dict(zip(ringed, ring.copy_in([self.slots[i] for i in ringed], [targets[i] for i in ringed]))
+                          if ringed else ())
+            out = [staged[i] if i in staged else _onto_device(device, slot.home_tensor(), slot.dtype, targets[i])
+                   for i, slot in enumerate(self.slots)]
         else:
             for slot in self.slots:
                 if slot.pages is not None:

@@ -215,8 +215,7 @@ class FakeCudaRuntime(DeviceRuntime):
         self._lock = threading.Lock()
         self._allocations: list[_Allocation] = []
         self._arenas: dict[int, int] = {}  # data_ptr -> bytes
-        self._peak_allocated = 0
-        self._peak_reserved = 0
+        self._peak = 0
         self.bytes_in_flight = 0
         self.max_bytes_in_flight = 0
         self.pageable_copy_bytes = 0
@@ -350,39 +349,32 @@ class FakeCudaRuntime(DeviceRuntime):
             return next((a for a in self._allocations if a.storage.cdata == ref.cdata and not a.storage.expired()),
                         None)
 
-    def _sizes(self) -> tuple[int, int]:
+    def _allocated(self) -> int:
         with self._lock:
-            live = [a for a in self._allocations if not a.storage.expired()]
-            self._allocations = live
-            allocated = sum(a.nbytes for a in live if not a.storage.expired())
-            return allocated, sum(a.nbytes for a in live)
+            self._allocations = [a for a in self._allocations if not a.storage.expired()]
+            return sum(a.nbytes for a in self._allocations)
 
     def _update_peaks(self) -> None:
-        allocated, reserved = self._sizes()
-        self._peak_allocated = max(self._peak_allocated, allocated)
-        self._peak_reserved = max(self._peak_reserved, reserved)
+        self._peak = max(self._peak, self._allocated())
 
     def mem_get_info(self) -> tuple[int, int]:
         return max(0, self.total_memory - self.memory_reserved()), self.total_memory
 
+    # Reserved memory is allocated memory here (see the module docstring): the two figures are one.
     def memory_allocated(self) -> int:
         self._update_peaks()
-        return self._sizes()[0]
+        return self._allocated()
 
-    def memory_reserved(self) -> int:
-        self._update_peaks()
-        return self._sizes()[1]
+    memory_reserved = memory_allocated
 
     def max_memory_allocated(self) -> int:
         self._update_peaks()
-        return self._peak_allocated
+        return self._peak
 
-    def max_memory_reserved(self) -> int:
-        self._update_peaks()
-        return self._peak_reserved
+    max_memory_reserved = max_memory_allocated
 
     def reset_peak_memory_stats(self) -> None:
-        self._peak_allocated, self._peak_reserved = self._sizes()
+        self._peak = self._allocated()
         self.max_bytes_in_flight = self.bytes_in_flight
 
     def pinned_bytes(self) -> int:
