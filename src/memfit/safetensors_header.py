@@ -10,7 +10,9 @@ from __future__ import annotations
 
 import json
 import mmap
+import os
 import struct
+import weakref
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -93,13 +95,32 @@ class LazyMapping:
 
     path: Path
     _mapping: mmap.mmap | None = None
+    _descriptor: int | None = None  # the file the mapping shows, kept open for check_holds
 
     @property
     def mapping(self) -> mmap.mmap:
         if self._mapping is None:
-            with self.path.open("rb") as handle:
-                self._mapping = mmap.mmap(handle.fileno(), 0, access=mmap.ACCESS_COPY)
+            descriptor = os.open(self.path, os.O_RDONLY)
+            try:
+                self._mapping = mmap.mmap(descriptor, 0, access=mmap.ACCESS_COPY)
+            except BaseException:
+                os.close(descriptor)
+                raise
+            self._descriptor = descriptor
+            weakref.finalize(self, os.close, descriptor)
         return self._mapping
+
+    def check_holds(self, end: int) -> None:
+        """Raise MemfitError naming the file when the file the mapping shows no longer reaches byte ``end``: a
+        page of the mapping past a file's end kills the process (SIGBUS) when touched, so a block is checked
+        before it is read from the map."""
+        self.mapping  # opens the descriptor
+        size = os.fstat(self._descriptor).st_size
+        if size < end:
+            raise MemfitError(
+                f"{self.path} was cut short while memfit was reading it: it has {size} bytes now, and memfit needs "
+                f"bytes up to {end}. Was it overwritten or copied over during the run? Let the copy or download "
+                "finish, then run again.")
 
 
 class MappedFile(LazyMapping):

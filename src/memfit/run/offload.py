@@ -193,15 +193,22 @@ class MappedPages:
     cache, which the kernel may reclaim, but no longer count in the process's RSS, so a streamed
     block costs its bytes only while it runs and memory figures follow the plan instead of growing
     to the whole model. prefetch(): ask the kernel to read the range ahead (MADV_WILLNEED).
+    check(): raise MemfitError naming the file when it was cut short before the range's end (touching a
+    page past a file's end is a SIGBUS).
     """
 
-    __slots__ = ("mapping", "start", "length")
+    __slots__ = ("mapping", "start", "length", "file", "end")
 
-    def __init__(self, mapping: mmap.mmap, begin: int, end: int):
+    def __init__(self, file: MappedFile, begin: int, end: int):
         page = mmap.PAGESIZE
-        self.mapping = mapping
+        self.file = file
+        self.mapping = file.mapping
         self.start = begin // page * page
         self.length = end - self.start
+        self.end = end
+
+    def check(self) -> None:
+        self.file.check_holds(self.end)
 
     def release(self) -> None:
         self._advise(getattr(mmap, "MADV_DONTNEED", None))
@@ -254,7 +261,7 @@ def mapped_view(mapped: MappedFile, key: str, view: torch.Tensor | None = None) 
         itemsize = view.element_size()
         last = sum((size - 1) * stride for size, stride in zip(view.shape, view.stride()))
         begin, end = begin + view.storage_offset() * itemsize, begin + (view.storage_offset() + last + 1) * itemsize
-    return Shared(tensor, MappedPages(mapped.mapping, begin, end), origin)
+    return Shared(tensor, MappedPages(mapped, begin, end), origin)
 
 
 # --- swapping -------------------------------------------------------------------------------------
@@ -715,6 +722,16 @@ class SwapHook(ModuleHook):
         record_move(self.block, "device", self.slots[0].kind.tier if self.slots else "host", nbytes, started,
                     time.perf_counter())
 
+    @functools.cached_property
+    def _last_pages_per_file(self) -> list[MappedPages]:
+        """Per file the block is read from, its tensor that ends last in it."""
+        last: dict[int, MappedPages] = {}
+        for slot in self.slots:
+            pages = slot.pages
+            if pages is not None and (id(pages.file) not in last or pages.end > last[id(pages.file)].end):
+                last[id(pages.file)] = pages
+        return list(last.values())
+
     @property
     def reads_files(self) -> bool:
         return any(slot.kind == SlotKind.MMAP for slot in self.slots)
@@ -737,6 +754,8 @@ class SwapHook(ModuleHook):
             out = [staged[i] if i in staged else _onto_device(device, slot.home_tensor(), slot.dtype, targets[i])
                    for i, slot in enumerate(self.slots)]
         else:
+            for pages in self._last_pages_per_file:
+                pages.check()  # the file still holds the block: a page past its end would be a SIGBUS
             for slot in self.slots:
                 if slot.pages is not None:
                     # Ask the kernel for the whole block at once: large sequential reads, instead of

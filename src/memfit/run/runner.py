@@ -38,6 +38,7 @@ from memfit.run.options import RunOptions
 from memfit.run.report import RunReport, StageReport
 from memfit.run.threads import choose_threads, torch_threads
 from memfit.run.timeline import Timeline
+from memfit.run.watched_files import WatchedFiles
 from memfit.sizes import format_bytes
 
 __all__ = ["OOM_SHRINK", "Stage", "StageContext", "StageRunner", "out_of_memory_message", "resident_bytes"]
@@ -185,10 +186,8 @@ class StageContext:
             runner.report.notes += fit.notes
         if shared:
             pipe.register_modules(**shared)  # objects loaded (and compiled) once for the whole run
-        if options.on_step is not None:
-            watch_steps(pipe, self.stage, options.on_step)
-        else:
-            vars(pipe).pop("progress_bar", None)  # a warm pipe's watch from an earlier run
+        runner.files.add(path for name in to_load for path in folder.weight_files(name))
+        watch_steps(pipe, self.stage, runner.on_step)
         pipe.set_progress_bar_config(disable=not options.progress, desc=self.stage, leave=False)
         self.components += [label + name for name in to_load]
         self._loaded.append((pipe, to_load, key, made_for))
@@ -245,6 +244,8 @@ class StageContext:
         """Drop every pipeline this stage loaded (or hand it to the run's pool, which may keep it
         loaded for the next run); returns the weight bytes they held."""
         weights = sum(resident_bytes(pipe, names) for pipe, names, _, _ in self._loaded)
+        for pipe, *_ in self._loaded:
+            vars(pipe).pop("progress_bar", None)  # watch_steps' closure would keep this run's runner alive
         pool = self.runner.options.pool
         if pool is not None:
             for pipe, _, key, made_for in self._loaded:
@@ -270,6 +271,14 @@ class StageRunner:
         report.budget = self.resolved.to_dict()
         self.timeline = Timeline(device=self.runtime)
         self._peak: PeakMemory | None = None  # the running stage's, while one runs
+        self.files = WatchedFiles()  # the weight files the stages loaded, checked before each stage and step
+
+    def on_step(self, stage: str, done: int, total: int) -> None:
+        """Between denoising steps (and before each stage): the caller's ``on_step``, then the files unchanged,
+        as near the next step's start as can be."""
+        if self.options.on_step is not None:
+            self.options.on_step(stage, done, total)
+        self.files.check()
 
     def run(self, stages: list[Stage]) -> dict[str, Any]:
         """Run ``stages`` in order; returns each stage's result by name."""
@@ -279,10 +288,9 @@ class StageRunner:
         self.report.threads = threads.to_dict()
         with torch_threads(threads.count), self.timeline:
             for stage in stages:
-                if self.options.on_step is not None:
-                    # A cancellation point before anything of the stage loads: a caller that wants the run
-                    # stopped (a server's client went away) need not wait through a stage's loading.
-                    self.options.on_step(stage.name, 0, 0)
+                # A cancellation point before anything of the stage loads: a caller that wants the run
+                # stopped (a server's client went away) need not wait through a stage's loading.
+                self.on_step(stage.name, 0, 0)
                 try:
                     results[stage.name] = self._run_stage(stage, results)
                 except torch.OutOfMemoryError as exc:  # outside the stage's own retry (releasing, measuring)
