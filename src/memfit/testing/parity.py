@@ -34,13 +34,17 @@ def diffusers_image(model_dir: str | Path, *, prompt: str, negative_prompt=None,
 
 
 def diffusers_output(model_dir: str | Path, settings, dtype: torch.dtype = torch.float32, loras=(),
-                     components: dict | None = None, **call_kwargs) -> list:
+                     components: dict | None = None, weights_in_own_memory: bool = False, **call_kwargs) -> list:
     """What plain diffusers makes for memfit's resolved `settings`: the images (or a video's frames).
 
     The call arguments come from the folder's adapter (PipelineAdapter.call_kwargs), so settings
     that only some pipelines take (true_cfg_scale, num_frames) reach diffusers as memfit passes them.
     ``loras``: (file, scale) pairs loaded with load_lora_weights and weighted with set_adapters; ``components``:
-    name -> model loaded elsewhere (a GGUF transformer) in place of the folder's.
+    name -> model loaded elsewhere (a GGUF transformer) in place of the folder's. ``weights_in_own_memory``: run
+    with every weight copied out of its mapped file, as a GPU holds them (the reference for memfit's runs on the
+    fake GPU, whose device tensors are CPU memory of their own): CPU kernels may round a sum differently for a
+    tensor at another address modulo a cache line (seen: one level of one pixel for a tiny Wan 2.2), so the
+    mapped file's placement is not what a GPU run is compared with.
     """
     import diffusers
 
@@ -52,6 +56,11 @@ def diffusers_output(model_dir: str | Path, settings, dtype: torch.dtype = torch
         pipeline_class = getattr(diffusers, diffusers.DiffusionPipeline.load_config(model_dir)["_class_name"])
     pipe = pipeline_class.from_pretrained(model_dir, torch_dtype=dtype, **(components or {}))
     pipe.set_progress_bar_config(disable=True)
+    if weights_in_own_memory:
+        for module in pipe.components.values():
+            if isinstance(module, torch.nn.Module):
+                for tensor in (*module.parameters(), *module.buffers()):
+                    tensor.data = tensor.data.clone()
     load_loras_as_diffusers(pipe, loras)
     adapter = ModelFolder.open(model_dir).adapter
     for name, component in adapter.call_components(pipe, settings).items():  # a setting held by a component
@@ -91,6 +100,7 @@ def assert_matches_diffusers(model_dir: str | Path, *, atol: int = 0, **settings
     ours = generate(model=model_dir, progress=False, **settings)
     s = ours.settings
     inputs = {"image": settings["image"]} if settings.get("image") is not None else {}
+    inputs["weights_in_own_memory"] = str(settings.get("device") or "").startswith("cuda")
     if ours.frames is not None:  # a video: every frame must match
         reference = diffusers_output(model_dir, s, **inputs)
         difference = max_pixel_difference(ours.frames, reference)
