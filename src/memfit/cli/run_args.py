@@ -87,7 +87,8 @@ def add_model_args(parser: argparse.ArgumentParser, *, model_help: str = "", sev
                         + (f"; {model_help}" if model_help else ""))
     if several_configs:
         parser.add_argument("--config", metavar="DIR", action="append",
-                            help=CONFIG_HELP + "; repeatable, one folder per family, each file takes its family's")
+                            help=CONFIG_HELP + "; repeatable: each file takes the first folder of its family whose models are "
+                            "the file's (its transformer's shapes, Wan 2.2's second expert)")
     else:
         parser.add_argument("--config", metavar="DIR", help=CONFIG_HELP)
     parser.add_argument("--component", action="append", metavar="NAME=FILE", help=COMPONENT_HELP)

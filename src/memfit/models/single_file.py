@@ -189,6 +189,11 @@ FAMILIES = {
     "wan-ti2v-5B": Family("wan-ti2v-5B", "Wan 2.2 5B", "WanPipeline", _denoiser(ORIGINAL_WAN, **_WAN22_5B_FILES),
                           ("scheduler", "tokenizer"), denoiser_alone=True,
                           repository="Wan-AI/Wan2.2-TI2V-5B-Diffusers"),
+    # Wan 2.2 I2V A14B's experts (ComfyUI's wan2.2_i2v_high_noise_14B_*.safetensors): the condition latents and mask
+    # beside the noise, no image embedder. diffusers' single-file loading calls them "wan-i2v-14B", as Wan 2.1 I2V.
+    "wan2.2-i2v-A14B": Family("wan2.2-i2v-A14B", "Wan 2.2 image-to-video A14B", "WanImageToVideoPipeline",
+                              _denoiser(ORIGINAL_WAN, **_WAN21_FILES), ("scheduler", "tokenizer"), denoiser_alone=True,
+                              repository="Wan-AI/Wan2.2-I2V-A14B-Diffusers"),
     "qwen-image": Family("qwen-image", "Qwen-Image", "QwenImagePipeline", _denoiser(QWEN_IMAGE, **_QWEN_IMAGE_FILES),
                          ("scheduler", "tokenizer"), denoiser_alone=True, repository="Qwen/Qwen-Image"),
     "chroma": Family("chroma", "Chroma", "ChromaPipeline", _denoiser(CHROMA, **_CHROMA_FILES),
@@ -206,11 +211,17 @@ def _mmdit_type(shapes, prefix: str) -> str:
 
 
 def _wan_type(shapes, prefix: str) -> str | None:
-    """A text-to-video Wan transformer's size (Wan 2.2's 5B is 3072 wide); None for an image-to-video one (its image
-    embedder), which memfit does not run."""
+    """A text-to-video Wan transformer's size (Wan 2.2's 5B is 3072 wide), or Wan 2.2 I2V A14B's expert (more input
+    channels than output ones: the condition latents and mask); None for Wan 2.1's image-to-video one (its image
+    embedder), which memfit does not open as a single file."""
     if any(key.startswith(f"{prefix}img_emb.") for key in shapes):
         return None
-    width = shapes.get(f"{prefix}patch_embedding.weight", (None, [0]))[1][0]
+    patch = shapes.get(f"{prefix}patch_embedding.weight", (None, [0, 0, 1, 1, 1]))[1]
+    head = shapes.get(f"{prefix}head.head.weight")
+    patch_size = patch[2] * patch[3] * patch[4] if len(patch) == 5 else 1
+    if head is not None and patch[1] * patch_size != head[1][0]:
+        return "wan2.2-i2v-A14B"
+    width = patch[0]
     return "wan-t2v-1.3B" if width <= 1536 else "wan-ti2v-5B" if width == 3072 else "wan-t2v-14B"
 
 

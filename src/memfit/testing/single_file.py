@@ -542,13 +542,16 @@ def _t5_both_names(encoder) -> dict[str, torch.Tensor]:
     return state
 
 
-def save_aligned(state: dict[str, torch.Tensor], path: str | Path) -> Path:
+def save_aligned(state: dict[str, torch.Tensor], path: str | Path, *, like: str | Path | None = None) -> Path:
     """``state`` as a safetensors file in which every tensor of a whole number of 64-byte lines starts on one.
 
     A weight read in place from a file is used where it lies, and a CPU matmul may add in another order when
     its operand is not aligned (one bit in the last place); a folder's file places its tensors by chance. The
     files here are compared with folders bit for bit, so their matrices lie aligned as a model loaded to memory
     holds them: those first, the header padded with spaces (which the format allows), the odd-sized rest after.
+    ``like``: a safetensors file read in place (a diffusers folder's, whose loading maps it too): the data starts
+    at the same place in a 64-byte line as there, so where every tensor is a whole number of lines (the tiny
+    models at scale 4) each lies as the folder's does.
     """
     from safetensors.torch import _TYPES
 
@@ -562,7 +565,11 @@ def save_aligned(state: dict[str, torch.Tensor], path: str | Path) -> Path:
         header[key] = {"dtype": names[tensor.dtype], "shape": list(tensor.shape), "data_offsets": [offset, offset + size[key]]}
         offset += size[key]
     text = json.dumps(header, separators=(",", ":")).encode()
-    text += b" " * (-(8 + len(text)) % 64)
+    start = 0
+    if like is not None:
+        with Path(like).open("rb") as handle:
+            start = 8 + int.from_bytes(handle.read(8), "little")
+    text += b" " * ((start - 8 - len(text)) % 64)
     path = Path(path)
     with path.open("wb") as handle:
         handle.write(len(text).to_bytes(8, "little"))
