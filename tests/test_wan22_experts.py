@@ -19,14 +19,23 @@ from pathlib import Path
 
 import diffusers
 import pytest
-import torch
 
 import memfit
-from memfit.models.library import ModelsDir, _config_for, config_folders, expert_pairs, open_entry
+from memfit.models.library import (
+    ModelsDir,
+    _config_for,
+    config_folders,
+    expert_pairs,
+    open_entry,
+)
 from memfit.models.single_file import detect_family, file_shapes
 from memfit.testing import max_pixel_difference, save_pipeline
 from memfit.testing.conditioning import test_image as picture
-from memfit.testing.single_file import save_aligned, wan_original_state_dict, wan_vae_original_state_dict
+from memfit.testing.single_file import (
+    save_aligned,
+    wan_original_state_dict,
+    wan_vae_original_state_dict,
+)
 
 # Three steps: the last runs below the boundary (875 of 1000), on the low-noise expert.
 VIDEO = dict(prompt="a red circle drifting right", steps=3, seed=3, width=32, height=32, frames=5, budget="none",
@@ -172,7 +181,7 @@ def test_a_config_of_other_widths_is_passed_over(comfyui, tiny_models):
 def test_the_i2v_pair_runs_as_wan_image_to_video(comfyui):
     """Wan 2.2 I2V A14B's experts (36 input channels, no image embedder): WanImageToVideoPipeline's family, and
     the pair with an input image draws the folder's video."""
-    _, folders, configs, files = comfyui
+    _, folders, _, files = comfyui
     high = files["i2v", "transformer"]
     family = detect_family(high, file_shapes(high))
     assert (family.model_type, family.pipeline_class) == ("wan2.2-i2v-A14B", "WanImageToVideoPipeline")
@@ -192,3 +201,31 @@ def test_a_lone_expert_with_a_two_expert_config_names_the_flag(comfyui):
     with pytest.raises(MemfitError, match="--component transformer_2=FILE"):
         memfit.generate(model=files["t2v", "transformer"], config=configs["t2v"],
                         components={"vae": files["vae"], "text_encoder": files["text_encoder"]}, **VIDEO)
+
+
+def test_a_pair_without_config_takes_wan22s_configs_from_the_hugging_face_cache(comfyui, tmp_path, monkeypatch):
+    """No --config: the high-noise file with a transformer_2 beside it takes the configs of Wan 2.2 A14B's repository
+    from the Hugging Face cache (the file's width alone would say Wan 2.1's); a lone file still names Wan 2.1's."""
+    from memfit.errors import MemfitError
+    from memfit.models.single_file import FAMILIES
+    from memfit.models.single_file_configs import default_repository
+
+    models, folders, configs, files = comfyui
+    family = FAMILIES["wan-t2v-1.3B"]
+    repository = default_repository(family, paired=True)
+    assert repository == "Wan-AI/Wan2.2-T2V-A14B-Diffusers" != default_repository(family)
+    cache = tmp_path / "hf" / "hub" / f"models--{repository.replace('/', '--')}"
+    snapshot = Path(shutil.copytree(configs["t2v"], cache / "snapshots" / ("0" * 40)))
+    (cache / "refs").mkdir()
+    (cache / "refs" / "main").write_text(snapshot.name)
+    monkeypatch.setenv("HF_HOME", str(tmp_path / "hf"))
+    others = {"vae": files["vae"], "text_encoder": files["text_encoder"]}
+    ours = memfit.generate(model=files["t2v", "transformer"],
+                           components={"transformer_2": files["t2v", "transformer_2"], **others}, **VIDEO)
+    assert f"configs and tokenizers from the Hugging Face cache's snapshot of {repository}" in ours.report.notes[0]
+    assert max_pixel_difference(ours.frames, memfit.generate(model=folders["t2v"], **VIDEO).frames) == 0
+    with pytest.raises(MemfitError, match="Wan-AI/Wan2.1-T2V-1.3B-Diffusers"):
+        memfit.generate(model=files["t2v", "transformer"], components=others, **VIDEO)
+    # serve --models-dir with no --config: the pair is listed, its configs from the cache.
+    pair = next(entry for entry in ModelsDir(models).scan().checkpoints if entry.path == files["t2v", "transformer"])
+    assert pair.error == "" and pair.pipeline == "WanPipeline", pair.error

@@ -186,7 +186,8 @@ def _probe(entry: ModelEntry, configs: dict[Path, str], allow_pickle: bool) -> M
 
 class ModelsDir:
     """A models folder (``root``) and how its checkpoints open: ``configs`` (config_folders: the --config folders and
-    their pipeline classes, matched to a file by its family and its models) and ``allow_pickle``. ``scan()`` lists it as it is now."""
+    their pipeline classes, matched to a file by its family and its models) and ``allow_pickle``. ``scan()`` lists it
+    as it is now."""
 
     def __init__(self, root: str | Path, *, configs: dict[Path, str] | None = None, allow_pickle: bool = False):
         self.root = Path(root).expanduser()
@@ -244,7 +245,7 @@ class ModelsDir:
         given = dict(entry.components)  # Wan 2.2 A14B's second expert
         try:
             model = SingleFileModel.open_file(entry.path, config=_config_for(entry.path, self.configs, given),
-                                              allow_pickle=self.allow_pickle)
+                                              allow_pickle=self.allow_pickle, paired="transformer_2" in given)
             if given:
                 model = SingleFileModel.with_components(model, given, allow_pickle=self.allow_pickle)
         except MemfitError as exc:
