@@ -229,3 +229,32 @@ def test_a_pair_without_config_takes_wan22s_configs_from_the_hugging_face_cache(
     # serve --models-dir with no --config: the pair is listed, its configs from the cache.
     pair = next(entry for entry in ModelsDir(models).scan().checkpoints if entry.path == files["t2v", "transformer"])
     assert pair.error == "" and pair.pipeline == "WanPipeline", pair.error
+
+
+@pytest.mark.slow  # starts a server process
+def test_the_pair_is_served_as_memfit_generate_draws_it(comfyui, memfit_server):
+    """memfit serve --models-dir over the ComfyUI folder with Wan 2.1's and Wan 2.2's --config folders: the pair is one
+    listed checkpoint (the low-noise file not listed alone), and a txt2img request naming it gives the image `memfit
+    generate --model HIGH --component transformer_2=LOW ...` makes (txt2img asks Wan for one frame)."""
+    import base64
+
+    httpx = pytest.importorskip("httpx", reason="the server is polled with httpx: pip install 'memfit[serve]'")
+    from memfit.run.media import png_bytes
+
+    models, _, configs, files = comfyui
+    flags = ["--config", str(configs["wan21"]), "--config", str(configs["t2v"]), "--config", str(configs["i2v"])]
+    with memfit_server(None, "--models-dir", str(models), *flags) as (_, url):
+        listed = {c["name"]: c for c in httpx.get(url + "/memfit/v1/models", timeout=60).json()["checkpoints"]}
+        name = "diffusion_models/wan2.2_t2v_high_noise_14B_fp16.safetensors"
+        assert not listed[name]["error"] and listed[name]["kind"] == "split", listed[name]
+        assert not any("low_noise" in listed_name for listed_name in listed)
+        body = {"prompt": VIDEO["prompt"], "steps": 3, "cfg_scale": 1.0, "width": 32, "height": 32, "seed": 3,
+                "sampler_name": "Euler", "override_settings": {"sd_model_checkpoint": name}}
+        answer = httpx.post(url + "/sdapi/v1/txt2img", json=body, timeout=600)
+    assert answer.status_code == 200, answer.text
+    result = memfit.generate(body["prompt"], model=files["t2v", "transformer"], config=configs["t2v"],
+                             components={"transformer_2": files["t2v", "transformer_2"], "vae": files["vae"],
+                                         "text_encoder": files["text_encoder"]},
+                             steps=3, guidance=1.0, width=32, height=32, seed=3, sampler="Euler", frames=1,
+                             progress=False)
+    assert base64.b64decode(answer.json()["images"][0]) == png_bytes(result.frames[0], result.metadata)
