@@ -115,6 +115,44 @@ def test_a_wan_vae_file_converts_as_diffusers_from_single_file_loads_it(tmp_path
     assert torch.equal(outputs[0], outputs[1]) and torch.equal(outputs[0], outputs[2])
 
 
+def test_a_wan22_vae_file_draws_the_5bs_video_from_views(tiny_models, tmp_path):
+    """ComfyUI's wan2.2_vae.safetensors (the TI2V-5B's VAE in Wan 2.2's original keys: each level a block of its own,
+    which diffusers' single-file converter does not know): read by renames, the folder's video bit for bit, every
+    weight a view of the file; a Wan 2.1 model refuses it naming the shapes."""
+    from memfit.testing.single_file import wan22_vae_original_state_dict
+
+    folder = Path(tiny_models("wan22_ti2v"))
+    settings = dict(WAN, width=64, height=64)  # the 5B's VAE shrinks 16x
+    vae = ModelFolder.open(folder).load_stage(["vae"], torch.float32).vae
+    stored = wan22_vae_original_state_dict(vae)
+    assert {"encoder.downsamples.0.downsamples.1.resample.1.weight", "decoder.upsamples.0.upsamples.2.time_conv.weight",
+            "decoder.upsamples.0.upsamples.1.residual.6.weight", "decoder.middle.2.residual.0.gamma"} <= set(stored)
+    path = save_aligned(stored, tmp_path / "wan2.2_vae.safetensors", like=next((folder / "vae").glob("*.safetensors")))
+    expected = _frames(memfit.generate(model=folder, budget="none", progress=False, **settings))
+    ours = memfit.generate(model=folder, components={"vae": path}, budget="none", progress=False, **settings)
+    assert ours.report.notes[0] == f"components from files of their own: vae from {path} (Wan 2.2 layout)"
+    assert max_pixel_difference(_frames(ours), expected) == 0
+    _assert_views(_loaded(folder, "vae", path), path, set())
+    with pytest.raises(MemfitError, match=r"--component vae=.*wan2.2_vae.safetensors does not fit"):
+        SingleFileModel.with_components(ModelFolder.open(tiny_models("wan")), {"vae": path})
+    # In a ComfyUI folder beside Wan 2.1's VAE, the 5B's transformer alone is paired with this one.
+    from memfit.models.library import ModelsDir, config_folders
+    from memfit.testing.single_file import wan_original_state_dict
+
+    models = tmp_path / "models"
+    for sub in ("diffusion_models", "vae", "text_encoders"):
+        (models / sub).mkdir(parents=True)
+    pipe = ModelFolder.open(folder).load_stage(["transformer", "text_encoder"], torch.float32)
+    save_aligned(wan_original_state_dict(pipe.transformer), models / "diffusion_models" / "wan2.2_ti2v_5B_fp16.safetensors")
+    save_aligned(pipe.text_encoder.state_dict(), models / "text_encoders" / "umt5_xxl_fp16.safetensors")
+    (models / "vae" / path.name).symlink_to(path)
+    _vae_file(Path(tiny_models("wan")), models / "vae" / "wan_2.1_vae.safetensors")
+    configs = tmp_path / "configs"
+    shutil.copytree(folder, configs, ignore=shutil.ignore_patterns("*.safetensors"))
+    entry = ModelsDir(models, configs=config_folders([configs])).scan().checkpoints[0]
+    assert entry.error == "" and dict(entry.candidates)["vae"] == (models / "vae" / path.name,), entry.error
+
+
 # -- SD3's CLIP-L from ComfyUI's clip_l.safetensors ---------------------------------------------------------------
 
 def test_sd3s_clip_l_file_without_projection_runs_as_the_identity(tiny_models, tmp_path):

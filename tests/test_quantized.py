@@ -228,6 +228,58 @@ def test_fp8_files_draw_the_upcast_image(flux, scaled):
     assert isinstance(pipe.transformer.transformer_blocks[0].attn.to_q, QuantizedLinear)
 
 
+def _upcast(path: Path, out: Path) -> Path:
+    """The fp8 file ``path``'s values upcast to float32 (times each weight's scale_weight), as a file of its own."""
+    from safetensors.torch import load_file, save_file
+
+    stored = load_file(str(path))
+    save_file({key: value.to(torch.float32) * stored.get(key.removesuffix("weight") + "scale_weight", 1.0)
+               for key, value in stored.items() if not key.endswith("scale_weight") and key != "scaled_fp8"}, str(out))
+    return out
+
+
+@pytest.mark.parametrize("scaled", [False, True], ids=["fp8", "scaled-fp8"])
+@pytest.mark.parametrize("kind", ["flux", "sd3"])
+def test_an_fp8_transformer_as_the_model(flux, tiny_models, tmp_path, kind, scaled):
+    """``memfit generate --model flux1-dev-fp8.safetensors --config DIR`` (the transformer alone, fp8 e4m3fn: Comfy's
+    plain and "fp8_scaled" files; SD3's in Stability's MMDiT keys likewise): the family from the header, the other
+    models from the config folder, the weights held in fp8; the image of the same values upcast, bit for bit."""
+    from safetensors.torch import load_file
+
+    from memfit.cli.app import main
+    from memfit.testing.quantized import save_fp8
+    from memfit.testing.single_file import sd3_mmdit_state_dict
+
+    if kind == "flux":
+        folder, state, label = flux[0], flux[3], "Flux.1 [dev]"
+    else:
+        from diffusers import SD3Transformer2DModel
+
+        folder, label = Path(tiny_models("sd3")), "Stable Diffusion 3"
+        state = sd3_mmdit_state_dict(SD3Transformer2DModel.from_pretrained(folder / "transformer"))
+    name = "fp8_scaled" if scaled else "fp8_e4m3fn"
+    path = save_fp8(state, tmp_path / f"{kind}-{name}.safetensors", scaled=scaled)
+    assert any(value.dtype == torch.float8_e4m3fn for value in load_file(str(path)).values())
+    ours = memfit.generate(model=path, config=folder, budget="none", progress=False, **SETTINGS)
+    assert ours.report.notes[0].startswith(f"model: {path.name}, a {label} single-file checkpoint")
+    expected = memfit.generate(model=folder, components={"transformer": _upcast(path, tmp_path / "upcast.safetensors")},
+                               budget="none", progress=False, **SETTINGS)
+    assert np.array_equal(_pixels(ours), _pixels(expected))
+    model = SingleFileModel.open_file(path, config=folder)
+    transformer = model.load_stage(["transformer"], torch.float32, in_file_dtype=[]).transformer
+    to_q = transformer.transformer_blocks[0].attn.to_q
+    assert isinstance(to_q, QuantizedLinear) and to_q.format.name == "fp8_e4m3fn"
+    assert (to_q.stored.scale is not None) == scaled
+    # The command line: the same image, byte for byte.
+    out = tmp_path / "cli.png"
+    assert main(["generate", "--model", str(path), "--config", str(folder), "--budget", "none", "--prompt",
+                 SETTINGS["prompt"], "--steps", "2", "--seed", "3", "--width", "32", "--height", "32", "--out",
+                 str(out)]) == 0
+    from PIL import Image
+
+    assert np.array_equal(np.asarray(Image.open(out).convert("RGB"), dtype=np.int16), _pixels(ours))
+
+
 @pytest.mark.parametrize("quant_type", ["Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K"])
 def test_k_quants_read_as_the_gguf_package_reads_them(flux, quant_type):
     """K-quants (flux1-dev-Q4_K_S.gguf holds Q4_K and Q6_K): memfit's values are the gguf package's own reading

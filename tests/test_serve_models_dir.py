@@ -309,7 +309,7 @@ def test_a_file_hash_is_read_once_per_version_of_the_file(tmp_path, monkeypatch)
     (lambda root, config: ["--models-dir", str(root / "broken"), "--model", "nope"],
      "neither a model path nor a checkpoint"),
     (lambda root, config: ["--models-dir", str(root / "empty"), "--config", str(config), "--config", str(config)],
-     "give one --config per family"),
+     "is given twice; give each config folder once"),
     (lambda root, config: ["--model", str(config), "--config", str(config)], "leave --config out"),
 ])
 def test_a_models_folder_with_nothing_to_serve_stops_the_server(a1111, tmp_path, capsys, make, says):

@@ -80,14 +80,15 @@ def check_model_args(args: argparse.Namespace) -> None:
 
 def add_model_args(parser: argparse.ArgumentParser, *, model_help: str = "", several_configs: bool = False) -> None:
     """--model, --config, --component, --dtype, --device and --allow-pickle: which model, and how it loads.
-    ``model_help`` is added to --model's help; ``several_configs`` makes --config repeatable (a list), one folder
-    per family."""
+    ``model_help`` is added to --model's help; ``several_configs`` makes --config repeatable (a list): each file takes
+    the first folder of its family whose models are its own (memfit.models.library)."""
     parser.add_argument("--model", help="diffusers model folder, or an all-in-one checkpoint file (.safetensors, "
                         "as AUTOMATIC1111 and ComfyUI keep them) (default: memfit's built-in demo model)"
                         + (f"; {model_help}" if model_help else ""))
     if several_configs:
         parser.add_argument("--config", metavar="DIR", action="append",
-                            help=CONFIG_HELP + "; repeatable, one folder per family, each file takes its family's")
+                            help=CONFIG_HELP + "; repeatable: each file takes the first folder of its family whose models are "
+                            "the file's (its transformer's shapes, Wan 2.2's second expert)")
     else:
         parser.add_argument("--config", metavar="DIR", help=CONFIG_HELP)
     parser.add_argument("--component", action="append", metavar="NAME=FILE", help=COMPONENT_HELP)

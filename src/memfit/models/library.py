@@ -22,7 +22,12 @@ paired with them by family: for each model its family needs that neither the fil
 holds, the first file of the folder that fits it (the same check as ``--component NAME=FILE``; files whose
 name says the family's, such as wan_2.1_vae, tried first); one nothing fits is listed with the reason.
 Every file that fits is kept as a candidate (``ModelEntry.candidates``, the first the default): memfit serve
-lets a client choose another (Forge's forge_additional_modules).
+lets a client choose another (Forge's forge_additional_modules). Wan 2.2 A14B's two experts, kept as two files
+named for the high-noise and low-noise steps (``expert_pairs``), are one checkpoint: the high-noise file, with the
+other as its transformer_2.
+
+The --config folders (``config_folders``) are matched to a file by its family's pipeline class, and of several of one
+class by its models (``_config_for``: Wan 2.1's and Wan 2.2's are both WanPipeline folders).
 """
 
 from __future__ import annotations
@@ -37,7 +42,7 @@ from memfit.models.locate import PICKLE_SUFFIXES
 from memfit.models.model_path import open_model_path
 
 
-__all__ = ["Listing", "ModelEntry", "ModelsDir", "NamedFile", "config_folders", "open_entry"]
+__all__ = ["Listing", "ModelEntry", "ModelsDir", "NamedFile", "config_folders", "expert_pairs", "open_entry"]
 
 # What each subfolder holds, by its name in lower case ("parts": text encoders of split models, not listed).
 ROLES = {"stable-diffusion": "checkpoints", "checkpoints": "checkpoints", "diffusion_models": "split", "unet": "split",
@@ -97,23 +102,53 @@ def _natural_key(text: str) -> list:
     return [int(part) if part.isdigit() else part.lower() for part in re.split(r"(\d+)", text)]
 
 
-def _config_for(path: Path, configs: dict[str, Path]) -> Path | None:
-    """The --config folder for the checkpoint file ``path``: that of its family (``configs``: pipeline class ->
-    folder), None where there is none (memfit then looks in the Hugging Face cache); for a pickle, the first."""
+def _config_for(path: Path, configs: dict[Path, str], components: dict[str, Path] | None = None) -> Path | None:
+    """The --config folder for the checkpoint file ``path`` (read with ``components``, name -> file, beside it): one of
+    its family's pipeline class (``configs``: folder -> pipeline class), None where there is none (memfit then looks in
+    the Hugging Face cache); for a pickle, the first. Of several folders of that class (Wan 2.1's and Wan 2.2's are
+    both WanPipeline folders), the first whose models are the files' (_fit), else the first whose models fit the
+    file's own, else the first: opening the file with it then says what does not fit."""
     if not configs or path.suffix not in MAPPED_SUFFIXES:  # a pickle is read only to open it: the first folder serves
-        return next(iter(configs.values()), None)
+        return next(iter(configs), None)
     from memfit.models.single_file import detect_family, file_shapes
 
     try:
-        return configs.get(detect_family(path, file_shapes(path)).pipeline_class)
+        family = detect_family(path, file_shapes(path))
     except MemfitError:  # opening it names what is wrong
         return None
+    same = [folder for folder, class_name in configs.items() if class_name == family.pipeline_class]
+    if len(same) < 2:
+        return next(iter(same), None)
+    fits = [_fit(path, folder, components or {}) for folder in same]
+    return same[fits.index(max(fits))]
 
 
-def open_entry(entry: ModelEntry, *, configs: dict[str, Path] | None = None, allow_pickle: bool = False,
+def _fit(path: Path, config: Path, components: dict[str, Path]) -> int:
+    """How well ``config``'s models are the ones the file ``path`` and the ``components`` files hold: 2 when each read
+    there has the config's shapes (checked from the headers, no data read) and the config has a denoiser exactly
+    where they give one (Wan 2.2 A14B's second expert, transformer_2, is a file of its own); 1 when the file's own
+    models fit it; else 0."""
+    from memfit.models.families import DENOISER_NAMES
+    from memfit.models.single_file import SingleFileModel
+
+    try:
+        model = SingleFileModel.open_file(path, config=config)
+        for name, weights in model.weights.items():
+            model._assign(name, weights, probe=True)
+    except MemfitError:
+        return 0
+    try:
+        model = SingleFileModel.with_components(model, components)
+    except MemfitError:
+        return 1
+    given = {name for name in (*model.weights, *components) if name in DENOISER_NAMES}
+    return 2 if given == {name for name in model.model_components if name in DENOISER_NAMES} else 1
+
+
+def open_entry(entry: ModelEntry, *, configs: dict[Path, str] | None = None, allow_pickle: bool = False,
                vae: Path | None = None, modules: tuple[tuple[str, Path], ...] = ()) -> ModelFolder:
     """The model ``entry`` names, opened and its weight files checked as memfit serve checks its --model;
-    MemfitError saying what is wrong otherwise. ``configs``: pipeline class -> --config folder; ``modules``:
+    MemfitError saying what is wrong otherwise. ``configs``: --config folder -> pipeline class; ``modules``:
     (component, file) pairs read instead of the model's own or paired ones (Forge's forge_additional_modules);
     ``vae``: a VAE file read instead of the model's own VAE (A1111's sd_vae, over a VAE among ``modules``)."""
     from memfit.plan.stages import planned_models
@@ -123,21 +158,22 @@ def open_entry(entry: ModelEntry, *, configs: dict[str, Path] | None = None, all
                           ".safetensors and .gguf checkpoints (and pickle ones with --allow-pickle) and diffusers "
                           "folders.")
     configs = configs or {}
-    config = _config_for(entry.path, configs) if entry.kind != "diffusers" else None
     components = {**dict(entry.components), **dict(modules), **({"vae": vae} if vae is not None else {})}
+    config = _config_for(entry.path, configs, components) if entry.kind != "diffusers" else None
     try:
         folder = open_model_path(entry.path, config=config, allow_pickle=allow_pickle, components=components or None)
     except MemfitError as exc:
         if entry.kind == "diffusers" or config is not None or not configs:
             raise
-        raise MemfitError(f"{exc} (The --config folders given are for {', '.join(configs)}, not its family.)") from None
+        raise MemfitError(f"{exc} (The --config folders given are for {', '.join(dict.fromkeys(configs.values()))}, "
+                          "not its family.)") from None
     folder.check_layout()
     folder.allow_pickle = allow_pickle
     folder.check_weights(planned_models(folder.adapter))
     return folder
 
 
-def _probe(entry: ModelEntry, configs: dict[str, Path], allow_pickle: bool) -> ModelEntry:
+def _probe(entry: ModelEntry, configs: dict[Path, str], allow_pickle: bool) -> ModelEntry:
     """``entry`` with the pipeline it runs as, or the reason it cannot be served."""
     try:
         folder = open_entry(entry, configs=configs, allow_pickle=allow_pickle)
@@ -149,10 +185,11 @@ def _probe(entry: ModelEntry, configs: dict[str, Path], allow_pickle: bool) -> M
 
 
 class ModelsDir:
-    """A models folder (``root``) and how its checkpoints open: ``configs`` (config_folders: the --config folders by
-    pipeline class, matched to a file by its family) and ``allow_pickle``. ``scan()`` lists it as it is now."""
+    """A models folder (``root``) and how its checkpoints open: ``configs`` (config_folders: the --config folders and
+    their pipeline classes, matched to a file by its family and its models) and ``allow_pickle``. ``scan()`` lists it
+    as it is now."""
 
-    def __init__(self, root: str | Path, *, configs: dict[str, Path] | None = None, allow_pickle: bool = False):
+    def __init__(self, root: str | Path, *, configs: dict[Path, str] | None = None, allow_pickle: bool = False):
         self.root = Path(root).expanduser()
         if not self.root.is_dir():
             raise MemfitError(f"--models-dir {self.root} is not a folder; give the folder that holds Stable-diffusion/ "
@@ -180,8 +217,12 @@ class ModelsDir:
         vaes += [NamedFile(path.name, path) for root, role in roles.items() if role == "vae" for path in _walk(root)]
         parts = [path for root, role in roles.items() if role == "parts" for path in _walk(root)]
         for root in (path for path, role in roles.items() if role == "split"):
-            found += [self._paired(ModelEntry(path.relative_to(base).as_posix(), path, "split"),
-                                   [vae.path for vae in vaes], parts) for path in _walk(root)]
+            denoisers = list(_walk(root))
+            experts = expert_pairs(denoisers)
+            second = set(experts.values())
+            found += [self._paired(ModelEntry(path.relative_to(base).as_posix(), path, "split",
+                                              components=(("transformer_2", experts[path]),) if path in experts else ()),
+                                   [vae.path for vae in vaes], parts) for path in denoisers if path not in second]
         text_encoders = [NamedFile(path.name, path) for path in parts]
         loras = {}
         for root in (path for path, role in roles.items() if role == "lora"):
@@ -201,9 +242,12 @@ class ModelsDir:
 
         if entry.path.suffix not in MAPPED_SUFFIXES:
             return entry  # opening it says why it cannot be served
+        given = dict(entry.components)  # Wan 2.2 A14B's second expert
         try:
-            model = SingleFileModel.open_file(entry.path, config=_config_for(entry.path, self.configs),
-                                              allow_pickle=self.allow_pickle)
+            model = SingleFileModel.open_file(entry.path, config=_config_for(entry.path, self.configs, given),
+                                              allow_pickle=self.allow_pickle, paired="transformer_2" in given)
+            if given:
+                model = SingleFileModel.with_components(model, given, allow_pickle=self.allow_pickle)
         except MemfitError as exc:
             return replace(entry, error=str(exc))
         fitting: dict[str, tuple[Path, ...]] = {}
@@ -231,19 +275,36 @@ class ModelsDir:
         if unpaired:
             return replace(entry, error=f"{entry.path} is a {family.label} denoiser alone, and no file of the models "
                                         f"folder fits its {'; '.join(unpaired)}: put that file there and refresh.")
-        return replace(entry, components=tuple((name, fits[0]) for name, fits in fitting.items()),
+        return replace(entry, components=(*entry.components, *((name, fits[0]) for name, fits in fitting.items())),
                        candidates=tuple(fitting.items()))
 
 
-def config_folders(configs) -> dict[str, Path]:
-    """The --config folders by the pipeline class they hold configs for (a file takes its family's)."""
-    folders: dict[str, Path] = {}
+# Wan 2.2 A14B's two experts as ComfyUI and QuantStack name their files: wan2.2_t2v_high_noise_14B_fp16.safetensors
+# and wan2.2_t2v_low_noise_14B_fp16.safetensors, Wan2.2-I2V-A14B-HighNoise-Q4_K_M.gguf and ...-LowNoise-....
+_EXPERT_WORD = re.compile(r"(high|low)(?=[_\-. ]?noise)", re.IGNORECASE)
+
+
+def expert_pairs(paths) -> dict[Path, Path]:
+    """The high-noise expert file -> the low-noise one of the same name in the same folder, among ``paths``: Wan 2.2
+    A14B's transformer (run for the high-noise steps) and transformer_2."""
+    found: dict[tuple[Path, str], dict[str, Path]] = {}
+    for path in paths:
+        match = _EXPERT_WORD.search(path.name)
+        if match is not None:
+            stem = (path.name[:match.start()] + "*" + path.name[match.end():]).lower()
+            found.setdefault((path.parent, stem), {})[match.group(1).lower()] = path
+    return {pair["high"]: pair["low"] for pair in found.values() if len(pair) == 2}
+
+
+def config_folders(configs) -> dict[Path, str]:
+    """The --config folders, in the order given, with the pipeline class each holds configs for (a file takes one of
+    its family's class, the first whose models fit it when there are several: _config_for)."""
+    folders: dict[Path, str] = {}
     for config in configs:
         folder = ModelFolder.open(config)
-        if folder.class_name in folders:
-            raise MemfitError(f"--config {folders[folder.class_name]} and --config {config} are both {folder.class_name} "
-                              "folders; give one --config per family.")
-        folders[folder.class_name] = folder.path
+        if folder.path in folders:
+            raise MemfitError(f"--config {config} is given twice; give each config folder once.")
+        folders[folder.path] = folder.class_name
     return folders
 
 

@@ -21,7 +21,8 @@ def open_model_path(path: str | Path, *, config: str | Path | None = None, allow
     ``quantize`` (name -> type) quantizes those on the fly (memfit.models.quantize), or with ``plan_only`` only
     sizes them so (nothing written)."""
     if is_single_file(path):
-        model = SingleFileModel.open_file(path, config=config, allow_pickle=allow_pickle)
+        model = SingleFileModel.open_file(path, config=config, allow_pickle=allow_pickle,
+                                          paired="transformer_2" in (components or {}))
     elif config is not None:
         raise MemfitError(f"--config is for a single-file checkpoint, but {path} is a diffusers model folder, which "
                           "holds its own configs; leave --config out.")

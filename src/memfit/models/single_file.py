@@ -38,9 +38,9 @@ from memfit.errors import MemfitError
 from memfit.models.folder import ModelFolder, check_weight_entries, load_tensors_only, pickle_refused, size_mismatch
 from memfit.models.locate import PICKLE_SUFFIXES, refuse_missing_model
 from memfit.models.weight_layouts import (BFL_FLUX, CHROMA, LDM_UNET, LDM_VAE, MMDIT_SD3, OPEN_CLIP, ORIGINAL_WAN,
-                                          ORIGINAL_WAN_VAE, ORIGINAL_Z_IMAGE, QWEN_IMAGE, SD3_CLIP_L, TRANSFORMERS_CLIP,
-                                          TRANSFORMERS_QWEN3, TRANSFORMERS_QWEN25_VL, TRANSFORMERS_T5, Layout,
-                                          group_counts)
+                                          ORIGINAL_WAN22_VAE, ORIGINAL_WAN_VAE, ORIGINAL_Z_IMAGE, QWEN_IMAGE, SD3_CLIP_L,
+                                          TRANSFORMERS_CLIP, TRANSFORMERS_QWEN3, TRANSFORMERS_QWEN25_VL, TRANSFORMERS_T5,
+                                          Layout, group_counts)
 from memfit.plan.meta import is_model_class
 from memfit.quant.formats import (FP8_FORMATS, INT8_FORMAT, INT8_SCALE_SUFFIX, STORAGE_DTYPE, StoredTensor,
                                   int8_row_scale)
@@ -100,6 +100,9 @@ class Family:
     files: tuple[str, ...]
     denoiser_alone: bool = False
     repository: str = ""
+    # Where the configs of a pair of experts are published, for a file read with a transformer_2 beside it: a Wan
+    # text-to-video transformer with a second expert is Wan 2.2 A14B's, whatever the width says.
+    pair_repository: str = ""
 
     def describe(self) -> str:
         needed = ", ".join(part.describe(name) for name, part in self.parts.items() if not part.optional)
@@ -150,7 +153,7 @@ def _own_file(layout: Layout, usual_file: str, *hints: str) -> Part:
 # The files ComfyUI keeps beside each denoiser alone, by the pipelines' component names.
 _WAN21_FILES = {"vae": _own_file(ORIGINAL_WAN_VAE, "wan_2.1_vae.safetensors", "wan21"),
                 "text_encoder": _own_file(TRANSFORMERS_T5, "umt5_xxl_fp16.safetensors", "umt5")}
-_WAN22_5B_FILES = {**_WAN21_FILES, "vae": _own_file(ORIGINAL_WAN_VAE, "wan2.2_vae.safetensors", "wan22")}
+_WAN22_5B_FILES = {**_WAN21_FILES, "vae": _own_file(ORIGINAL_WAN22_VAE, "wan2.2_vae.safetensors", "wan22")}
 _QWEN_IMAGE_FILES = {"vae": _own_file(ORIGINAL_WAN_VAE, "qwen_image_vae.safetensors", "qwenimage"),
                      "text_encoder": _own_file(TRANSFORMERS_QWEN25_VL, "qwen_2.5_vl_7b.safetensors", "qwen25vl")}
 _CHROMA_FILES = {"vae": _own_file(LDM_VAE, "ae.safetensors"),
@@ -182,13 +185,20 @@ FAMILIES = {
     "sd35_medium": Family("sd35_medium", "Stable Diffusion 3.5 Medium", "StableDiffusion3Pipeline", _SD3_PARTS,
                           _SD3_FILES),
     "wan-t2v-1.3B": Family("wan-t2v-1.3B", "Wan text-to-video 1.3B", "WanPipeline",
-                           _denoiser(ORIGINAL_WAN, **_WAN21_FILES), ("scheduler", "tokenizer"), denoiser_alone=True),
+                           _denoiser(ORIGINAL_WAN, **_WAN21_FILES), ("scheduler", "tokenizer"), denoiser_alone=True,
+                           pair_repository="Wan-AI/Wan2.2-T2V-A14B-Diffusers"),
     "wan-t2v-14B": Family("wan-t2v-14B", "Wan text-to-video 14B", "WanPipeline",
-                          _denoiser(ORIGINAL_WAN, **_WAN21_FILES), ("scheduler", "tokenizer"), denoiser_alone=True),
+                          _denoiser(ORIGINAL_WAN, **_WAN21_FILES), ("scheduler", "tokenizer"), denoiser_alone=True,
+                          pair_repository="Wan-AI/Wan2.2-T2V-A14B-Diffusers"),
     # diffusers' single-file loading has no name for Wan 2.2's 5B (it calls it "wan-i2v-14B").
     "wan-ti2v-5B": Family("wan-ti2v-5B", "Wan 2.2 5B", "WanPipeline", _denoiser(ORIGINAL_WAN, **_WAN22_5B_FILES),
                           ("scheduler", "tokenizer"), denoiser_alone=True,
                           repository="Wan-AI/Wan2.2-TI2V-5B-Diffusers"),
+    # Wan 2.2 I2V A14B's experts (ComfyUI's wan2.2_i2v_high_noise_14B_*.safetensors): the condition latents and mask
+    # beside the noise, no image embedder. diffusers' single-file loading calls them "wan-i2v-14B", as Wan 2.1 I2V.
+    "wan2.2-i2v-A14B": Family("wan2.2-i2v-A14B", "Wan 2.2 image-to-video A14B", "WanImageToVideoPipeline",
+                              _denoiser(ORIGINAL_WAN, **_WAN21_FILES), ("scheduler", "tokenizer"), denoiser_alone=True,
+                              repository="Wan-AI/Wan2.2-I2V-A14B-Diffusers"),
     "qwen-image": Family("qwen-image", "Qwen-Image", "QwenImagePipeline", _denoiser(QWEN_IMAGE, **_QWEN_IMAGE_FILES),
                          ("scheduler", "tokenizer"), denoiser_alone=True, repository="Qwen/Qwen-Image"),
     "chroma": Family("chroma", "Chroma", "ChromaPipeline", _denoiser(CHROMA, **_CHROMA_FILES),
@@ -206,11 +216,17 @@ def _mmdit_type(shapes, prefix: str) -> str:
 
 
 def _wan_type(shapes, prefix: str) -> str | None:
-    """A text-to-video Wan transformer's size (Wan 2.2's 5B is 3072 wide); None for an image-to-video one (its image
-    embedder), which memfit does not run."""
+    """A text-to-video Wan transformer's size (Wan 2.2's 5B is 3072 wide), or Wan 2.2 I2V A14B's expert (more input
+    channels than output ones: the condition latents and mask); None for Wan 2.1's image-to-video one (its image
+    embedder), which memfit does not open as a single file."""
     if any(key.startswith(f"{prefix}img_emb.") for key in shapes):
         return None
-    width = shapes.get(f"{prefix}patch_embedding.weight", (None, [0]))[1][0]
+    patch = shapes.get(f"{prefix}patch_embedding.weight", (None, [0, 0, 1, 1, 1]))[1]
+    head = shapes.get(f"{prefix}head.head.weight")
+    patch_size = patch[2] * patch[3] * patch[4] if len(patch) == 5 else 1
+    if head is not None and patch[1] * patch_size != head[1][0]:
+        return "wan2.2-i2v-A14B"
+    width = patch[0]
     return "wan-t2v-1.3B" if width <= 1536 else "wan-ti2v-5B" if width == 3072 else "wan-t2v-14B"
 
 
@@ -490,9 +506,10 @@ class SingleFileModel(ModelFolder):
 
     @classmethod
     def open_file(cls, path: str | Path, *, config: str | Path | None = None, allow_pickle: bool = False,
-                  config_flag: str = "--config") -> "SingleFileModel":
+                  config_flag: str = "--config", paired: bool = False) -> "SingleFileModel":
         """Open the checkpoint ``path``: its family from the header, its configs from ``config`` (a diffusers
-        folder of that family, the user's ``config_flag``) or where memfit.models.single_file_configs finds them.
+        folder of that family, the user's ``config_flag``) or where memfit.models.single_file_configs finds them
+        (``paired``: a second expert is read beside it, so those of the family's pair_repository).
         The family's models the file lacks (optional parts) are read from that folder."""
         from memfit.models.single_file_configs import find_configs
 
@@ -500,7 +517,7 @@ class SingleFileModel(ModelFolder):
         refuse_missing_model(path)
         checkpoint = _Checkpoint(path, allow_pickle)
         family = detect_family(path, checkpoint.shapes)
-        config_dir, source = find_configs(path, family, config, config_flag)
+        config_dir, source = find_configs(path, family, config, config_flag, paired=paired)
         configs = ModelFolder.open(config_dir)
         if configs.class_name != family.pipeline_class:
             raise MemfitError(

@@ -26,24 +26,28 @@ CONFIG_FILES = ["model_index.json", "*/config.json", "*/*_config.json", "tokeniz
                 "tokenizer*/*.model"]
 
 
-def default_repository(family) -> str:
+def default_repository(family, *, paired: bool = False) -> str:
     """The repository diffusers' single-file loader takes a family's configs from (the family's own, where
-    diffusers names none: Qwen-Image's)."""
+    diffusers names none: Qwen-Image's); ``paired`` (a second expert read beside the file: Wan 2.2 A14B's), the
+    family's pair_repository where it has one."""
     from diffusers.loaders.single_file_utils import DIFFUSERS_DEFAULT_PIPELINE_PATHS
 
+    if paired and family.pair_repository:
+        return family.pair_repository
     return family.repository or DIFFUSERS_DEFAULT_PIPELINE_PATHS[family.model_type]["pretrained_model_name_or_path"]
 
 
-def find_configs(checkpoint: Path, family, config: str | Path | None, flag: str = "--config") -> tuple[Path, str]:
+def find_configs(checkpoint: Path, family, config: str | Path | None, flag: str = "--config", *,
+                 paired: bool = False) -> tuple[Path, str]:
     """(the folder to read configs and tokenizers from, how it was found) for ``checkpoint`` of ``family``;
-    ``config`` is what the user gave as ``flag``."""
+    ``config`` is what the user gave as ``flag``; ``paired``: a second expert is read beside it."""
     if config is not None:
         folder = Path(config).expanduser()
         if not folder.is_dir():
             raise MemfitError(f"{flag} {folder} is not a folder; give a diffusers model folder of the "
                               f"{family.label} family (only its configs and tokenizers are read).")
         return folder, f"{flag} {folder}"
-    repository = default_repository(family)
+    repository = default_repository(family, paired=paired)
     cached = _cached_snapshot(repository, family)
     if cached is not None:
         return cached, f"the Hugging Face cache's snapshot of {repository} ({cached})"

@@ -10,7 +10,8 @@ city96's GGUF files); an SD3/SD3.5 transformer in Stability's original MMDiT lay
 city96's GGUF files) or diffusers'; a Chroma transformer in its original keys (Flux's, with the
 ``distilled_guidance_layer`` approximator) or diffusers'; a Z-Image transformer in its original keys
 (``layers.0.attention.qkv.weight``) or diffusers'; a Wan 2.1 or Qwen-Image VAE in Wan's original layout
-(ComfyUI's ``wan_2.1_vae.safetensors``, ``qwen_image_vae.safetensors``) or diffusers'; a T5 encoder in transformers' layout (``t5xxl_fp16.safetensors``). A layout
+(ComfyUI's ``wan_2.1_vae.safetensors``, ``qwen_image_vae.safetensors``) or diffusers'; Wan 2.2's 5B VAE in its own
+(``wan2.2_vae.safetensors``) or diffusers'; a T5 encoder in transformers' layout (``t5xxl_fp16.safetensors``). A layout
 is known by a marker, one tensor name only it has; where that name is found
 in a file fixes the prefix the component's tensors share there (``first_stage_model.`` in an
 all-in-one checkpoint, nothing in a file of its own), so the same layout reads a component alone
@@ -36,10 +37,10 @@ import torch
 
 from memfit.errors import MemfitError
 
-__all__ = ["AS_SAVED", "BFL_FLUX", "CHROMA", "COMPONENT_LAYOUTS", "LDM_UNET", "LDM_VAE", "LLAMA_CPP_LM", "LLAMA_CPP_T5",
-           "MMDIT_SD3", "OPEN_CLIP", "ORIGINAL_WAN", "ORIGINAL_WAN_VAE", "ORIGINAL_Z_IMAGE", "QWEN_IMAGE", "SD3_CLIP_L",
-           "TRANSFORMERS_CLIP", "TRANSFORMERS_QWEN3", "TRANSFORMERS_QWEN25_VL", "TRANSFORMERS_T5", "Layout",
-           "component_layouts", "find_layouts", "group_counts"]
+__all__ = ["AS_SAVED", "BFL_FLUX", "CHROMA", "COMPONENT_LAYOUTS", "LDM_UNET", "LDM_VAE", "LLAMA_CPP_LM",
+           "LLAMA_CPP_T5", "MMDIT_SD3", "OPEN_CLIP", "ORIGINAL_WAN", "ORIGINAL_WAN22_VAE", "ORIGINAL_WAN_VAE",
+           "ORIGINAL_Z_IMAGE", "QWEN_IMAGE", "SD3_CLIP_L", "TRANSFORMERS_CLIP", "TRANSFORMERS_QWEN3",
+           "TRANSFORMERS_QWEN25_VL", "TRANSFORMERS_T5", "Layout", "component_layouts", "find_layouts", "group_counts"]
 
 
 def _convert_unet(tensors: dict, config: dict, module) -> dict:
@@ -272,6 +273,33 @@ def _convert_wan_vae(tensors: dict, config: dict, module) -> dict:
     return converted
 
 
+# Wan 2.2's VAE (the TI2V-5B's): each encoder level and decoder level is a block of its own, holding its residual
+# blocks and then its resampler in one list (``encoder.downsamples.0.downsamples.1.resample.1.weight``).
+_WAN22_VAE_BLOCK = re.compile(r"(encoder|decoder)\.(?:down|up)samples\.(\d+)\.(?:down|up)samples\.(\d+)\.(.+)")
+
+
+def _convert_wan22_vae(tensors: dict, config: dict, module) -> dict:
+    """Wan 2.2's VAE in its original layout (the Wan repository's ``Wan2.2_VAE.pth``, ComfyUI's
+    ``wan2.2_vae.safetensors``: 48 latent channels, residual levels) in diffusers' names (AutoencoderKLWan with
+    is_residual), as diffusers' own conversion script for it renames them (its single-file converter,
+    convert_wan_vae_to_diffusers, knows only Wan 2.1's structure): a level's residual blocks are its resnets, the
+    entry after them its downsampler or upsampler; the middle, the heads and the quant convolutions as Wan 2.1's.
+    Renames only: every tensor stays a view of the file."""
+    levels, rest = {}, {}
+    for key, value in tensors.items():
+        block = _WAN22_VAE_BLOCK.fullmatch(key)
+        if block is None:
+            rest[key] = value
+            continue
+        side, level, index, inner = block.groups()
+        head = f"{side}.down_blocks.{level}" if side == "encoder" else f"{side}.up_blocks.{level}"
+        if inner.split(".")[0] in ("resample", "time_conv"):
+            levels[f"{head}.{'downsampler' if side == 'encoder' else 'upsampler'}.{inner}"] = value
+        else:
+            levels[f"{head}.resnets.{index}.{_wan_vae_inner(inner)}"] = value
+    return {**_convert_wan_vae(rest, config, module), **levels}
+
+
 # Stability's MMDiT module names -> diffusers' (tensor names end in .weight or .bias), as diffusers'
 # convert_sd3_transformer_checkpoint_to_diffusers renames them.
 _SD3_RENAMES = {"x_embedder.proj": "pos_embed.proj", "t_embedder.mlp.0": "time_text_embed.timestep_embedder.linear_1",
@@ -456,8 +484,10 @@ BFL_FLUX = Layout("Black Forest Labs", ("double_blocks.0.img_attn.qkv.weight",),
 ORIGINAL_WAN = Layout("Wan", ("blocks.0.self_attn.q.weight",), _convert_wan)
 CHROMA = Layout("Chroma", ("distilled_guidance_layer.layers.0.in_layer.weight",), _convert_chroma)
 ORIGINAL_Z_IMAGE = Layout("Z-Image", ("layers.0.attention.qkv.weight",), _convert_z_image)
-# Wan 2.1's VAE (and Qwen-Image's, the same architecture) in Wan's original names.
+# Wan 2.1's VAE (and Qwen-Image's, the same architecture) in Wan's original names; Wan 2.2's (the 5B's), whose levels
+# are blocks of their own.
 ORIGINAL_WAN_VAE = Layout("Wan", ("decoder.middle.0.residual.0.gamma",), _convert_wan_vae)
+ORIGINAL_WAN22_VAE = Layout("Wan 2.2", ("encoder.downsamples.0.downsamples.0.residual.0.gamma",), _convert_wan22_vae)
 MMDIT_SD3 = Layout("MMDiT", ("joint_blocks.0.x_block.attn.qkv.weight",), _convert_sd3)
 TRANSFORMERS_T5 = Layout("transformers", ("encoder.block.0.layer.0.SelfAttention.q.weight",), _convert_t5)
 LLAMA_CPP_T5 = Layout("llama.cpp", ("enc.blk.0.attn_q.weight",), _convert_llama_cpp_t5)
@@ -487,7 +517,7 @@ COMPONENT_LAYOUTS = {
     "CLIPTextModel": (TRANSFORMERS_CLIP, OPEN_CLIP),
     "CLIPTextModelWithProjection": (TRANSFORMERS_CLIP, OPEN_CLIP),
     "FluxTransformer2DModel": (BFL_FLUX, _diffusers("transformer_blocks.0.attn.to_q.weight")),
-    "AutoencoderKLWan": (ORIGINAL_WAN_VAE, _diffusers("decoder.mid_block.resnets.0.norm1.gamma")),
+    "AutoencoderKLWan": (ORIGINAL_WAN22_VAE, ORIGINAL_WAN_VAE, _diffusers("decoder.mid_block.resnets.0.norm1.gamma")),
     "AutoencoderKLQwenImage": (ORIGINAL_WAN_VAE, _diffusers("decoder.mid_block.resnets.0.norm1.gamma")),
     "WanTransformer3DModel": (ORIGINAL_WAN, _diffusers("blocks.0.attn1.to_q.weight")),
     "QwenImageTransformer2DModel": (QWEN_IMAGE,),

@@ -533,6 +533,14 @@ def _wan22(scale: int, text_layers: int):
     return _wan(scale, text_layers, boundary_ratio=0.875, ffn_dim=2**16 * scale)
 
 
+def _wan22_narrow(scale: int, text_layers: int):
+    """Wan 2.2 A14B's layout with the narrow feed-forward layers of the tiny Wan 2.1 model, for tests that read its
+    experts from single files: at scale 4 every tensor is a whole number of 64-byte lines, so files written with
+    memfit.testing.single_file.save_aligned hold each one aligned as in memory (a one-row matmul may round
+    differently on an unaligned bias)."""
+    return _wan(scale, text_layers, boundary_ratio=0.875)
+
+
 def _clip_vision(scale: int, image_size: int = 32):
     """A tiny CLIPVisionModel and the CLIPImageProcessor that feeds it ``image_size`` pixels a side."""
     import transformers
@@ -942,13 +950,14 @@ def _sd_pag(scale: int, text_layers: int):
 _BUILDERS: dict[str, Callable[[int, int], object]] = {
     "sd": _sd, "sdxl": _sdxl, "lumina2": _lumina2, "cogview4": _cogview4,
     "flux": _flux, "flux_schnell": _flux_schnell, "sd3": _sd3, "qwenimage": _qwenimage, "wan": _wan, "wan22": _wan22,
+    "wan22_narrow": _wan22_narrow,
     "wan_i2v": _wan_i2v, "wan22_i2v": _wan22_i2v, "wan22_ti2v": _wan22_ti2v, "chroma": _chroma, "sana": _sana, "pixart_sigma": _pixart_sigma, "aura_flow": _aura_flow, "hidream": _hidream,
     "zimage": _zimage, "flux_kontext": _flux_kontext, "flux2": _flux2, "flux2_klein": _flux2_klein,
     "sd_pag": _sd_pag, "hunyuan_image": _hunyuan_image, "sdxl_single_file": _sdxl_single_file, "sd3_single_file": _sd3_single_file, "sd2_single_file": _sd2_single_file,
 }
 
 # Sizes each tiny architecture accepts (multiples of what its VAE and patching need).
-DEFAULT_SIZE = {"sd": 32, "sdxl": 32, "lumina2": 32, "cogview4": 32, "flux": 32, "flux_schnell": 32, "sd3": 32, "qwenimage": 32, "wan": 32, "wan22": 32, "wan_i2v": 32, "wan22_i2v": 32, "wan22_ti2v": 64, "chroma": 32, "sana": 32, "pixart_sigma": 32, "aura_flow": 32, "hidream": 32,
+DEFAULT_SIZE = {"sd": 32, "sdxl": 32, "lumina2": 32, "cogview4": 32, "flux": 32, "flux_schnell": 32, "sd3": 32, "qwenimage": 32, "wan": 32, "wan22": 32, "wan22_narrow": 32, "wan_i2v": 32, "wan22_i2v": 32, "wan22_ti2v": 64, "chroma": 32, "sana": 32, "pixart_sigma": 32, "aura_flow": 32, "hidream": 32,
                 "zimage": 32, "flux_kontext": 32, "flux2": 32, "flux2_klein": 32, "hunyuan_image": 32}
 
 

@@ -45,7 +45,9 @@ __all__ = [
     "save_single_file",
     "sd3_mmdit_state_dict",
     "sd3_states",
+    "wan22_vae_original_state_dict",
     "wan_original_state_dict",
+    "wan_vae_original_state_dict",
     "z_image_original_state_dict",
 ]
 
@@ -423,25 +425,50 @@ def wan_vae_original_state_dict(vae) -> dict[str, torch.Tensor]:
     list of blocks (each up block's residual blocks, then its upsampler), the middle as residual, attention,
     residual."""
     per_block = vae.config.num_res_blocks + 2
+    return {_wan_vae_key(key, per_block): tensor for key, tensor in vae.state_dict().items()}
+
+
+def _wan_vae_key(key: str, per_block: int) -> str:
+    """The Wan 2.1 name of an AutoencoderKLWan tensor whose decoder up blocks hold ``per_block`` entries."""
+    path, _, leaf = key.rpartition(".")
+    parts = path.split(".")
+    if path in _WAN_VAE_TOP:
+        name = _WAN_VAE_TOP[path]
+    elif parts[1] == "mid_block":
+        index = 1 if parts[2] == "attentions" else 2 * int(parts[3])
+        name = ".".join([parts[0], "middle", str(index), *[_WAN_VAE_INNER.get(p, p) for p in parts[4:]]])
+    elif parts[1] == "down_blocks":
+        name = ".".join([parts[0], "downsamples", parts[2], *[_WAN_VAE_INNER.get(p, p) for p in parts[3:]]])
+    elif parts[1] == "up_blocks":
+        up, kind, within, rest = int(parts[2]), parts[3], int(parts[4]), parts[5:]
+        index = up * per_block + (per_block - 1 if kind == "upsamplers" else within)
+        inner = rest if kind == "upsamplers" else [_WAN_VAE_INNER.get(p, p) for p in rest]
+        name = ".".join([parts[0], "upsamples", str(index), *inner])
+    else:
+        raise AssertionError(f"no Wan name for {key}")
+    return f"{name}.{leaf}"
+
+
+def wan22_vae_original_state_dict(vae) -> dict[str, torch.Tensor]:
+    """An AutoencoderKLWan of Wan 2.2's structure (is_residual: the TI2V-5B's) in the original keys, as the Wan
+    repository's Wan2.2_VAE.pth and ComfyUI's wan2.2_vae.safetensors hold them: each level a block of its own whose one
+    list holds its residual blocks, then its resampler (``encoder.downsamples.0.downsamples.1.resample.1.weight``,
+    ``decoder.upsamples.0.upsamples.2.time_conv.weight``); the middle, heads and quant convolutions as Wan 2.1's."""
+    blocks = {"down_blocks": ("downsamples", "downsampler", vae.config.num_res_blocks),
+              "up_blocks": ("upsamples", "upsampler", vae.config.num_res_blocks + 1)}
     out = {}
     for key, tensor in vae.state_dict().items():
-        path, _, leaf = key.rpartition(".")
-        parts = path.split(".")
-        if path in _WAN_VAE_TOP:
-            name = _WAN_VAE_TOP[path]
-        elif parts[1] == "mid_block":
-            index = 1 if parts[2] == "attentions" else 2 * int(parts[3])
-            name = ".".join([parts[0], "middle", str(index), *[_WAN_VAE_INNER.get(p, p) for p in parts[4:]]])
-        elif parts[1] == "down_blocks":
-            name = ".".join([parts[0], "downsamples", parts[2], *[_WAN_VAE_INNER.get(p, p) for p in parts[3:]]])
-        elif parts[1] == "up_blocks":
-            up, kind, within, rest = int(parts[2]), parts[3], int(parts[4]), parts[5:]
-            index = up * per_block + (per_block - 1 if kind == "upsamplers" else within)
-            inner = rest if kind == "upsamplers" else [_WAN_VAE_INNER.get(p, p) for p in rest]
-            name = ".".join([parts[0], "upsamples", str(index), *inner])
-        else:
-            raise AssertionError(f"no Wan name for {key}")
-        out[f"{name}.{leaf}"] = tensor
+        parts = key.split(".")
+        if parts[1] not in blocks:
+            out[_wan_vae_key(key, 0)] = tensor
+            continue
+        listed, sampler, resampler_index = blocks[parts[1]]
+        head = f"{parts[0]}.{listed}.{parts[2]}.{listed}"
+        if parts[3] == sampler:
+            out[f"{head}.{resampler_index}.{'.'.join(parts[4:])}"] = tensor
+        else:  # resnets.J.<inner>
+            path, leaf = ".".join(parts[5:-1]), parts[-1]
+            out[f"{head}.{parts[4]}.{_WAN_VAE_INNER.get(path, path)}.{leaf}"] = tensor
     return out
 
 
@@ -542,13 +569,16 @@ def _t5_both_names(encoder) -> dict[str, torch.Tensor]:
     return state
 
 
-def save_aligned(state: dict[str, torch.Tensor], path: str | Path) -> Path:
+def save_aligned(state: dict[str, torch.Tensor], path: str | Path, *, like: str | Path | None = None) -> Path:
     """``state`` as a safetensors file in which every tensor of a whole number of 64-byte lines starts on one.
 
     A weight read in place from a file is used where it lies, and a CPU matmul may add in another order when
     its operand is not aligned (one bit in the last place); a folder's file places its tensors by chance. The
     files here are compared with folders bit for bit, so their matrices lie aligned as a model loaded to memory
     holds them: those first, the header padded with spaces (which the format allows), the odd-sized rest after.
+    ``like``: a safetensors file read in place (a diffusers folder's, whose loading maps it too): the data starts
+    at the same place in a 64-byte line as there, so where every tensor is a whole number of lines (the tiny
+    models at scale 4) each lies as the folder's does.
     """
     from safetensors.torch import _TYPES
 
@@ -562,7 +592,11 @@ def save_aligned(state: dict[str, torch.Tensor], path: str | Path) -> Path:
         header[key] = {"dtype": names[tensor.dtype], "shape": list(tensor.shape), "data_offsets": [offset, offset + size[key]]}
         offset += size[key]
     text = json.dumps(header, separators=(",", ":")).encode()
-    text += b" " * (-(8 + len(text)) % 64)
+    start = 0
+    if like is not None:
+        with Path(like).open("rb") as handle:
+            start = 8 + int.from_bytes(handle.read(8), "little")
+    text += b" " * ((start - 8 - len(text)) % 64)
     path = Path(path)
     with path.open("wb") as handle:
         handle.write(len(text).to_bytes(8, "little"))
