@@ -133,8 +133,7 @@ def _fit(path: Path, config: Path, components: dict[str, Path]) -> int:
 
     try:
         model = SingleFileModel.open_file(path, config=config)
-        for name, weights in model.weights.items():
-            model._assign(name, weights, probe=True)
+        model.check_fits()
     except MemfitError:
         return 0
     try:

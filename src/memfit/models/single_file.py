@@ -604,6 +604,12 @@ class SingleFileModel(ModelFolder):
             return weights
         raise MemfitError(f"--component {name}={path} does not fit {self.path.name}: {refusal}") from None
 
+    def check_fits(self) -> None:
+        """Build every component the files give on the meta device (no data read): MemfitError names the first
+        whose weights do not fit its config."""
+        for name, weights in self.weights.items():
+            self._assign(name, weights, probe=True)
+
     @property
     def config_folder(self) -> Path:
         return self.config_dir
