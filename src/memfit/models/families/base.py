@@ -139,6 +139,10 @@ class PipelineAdapter:
     needs_control_image: ClassVar[bool] = False
     # Whether memfit runs this family with --lora (diffusers' load_lora_weights in each stage; tested).
     takes_lora: ClassVar[bool] = False
+    # Components whose config the pipeline's __init__ reads without checking that they were loaded (HunyuanVideo
+    # 1.5's VAE): a stage that does not load one builds its pipeline with a weightless stand-in of its config in
+    # its place, which is None again once the pipeline is built (memfit.models.folder.ModelFolder.load_stage).
+    read_at_init: ClassVar[tuple[str, ...]] = ()
 
     def __init__(self, configs: dict[str, dict], classes: dict[str, tuple[str, str]] | None = None):
         # Component configs read from the model folder (or a built-in architecture), and each
