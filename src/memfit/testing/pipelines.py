@@ -512,9 +512,9 @@ def _hunyuan_video15(scale: int, text_layers: int):
     # the transformer's weights stream them.
     transformer = HunyuanVideo15Transformer3DModel(
         in_channels=2 * latent_channels + 1,  # the noise, the condition latents and their mask (zeros in t2v)
-        out_channels=latent_channels, num_attention_heads=16 * scale, attention_head_dim=16, num_layers=2,
+        out_channels=latent_channels, num_attention_heads=2 * scale, attention_head_dim=128, num_layers=2,
         num_refiner_layers=1, text_embed_dim=text_hidden, text_embed_2_dim=text_hidden, image_embed_dim=16,
-        rope_axes_dim=(4, 6, 6), target_size=32, task_type="t2v",
+        rope_axes_dim=(16, 56, 56), target_size=32, task_type="t2v",
     )
     vae = AutoencoderKLHunyuanVideo15(
         in_channels=3, out_channels=3, latent_channels=latent_channels, block_out_channels=(8 * scale,) * 3,
