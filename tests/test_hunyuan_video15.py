@@ -2,7 +2,8 @@
 (tests/test_families.py, with and without streaming); here: its embeddings (Qwen2.5-VL and ByT5, each with its
 mask) through memfit encode and --embeddings, a prompt's quoted text through the ByT5 encoder, guidance held by the
 guider component, the frame and size checks, the default size, the stages' pipelines built without the VAE, and
-the decode's activations, which hold the whole video at once."""
+the decode's activations, which hold the whole video at once; and image to video
+(HunyuanVideo15ImageToVideoPipeline), equal to plain diffusers with and without streaming."""
 
 from __future__ import annotations
 
@@ -12,11 +13,13 @@ import pytest
 import torch
 
 import memfit
+from conftest import smallest_budget
 from memfit.cli.app import main
 from memfit.errors import MemfitError
 from memfit.models.folder import ModelFolder
 from memfit.run.embeddings import Embeddings
 from memfit.testing import assert_matches_diffusers, diffusers_output, max_pixel_difference
+from memfit.testing.conditioning import test_image as picture
 
 PROMPT = "a red house near the sea"
 NEGATIVE = "blurry"
@@ -130,3 +133,52 @@ def test_decode_activations_hold_the_whole_video(model):
               for frames in (5, 121)}
     assert decode[121].activation_bytes > 848 * 480 * 121 * 128 * 2  # one bf16 tensor of the last up block
     assert decode[121].activation_bytes / decode[5].activation_bytes > 20
+
+
+# ---- image to video (HunyuanVideo15ImageToVideoPipeline) -----------------------------------------------------------
+
+IMAGE = picture(32, seed=1)
+I2V = dict(prompt=PROMPT, negative_prompt=NEGATIVE, steps=2, guidance=4.0, seed=7, num_frames=5, image=IMAGE)
+
+
+@pytest.mark.parametrize("guided", [False, True], ids=["no-cfg", "cfg"])
+def test_image_to_video_equals_plain_diffusers(tiny_models, guided):
+    settings = I2V if guided else dict(I2V, guidance=1.0, negative_prompt=None)
+    ours, _ = assert_matches_diffusers(tiny_models("hunyuan_video15_i2v"), atol=0, **settings)
+    assert [stage.stage for stage in ours.report.stages] == ["encode", "denoise", "decode"]
+    assert ours.settings.task == "img2img" and (ours.settings.width, ours.settings.height) == (32, 32)
+    assert len(ours.frames) == 5
+
+
+def test_image_to_video_streams_and_plans_what_encodes_the_image(tiny_models, streamed_plans, tmp_path, monkeypatch):
+    """With the smallest budget that plans, weights stream in the denoise stage and the video is still plain
+    diffusers'; the denoise plan places the SigLIP image encoder and the VAE (its encoder) beside the transformer,
+    and the image changes the video."""
+    model = tiny_models("hunyuan_video15_i2v")
+    budget = smallest_budget(model=model, **dict(I2V, steps=1))
+    streamed_plans.clear()
+    monkeypatch.setenv("MEMFIT_CACHE_DIR", str(tmp_path / "cache"))
+    ours, _ = assert_matches_diffusers(model, atol=0, budget=budget, **I2V)
+    stages = {plan.stages[0].name: plan.stages[0] for plan in streamed_plans}
+    assert stages["denoise"].streamed_from_disk_bytes > 0
+    assert {"transformer", "image_encoder", "vae"} <= {placement.component for placement in stages["denoise"].placements}
+    other = memfit.generate(model=model, progress=False, **dict(I2V, image=picture(32, seed=2)))
+    assert max_pixel_difference(ours.frames, other.frames) > 0
+
+
+def test_image_to_video_size_is_the_images_bucket(tiny_models):
+    """The pipeline draws at the aspect-ratio bucket of the image at the transformer's target_size: memfit takes that
+    size, refuses another --width/--height, and refuses a run without --image."""
+    from memfit.models.families.base import Conditioning
+
+    model = tiny_models("hunyuan_video15_i2v")
+    adapter = ModelFolder.open(model).adapter
+    wide = Conditioning(image=picture(32, seed=1).resize((48, 32)))
+    settings = adapter.resolve(PROMPT, None, 2, None, 0, None, None, conditioning=wide, num_frames=5)
+    assert (settings.width, settings.height) == (36, 24)  # the 3:2 bucket of 64 4x4 patches
+    with pytest.raises(MemfitError, match=r"draws at the size of --image \(36x24\); leave out --width/--height"):
+        adapter.resolve(PROMPT, None, 2, None, 0, 48, 32, conditioning=wide, num_frames=5)
+    with pytest.raises(MemfitError, match=r"makes a video from an image: pass --image IMG"):
+        memfit.generate(model=model, progress=False, **dict(I2V, image=None))
+    with pytest.raises(MemfitError, match=r"HunyuanVideo15Pipeline does not take --image"):
+        memfit.generate(model=tiny_models("hunyuan_video15"), progress=False, **I2V)

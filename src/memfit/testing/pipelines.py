@@ -475,13 +475,16 @@ def _hunyuan_image(scale: int, text_layers: int):
     )
 
 
-def _hunyuan_video15(scale: int, text_layers: int):
+def _hunyuan_video15(scale: int, text_layers: int, *, image_to_video: bool = False):
     """HunyuanVideo 1.5 text to video: HunyuanImage's tiny encoders (a Qwen2.5-VL text model, as the real folder's,
-    and a T5 encoder with the byte-level ByT5 tokenizer), a one-block transformer and a 4x (4x in time) video VAE.
+    and a T5 encoder with the byte-level ByT5 tokenizer), a two-block transformer and a 4x (4x in time) video VAE.
     The pipeline crops the first 108 tokens of its chat template (the real template's system turn): this
-    tokenizer's template pads its system turn to that length, so the prompt is what remains."""
+    tokenizer's template pads its system turn to that length, so the prompt is what remains.
+    ``image_to_video``: HunyuanVideo15ImageToVideoPipeline's, with a tiny SigLIP image encoder whose tokens the
+    transformer attends to."""
+    import transformers
     from diffusers import (AutoencoderKLHunyuanVideo15, ClassifierFreeGuidance, FlowMatchEulerDiscreteScheduler,
-                           HunyuanVideo15Pipeline, HunyuanVideo15Transformer3DModel)
+                           HunyuanVideo15ImageToVideoPipeline, HunyuanVideo15Pipeline, HunyuanVideo15Transformer3DModel)
     from transformers import ByT5Tokenizer, Qwen2_5_VLTextConfig, Qwen2_5_VLTextModel
 
     from memfit.testing.tokenizers import DEFAULT_WORDS
@@ -513,14 +516,14 @@ def _hunyuan_video15(scale: int, text_layers: int):
     transformer = HunyuanVideo15Transformer3DModel(
         in_channels=2 * latent_channels + 1,  # the noise, the condition latents and their mask (zeros in t2v)
         out_channels=latent_channels, num_attention_heads=2 * scale, attention_head_dim=128, num_layers=2,
-        num_refiner_layers=1, text_embed_dim=text_hidden, text_embed_2_dim=text_hidden, image_embed_dim=16,
-        rope_axes_dim=(16, 56, 56), target_size=32, task_type="t2v",
+        num_refiner_layers=1, text_embed_dim=text_hidden, text_embed_2_dim=text_hidden, image_embed_dim=16 * scale,
+        rope_axes_dim=(16, 56, 56), target_size=32, task_type="i2v" if image_to_video else "t2v",
     )
     vae = AutoencoderKLHunyuanVideo15(
         in_channels=3, out_channels=3, latent_channels=latent_channels, block_out_channels=(8 * scale,) * 3,
         layers_per_block=1, spatial_compression_ratio=4, temporal_compression_ratio=4, scaling_factor=0.75,
     )
-    return HunyuanVideo15Pipeline(
+    components = dict(
         scheduler=FlowMatchEulerDiscreteScheduler(shift=5.0),
         vae=vae,
         text_encoder=text_encoder,
@@ -530,6 +533,17 @@ def _hunyuan_video15(scale: int, text_layers: int):
         transformer=transformer,
         guider=ClassifierFreeGuidance(guidance_scale=6.0),
     )
+    if not image_to_video:
+        return HunyuanVideo15Pipeline(**components)
+    vision = transformers.SiglipVisionConfig(hidden_size=16 * scale, intermediate_size=32 * scale, num_hidden_layers=1,
+                                             num_attention_heads=2, image_size=32, patch_size=8)
+    return HunyuanVideo15ImageToVideoPipeline(
+        **components, image_encoder=transformers.SiglipVisionModel(vision).eval(),
+        feature_extractor=transformers.SiglipImageProcessor(size={"height": 32, "width": 32}))
+
+
+def _hunyuan_video15_i2v(scale: int, text_layers: int):
+    return _hunyuan_video15(scale, text_layers, image_to_video=True)
 
 
 def _wan(scale: int, text_layers: int, boundary_ratio: float | None = None, ffn_dim: int | None = None, *,
@@ -1001,13 +1015,13 @@ _BUILDERS: dict[str, Callable[[int, int], object]] = {
     "flux": _flux, "flux_schnell": _flux_schnell, "sd3": _sd3, "qwenimage": _qwenimage, "wan": _wan, "wan22": _wan22,
     "wan_i2v": _wan_i2v, "wan22_i2v": _wan22_i2v, "wan22_ti2v": _wan22_ti2v, "chroma": _chroma, "sana": _sana, "pixart_sigma": _pixart_sigma, "aura_flow": _aura_flow, "hidream": _hidream,
     "zimage": _zimage, "flux_kontext": _flux_kontext, "flux2": _flux2, "flux2_klein": _flux2_klein,
-    "sd_pag": _sd_pag, "hunyuan_image": _hunyuan_image, "hunyuan_video15": _hunyuan_video15, "sdxl_single_file": _sdxl_single_file, "sd3_single_file": _sd3_single_file, "sd2_single_file": _sd2_single_file,
+    "sd_pag": _sd_pag, "hunyuan_image": _hunyuan_image, "hunyuan_video15": _hunyuan_video15, "hunyuan_video15_i2v": _hunyuan_video15_i2v, "sdxl_single_file": _sdxl_single_file, "sd3_single_file": _sd3_single_file, "sd2_single_file": _sd2_single_file,
 }
 
 # Sizes each tiny architecture accepts (multiples of what its VAE and patching need).
 DEFAULT_SIZE = {"sd": 32, "sdxl": 32, "lumina2": 32, "cogview4": 32, "flux": 32, "flux_schnell": 32, "sd3": 32, "qwenimage": 32, "wan": 32, "wan22": 32, "wan_i2v": 32, "wan22_i2v": 32, "wan22_ti2v": 64, "chroma": 32, "sana": 32, "pixart_sigma": 32, "aura_flow": 32, "hidream": 32,
                 "zimage": 32, "flux_kontext": 32, "flux2": 32, "flux2_klein": 32, "hunyuan_image": 32,
-                "hunyuan_video15": 32}
+                "hunyuan_video15": 32, "hunyuan_video15_i2v": 32}
 
 
 def build_pipeline(kind: str, *, seed: int = 0, scale: int = 1, text_layers: int = 2):

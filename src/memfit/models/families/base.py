@@ -262,6 +262,13 @@ class PipelineAdapter:
         signature = inspect.signature(getattr(diffusers, self.pipeline_class(task)).__call__)
         return {name: p.default for name, p in signature.parameters.items()}
 
+    def drawn_size(self, image, task: str) -> tuple[int, int]:
+        """(width, height) of ``task``'s output for input ``image`` without --width/--height: the image's size
+        rounded down to what the pipeline's image processor takes (its VAE's scale where the pipeline takes no
+        height and draws at the image's size)."""
+        step = self.vae_scale_factor() if "height" not in self.task_call_defaults(task) else self.size_multiple()
+        return image.width // step * step, image.height // step * step
+
     def takes_strength(self, task: str) -> bool:
         """Whether ``task``'s pipeline noises its input image by a strength (an editing one draws beside it)."""
         return "strength" in self.task_call_defaults(task)
@@ -296,8 +303,7 @@ class PipelineAdapter:
             # Without --width/--height the output takes the input image's size, rounded down to
             # what the pipeline's image processor takes; img2img pipelines only ever take it.
             first = conditioning.image if conditioning.image is not None else conditioning.control_image
-            step = self.vae_scale_factor() if "height" not in task_defaults else self.size_multiple()
-            sized = (first.width // step * step, first.height // step * step)
+            sized = self.drawn_size(first, task)
             if "height" not in task_defaults:
                 if (width is not None and width != sized[0]) or (height is not None and height != sized[1]):
                     raise MemfitError(

@@ -19,8 +19,7 @@ The pipeline's __init__ reads the VAE's config without checking it was loaded, s
 build it with a weightless stand-in of that config (read_at_init). Its text-to-video loop hands the transformer
 729 image-token slots of zeros beside the text (the image-to-video model's SigLIP tokens): context_tokens counts them.
 
-HunyuanVideo15ImageToVideoPipeline (the i2v folders) is not supported yet: it sizes the video from the input image
-by aspect-ratio buckets, has no width or height argument, and runs a SigLIP image encoder in its loop set-up.
+Image to video (the i2v folders, HunyuanVideo15ImageToVideoPipeline) is memfit.models.families.hunyuan_video15_i2v's.
 """
 
 from __future__ import annotations
