@@ -18,6 +18,8 @@ size: the 16:9 bucket of the transformer's target_size (848 x 480 for the 480p m
 The pipeline's __init__ reads the VAE's config without checking it was loaded, so the encode and denoise stages
 build it with a weightless stand-in of that config (read_at_init). Its text-to-video loop hands the transformer
 729 image-token slots of zeros beside the text (the image-to-video model's SigLIP tokens): context_tokens counts them.
+The decode is plain diffusers' too: the VAE decodes every frame at once (no tiling), and the plan's estimate counts
+the whole video at full resolution (memfit.plan.meta.WHOLE_VIDEO_DECODERS).
 
 Image to video (the i2v folders, HunyuanVideo15ImageToVideoPipeline) is memfit.models.families.hunyuan_video15_i2v's.
 """
@@ -37,7 +39,7 @@ class HunyuanVideo15Adapter(HunyuanImageAdapter):
     read_at_init = ("vae",)
     max_text_tokens = 1000 + 256  # the Qwen2.5-VL tokens and the ByT5 glyph tokens, side by side
     options = ("num_frames",)
-    frames_per_second = 24
+    frames_per_second = 24  # its default 121 frames are about 5 seconds (diffusers' i2v example writes 24 fps)
 
     def vae_scale_factor(self) -> int:
         return int(self.configs["vae"].get("spatial_compression_ratio", 16))
