@@ -53,6 +53,8 @@ CASES = {
     "hunyuan_image": (dict(guidance=1.0), dict(guidance=4.0, negative_prompt=NEGATIVE)),
     # Wan 2.2 A14B: two experts, the second from the boundary on (guidance_scale_2 is the folder's)
     "wan22": (dict(guidance=1.0, num_frames=5), dict(guidance=5.0, negative_prompt=NEGATIVE, num_frames=5)),
+    # HunyuanVideo 1.5's guidance is its guider's scale too (6.0 in the tiny folder)
+    "hunyuan_video15": (dict(guidance=1.0, num_frames=5), dict(guidance=4.0, negative_prompt=NEGATIVE, num_frames=5)),
 }
 
 
@@ -711,7 +713,7 @@ def test_optional_settings_are_resolved_or_refused(tiny_models):
     assert settings.guidance == 4.0 and qwen.call_kwargs(settings)["true_cfg_scale"] == 4.0
 
 
-@pytest.mark.parametrize("kind", [*PIPELINE_KINDS, "wan", "sd_pag"])
+@pytest.mark.parametrize("kind", [*PIPELINE_KINDS, "wan", "hunyuan_video15", "sd_pag"])
 def test_plan_model_works_for_every_family(tiny_models, kind, capsys):
     """memfit plan --model plans every family's folder from its configs, with the family's adapter."""
     from memfit.cli.app import main

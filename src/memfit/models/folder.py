@@ -450,12 +450,16 @@ class ModelFolder:
         own = [name for name in names if name not in external and name not in apart]
         pipeline_class = getattr(diffusers, pipeline_class or self.class_name)
         skipped = {name: None for name in self._index_components() if name not in names}
+        stand_ins = {name: config_only_model(self.configs[name]) for name in self.adapter.read_at_init
+                     if name in skipped and name in self.configs}
         try:
             modules = {name: load_component(folder, dtype) for name, folder in external.items()}
             dtypes = {name: self.file_dtype(name) for name in in_file_dtype if name in own}
             load_dtype = {"default": dtype, **dtypes} if dtypes else dtype
-            pipe = pipeline_class.from_pretrained(self.config_folder, **{_DTYPE_KWARG: load_dtype}, **skipped,
-                                                  **modules, **apart)
+            pipe = pipeline_class.from_pretrained(self.config_folder, **{_DTYPE_KWARG: load_dtype},
+                                                  **{**skipped, **stand_ins}, **modules, **apart)
+            for name in stand_ins:  # not loaded in this stage, as every skipped component is
+                setattr(pipe, name, None)
         except MemfitError:
             raise
         except Exception as exc:  # diffusers raises many types; name the folder and the stage
@@ -495,6 +499,20 @@ class ModelFolder:
         if "vae" in self.configs and "vae" not in names:
             pipe.vae_scale_factor = self.adapter.vae_scale_factor()
         return pipe if device is None else pipe.to(device)
+
+
+def config_only_model(config: dict):
+    """A weightless diffusers model whose config (and attributes) are ``config``: what a pipeline's __init__
+    reads of a component a stage does not load (PipelineAdapter.read_at_init). A ModelMixin, since
+    from_pretrained takes only a model in a model's place."""
+    from diffusers import ModelMixin
+    from diffusers.configuration_utils import ConfigMixin, FrozenDict
+
+    model = type("ConfigOnlyModel", (ModelMixin, ConfigMixin), {"config_name": "config.json"})()
+    model._internal_dict = FrozenDict(config)
+    vars(model).update({key: value for key, value in config.items()
+                        if not key.startswith("_") and not hasattr(type(model), key)})
+    return model
 
 
 def load_component(path: str | Path, dtype: torch.dtype):

@@ -97,7 +97,9 @@ def stage_strategies(adapter, stage: str, settings, guided: bool, dtype: str) ->
     if stage == "decode":
         vae = configs["vae"]
         vae_dtype = vae_execution_dtype(vae, dtype)
-        options = [Strategy(StrategyKind.PLAIN, activation_estimate("vae_decoder", vae, dtype=vae_dtype, **size))]
+        vae_class = adapter.classes.get("vae", ("", ""))[1]
+        options = [Strategy(StrategyKind.PLAIN, activation_estimate("vae_decoder", vae, dtype=vae_dtype,
+                                                                    class_name=vae_class, **size))]
         if banded_decode_unsupported(adapter.classes.get("vae", ("", "AutoencoderKL"))[1], vae) is None:
             options.append(Strategy(StrategyKind.BANDED, activation_estimate("vae_decoder_banded", vae, dtype=vae_dtype, **size)))
         return options

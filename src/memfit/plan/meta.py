@@ -330,6 +330,11 @@ ACTIVATION_OFFSETS = {
 _PACKED_PATCH = {"FluxTransformer2DModel": 2}
 
 
+# Video VAEs whose decoder runs every frame at once (no frame-by-frame cache, no tiling unless asked): the
+# widest activation is the whole video at full resolution, times its last up block's channels.
+WHOLE_VIDEO_DECODERS = ("AutoencoderKLHunyuanVideo15",)
+
+
 def activation_estimate(
     kind: str,
     config: Mapping[str, Any],
@@ -359,7 +364,8 @@ def activation_estimate(
                     runs the attention and feed-forward hidden layers over chunks of tokens);
       transformer:  (image tokens + text tokens) * hidden size * 4 (feed-forward width);
       vae_decoder:  width * height * block_out_channels[0] (the full-resolution last up block); a
-                    video VAE: that for the frames of one latent frame, plus the whole output video;
+                    video VAE: that for the frames of one latent frame, plus the whole output video (for
+                    every frame at once where the decoder runs them together: WHOLE_VIDEO_DECODERS);
       text_encoder: text_tokens * max(hidden size, intermediate size).
     Attention is assumed to run through a memory-efficient kernel (SDPA), so no n^2 score matrix
     is counted. Factors and offsets are calibrated on measured runs (ACTIVATION_FACTORS,
@@ -414,14 +420,16 @@ def _transformer_elems(config, *, width, height, vae_scale, text_tokens, class_n
     return (image_tokens + text_tokens) * hidden * 4
 
 
-def _vae_decoder_elems(config, *, width, height, frames=1, **_):
+def _vae_decoder_elems(config, *, width, height, frames=1, class_name="", **_):
     channels = config.get("block_out_channels") or (config.get("base_dim", 128),)
     if frames == 1:
         return width * height * channels[0]
+    temporal = int(config.get("scale_factor_temporal") or config.get("temporal_compression_ratio", 4))
+    video_frames = (frames - 1) * temporal + 1
+    if class_name in WHOLE_VIDEO_DECODERS:
+        return width * height * video_frames * (channels[0] + 3)
     # A video VAE decodes a latent frame at a time (scale_factor_temporal video frames, widest at
     # full resolution) but returns the whole video at once.
-    temporal = int(config.get("scale_factor_temporal", 4))
-    video_frames = (frames - 1) * temporal + 1
     return width * height * (channels[0] * temporal + 3 * video_frames)
 
 

@@ -475,6 +475,77 @@ def _hunyuan_image(scale: int, text_layers: int):
     )
 
 
+def _hunyuan_video15(scale: int, text_layers: int, *, image_to_video: bool = False):
+    """HunyuanVideo 1.5 text to video: HunyuanImage's tiny encoders (a Qwen2.5-VL text model, as the real folder's,
+    and a T5 encoder with the byte-level ByT5 tokenizer), a two-block transformer and a 4x (4x in time) video VAE.
+    The pipeline crops the first 108 tokens of its chat template (the real template's system turn): this
+    tokenizer's template pads its system turn to that length, so the prompt is what remains.
+    ``image_to_video``: HunyuanVideo15ImageToVideoPipeline's, with a tiny SigLIP image encoder whose tokens the
+    transformer attends to."""
+    import transformers
+    from diffusers import (AutoencoderKLHunyuanVideo15, ClassifierFreeGuidance, FlowMatchEulerDiscreteScheduler,
+                           HunyuanVideo15ImageToVideoPipeline, HunyuanVideo15Pipeline, HunyuanVideo15Transformer3DModel)
+    from transformers import ByT5Tokenizer, Qwen2_5_VLTextConfig, Qwen2_5_VLTextModel
+
+    from memfit.testing.tokenizers import DEFAULT_WORDS
+
+    tokenizer = word_tokenizer([*DEFAULT_WORDS, *_QWEN_TEMPLATE_WORDS])
+    system, crop = HunyuanVideo15Pipeline._get_mllm_prompt_embeds.__defaults__[-2:]  # its system message, 108
+
+    def prompt_start(template):
+        tokenizer.chat_template = template
+        ids = tokenizer.apply_chat_template([{"role": "system", "content": system}, {"role": "user", "content": "cat"}],
+                                            tokenize=True, add_generation_prompt=True, return_dict=True)["input_ids"]
+        return ids.index(tokenizer.convert_tokens_to_ids("cat"))
+
+    filler = " im_end" * (crop - prompt_start(_QWEN3_CHAT_TEMPLATE))
+    template = _QWEN3_CHAT_TEMPLATE.replace(
+        "{{ message.content }}", "{{ message.content }}{% if message.role == 'system' %}" + filler + "{% endif %}")
+    assert prompt_start(template) == crop, "the tiny chat template's prompt must start where the pipeline crops"
+    text_hidden = 16 * scale
+    text_encoder = Qwen2_5_VLTextModel(Qwen2_5_VLTextConfig(
+        hidden_size=text_hidden, intermediate_size=2 * text_hidden, num_hidden_layers=text_layers,
+        num_attention_heads=2, num_key_value_heads=2, vocab_size=len(tokenizer),
+        rope_scaling={"mrope_section": [1, 1, 2], "rope_type": "default", "type": "default"},
+        pad_token_id=tokenizer.pad_token_id, bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id)).eval()
+    tokenizer_2 = ByT5Tokenizer()
+    latent_channels = 4
+    # The ByT5 projection is 2048 wide whatever the config (17 MB): blocks about half its size let a budget below
+    # the transformer's weights stream them.
+    transformer = HunyuanVideo15Transformer3DModel(
+        in_channels=2 * latent_channels + 1,  # the noise, the condition latents and their mask (zeros in t2v)
+        out_channels=latent_channels, num_attention_heads=2 * scale, attention_head_dim=128, num_layers=2,
+        num_refiner_layers=1, text_embed_dim=text_hidden, text_embed_2_dim=text_hidden, image_embed_dim=16 * scale,
+        rope_axes_dim=(16, 56, 56), target_size=32, task_type="i2v" if image_to_video else "t2v",
+    )
+    vae = AutoencoderKLHunyuanVideo15(
+        in_channels=3, out_channels=3, latent_channels=latent_channels, block_out_channels=(8 * scale,) * 3,
+        layers_per_block=1, spatial_compression_ratio=4, temporal_compression_ratio=4, scaling_factor=0.75,
+    )
+    components = dict(
+        scheduler=FlowMatchEulerDiscreteScheduler(shift=5.0),
+        vae=vae,
+        text_encoder=text_encoder,
+        tokenizer=tokenizer,
+        text_encoder_2=_t5_encoder(tokenizer_2, text_hidden, text_layers),
+        tokenizer_2=tokenizer_2,
+        transformer=transformer,
+        guider=ClassifierFreeGuidance(guidance_scale=6.0),
+    )
+    if not image_to_video:
+        return HunyuanVideo15Pipeline(**components)
+    vision = transformers.SiglipVisionConfig(hidden_size=16 * scale, intermediate_size=32 * scale, num_hidden_layers=1,
+                                             num_attention_heads=2, image_size=32, patch_size=8)
+    return HunyuanVideo15ImageToVideoPipeline(
+        **components, image_encoder=transformers.SiglipVisionModel(vision).eval(),
+        feature_extractor=transformers.SiglipImageProcessor(size={"height": 32, "width": 32}))
+
+
+def _hunyuan_video15_i2v(scale: int, text_layers: int):
+    return _hunyuan_video15(scale, text_layers, image_to_video=True)
+
+
 def _wan(scale: int, text_layers: int, boundary_ratio: float | None = None, ffn_dim: int | None = None, *,
          image_to_video: bool = False, image_encoder=None, image_processor=None):
     """A tiny Wan pipeline; ``image_to_video``: WanImageToVideoPipeline's, whose transformers also take the
@@ -953,12 +1024,18 @@ _BUILDERS: dict[str, Callable[[int, int], object]] = {
     "wan22_narrow": _wan22_narrow,
     "wan_i2v": _wan_i2v, "wan22_i2v": _wan22_i2v, "wan22_ti2v": _wan22_ti2v, "chroma": _chroma, "sana": _sana, "pixart_sigma": _pixart_sigma, "aura_flow": _aura_flow, "hidream": _hidream,
     "zimage": _zimage, "flux_kontext": _flux_kontext, "flux2": _flux2, "flux2_klein": _flux2_klein,
-    "sd_pag": _sd_pag, "hunyuan_image": _hunyuan_image, "sdxl_single_file": _sdxl_single_file, "sd3_single_file": _sd3_single_file, "sd2_single_file": _sd2_single_file,
+    "sd_pag": _sd_pag, "hunyuan_image": _hunyuan_image, "hunyuan_video15": _hunyuan_video15, "hunyuan_video15_i2v": _hunyuan_video15_i2v, "sdxl_single_file": _sdxl_single_file, "sd3_single_file": _sd3_single_file, "sd2_single_file": _sd2_single_file,
 }
 
 # Sizes each tiny architecture accepts (multiples of what its VAE and patching need).
+<<<<<<< HEAD
 DEFAULT_SIZE = {"sd": 32, "sdxl": 32, "lumina2": 32, "cogview4": 32, "flux": 32, "flux_schnell": 32, "sd3": 32, "qwenimage": 32, "wan": 32, "wan22": 32, "wan22_narrow": 32, "wan_i2v": 32, "wan22_i2v": 32, "wan22_ti2v": 64, "chroma": 32, "sana": 32, "pixart_sigma": 32, "aura_flow": 32, "hidream": 32,
                 "zimage": 32, "flux_kontext": 32, "flux2": 32, "flux2_klein": 32, "hunyuan_image": 32}
+=======
+DEFAULT_SIZE = {"sd": 32, "sdxl": 32, "lumina2": 32, "cogview4": 32, "flux": 32, "flux_schnell": 32, "sd3": 32, "qwenimage": 32, "wan": 32, "wan22": 32, "wan_i2v": 32, "wan22_i2v": 32, "wan22_ti2v": 64, "chroma": 32, "sana": 32, "pixart_sigma": 32, "aura_flow": 32, "hidream": 32,
+                "zimage": 32, "flux_kontext": 32, "flux2": 32, "flux2_klein": 32, "hunyuan_image": 32,
+                "hunyuan_video15": 32, "hunyuan_video15_i2v": 32}
+>>>>>>> wt-hv15
 
 
 def build_pipeline(kind: str, *, seed: int = 0, scale: int = 1, text_layers: int = 2):

@@ -12,6 +12,8 @@ from memfit.models.families.flux_kontext import FluxKontextAdapter
 from memfit.models.families.flux2 import Flux2Adapter, Flux2KleinAdapter
 from memfit.models.families.hidream import HiDreamImageAdapter
 from memfit.models.families.hunyuan_image import HunyuanImageAdapter
+from memfit.models.families.hunyuan_video15 import HunyuanVideo15Adapter
+from memfit.models.families.hunyuan_video15_i2v import HunyuanVideo15ImageToVideoAdapter
 from memfit.models.families.pixart_sigma import PixArtSigmaAdapter
 from memfit.models.families.qwenimage import QwenImageAdapter
 from memfit.models.families.sana import SanaAdapter
@@ -49,6 +51,8 @@ ADAPTERS: dict[str, type[PipelineAdapter]] = {
         Flux2Adapter,
         Flux2KleinAdapter,
         HunyuanImageAdapter,
+        HunyuanVideo15Adapter,
+        HunyuanVideo15ImageToVideoAdapter,
     )
 }
 

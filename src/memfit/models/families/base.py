@@ -139,6 +139,10 @@ class PipelineAdapter:
     needs_control_image: ClassVar[bool] = False
     # Whether memfit runs this family with --lora (diffusers' load_lora_weights in each stage; tested).
     takes_lora: ClassVar[bool] = False
+    # Components whose config the pipeline's __init__ reads without checking that they were loaded (HunyuanVideo
+    # 1.5's VAE): a stage that does not load one builds its pipeline with a weightless stand-in of its config in
+    # its place, which is None again once the pipeline is built (memfit.models.folder.ModelFolder.load_stage).
+    read_at_init: ClassVar[tuple[str, ...]] = ()
 
     def __init__(self, configs: dict[str, dict], classes: dict[str, tuple[str, str]] | None = None):
         # Component configs read from the model folder (or a built-in architecture), and each
@@ -258,6 +262,13 @@ class PipelineAdapter:
         signature = inspect.signature(getattr(diffusers, self.pipeline_class(task)).__call__)
         return {name: p.default for name, p in signature.parameters.items()}
 
+    def drawn_size(self, image, task: str) -> tuple[int, int]:
+        """(width, height) of ``task``'s output for input ``image`` without --width/--height: the image's size
+        rounded down to what the pipeline's image processor takes (its VAE's scale where the pipeline takes no
+        height and draws at the image's size)."""
+        step = self.vae_scale_factor() if "height" not in self.task_call_defaults(task) else self.size_multiple()
+        return image.width // step * step, image.height // step * step
+
     def takes_strength(self, task: str) -> bool:
         """Whether ``task``'s pipeline noises its input image by a strength (an editing one draws beside it)."""
         return "strength" in self.task_call_defaults(task)
@@ -292,8 +303,7 @@ class PipelineAdapter:
             # Without --width/--height the output takes the input image's size, rounded down to
             # what the pipeline's image processor takes; img2img pipelines only ever take it.
             first = conditioning.image if conditioning.image is not None else conditioning.control_image
-            step = self.vae_scale_factor() if "height" not in task_defaults else self.size_multiple()
-            sized = (first.width // step * step, first.height // step * step)
+            sized = self.drawn_size(first, task)
             if "height" not in task_defaults:
                 if (width is not None and width != sized[0]) or (height is not None and height != sized[1]):
                     raise MemfitError(

@@ -123,7 +123,7 @@ class HunyuanImageAdapter(PipelineAdapter):
         missing = [name for name in positives if name not in embeddings]
         if missing:
             raise MemfitError(
-                f"HunyuanImage needs {', '.join(positives)}, but {', '.join(missing)} is missing from the embeddings; "
+                f"{self.class_name} needs {', '.join(positives)}, but {', '.join(missing)} is missing from the embeddings; "
                 "re-encode the prompt with memfit encode."
             )
         if not guided:
