@@ -1028,14 +1028,9 @@ _BUILDERS: dict[str, Callable[[int, int], object]] = {
 }
 
 # Sizes each tiny architecture accepts (multiples of what its VAE and patching need).
-<<<<<<< HEAD
 DEFAULT_SIZE = {"sd": 32, "sdxl": 32, "lumina2": 32, "cogview4": 32, "flux": 32, "flux_schnell": 32, "sd3": 32, "qwenimage": 32, "wan": 32, "wan22": 32, "wan22_narrow": 32, "wan_i2v": 32, "wan22_i2v": 32, "wan22_ti2v": 64, "chroma": 32, "sana": 32, "pixart_sigma": 32, "aura_flow": 32, "hidream": 32,
-                "zimage": 32, "flux_kontext": 32, "flux2": 32, "flux2_klein": 32, "hunyuan_image": 32}
-=======
-DEFAULT_SIZE = {"sd": 32, "sdxl": 32, "lumina2": 32, "cogview4": 32, "flux": 32, "flux_schnell": 32, "sd3": 32, "qwenimage": 32, "wan": 32, "wan22": 32, "wan_i2v": 32, "wan22_i2v": 32, "wan22_ti2v": 64, "chroma": 32, "sana": 32, "pixart_sigma": 32, "aura_flow": 32, "hidream": 32,
                 "zimage": 32, "flux_kontext": 32, "flux2": 32, "flux2_klein": 32, "hunyuan_image": 32,
                 "hunyuan_video15": 32, "hunyuan_video15_i2v": 32}
->>>>>>> wt-hv15
 
 
 def build_pipeline(kind: str, *, seed: int = 0, scale: int = 1, text_layers: int = 2):
