@@ -7,8 +7,6 @@ from __future__ import annotations
 
 import importlib.util
 import io
-import mmap
-import os
 from pathlib import Path
 
 import pytest
@@ -20,21 +18,10 @@ needs_openvino = pytest.mark.skipif(importlib.util.find_spec("openvino") is None
 
 
 class _RecordingCore:
-    """The backend's ov.Core, with what a test needs to know about its calls recorded."""
+    """The backend's ov.Core, with its imports recorded."""
 
-    def __init__(self, core, unet):
-        self._core, self._unet = core, unet
-        self.read, self.imported = [], []
-
-    def read_model(self, path, *args, **kwargs):
-        weights = vars(self._unet)[WEIGHTS_ATTR]
-        params = list(self._unet.parameters())[1:]  # the first keeps its loaded form (module.dtype reads it)
-        self.read.append({"path": Path(path), "existed": Path(path).is_file(), "config": kwargs.get("config"),
-                          "torch_weights_in_files": not weights._brought_in
-                          and all(p.dtype == torch.float32 for p in params)})
-        model = self._core.read_model(path, *args, **kwargs)
-        self.read[-1]["model"] = model
-        return model
+    def __init__(self, core):
+        self._core, self.imported = core, []
 
     def import_model(self, *args, **kwargs):
         self.imported.append(args)
@@ -66,37 +53,51 @@ def test_a_cold_build_compiles_from_its_saved_ir_after_the_torch_weights_went_an
     from memfit.compile.backends import openvino as backend
 
     store = CacheStore(tmp_path / "cache")
-    new_core = backend._core.__wrapped__  # a Core of its own for each start, recording its calls
-    compiled_from = []
-    real_compile = backend._compile_model
+    new_core = backend._core.__wrapped__  # a Core of its own for each start, recording its imports
+    reads, compiled_from = [], []
+    real_read, real_compile = backend._read_ir, backend._compile_model
+
+    def reading(xml):
+        unet = pipe.unet
+        params = list(unet.parameters())[1:]  # the first keeps its loaded form (module.dtype reads it)
+        in_files = not vars(unet)[WEIGHTS_ATTR]._brought_in and all(p.dtype == torch.float32 for p in params)
+        model, weights = real_read(xml)
+        reads.append({"xml": xml, "existed": xml.is_file(), "torch_weights_in_files": in_files, "model": model,
+                      "weights": weights})
+        return model, weights
+
+    monkeypatch.setattr(backend, "_read_ir", reading)
     monkeypatch.setattr(backend, "_compile_model",
                         lambda model, *args: compiled_from.append(model) or real_compile(model, *args))
 
-    def cold_or_warm(pipe):
-        core = _RecordingCore(new_core(), pipe.unet)
+    def cold_or_warm(loaded):
+        core = _RecordingCore(new_core())
         monkeypatch.setattr(backend, "_core", lambda: core)
-        compile_components(pipe, {"unet": "openvino"}, cache=store, fingerprints={"unet": "unet-weights"})
-        images = _run(pipe)
-        uncompile(pipe)
+        compile_components(loaded, {"unet": "openvino"}, cache=store, fingerprints={"unet": "unet-weights"})
+        images = _run(loaded)
+        uncompile(loaded)
         return core, images
 
-    cold, cold_images = cold_or_warm(_pipeline(tiny_models("sd")))
-    assert len(cold.read) == 1, cold.read
-    read = cold.read[0]
-    assert read["path"].name == "model.xml" and read["path"].parent.name == backend.IR_DIR and read["existed"]
-    assert read["config"] == {"ENABLE_MMAP": True}  # the weights mapped from the file, not read into memory
+    pipe = _pipeline(tiny_models("sd"))
+    cold, cold_images = cold_or_warm(pipe)
+    assert len(reads) == 1, reads
+    read = reads[0]
+    assert read["xml"].name == "model.xml" and read["xml"].parent.name == backend.IR_DIR and read["existed"]
     assert read["torch_weights_in_files"], "the converted torch weights were still in memory when the compile began"
-    assert compiled_from == [read["model"]]  # compiled from the IR read back, not from the converted model
+    # compiled from the IR read back, its weights a map of the saved .bin (not from the converted model)
+    assert compiled_from == [read["model"]]
+    assert Path(read["weights"].filename) == read["xml"].with_suffix(".bin")
     assert cold.imported == []  # the model built serves the cold run; the blob is for later starts
-    assert not read["path"].parent.exists()
+    assert not read["xml"].parent.exists()
 
     (entry,) = store.ls("compiled")
     stored = sorted(str(path.relative_to(entry.path)) for path in entry.path.rglob("*") if path.is_file())
     assert [name for name in stored if name.startswith("data/")] == ["data/model.blob", "data/outputs.json"]
 
     # A later start imports the blob written piece by piece, and computes what the built model did.
-    warm, warm_images = cold_or_warm(_pipeline(tiny_models("sd")))
-    assert warm.read == [] and len(warm.imported) == 1
+    pipe = _pipeline(tiny_models("sd"))
+    warm, warm_images = cold_or_warm(pipe)
+    assert len(reads) == 1 and len(warm.imported) == 1
     assert torch.allclose(warm_images, cold_images, atol=1e-5)
 
 
@@ -124,36 +125,6 @@ def test_the_exported_blob_written_piece_by_piece_is_the_one_export_model_makes(
     compiled.export_model(stream)
     assert pieces.getvalue() == whole.getvalue() and stream.getbuffer().nbytes == 0
     assert len(writes) > 3 and max(writes) < len(whole.getvalue())  # in pieces, never the whole model at once
-
-
-@pytest.mark.skipif(not Path("/proc/self/smaps").exists(), reason="reads /proc/self/smaps (Linux)")
-def test_pages_of_a_read_only_file_mapping_leave_the_process(tmp_path):
-    from memfit.compile.backends.openvino import _drop_file_pages
-
-    path = tmp_path / "model.bin"
-    path.write_bytes(os.urandom(8 << 20))
-    with path.open("rb") as handle:
-        mapping = mmap.mmap(handle.fileno(), 0, access=mmap.ACCESS_READ)
-    try:
-        sum(mapping[offset] for offset in range(0, len(mapping), mmap.PAGESIZE))  # every page read in
-        assert _resident_kib(path) >= 8 << 10
-        _drop_file_pages(path)
-        assert _resident_kib(path) < 1 << 10
-        assert mapping[: 16] == path.read_bytes()[:16]  # read again from the file
-    finally:
-        mapping.close()
-
-
-def _resident_kib(path: Path) -> int:
-    """Resident KiB of this process's mappings of ``path`` (/proc/self/smaps)."""
-    total, inside = 0, False
-    for line in Path("/proc/self/smaps").read_text().splitlines():
-        fields = line.split()
-        if "-" in fields[0] and len(fields) >= 5:  # a mapping's header line
-            inside = len(fields) == 6 and fields[5] == str(path.resolve())
-        elif inside and fields[0] == "Rss:":
-            total += int(fields[1])
-    return total
 
 
 @needs_openvino

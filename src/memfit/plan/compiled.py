@@ -22,7 +22,8 @@ __all__ = ["COMPILED_BLOCK_BUILD", "COMPILED_BLOCK_OVERHEAD", "COMPILED_WHOLE_BU
 COMPILED_BLOCK_OVERHEAD = 0.4
 # What building a block that is not stored yet peaks at beyond it, as a multiple of its weights: torch.export,
 # the converted and the compiled model alive together, and the torch weights it reads (mapped pages of the
-# files, which a tight budget cannot leave out). Same benchmark.
+# files, which a tight budget cannot leave out). Same benchmark, measured when builds were made in memory; a
+# block now builds through an IR like a whole model (COMPILED_WHOLE_BUILD), so this is an upper bound.
 COMPILED_BLOCK_BUILD = 3
 # What building a whole compiled model that is not stored yet needs beyond the model itself, as a multiple of
 # it. The build goes through an IR on disk, each step letting the one before go (memfit.compile.backends.openvino):

@@ -19,7 +19,7 @@ raises on a missing entry instead of compiling.
 A cold build goes through an IR on disk, so that no two copies of the weights are in memory at once
 (_build): capture and convert (the converted model's constants share the torch weights' memory), save
 the IR and drop the capture and the converted model, let the torch weights go back to their files (the
-request's before_load hook), compile from the IR read back memory-mapped (ENABLE_MMAP) while dropping
+request's before_load hook), compile from the IR read back memory-mapped (a map of memfit's own) while dropping
 its pages from the process (the plugin copies every weight into a layout of its own), and export the
 blob straight to the entry's file (_FileStream). The compiled model serves the run that built it; the
 IR is removed, the entry holds the blob. Built in memory instead, the mapped torch weights, the compiled
@@ -137,22 +137,24 @@ class OpenVINOBackend(Backend):
             request.notify_build()
             # The IR a build compiles from lives on disk for the build only: in a directory of its own here.
             with tempfile.TemporaryDirectory(prefix="memfit-openvino-ir-", ignore_cleanup_errors=True) as ir_dir:
-                compiled, layout, _ = _build(fn, example_inputs, device, ov_config, Path(ir_dir), request.notify_load)
-            return _runner(compiled, layout, signature, release_memory=opts["release_memory"])
+                compiled, layout, _, weights = _build(fn, example_inputs, device, ov_config, Path(ir_dir),
+                                                      request.notify_load)
+            return _runner(compiled, layout, signature, keep_alive=weights, release_memory=opts["release_memory"])
 
         key = _cache_key(request.weights_fingerprint, graph_id(fn), signature, device, ov_config)
-        built: list[tuple[Any, OutputLayout]] = []
+        built: list[tuple[Any, OutputLayout, Any]] = []
 
         def build(out_dir: Path) -> dict[str, Any]:
             request.notify_build()
-            compiled, layout, meta = _build_entry(fn, example_inputs, device, ov_config, out_dir, request.notify_load)
-            built[:] = [(compiled, layout)]
+            compiled, layout, weights, meta = _build_entry(fn, example_inputs, device, ov_config, out_dir,
+                                                           request.notify_load)
+            built[:] = [(compiled, layout, weights)]
             return meta
 
         entry = request.cache.get_or_build(key, build)  # raises on a miss under MEMFIT_CACHE=require
         if built:  # built here: the model compiled from the IR serves, the blob just written is for later starts
-            compiled, layout = built[0]
-            return _runner(compiled, layout, signature, release_memory=opts["release_memory"])
+            compiled, layout, weights = built[0]
+            return _runner(compiled, layout, signature, keep_alive=weights, release_memory=opts["release_memory"])
         request.notify_load()  # the torch weights go before the compiled model's own copy comes in
         compiled, layout, blob = _load_entry(entry, device, ov_config)
         return _runner(compiled, layout, signature, keep_alive=blob, release_memory=opts["release_memory"])
@@ -283,15 +285,17 @@ def _compile_model(model: Any, device: str, ov_config: Mapping[str, Any]) -> Any
 def _build(
     fn: Callable[..., Any], example_inputs: Sequence[Any], device: str, ov_config: Mapping[str, Any], ir_dir: Path,
     before_compile: Callable[[], None],
-) -> tuple[Any, OutputLayout, str]:
-    """Compile ``fn`` through an IR saved in ``ir_dir``: the compiled model, its output layout and the layout's JSON.
+) -> tuple[Any, OutputLayout, str, Any]:
+    """Compile ``fn`` through an IR saved in ``ir_dir``: the compiled model, its output layout, the layout's JSON and
+    the map of the IR's weights, which must live as long as the compiled model (see _read_ir).
 
     Built in memory, the capture, the converted model and the compiled model were alive together, each with
     the weights or a view of them (SD 1.5 UNet fp32: 10.36 GiB peak for 3.2 GiB of weights). Here each step
     lets the one before go: the converted model (whose constants share the torch weights' memory) is written
     out and dropped with the capture, ``before_compile`` lets the torch weights go (the caller's hook: they
     are mapped from the component's files, and their pages leave this process), and the plugin compiles from
-    the IR read back memory-mapped, whose pages are dropped again while it copies them into its own layout.
+    the IR read back memory-mapped, whose pages are dropped again and again while it copies the weights into
+    its own layout (the whole file would stay resident beside that copy otherwise).
     """
     ir_dir.mkdir(parents=True, exist_ok=True)
     xml = ir_dir / "model.xml"
@@ -299,14 +303,30 @@ def _build(
     layout_json = layout.to_json()  # fails early, before compiling, on an output it cannot store
     gc.collect()  # torch.export's graphs hold their tensors in reference cycles
     before_compile()
-    try:
-        model = _core().read_model(str(xml), config={"ENABLE_MMAP": True})
-    except RuntimeError as exc:
-        raise MemfitError(f"OpenVINO could not read back the IR it saved in {ir_dir} ({exc}).") from exc
-    with _file_pages_dropped_meanwhile(xml.with_suffix(".bin")):
+    model, weights = _read_ir(xml)
+    with _pages_dropped_meanwhile(weights):
         compiled = _compile_model(model, device, ov_config)
-        del model  # the mapped IR: only what the compiled model uses in place stays mapped
-    return compiled, layout, layout_json
+        del model
+    _drop_pages(weights)
+    return compiled, layout, layout_json, weights
+
+
+def _read_ir(xml: Path) -> tuple[Any, Any]:
+    """The IR at ``xml`` as an ov.Model whose weights are a private map of its .bin (returned too: what the model
+    reads, and what the caller drops pages of, keeping it alive as long as anything compiled from the model)."""
+    import numpy as np
+    import openvino as ov
+
+    weights_file = xml.with_suffix(".bin")
+    try:
+        if not weights_file.stat().st_size:  # no weight at all: nothing to map
+            return _core().read_model(str(xml)), None
+        # Mapped by memfit rather than by OpenVINO (ENABLE_MMAP), so that the pages the plugin has read can be
+        # dropped from a mapping that is known to stay in place. Copy-on-write: ov.Tensor wants a writable array.
+        weights = np.memmap(weights_file, dtype=np.uint8, mode="c")
+        return _core().read_model(xml.read_text(encoding="utf-8"), ov.Tensor(weights, shared_memory=True)), weights
+    except (OSError, RuntimeError) as exc:
+        raise MemfitError(f"OpenVINO could not read back the IR it saved in {xml.parent} ({exc}).") from exc
 
 
 def _save_ir(fn: Callable[..., Any], example_inputs: Sequence[Any], xml: Path) -> OutputLayout:
@@ -352,15 +372,15 @@ class _FileStream(io.BytesIO):
 def _build_entry(
     fn: Callable[..., Any], example_inputs: Sequence[Any], device: str, ov_config: Mapping[str, Any], out_dir: Path,
     before_compile: Callable[[], None],
-) -> tuple[Any, OutputLayout, dict[str, Any]]:
+) -> tuple[Any, OutputLayout, Any, dict[str, Any]]:
     """Build and write the store entry's files into ``out_dir`` (the store's staging directory): the compiled
-    model, its output layout and the manifest's metadata. The IR it compiles from is removed again: the entry
+    model, its output layout, the map of the IR's weights it reads (see _build) and the manifest's metadata. The IR it compiles from is removed again: the entry
     holds the exported blob, which later starts import (see the module doc)."""
     ir_dir = out_dir / IR_DIR
-    compiled, layout, layout_json = _build(fn, example_inputs, device, ov_config, ir_dir, before_compile)
+    compiled, layout, layout_json, weights = _build(fn, example_inputs, device, ov_config, ir_dir, before_compile)
     # The export reads the weights back from the mapped IR (the CPU plugin exports the model it compiled from),
     # whose pages are let go again as it goes.
-    with (out_dir / MODEL_FILE).open("wb") as handle, _file_pages_dropped_meanwhile(ir_dir / "model.bin"):
+    with (out_dir / MODEL_FILE).open("wb") as handle, _pages_dropped_meanwhile(weights):
         stream = _FileStream(handle)
         try:
             compiled.export_model(stream)
@@ -373,9 +393,10 @@ def _build_entry(
             handle.seek(0)
             handle.truncate()
             handle.write(stream.getbuffer())
-    shutil.rmtree(ir_dir, ignore_errors=True)  # a file still mapped goes when the compiled model lets it go
+    _drop_pages(weights)
+    shutil.rmtree(ir_dir, ignore_errors=True)  # its map stays readable (Linux), and goes with the compiled model
     (out_dir / LAYOUT_FILE).write_text(layout_json, encoding="utf-8")
-    return compiled, layout, {"outputs": layout.tensor_count, "device": device}
+    return compiled, layout, weights, {"outputs": layout.tensor_count, "device": device}
 
 
 def _load_entry(entry: Path, device: str, ov_config: Mapping[str, Any]) -> tuple[Any, OutputLayout, Any]:
@@ -412,7 +433,8 @@ def _pages_dropped_meanwhile(blob: Any, every_seconds: float = 0.05) -> Iterator
     the blob once, front to back, into memory of the plugin's own, so the pages it has read are not
     needed, and without this the whole blob stays resident beside that copy until the import ends
     (measured on the SD 1.5 UNet, 1.72 GB in bf16: peak RSS 3.39 GiB without, 1.81 GiB with, import
-    1.0 s either way). A page read again later comes back from the page cache; see _drop_pages."""
+    1.0 s either way). A page read again later comes back from the page cache; see _drop_pages. The same
+    for a cold build's IR weights (_build), which compiling and exporting read front to back."""
     done = threading.Event()
 
     def drop_until_done() -> None:
@@ -442,53 +464,6 @@ def _drop_pages(blob: Any) -> None:
             mapping.madvise(mmap.MADV_DONTNEED)
         except (OSError, ValueError):
             pass
-
-
-@contextlib.contextmanager
-def _file_pages_dropped_meanwhile(path: Path, every_seconds: float = 0.02) -> Iterator[None]:
-    """Drop this process's pages of ``path``'s read-only mappings (OpenVINO maps an IR's weights itself) again and
-    again while the block runs: the CPU plugin copies each weight into a layout of its own as it compiles, so the
-    pages it has read are not needed again, and without this the whole file would stay resident beside that copy.
-    Only read-only mappings: they hold nothing but the file, which the page cache still has."""
-    done = threading.Event()
-
-    def drop_until_done() -> None:
-        while not done.wait(every_seconds):
-            _drop_file_pages(path)
-
-    dropper = threading.Thread(target=drop_until_done, name="memfit-openvino-compile", daemon=True)
-    dropper.start()
-    try:
-        yield
-    finally:
-        done.set()
-        dropper.join()
-        _drop_file_pages(path)
-
-
-def _drop_file_pages(path: Path) -> None:
-    """MADV_DONTNEED on every read-only mapping of ``path`` in this process (Linux; elsewhere nothing)."""
-    import ctypes
-    import mmap
-
-    advice = getattr(mmap, "MADV_DONTNEED", None)
-    try:
-        target = str(path.resolve())
-        with open("/proc/self/maps", encoding="utf-8", errors="replace") as maps:
-            ranges = []
-            for line in maps:
-                fields = line.split(maxsplit=5)
-                if len(fields) == 6 and fields[5].rstrip("\n") == target and "w" not in fields[1]:
-                    begin, end = (int(address, 16) for address in fields[0].split("-"))
-                    ranges.append((begin, end - begin))
-        if not ranges or advice is None:
-            return
-        madvise = ctypes.CDLL(None, use_errno=True).madvise
-        madvise.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)
-        for begin, length in ranges:
-            madvise(begin, length, advice)
-    except (OSError, AttributeError, ValueError):
-        pass
 
 
 # -- running ---------------------------------------------------------------------------------------
