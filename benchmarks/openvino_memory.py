@@ -11,6 +11,9 @@ Rows, each a fresh process, interleaved over --rounds rounds:
   diffusers eager      from_pretrained + __call__ (the baseline every other row is compared with)
   memfit openvino cold memfit.generate(backend="openvino") on an empty memfit store (compiles every component)
   memfit openvino warm the same on the store the cold run filled (imports the compiled models)
+  memfit openvino cold, LABEL   with --baseline-src DIR: the cold row again, on an empty store of its own, with
+                       memfit imported from DIR (another checkout's src/, e.g. the commit before a change), so that
+                       before and after come from the same run (--baseline-label names it; default "before")
   memfit openvino session  a memfit.Session on the warm store: later images reuse the loaded stages
                        (memfit's best choice for a stream of images)
   memfit openvino session, budget B   with --session-budget B: the same Session under that budget, which keeps
@@ -56,6 +59,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 PROMPT = "a lighthouse at dusk"
 GUIDANCE = 7.5
 ROWS = ("diffusers eager", "memfit openvino cold", "memfit openvino warm")
+BASELINE_ROW = "memfit openvino cold, {}"
 SESSION_ROW = "memfit openvino session"
 SESSION_BUDGET_ROW = SESSION_ROW + ", budget {}"
 OPTIMUM_ROWS = ("optimum-intel static", "optimum-intel dynamic")
@@ -263,6 +267,9 @@ def main() -> None:
     parser.add_argument("--precision", choices=("fp32", "bf16"), help="memfit's compute precision (default: --dtype)")
     parser.add_argument("--session-budget", metavar="SIZE", help="adds the row '" + SESSION_BUDGET_ROW.format("SIZE")
                         + "': a Session under that budget (e.g. 4.3GiB)")
+    parser.add_argument("--baseline-src", metavar="DIR", help="adds the row '" + BASELINE_ROW.format("LABEL") + "': a cold "
+                        "run with memfit imported from DIR (another checkout's src/), on an empty store of its own")
+    parser.add_argument("--baseline-label", default="before", help="LABEL of the --baseline-src row")
     parser.add_argument("--store", help="an existing memfit store to run on, kept afterwards (default: a fresh one, "
                         "filled by the cold row and removed at the end)")
     args = parser.parse_args()
@@ -291,6 +298,9 @@ def main() -> None:
     budget_row = SESSION_BUDGET_ROW.format(args.session_budget) if args.session_budget else None
     if budget_row:
         rows.append(budget_row)
+    baseline_row = BASELINE_ROW.format(args.baseline_label) if args.baseline_src else None
+    if baseline_row:
+        rows.insert(rows.index("memfit openvino cold") + 1, baseline_row)
     if args.optimum_python:
         if not args.optimum_ir:
             parser.error("--optimum-python needs --optimum-ir, the IR optimum-cli exported for the same model")
@@ -320,7 +330,7 @@ def main() -> None:
     try:
         for round_index in range(args.rounds):
             for row in rows:
-                if row == "memfit openvino cold" and round_index:
+                if row in ("memfit openvino cold", baseline_row) and round_index:
                     continue
                 if row == OPTIMUM_FP16_ROW:
                     result = run_optimum(args.optimum_python, args.optimum_fp16_ir, True, args)
@@ -332,7 +342,12 @@ def main() -> None:
                             "steps": args.steps, "precision": args.precision, "images": args.images,
                             "session": row.startswith(SESSION_ROW),
                             "budget": args.session_budget if row == budget_row else "none"}
-                    result = run_child(spec, env)
+                    if row == baseline_row:
+                        with tempfile.TemporaryDirectory(prefix="memfit-ov-baseline-store-") as baseline_store:
+                            result = run_child(spec, {**env, "MEMFIT_CACHE_DIR": baseline_store,
+                                                      "PYTHONPATH": str(Path(args.baseline_src).resolve())})
+                    else:
+                        result = run_child(spec, env)
                 runs.append({"row": row, "round": round_index, **result})
                 print(row, round_index, result, flush=True)
                 save()

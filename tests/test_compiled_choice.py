@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from memfit.plan.budget import StageDoesNotFit
+from memfit.plan.budget import BudgetTooSmall, StageDoesNotFit
 from memfit.plan.compiled import COMPILED_BLOCK_BUILD, COMPILED_BLOCK_OVERHEAD, COMPILED_WHOLE_BUILD, \
     choose_compiled, compiled_blocks_extra
 
@@ -33,11 +33,28 @@ def test_a_model_that_does_not_fit_whole_is_compiled_in_blocks_where_it_can_be()
 
 
 def test_what_cannot_be_split_and_does_not_fit_is_refused_naming_the_budget():
-    with pytest.raises(StageDoesNotFit, match="need 400.00 MiB.*--budget 400MiB"):
+    with pytest.raises(BudgetTooSmall, match="smallest budget that works is 419430400 bytes.*--budget 400MiB") as refused:
         choice(350)
+    assert refused.value.needed == 400 * MiB and isinstance(refused.value, StageDoesNotFit)
     # ...as is all of it where nothing can be compiled in blocks (memory that is the device's own).
-    with pytest.raises(StageDoesNotFit, match="need 1000.00 MiB.*--budget 1000MiB"):
+    with pytest.raises(BudgetTooSmall, match="--budget 1000MiB") as refused:
         choice(900, blockable=())
+    assert refused.value.needed == 1000 * MiB
+
+
+def test_a_refused_build_names_the_smallest_budget_that_builds_it():
+    # Nothing stored, nothing blockable: the budget named holds the models and the build of the largest, and no
+    # byte less does.
+    with pytest.raises(BudgetTooSmall) as refused:
+        choice(900, stored=(), blockable=())
+    needed = refused.value.needed
+    assert needed == (300 + 700) * MiB + int(COMPILED_WHOLE_BUILD * 600 * MiB)
+    assert "more while it is built" in str(refused.value)
+    assert choose_compiled(stage="denoise", budget_bytes=needed, already_used=300 * MiB, compiled=COMPILED,
+                           stored=set(), blockable=()).kept == COMPILED
+    with pytest.raises(BudgetTooSmall):
+        choose_compiled(stage="denoise", budget_bytes=needed - 1, already_used=300 * MiB, compiled=COMPILED,
+                        stored=set(), blockable=())
 
 
 def test_with_fallback_eager_the_largest_run_eagerly_and_the_report_says_so():
@@ -53,12 +70,14 @@ def test_a_model_not_stored_yet_counts_its_build():
     assert fitted.kept == {"vae": 100 * MiB} and fitted.in_blocks == ("unet",)
     whole_build = 300 + 700 + int(COMPILED_WHOLE_BUILD * 600)
     assert "unet compiled in blocks" in fitted.notes[-1] and f"--budget {whole_build}MiB" in fitted.notes[-1]
-    # Built from files in another dtype than the run's, the build also holds the torch weights converted.
+    # Built from files in another dtype than the run's, the build reads the torch weights converted, and lets them go
+    # before it compiles: they cost more only where they are larger than the compiled model.
     assert choice(whole_build, stored={"vae"}).kept == COMPILED
-    converted = choice(whole_build, stored={"vae"}, converted={"unet": 600 * MiB})
-    assert converted.in_blocks == ("unet",) and f"--budget {whole_build + 600}MiB" in converted.notes[-1]
+    assert choice(whole_build, stored={"vae"}, converted={"unet": 600 * MiB}).kept == COMPILED
+    converted = choice(whole_build, stored={"vae"}, converted={"unet": 900 * MiB})
+    assert converted.in_blocks == ("unet",) and f"--budget {whole_build + 300}MiB" in converted.notes[-1]
     # The refusal counts the build too, and says so.
-    with pytest.raises(StageDoesNotFit, match=f"need {300 + 100 + COMPILED_WHOLE_BUILD * 100:.2f} MiB \\(with "
+    with pytest.raises(BudgetTooSmall, match=f"{300 + 100 + COMPILED_WHOLE_BUILD * 100:.2f} MiB: .*\\(with "
                        f"{COMPILED_WHOLE_BUILD}x the largest of vae more while it is built"):
         choice(350, stored=())
 

@@ -687,9 +687,8 @@ def report_records(report, records: list) -> None:
             if record.cold:
                 # A budget counts the build (memfit.run.runner): the note is for runs without one, whose user may
                 # wonder why the first run needs more than later ones.
-                how = ("built (no stored artifact; torch.export, the converted and the compiled model are alive "
-                       "together while it builds, about 2x the compiled model in memory, plus the torch weights read "
-                       "from the files; later runs import it)")
+                how = ("built (no stored artifact: it read the torch weights from the files and compiled them, which "
+                       "the budget counts as the model plus its build; later runs import it)")
             report.notes.append(
                 f"{stage.stage}: {record.component}.{record.entry} compiled with {record.backend} in "
                 f"{record.compile_seconds:.2f} s, {how}" + (f"; {record.weights}" if record.weights else "")

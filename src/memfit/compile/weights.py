@@ -39,6 +39,9 @@ from memfit.safetensors_header import TORCH_DTYPES, read_header, same_samples
 
 __all__ = ["FileWeights", "source_folder"]
 
+# How much of the files a conversion reads before it lets their pages go again (see FileWeights._bring_in).
+_DROP_EVERY_BYTES = 256 << 20
+
 
 
 def source_folder(module: torch.nn.Module, given: str | Path | None = None) -> Path | None:
@@ -116,10 +119,17 @@ class FileWeights:
     def _bring_in(self) -> None:
         if not self.released or self._brought_in:
             return
+        read = 0
         for param, view, dtype in self._loaded.values():
             if view.dtype != dtype:
                 param.data = view.to(dtype)
-        self._drop_pages()  # converted: the file's pages are not needed in this process
+                read += view.nbytes
+                if read >= _DROP_EVERY_BYTES:
+                    # Converted: the file's pages are not needed in this process. Dropped as it goes, else every
+                    # page of the files would be resident beside the converted copy until the end.
+                    self._drop_pages()
+                    read = 0
+        self._drop_pages()
         self._brought_in = True
 
     def restore(self) -> None:

@@ -10,7 +10,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Collection, Mapping
 
-from memfit.plan.budget import StageDoesNotFit
+from memfit.plan.budget import BudgetTooSmall
 from memfit.sizes import format_bytes, round_up_mib
 
 __all__ = ["COMPILED_BLOCK_BUILD", "COMPILED_BLOCK_OVERHEAD", "COMPILED_WHOLE_BUILD", "CompiledChoice",
@@ -22,15 +22,17 @@ __all__ = ["COMPILED_BLOCK_BUILD", "COMPILED_BLOCK_OVERHEAD", "COMPILED_WHOLE_BU
 COMPILED_BLOCK_OVERHEAD = 0.4
 # What building a block that is not stored yet peaks at beyond it, as a multiple of its weights: torch.export,
 # the converted and the compiled model alive together, and the torch weights it reads (mapped pages of the
-# files, which a tight budget cannot leave out). Same benchmark.
+# files, which a tight budget cannot leave out). Same benchmark, measured when builds were made in memory; a
+# block now builds through an IR like a whole model (COMPILED_WHOLE_BUILD), so this is an upper bound.
 COMPILED_BLOCK_BUILD = 3
 # What building a whole compiled model that is not stored yet needs beyond the model itself, as a multiple of
-# it: with openvino on the SD 1.5 UNet in bf16 (1.60 GiB), 1.1x of anonymous memory (3.93 GiB peak, 0.53 GiB
-# before), mostly the exported stream. The torch weights it reads are mapped pages of the files on top, which a
-# memory cap reclaims (under a 4 GiB cgroup cap the same build completed). Files in another dtype than the
-# run's are read as a converted copy that the compiled model holds until the build ends, counted on top by the
-# caller (SD 1.5 UNet fp32 from bf16 files: 10.3 GiB peak; docs/openvino_vs_optimum_avx2.md, "cold" row).
-COMPILED_WHOLE_BUILD = 1.25
+# it. The build goes through an IR on disk, each step letting the one before go (memfit.compile.backends.openvino):
+# with openvino on the SD 1.5 UNet in fp32 (3.20 GiB) it peaked 0.11x above the model (4.20 GiB, 0.64 GiB before;
+# docs/openvino_memory.md), the most while the compiled model is exported beside pages of the IR not dropped
+# yet. The torch weights it reads while converting (mapped pages of the files, 1.0x) are gone before it
+# compiles. Files in another dtype than the run's are read as a converted copy, also gone before it compiles:
+# the caller's ``converted``, which costs more only where it is larger than the model.
+COMPILED_WHOLE_BUILD = 0.25
 
 
 @dataclasses.dataclass(frozen=True)
@@ -70,12 +72,14 @@ def choose_compiled(*, stage: str, budget_bytes: int | None, already_used: int, 
 
     All whole where they fit with the build of the largest one not stored yet; else the largest blockable ones
     are compiled in blocks until the rest fit; else, with ``fallback_eager``, the largest run eagerly; else
-    StageDoesNotFit naming the budget needed.
+    BudgetTooSmall naming the smallest budget that keeps them (every one compiled, the builds counted).
     """
     converted = converted or {}
 
     def needed(kept: Mapping[str, int]) -> int:
-        builds = [COMPILED_WHOLE_BUILD * size + converted.get(name, 0) for name, size in kept.items()
+        # The converted torch weights are let go before the compile (memfit.compile.backends.openvino): a build
+        # peaks at the larger of them and the compiled model, plus what compiling needs beyond the model.
+        builds = [COMPILED_WHOLE_BUILD * size + max(converted.get(name, 0) - size, 0) for name, size in kept.items()
                   if name not in stored]
         return already_used + sum(kept.values()) + int(max(builds, default=0))
 
@@ -97,14 +101,12 @@ def choose_compiled(*, stage: str, budget_bytes: int | None, already_used: int, 
                   + (", and its torch weights converted to the run dtype" if any(n in converted for n in building) else "")
                   + ": memfit's store does not hold it yet)") if building else ""
     if not fits(kept) and not fallback_eager:
-        raise StageDoesNotFit(
-            f"The {stage} stage's compiled models ({parts}) hold their own weights, which cannot be streamed: with the "
-            f"{format_bytes(already_used)} that this process and the stage's activations take, they need "
-            f"{format_bytes(needed(kept))}{build_note}, over the budget of "
-            f"{format_bytes(budget_bytes)}. Give --budget {round_up_mib(needed(kept))}MiB or more, a narrower "
-            "--precision, --fallback eager to run what does not fit eagerly, or compile fewer components (e.g. "
-            "--backend unet=eager,*=openvino)."
-        )
+        raise BudgetTooSmall(
+            budget_bytes, needed(kept),
+            f"{format_bytes(already_used)} for this process and the {stage} stage's activations, plus its compiled "
+            f"models, which hold their own weights and cannot be streamed ({parts}){build_note}",
+            ", a narrower --precision, --fallback eager to run what does not fit eagerly, or compile fewer "
+            "components (e.g. --backend unet=eager,*=openvino)")
     for name in sorted(kept, key=kept.get, reverse=True):
         if fits(kept):
             break

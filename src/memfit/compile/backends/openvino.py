@@ -13,8 +13,18 @@ The blob rather than the IR (model.xml/.bin): importing it from a map was the fa
 measured (SD1.5 UNet fp32, 2 shared CPUs under load: 3.5-4.9 s, against 4.4-6.9 s compiling the
 IR and 15-17 s importing it from bytes, with 3 GB more peak memory), and it is what a GPU needs
 to skip kernel compilation. Without a store (``cache=None``, MEMFIT_CACHE=0, or no fingerprint)
-the same route runs in memory and nothing is written; MEMFIT_CACHE=require raises on a missing
-entry instead of compiling.
+nothing is stored and the IR of the build below goes to a temporary directory; MEMFIT_CACHE=require
+raises on a missing entry instead of compiling.
+
+A cold build goes through an IR on disk, so that no two copies of the weights are in memory at once
+(_build): capture and convert (the converted model's constants share the torch weights' memory), save
+the IR and drop the capture and the converted model, let the torch weights go back to their files (the
+request's before_load hook), compile from the IR read back memory-mapped (a map of memfit's own) while dropping
+its pages from the process (the plugin copies every weight into a layout of its own), and export the
+blob straight to the entry's file (_FileStream). The compiled model serves the run that built it; the
+IR is removed, the entry holds the blob. Built in memory instead, the mapped torch weights, the compiled
+model and the exported stream were alive together: SD 1.5 UNet fp32 (3.2 GiB) peaked at 10.4 GiB, 4.2
+GiB this way (docs/openvino_memory_cold.md).
 
 OpenVINO's own caches stay refused, because memfit must be the only writer of what it loads:
 
@@ -43,7 +53,11 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import gc
 import importlib.util
+import io
+import shutil
+import tempfile
 import threading
 from pathlib import Path
 from typing import Any, Callable, Iterator, Mapping, Sequence
@@ -58,6 +72,8 @@ from memfit.compile.backends.torch_settings import preserved_torch_settings
 from memfit.errors import MemfitError
 
 MODEL_FILE = "model.blob"
+# Where a cold build saves the IR it compiles from, inside the entry it builds; removed before the entry is stored.
+IR_DIR = "ir"
 # Part of the key; bump it when what an entry holds changes, so older entries miss, not misread.
 _ENTRY_FORMAT = "openvino-export/1"
 
@@ -119,19 +135,26 @@ class OpenVINOBackend(Backend):
 
         if not uses_store(request.cache, request.weights_fingerprint):
             request.notify_build()
-            model, layout = _convert(fn, example_inputs)
-            compiled = _compile_model(model, device, ov_config)
-            del model
-            request.notify_load()
-            return _runner(compiled, layout, signature, release_memory=opts["release_memory"])
+            # The IR a build compiles from lives on disk for the build only: in a directory of its own here.
+            with tempfile.TemporaryDirectory(prefix="memfit-openvino-ir-", ignore_cleanup_errors=True) as ir_dir:
+                compiled, layout, _, weights = _build(fn, example_inputs, device, ov_config, Path(ir_dir),
+                                                      request.notify_load)
+            return _runner(compiled, layout, signature, keep_alive=weights, release_memory=opts["release_memory"])
 
         key = _cache_key(request.weights_fingerprint, graph_id(fn), signature, device, ov_config)
+        built: list[tuple[Any, OutputLayout, Any]] = []
 
         def build(out_dir: Path) -> dict[str, Any]:
             request.notify_build()
-            return _build_entry(fn, example_inputs, device, ov_config, out_dir)
+            compiled, layout, weights, meta = _build_entry(fn, example_inputs, device, ov_config, out_dir,
+                                                           request.notify_load)
+            built[:] = [(compiled, layout, weights)]
+            return meta
 
         entry = request.cache.get_or_build(key, build)  # raises on a miss under MEMFIT_CACHE=require
+        if built:  # built here: the model compiled from the IR serves, the blob just written is for later starts
+            compiled, layout, weights = built[0]
+            return _runner(compiled, layout, signature, keep_alive=weights, release_memory=opts["release_memory"])
         request.notify_load()  # the torch weights go before the compiled model's own copy comes in
         compiled, layout, blob = _load_entry(entry, device, ov_config)
         return _runner(compiled, layout, signature, keep_alive=blob, release_memory=opts["release_memory"])
@@ -259,27 +282,121 @@ def _compile_model(model: Any, device: str, ov_config: Mapping[str, Any]) -> Any
         ) from exc
 
 
-def _build_entry(
-    fn: Callable[..., Any], example_inputs: Sequence[Any], device: str, ov_config: Mapping[str, Any], out_dir: Path
-) -> dict[str, Any]:
-    """Write the store entry's files into ``out_dir`` (the store's staging directory)."""
-    import io
+def _build(
+    fn: Callable[..., Any], example_inputs: Sequence[Any], device: str, ov_config: Mapping[str, Any], ir_dir: Path,
+    before_compile: Callable[[], None],
+) -> tuple[Any, OutputLayout, str, Any]:
+    """Compile ``fn`` through an IR saved in ``ir_dir``: the compiled model, its output layout, the layout's JSON and
+    the map of the IR's weights, which must live as long as the compiled model (see _read_ir).
+
+    Built in memory, the capture, the converted model and the compiled model were alive together, each with
+    the weights or a view of them (SD 1.5 UNet fp32: 10.36 GiB peak for 3.2 GiB of weights). Here each step
+    lets the one before go: the converted model (whose constants share the torch weights' memory) is written
+    out and dropped with the capture, ``before_compile`` lets the torch weights go (the caller's hook: they
+    are mapped from the component's files, and their pages leave this process), and the plugin compiles from
+    the IR read back memory-mapped, whose pages are dropped again and again while it copies the weights into
+    its own layout (the whole file would stay resident beside that copy otherwise).
+    """
+    ir_dir.mkdir(parents=True, exist_ok=True)
+    xml = ir_dir / "model.xml"
+    layout = _save_ir(fn, example_inputs, xml)
+    layout_json = layout.to_json()  # fails early, before compiling, on an output it cannot store
+    gc.collect()  # torch.export's graphs hold their tensors in reference cycles
+    before_compile()
+    model, weights = _read_ir(xml)
+    with _pages_dropped_meanwhile(weights):
+        compiled = _compile_model(model, device, ov_config)
+        del model
+    _drop_pages(weights)
+    return compiled, layout, layout_json, weights
+
+
+def _read_ir(xml: Path) -> tuple[Any, Any]:
+    """The IR at ``xml`` as an ov.Model whose weights are a private map of its .bin (returned too: what the model
+    reads, and what the caller drops pages of, keeping it alive as long as anything compiled from the model)."""
+    import numpy as np
+    import openvino as ov
+
+    weights_file = xml.with_suffix(".bin")
+    try:
+        if not weights_file.stat().st_size:  # no weight at all: nothing to map
+            return _core().read_model(str(xml)), None
+        # Mapped by memfit rather than by OpenVINO (ENABLE_MMAP), so that the pages the plugin has read can be
+        # dropped from a mapping that is known to stay in place. Copy-on-write: ov.Tensor wants a writable array.
+        weights = np.memmap(weights_file, dtype=np.uint8, mode="c")
+        return _core().read_model(xml.read_text(encoding="utf-8"), ov.Tensor(weights, shared_memory=True)), weights
+    except (OSError, RuntimeError) as exc:
+        raise MemfitError(f"OpenVINO could not read back the IR it saved in {xml.parent} ({exc}).") from exc
+
+
+def _save_ir(fn: Callable[..., Any], example_inputs: Sequence[Any], xml: Path) -> OutputLayout:
+    """Capture and convert ``fn``, write it as IR at ``xml`` (and its .bin), and return its output layout;
+    the capture and the converted model are gone when this returns."""
+    import openvino as ov
 
     model, layout = _convert(fn, example_inputs)
-    layout_json = layout.to_json()  # fails early, before compiling, on an output it cannot store
-    compiled = _compile_model(model, device, ov_config)
-    del model  # the compiled model holds its own copy of the weights
-    stream = io.BytesIO()  # export_model accepts only a BytesIO, not a file
     try:
-        compiled.export_model(stream)
+        # Weights as they are: save_model compresses floating point weights to f16 unless told not to.
+        ov.save_model(model, str(xml), compress_to_fp16=False)
     except RuntimeError as exc:
         raise MemfitError(
-            f"OpenVINO device {device!r} cannot export compiled models ({exc}), so memfit cannot "
-            "store them: run with MEMFIT_CACHE=0, or use device='CPU'."
+            f"OpenVINO could not save {name_of(fn)} as IR in {xml.parent} ({exc}); check the free space there "
+            "(MEMFIT_CACHE_DIR, or the temporary directory without a store)."
         ) from exc
-    (out_dir / MODEL_FILE).write_bytes(stream.getbuffer())
+    return layout
+
+
+class _FileStream(io.BytesIO):
+    """A file behind the io.BytesIO that ``CompiledModel.export_model`` insists on: the binding writes through
+    ``write()`` piece by piece (a header, then one constant at a time) and seeks back to fill in the header's
+    offsets, so with both sent to the file the exported model is never whole in memory (a plain BytesIO held a
+    third copy of the weights, beside the compiled model and the converted one)."""
+
+    def __init__(self, handle: Any):
+        super().__init__()
+        self._handle = handle
+
+    def write(self, data: Any) -> int:
+        return self._handle.write(data)
+
+    def seek(self, offset: int, whence: int = io.SEEK_SET) -> int:
+        return self._handle.seek(offset, whence)
+
+    def tell(self) -> int:
+        return self._handle.tell()
+
+    def flush(self) -> None:
+        self._handle.flush()
+
+
+def _build_entry(
+    fn: Callable[..., Any], example_inputs: Sequence[Any], device: str, ov_config: Mapping[str, Any], out_dir: Path,
+    before_compile: Callable[[], None],
+) -> tuple[Any, OutputLayout, Any, dict[str, Any]]:
+    """Build and write the store entry's files into ``out_dir`` (the store's staging directory): the compiled
+    model, its output layout, the map of the IR's weights it reads (see _build) and the manifest's metadata. The IR it compiles from is removed again: the entry
+    holds the exported blob, which later starts import (see the module doc)."""
+    ir_dir = out_dir / IR_DIR
+    compiled, layout, layout_json, weights = _build(fn, example_inputs, device, ov_config, ir_dir, before_compile)
+    # The export reads the weights back from the mapped IR (the CPU plugin exports the model it compiled from),
+    # whose pages are let go again as it goes.
+    with (out_dir / MODEL_FILE).open("wb") as handle, _pages_dropped_meanwhile(weights):
+        stream = _FileStream(handle)
+        try:
+            compiled.export_model(stream)
+        except RuntimeError as exc:
+            raise MemfitError(
+                f"OpenVINO device {device!r} cannot export compiled models ({exc}), so memfit cannot "
+                "store them: run with MEMFIT_CACHE=0, or use device='CPU'."
+            ) from exc
+        if stream.getbuffer().nbytes:  # a binding that wrote into the buffer itself, not through write(): that
+            handle.seek(0)
+            handle.truncate()
+            handle.write(stream.getbuffer())
+    _drop_pages(weights)
+    shutil.rmtree(ir_dir, ignore_errors=True)  # its map stays readable (Linux), and goes with the compiled model
     (out_dir / LAYOUT_FILE).write_text(layout_json, encoding="utf-8")
-    return {"outputs": layout.tensor_count, "device": device}
+    return compiled, layout, weights, {"outputs": layout.tensor_count, "device": device}
 
 
 def _load_entry(entry: Path, device: str, ov_config: Mapping[str, Any]) -> tuple[Any, OutputLayout, Any]:
@@ -316,7 +433,8 @@ def _pages_dropped_meanwhile(blob: Any, every_seconds: float = 0.05) -> Iterator
     the blob once, front to back, into memory of the plugin's own, so the pages it has read are not
     needed, and without this the whole blob stays resident beside that copy until the import ends
     (measured on the SD 1.5 UNet, 1.72 GB in bf16: peak RSS 3.39 GiB without, 1.81 GiB with, import
-    1.0 s either way). A page read again later comes back from the page cache; see _drop_pages."""
+    1.0 s either way). A page read again later comes back from the page cache; see _drop_pages. The same
+    for a cold build's IR weights (_build), which compiling and exporting read front to back."""
     done = threading.Event()
 
     def drop_until_done() -> None:
