@@ -15,6 +15,7 @@ from memfit.models.families.hunyuan_image import HunyuanImageAdapter
 from memfit.models.families.hunyuan_video15 import HunyuanVideo15Adapter
 from memfit.models.families.hunyuan_video15_i2v import HunyuanVideo15ImageToVideoAdapter
 from memfit.models.families.ltx import LTXAdapter
+from memfit.models.families.ltx_i2v import LTXImageToVideoAdapter
 from memfit.models.families.pixart_sigma import PixArtSigmaAdapter
 from memfit.models.families.qwenimage import QwenImageAdapter
 from memfit.models.families.sana import SanaAdapter
@@ -55,6 +56,7 @@ ADAPTERS: dict[str, type[PipelineAdapter]] = {
         HunyuanVideo15Adapter,
         HunyuanVideo15ImageToVideoAdapter,
         LTXAdapter,
+        LTXImageToVideoAdapter,
     )
 }
 

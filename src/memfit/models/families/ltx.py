@@ -21,7 +21,15 @@ run's generator as plain diffusers draws it, whether or not decode_noise_scale i
 frame at once (no tiling; memfit.plan.meta.WHOLE_VIDEO_DECODERS). __call__'s decode_timestep and decode_noise_scale
 are its defaults (0 and 0): memfit takes neither yet.
 
-Image to video (LTXImageToVideoPipeline) is memfit.models.families.ltx_i2v's.
+Input image (--image, the img2img task): an LTX-Video folder also makes a video from an image, its first frame, as
+LTXImageToVideoPipeline (the same components; diffusers loads the same folder as that class). Its loop set-up
+encodes the image with the VAE's encoder (loaded and planned in the denoise stage) and keeps its latents as the
+first latent frame, at timestep 0. Without --width/--height the video has the image's aspect ratio at the area of
+__call__'s default 704 x 512, each side rounded down to a multiple of 32 (the pipeline resizes the image to the
+video's size). Its post-loop code differs in two lines: it draws the decode timestep's noise with torch.randn on the
+execution device (memfit draws it on the generator's, the CPU, where a CPU generator can draw: the same numbers on
+a CPU run) and does not cast the latents to the VAE's dtype (the same dtype in a memfit run). A folder saved as
+LTXImageToVideoPipeline is memfit.models.families.ltx_i2v's.
 """
 
 from __future__ import annotations
@@ -32,7 +40,7 @@ import math
 import torch
 
 from memfit.errors import MemfitError
-from memfit.models.families.base import PipelineAdapter, masked_embeddings, pad_masked
+from memfit.models.families.base import IMG2IMG, PipelineAdapter, masked_embeddings, pad_masked
 
 
 class LTXAdapter(PipelineAdapter):
@@ -44,6 +52,7 @@ class LTXAdapter(PipelineAdapter):
     max_text_tokens = 128  # __call__'s max_sequence_length
     options = ("num_frames",)
     frames_per_second = 25  # __call__'s frame_rate, which its rotary positions are scaled to
+    tasks = {IMG2IMG: "LTXImageToVideoPipeline"}
 
     def vae_scale_factor(self) -> int:
         return self._compression("spatial_compression_ratio", "patch_size")
@@ -68,6 +77,14 @@ class LTXAdapter(PipelineAdapter):
 
     def default_size(self) -> int:
         return self.call_defaults()["height"]  # not square: resolve() takes __call__'s width and height
+
+    def drawn_size(self, image, task):
+        """(width, height) for an input image without --width/--height: its aspect ratio at __call__'s default area."""
+        call_defaults = self.call_defaults()
+        area, step = call_defaults["width"] * call_defaults["height"], self.size_multiple()
+        aspect = image.height / image.width
+        return (max(step, round(math.sqrt(area / aspect)) // step * step),
+                max(step, round(math.sqrt(area * aspect)) // step * step))
 
     def resolve(self, prompt, negative_prompt, steps, guidance, seed, width, height, defaults=None, *,
                 conditioning=None, makes_images: bool = True, **options):
@@ -131,15 +148,18 @@ class LTXAdapter(PipelineAdapter):
                                             vae.config.scaling_factor).to(vae.dtype)
         timestep = None
         if vae.config.timestep_conditioning:
-            noise = self.decode_noise(latents, generator, device)
+            noise = self.decode_noise(latents, settings, generator, device)
             timestep = torch.tensor([0.0], device=device, dtype=latents.dtype)  # decode_timestep
             noise_scale = torch.tensor([0.0], device=device, dtype=latents.dtype)[:, None, None, None, None]
             latents = (1 - noise_scale) * latents + noise_scale * noise
         video = vae.decode(latents.to(vae.dtype), timestep, return_dict=False)[0]
         return list(pipe.video_processor.postprocess_video(video, output_type="pil")[0])
 
-    def decode_noise(self, latents, generator, device):
-        """The noise __call__ draws for the decode timestep."""
+    def decode_noise(self, latents, settings, generator, device):
+        """The noise __call__ draws for the decode timestep (LTXImageToVideoPipeline's: torch.randn)."""
         from diffusers.utils.torch_utils import randn_tensor
 
+        if settings.task == IMG2IMG:
+            return torch.randn(latents.shape, generator=generator, device=generator.device,
+                               dtype=latents.dtype).to(device)
         return randn_tensor(latents.shape, generator=generator, device=device, dtype=latents.dtype)
