@@ -1,11 +1,12 @@
 """LTX-Video (LTXPipeline). The staged video equals plain diffusers' bit for bit (tests/test_families.py, with and
 without streaming); here: its T5 embeddings and masks through memfit encode and --embeddings (a shorter negative
-padded with masked zeros), the frame and size checks, the default size, the plan; and image to video, the same
+padded with masked zeros), the frame and size checks, the default size, the plan, a LoRA; and image to video, the same
 folder run as LTXImageToVideoPipeline for --image (and a folder saved as that class), equal to plain diffusers with
 and without streaming."""
 
 from __future__ import annotations
 
+import importlib.util
 import json
 
 import diffusers
@@ -149,3 +150,17 @@ def test_a_folder_saved_as_the_image_to_video_class(tiny_models):
     assert ours.settings.task == "img2img" and ours.metadata["pipeline"] == "LTXImageToVideoPipeline"
     with pytest.raises(MemfitError, match=r"makes a video from an image: pass --image IMG"):
         memfit.generate(model=model, progress=False, **dict(I2V, image=None))
+
+
+@pytest.mark.skipif(importlib.util.find_spec("peft") is None, reason="LoRAs need peft (pip install memfit[lora])")
+def test_a_lora_goes_into_the_transformer(model, tmp_path):
+    """--lora through the pipeline's own load_lora_weights: plain diffusers' video with it, another without it."""
+    from memfit.models.lora import check_loras
+    from memfit.testing.conditioning import save_lora
+
+    loras = [(str(save_lora(model, tmp_path / "lora", seed=1)), 0.7)]
+    ours = memfit.generate(PROMPT, model=model, progress=False, loras=loras, **dict(VIDEO, negative_prompt=NEGATIVE))
+    assert "LoRA(s), unfused" in ours.report.stages[1].note
+    reference = diffusers_output(model, ours.settings, loras=check_loras(loras))
+    assert max_pixel_difference(ours.frames, reference) == 0
+    assert max_pixel_difference(diffusers_output(model, ours.settings), reference) > 0

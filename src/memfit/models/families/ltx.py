@@ -19,7 +19,8 @@ latents (one token per latent patch): the denoise stage unpacks them (after_loop
 __call__'s post-loop code: the VAE's latents_mean/latents_std, the decode timestep (with its noise, drawn from the
 run's generator as plain diffusers draws it, whether or not decode_noise_scale is 0) and the VAE, which decodes every
 frame at once (no tiling; memfit.plan.meta.WHOLE_VIDEO_DECODERS). __call__'s decode_timestep and decode_noise_scale
-are its defaults (0 and 0): memfit takes neither yet.
+are its defaults (0 and 0): memfit takes neither yet. --lora goes into the transformer, through the pipeline's own
+load_lora_weights (diffusers' LTX-Video loader reads no text encoder LoRA).
 
 Input image (--image, the img2img task): an LTX-Video folder also makes a video from an image, its first frame, as
 LTXImageToVideoPipeline (the same components; diffusers loads the same folder as that class). Its loop set-up
@@ -45,6 +46,7 @@ from memfit.models.families.base import IMG2IMG, PipelineAdapter, masked_embeddi
 
 class LTXAdapter(PipelineAdapter):
     class_name = "LTXPipeline"
+    takes_lora = True
     encode_components = ("tokenizer", "text_encoder")
     denoise_components = ("transformer", "scheduler")
     text_encoders = ("text_encoder", "tokenizer")
