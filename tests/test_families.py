@@ -55,6 +55,7 @@ CASES = {
     "wan22": (dict(guidance=1.0, num_frames=5), dict(guidance=5.0, negative_prompt=NEGATIVE, num_frames=5)),
     # HunyuanVideo 1.5's guidance is its guider's scale too (6.0 in the tiny folder)
     "hunyuan_video15": (dict(guidance=1.0, num_frames=5), dict(guidance=4.0, negative_prompt=NEGATIVE, num_frames=5)),
+    "ltx": (dict(guidance=1.0, num_frames=5), dict(guidance=3.0, negative_prompt=NEGATIVE, num_frames=5)),
 }
 
 
@@ -713,7 +714,7 @@ def test_optional_settings_are_resolved_or_refused(tiny_models):
     assert settings.guidance == 4.0 and qwen.call_kwargs(settings)["true_cfg_scale"] == 4.0
 
 
-@pytest.mark.parametrize("kind", [*PIPELINE_KINDS, "wan", "hunyuan_video15", "sd_pag"])
+@pytest.mark.parametrize("kind", [*PIPELINE_KINDS, "wan", "hunyuan_video15", "ltx", "sd_pag"])
 def test_plan_model_works_for_every_family(tiny_models, kind, capsys):
     """memfit plan --model plans every family's folder from its configs, with the family's adapter."""
     from memfit.cli.app import main

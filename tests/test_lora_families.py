@@ -29,7 +29,8 @@ SETTINGS = {"flux": dict(guidance=3.5), "sd3": dict(guidance=4.5, negative_promp
             "qwenimage": dict(guidance=1.0), "wan": dict(guidance=1.0, num_frames=5), "chroma": dict(guidance=1.0),
             "sana": dict(guidance=1.0), "aura_flow": dict(guidance=1.0), "lumina2": dict(guidance=1.0),
             "cogview4": dict(guidance=1.0), "hidream": dict(guidance=1.0), "zimage": dict(guidance=0.0),
-            "flux_kontext": dict(guidance=3.5), "flux2": dict(guidance=4.0), "flux2_klein": dict(guidance=4.0)}
+            "flux_kontext": dict(guidance=3.5), "flux2": dict(guidance=4.0), "flux2_klein": dict(guidance=4.0),
+            "ltx": dict(guidance=3.0, negative_prompt="blurry", num_frames=5)}
 
 
 def _output(result):
@@ -104,8 +105,8 @@ def test_a_lora_streams_on_a_fake_gpu(tiny_models, tmp_path, streamed_plans):
         assert gpu.copies > 0
 
 
-@pytest.mark.slow  # seven more families end to end
-@pytest.mark.parametrize("kind", ["sana", "aura_flow", "lumina2", "cogview4", "hidream", "zimage", "flux_kontext"])
+@pytest.mark.slow  # eight more families end to end
+@pytest.mark.parametrize("kind", ["sana", "aura_flow", "lumina2", "cogview4", "hidream", "zimage", "flux_kontext", "ltx"])
 def test_a_lora_on_the_other_families_equals_diffusers(tiny_models, tmp_path, kind):
     model = tiny_models(kind)
     _matches_diffusers(model, [(str(save_lora(model, tmp_path / "lora", seed=1)), 0.7)], kind)

@@ -332,7 +332,7 @@ _PACKED_PATCH = {"FluxTransformer2DModel": 2}
 
 # Video VAEs whose decoder runs every frame at once (no frame-by-frame cache, no tiling unless asked): the
 # widest activation is the whole video at full resolution, times its last up block's channels.
-WHOLE_VIDEO_DECODERS = ("AutoencoderKLHunyuanVideo15",)
+WHOLE_VIDEO_DECODERS = ("AutoencoderKLHunyuanVideo15", "AutoencoderKLLTXVideo")
 
 
 def activation_estimate(
@@ -424,13 +424,27 @@ def _vae_decoder_elems(config, *, width, height, frames=1, class_name="", **_):
     channels = config.get("block_out_channels") or (config.get("base_dim", 128),)
     if frames == 1:
         return width * height * channels[0]
-    temporal = int(config.get("scale_factor_temporal") or config.get("temporal_compression_ratio", 4))
+    if class_name == "AutoencoderKLLTXVideo":
+        return _ltx_decoder_elems(config, width=width, height=height, frames=frames)
+    temporal = int(config.get("scale_factor_temporal") or config.get("temporal_compression_ratio") or 4)
     video_frames = (frames - 1) * temporal + 1
     if class_name in WHOLE_VIDEO_DECODERS:
         return width * height * video_frames * (channels[0] + 3)
     # A video VAE decodes a latent frame at a time (scale_factor_temporal video frames, widest at
     # full resolution) but returns the whole video at once.
     return width * height * (channels[0] * temporal + 3 * video_frames)
+
+
+def _ltx_decoder_elems(config, *, width, height, frames):
+    """LTX-Video's VAE decodes every frame at once; its last up block runs at 1/patch_size of each side (the decoder
+    unpatchifies its output), so its widest activation is that block's channels over patch_size**2 per output pixel."""
+    scaling = config.get("spatio_temporal_scaling", (True, True, True, False))
+    temporal = int(config.get("temporal_compression_ratio")
+                   or config.get("patch_size_t", 1) * 2 ** sum(bool(flag) for flag in scaling))
+    channels = (config.get("decoder_block_out_channels") or config.get("block_out_channels") or (128,))[0]
+    patch = int(config.get("patch_size", 4))
+    video_frames = (frames - 1) * temporal + 1
+    return width * height * video_frames * (channels / patch**2 + 3)
 
 
 def _text_encoder_elems(config, *, text_tokens, **_):

@@ -546,6 +546,48 @@ def _hunyuan_video15_i2v(scale: int, text_layers: int):
     return _hunyuan_video15(scale, text_layers, image_to_video=True)
 
 
+def _ltx(scale: int, text_layers: int, *, image_to_video: bool = False):
+    """LTX-Video: a tiny T5 encoder, a two-block transformer and an 8x (4x in time) video VAE that patchifies
+    (2x2 pixels; the real one's 4x4, 32x and 8x in time) and whose decoder is conditioned on the decode timestep,
+    as LTX-Video 0.9.1's and later ones' are.
+    ``image_to_video``: LTXImageToVideoPipeline's, the same components."""
+    from diffusers import (AutoencoderKLLTXVideo, FlowMatchEulerDiscreteScheduler, LTXImageToVideoPipeline,
+                           LTXPipeline, LTXVideoTransformer3DModel)
+
+    tokenizer = word_tokenizer()
+    text_hidden = 16 * scale
+    latent_channels = 4
+    transformer = LTXVideoTransformer3DModel(
+        in_channels=latent_channels, out_channels=latent_channels, patch_size=1, patch_size_t=1,
+        num_attention_heads=2 * scale, attention_head_dim=12, cross_attention_dim=24 * scale, num_layers=2,
+        caption_channels=text_hidden,
+    )
+    width = 8 * scale
+    vae = AutoencoderKLLTXVideo(
+        latent_channels=latent_channels, block_out_channels=(width,) * 4, decoder_block_out_channels=(width,) * 4,
+        layers_per_block=(1,) * 5, decoder_layers_per_block=(1,) * 5,
+        spatio_temporal_scaling=(True, True, False, False), decoder_spatio_temporal_scaling=(True, True, False, False),
+        decoder_inject_noise=(False,) * 5, upsample_residual=(False,) * 4, upsample_factor=(1,) * 4,
+        timestep_conditioning=True, patch_size=2, patch_size_t=1, scaling_factor=0.75,
+    )
+    # A VAE's latents_mean/latents_std are weights (buffers); the real ones are not zeros and ones either.
+    vae.latents_mean.copy_(torch.tensor([0.1, -0.2, 0.05, 0.3]))
+    vae.latents_std.copy_(torch.tensor([1.5, 0.8, 1.2, 2.0]))
+    pipeline_class = LTXImageToVideoPipeline if image_to_video else LTXPipeline
+    return pipeline_class(
+        scheduler=FlowMatchEulerDiscreteScheduler(shift=1.0, use_dynamic_shifting=True, base_image_seq_len=16,
+                                                  max_image_seq_len=256, base_shift=0.95, max_shift=2.05),
+        vae=vae,
+        text_encoder=_t5_encoder(tokenizer, text_hidden, text_layers),
+        tokenizer=tokenizer,
+        transformer=transformer,
+    )
+
+
+def _ltx_i2v(scale: int, text_layers: int):
+    return _ltx(scale, text_layers, image_to_video=True)
+
+
 def _wan(scale: int, text_layers: int, boundary_ratio: float | None = None, ffn_dim: int | None = None, *,
          image_to_video: bool = False, image_encoder=None, image_processor=None):
     """A tiny Wan pipeline; ``image_to_video``: WanImageToVideoPipeline's, whose transformers also take the
@@ -1024,13 +1066,13 @@ _BUILDERS: dict[str, Callable[[int, int], object]] = {
     "wan22_narrow": _wan22_narrow,
     "wan_i2v": _wan_i2v, "wan22_i2v": _wan22_i2v, "wan22_ti2v": _wan22_ti2v, "chroma": _chroma, "sana": _sana, "pixart_sigma": _pixart_sigma, "aura_flow": _aura_flow, "hidream": _hidream,
     "zimage": _zimage, "flux_kontext": _flux_kontext, "flux2": _flux2, "flux2_klein": _flux2_klein,
-    "sd_pag": _sd_pag, "hunyuan_image": _hunyuan_image, "hunyuan_video15": _hunyuan_video15, "hunyuan_video15_i2v": _hunyuan_video15_i2v, "sdxl_single_file": _sdxl_single_file, "sd3_single_file": _sd3_single_file, "sd2_single_file": _sd2_single_file,
+    "sd_pag": _sd_pag, "hunyuan_image": _hunyuan_image, "hunyuan_video15": _hunyuan_video15, "hunyuan_video15_i2v": _hunyuan_video15_i2v, "ltx": _ltx, "ltx_i2v": _ltx_i2v, "sdxl_single_file": _sdxl_single_file, "sd3_single_file": _sd3_single_file, "sd2_single_file": _sd2_single_file,
 }
 
 # Sizes each tiny architecture accepts (multiples of what its VAE and patching need).
 DEFAULT_SIZE = {"sd": 32, "sdxl": 32, "lumina2": 32, "cogview4": 32, "flux": 32, "flux_schnell": 32, "sd3": 32, "qwenimage": 32, "wan": 32, "wan22": 32, "wan22_narrow": 32, "wan_i2v": 32, "wan22_i2v": 32, "wan22_ti2v": 64, "chroma": 32, "sana": 32, "pixart_sigma": 32, "aura_flow": 32, "hidream": 32,
                 "zimage": 32, "flux_kontext": 32, "flux2": 32, "flux2_klein": 32, "hunyuan_image": 32,
-                "hunyuan_video15": 32, "hunyuan_video15_i2v": 32}
+                "hunyuan_video15": 32, "hunyuan_video15_i2v": 32, "ltx": 32, "ltx_i2v": 32}
 
 
 def build_pipeline(kind: str, *, seed: int = 0, scale: int = 1, text_layers: int = 2):

@@ -14,6 +14,8 @@ from memfit.models.families.hidream import HiDreamImageAdapter
 from memfit.models.families.hunyuan_image import HunyuanImageAdapter
 from memfit.models.families.hunyuan_video15 import HunyuanVideo15Adapter
 from memfit.models.families.hunyuan_video15_i2v import HunyuanVideo15ImageToVideoAdapter
+from memfit.models.families.ltx import LTXAdapter
+from memfit.models.families.ltx_i2v import LTXImageToVideoAdapter
 from memfit.models.families.pixart_sigma import PixArtSigmaAdapter
 from memfit.models.families.qwenimage import QwenImageAdapter
 from memfit.models.families.sana import SanaAdapter
@@ -53,6 +55,8 @@ ADAPTERS: dict[str, type[PipelineAdapter]] = {
         HunyuanImageAdapter,
         HunyuanVideo15Adapter,
         HunyuanVideo15ImageToVideoAdapter,
+        LTXAdapter,
+        LTXImageToVideoAdapter,
     )
 }
 
