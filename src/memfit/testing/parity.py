@@ -51,6 +51,10 @@ def diffusers_output(model_dir: str | Path, settings, dtype: torch.dtype = torch
     from memfit.models.folder import ModelFolder
     from memfit.testing.conditioning import load_loras_as_diffusers
 
+    folder = ModelFolder.open(model_dir)
+    # What memfit loads itself where diffusers cannot here (a Qwen2VLProcessor without torchvision): the same
+    # object a plain diffusers user would build and pass.
+    components = {**folder.adapter.load_apart(folder.config_folder, list(folder.components)), **(components or {})}
     pipeline_class = diffusers.DiffusionPipeline
     if components:  # DiffusionPipeline.from_pretrained loads the folder's own in place of models passed to it
         pipeline_class = getattr(diffusers, diffusers.DiffusionPipeline.load_config(model_dir)["_class_name"])
@@ -62,7 +66,7 @@ def diffusers_output(model_dir: str | Path, settings, dtype: torch.dtype = torch
                 for tensor in (*module.parameters(), *module.buffers()):
                     tensor.data = tensor.data.clone()
     load_loras_as_diffusers(pipe, loras)
-    adapter = ModelFolder.open(model_dir).adapter
+    adapter = folder.adapter
     for name, component in adapter.call_components(pipe, settings).items():  # a setting held by a component
         setattr(pipe, name, component)
     if settings.negative_prompt is not None:  # else the pipeline's own default, as a plain call leaves it

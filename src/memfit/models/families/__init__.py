@@ -16,6 +16,7 @@ from memfit.models.families.hunyuan_video15 import HunyuanVideo15Adapter
 from memfit.models.families.hunyuan_video15_i2v import HunyuanVideo15ImageToVideoAdapter
 from memfit.models.families.pixart_sigma import PixArtSigmaAdapter
 from memfit.models.families.qwenimage import QwenImageAdapter
+from memfit.models.families.qwenimage_edit import QwenImageEditAdapter, QwenImageEditPlusAdapter
 from memfit.models.families.sana import SanaAdapter
 from memfit.models.families.sd3 import StableDiffusion3Adapter
 from memfit.models.families.wan import WanAdapter
@@ -39,6 +40,8 @@ ADAPTERS: dict[str, type[PipelineAdapter]] = {
         FluxAdapter,
         StableDiffusion3Adapter,
         QwenImageAdapter,
+        QwenImageEditAdapter,
+        QwenImageEditPlusAdapter,
         WanAdapter,
         WanImageToVideoAdapter,
         ChromaAdapter,
