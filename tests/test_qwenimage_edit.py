@@ -114,3 +114,19 @@ def test_serve_img2img_edits_as_memfit_generate_does(tiny_models, cache_dir):
         assert base64.b64decode(response.json()["images"][0]) == png_bytes(expected.images[0], expected.metadata)
         refused = client.post("/sdapi/v1/txt2img", json={"prompt": PROMPT, "steps": 1})
         assert refused.status_code == 422 and "--image" in refused.text
+
+
+@pytest.mark.parametrize("kind", ["qwenimage_edit", "qwenimage_edit_plus"])
+def test_a_lora_equals_diffusers(tiny_models, cache_dir, tmp_path, kind):
+    """A PEFT LoRA goes into the transformer, as diffusers' QwenImage loader puts it; the oracle can fail."""
+    from memfit.models.lora import check_loras
+    from memfit.testing import diffusers_output, max_pixel_difference
+    from memfit.testing.conditioning import save_lora
+
+    model = tiny_models(kind)
+    loras = [(str(save_lora(model, tmp_path / "lora", seed=1)), 0.7)]
+    ours = memfit.generate(PROMPT, model=model, image=IMAGE, loras=loras, **RUN)
+    assert "LoRA(s), unfused" in ours.report.stages[1].note
+    reference = diffusers_output(model, ours.settings, loras=check_loras(loras), image=IMAGE)
+    assert max_pixel_difference(ours.images, reference) == 0
+    assert max_pixel_difference(diffusers_output(model, ours.settings, image=IMAGE), reference) > 0

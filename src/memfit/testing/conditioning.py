@@ -98,7 +98,9 @@ def save_lora(model_dir: str | Path, path: str | Path, *, seed: int = 0, rank: i
     from peft import LoraConfig
     from peft.utils import get_peft_model_state_dict
 
-    pipe = diffusers.DiffusionPipeline.from_pretrained(model_dir)
+    from memfit.testing.parity import plain_pipeline
+
+    pipe = plain_pipeline(model_dir)
     torch.manual_seed(seed)
     saves = inspect.signature(type(pipe).save_lora_weights).parameters
     layers, metadata = {}, {}

@@ -44,7 +44,6 @@ PIXELS_PER_IMAGE_TOKEN = 28 * 28
 
 class QwenImageEditAdapter(QwenImageAdapter):
     class_name = "QwenImageEditPipeline"
-    takes_lora = False  # not tested for the edit pipelines yet
     tasks = {IMG2IMG: "QwenImageEditPipeline"}
     encode_components = ("tokenizer", "text_encoder", "processor")
     text_encoders = ("text_encoder", "tokenizer", "processor")  # the processor's image settings shape the embeddings
