@@ -51,7 +51,7 @@ def test_encode_with_image_then_embeddings_file_is_bitwise_the_direct_run(tiny_m
 
 def test_another_image_gives_other_embeddings_and_never_a_stale_cache_hit(tiny_models, cache_dir, monkeypatch):
     model = tiny_models("qwenimage_edit")
-    first, first_report = memfit.encode(PROMPT, model=model, image=IMAGE)
+    first, _ = memfit.encode(PROMPT, model=model, image=IMAGE)
     other, other_report = memfit.encode(PROMPT, model=model, image=OTHER_IMAGE)
     assert other_report.stages[0].note != "cache hit"
     assert not _equal(first, other)

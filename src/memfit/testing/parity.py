@@ -33,23 +33,6 @@ def diffusers_image(model_dir: str | Path, *, prompt: str, negative_prompt=None,
     ).images[0]
 
 
-def plain_pipeline(model_dir: str | Path, **kwargs):
-    """The folder's pipeline as plain diffusers loads it (from_pretrained with ``kwargs``; a component among them is
-    used in place of the folder's), with what memfit loads itself where diffusers cannot here (a Qwen2VLProcessor
-    without torchvision: PipelineAdapter.load_apart) passed the same way: the object a diffusers user would build."""
-    import diffusers
-
-    from memfit.models.folder import ModelFolder
-
-    folder = ModelFolder.open(model_dir)
-    kwargs = {**folder.adapter.load_apart(folder.config_folder, list(folder.components)), **kwargs}
-    pipeline_class = diffusers.DiffusionPipeline
-    if any(name in folder.components for name in kwargs):
-        # DiffusionPipeline.from_pretrained loads the folder's own in place of models passed to it
-        pipeline_class = getattr(diffusers, diffusers.DiffusionPipeline.load_config(model_dir)["_class_name"])
-    return pipeline_class.from_pretrained(model_dir, **kwargs)
-
-
 def diffusers_output(model_dir: str | Path, settings, dtype: torch.dtype = torch.float32, loras=(),
                      components: dict | None = None, weights_in_own_memory: bool = False, **call_kwargs) -> list:
     """What plain diffusers makes for memfit's resolved `settings`: the images (or a video's frames).
@@ -65,9 +48,10 @@ def diffusers_output(model_dir: str | Path, settings, dtype: torch.dtype = torch
     """
     from memfit.models.folder import ModelFolder
     from memfit.testing.conditioning import load_loras_as_diffusers
+    from memfit.testing.plain_diffusers import plain_pipeline
 
     folder = ModelFolder.open(model_dir)
-    pipe = plain_pipeline(model_dir, torch_dtype=dtype, **(components or {}))
+    pipe = plain_pipeline(model_dir, components, torch_dtype=dtype)
     pipe.set_progress_bar_config(disable=True)
     if weights_in_own_memory:
         for module in pipe.components.values():

@@ -2,7 +2,8 @@
 QwenImage's components plus a Qwen2-VL processor, editing an input image (--image). Every run needs --image.
 
 Everything but the input image is QwenImage's (memfit.models.families.qwenimage): true CFG as memfit's
-guidance (only with a negative prompt), native unequal lengths, packed latents, the decode.
+guidance (only with a negative prompt), native unequal lengths, packed latents, the decode, LoRAs into the
+transformer.
 
 The input image goes two ways, as the pipelines' __call__ sends it:
 - to the text encoder: the prompt is encoded *with* the image (Qwen2.5-VL sees it through the pipeline's
@@ -48,8 +49,8 @@ class QwenImageEditAdapter(QwenImageAdapter):
     encode_components = ("tokenizer", "text_encoder", "processor")
     text_encoders = ("text_encoder", "tokenizer", "processor")  # the processor's image settings shape the embeddings
     prompt_sees_image = True
+    condition_image_area = VAE_IMAGE_AREA  # the pixels of the image the text encoder sees
     # The text encoder sees the prompt (at most QwenImage's 1024 tokens) and the image's tokens.
-    condition_image_area = VAE_IMAGE_AREA
     max_text_tokens = QwenImageAdapter.max_text_tokens + VAE_IMAGE_AREA // PIXELS_PER_IMAGE_TOKEN
 
     def stage_components(self, stage: str) -> tuple[str, ...]:
@@ -80,7 +81,9 @@ class QwenImageEditAdapter(QwenImageAdapter):
 
     def prompt_images(self, pipe, image):
         """The input image as the pipeline's __call__ hands it to encode_prompt: resized to about 1024 x 1024."""
-        from diffusers.pipelines.qwenimage.pipeline_qwenimage_edit import calculate_dimensions
+        from diffusers.pipelines.qwenimage.pipeline_qwenimage_edit import (
+            calculate_dimensions,
+        )
 
         width, height, _ = calculate_dimensions(self.condition_image_area, image.size[0] / image.size[1])
         return pipe.image_processor.resize(image, height, width)
@@ -110,7 +113,9 @@ class QwenImageEditPlusAdapter(QwenImageEditAdapter):
 
     def prompt_images(self, pipe, image):
         """The input image as the pipeline's __call__ hands it to encode_prompt: a list of one, about 384 x 384."""
-        from diffusers.pipelines.qwenimage.pipeline_qwenimage_edit_plus import calculate_dimensions
+        from diffusers.pipelines.qwenimage.pipeline_qwenimage_edit_plus import (
+            calculate_dimensions,
+        )
 
         width, height = calculate_dimensions(self.condition_image_area, image.size[0] / image.size[1])
         return [pipe.image_processor.resize(image, height, width)]
