@@ -28,6 +28,7 @@ PROMPT = "a red house near the sea"
 NEGATIVE = "blurry"
 BASE = dict(prompt=PROMPT, steps=2, seed=7, width=32, height=32)
 KONTEXT_IMAGE = test_image(32, seed=1)
+EDIT_IMAGE = test_image(64, seed=1)  # the tiny Qwen-Image-Edit's sides are multiples of 64
 
 # kind -> (settings without guidance, settings with guidance); None where a family has no guidance.
 CASES = {
@@ -46,6 +47,11 @@ CASES = {
     # Kontext edits an input image (the img2img task)
     "flux_kontext": (dict(guidance=3.5, image=KONTEXT_IMAGE),
                      dict(guidance=3.5, true_cfg_scale=4.0, negative_prompt=NEGATIVE, image=KONTEXT_IMAGE)),
+    # Qwen-Image-Edit (and Plus) edits an input image, which its text encoder sees with the prompt too
+    "qwenimage_edit": (dict(guidance=1.0, image=EDIT_IMAGE, width=64, height=64),
+                       dict(guidance=4.0, negative_prompt=NEGATIVE, image=EDIT_IMAGE, width=64, height=64)),
+    "qwenimage_edit_plus": (dict(guidance=1.0, image=EDIT_IMAGE, width=64, height=64),
+                            dict(guidance=4.0, negative_prompt=NEGATIVE, image=EDIT_IMAGE, width=64, height=64)),
     # FLUX.2 dev's guidance is embedded only: no negative pass, no negative prompt
     "flux2": (dict(guidance=1.0), dict(guidance=4.0)),
     "flux2_klein": (dict(guidance=1.0), dict(guidance=4.0, negative_prompt=NEGATIVE)),
@@ -77,7 +83,8 @@ def test_the_oracle_can_fail(tiny_models, kind):
     """A different seed, and guidance on instead of off, each give a different image."""
     model = tiny_models(kind)
     ours = memfit.generate(model=model, progress=False, **_settings(kind, True))
-    other_seed = diffusers_output(model, dataclasses.replace(ours.settings, seed=8))
+    image = {"image": CASES[kind][True]["image"]} if "image" in CASES[kind][True] else {}
+    other_seed = diffusers_output(model, dataclasses.replace(ours.settings, seed=8), **image)
     assert max_pixel_difference(_output(ours), other_seed) > 0
     unguided = memfit.generate(model=model, progress=False, **_settings(kind, False))
     assert max_pixel_difference(_output(ours), _output(unguided)) > 0
@@ -147,13 +154,15 @@ def test_text_encoders_stream_from_disk(tiny_models, kind, streamed_plans, tmp_p
 
     model = tiny_models(kind)
     negative = CASES[kind][True].get("negative_prompt")  # FLUX.2 dev takes none
-    whole, _ = memfit.encode(PROMPT, model=model, negative_prompt=negative)
+    # Qwen-Image-Edit's text encoder sees the image too (its vision tower streams as well)
+    image = {"image": CASES[kind][True]["image"]} if ModelFolder.open(model).adapter.prompt_sees_image else {}
+    whole, _ = memfit.encode(PROMPT, model=model, negative_prompt=negative, **image)
     budget = 1
     for attempt in range(4):
         monkeypatch.setenv("MEMFIT_CACHE_DIR", str(tmp_path / f"cache{attempt}"))  # no prompt-cache hit
         try:
             streamed_plans.clear()
-            low, _ = memfit.encode(PROMPT, model=model, negative_prompt=negative, budget=budget)
+            low, _ = memfit.encode(PROMPT, model=model, negative_prompt=negative, budget=budget, **image)
             break
         except MemfitError as exc:
             budget = int(re.search(r"smallest budget that works is (\d+) bytes", str(exc)).group(1))
@@ -714,7 +723,7 @@ def test_optional_settings_are_resolved_or_refused(tiny_models):
     assert settings.guidance == 4.0 and qwen.call_kwargs(settings)["true_cfg_scale"] == 4.0
 
 
-@pytest.mark.parametrize("kind", [*PIPELINE_KINDS, "wan", "hunyuan_video15", "ltx", "sd_pag"])
+@pytest.mark.parametrize("kind", [*PIPELINE_KINDS, "wan", "hunyuan_video15", "ltx", "sd_pag", "qwenimage_edit"])
 def test_plan_model_works_for_every_family(tiny_models, kind, capsys):
     """memfit plan --model plans every family's folder from its configs, with the family's adapter."""
     from memfit.cli.app import main

@@ -446,7 +446,9 @@ class ModelFolder:
         _DTYPE_KWARG = _DTYPE_KWARG or dtype_keyword()
         external = {name: folder for name, folder in (external or {}).items() if name in names}
         self.check_weights([name for name in names if name not in external])
-        apart = self._load_apart([name for name in names if name not in external], dtype, in_file_dtype)
+        apart = dict(self._load_apart([name for name in names if name not in external], dtype, in_file_dtype))
+        apart.update(self.adapter.load_apart(self.config_folder, [name for name in names
+                                                                  if name not in external and name not in apart]))
         own = [name for name in names if name not in external and name not in apart]
         pipeline_class = getattr(diffusers, pipeline_class or self.class_name)
         skipped = {name: None for name in self._index_components() if name not in names}

@@ -22,6 +22,7 @@ from memfit.run.fit import check_budget_floor
 from memfit.run.libraries import quiet_libraries
 from memfit.run.memory import collects_only_its_own_garbage
 from memfit.run.options import RunOptions, StagePool
+from memfit.run.prompt_cache import image_fingerprint
 from memfit.run.report import RunReport
 from memfit.run.runner import StageRunner
 from memfit.run.stages import (
@@ -39,6 +40,9 @@ from memfit.run.stages import (
 from memfit.run.threads import start_looking_at_cpus
 
 __all__ = ["Generation", "check_conditioning", "encode", "generate"]
+
+# The Embeddings metadata entry holding the input image's content digest, where the text encoders saw one.
+IMAGE_FINGERPRINT = "image_fingerprint"
 
 
 def _begin(threads: int | None) -> None:
@@ -63,13 +67,23 @@ def encode(
     components: dict[str, str | Path] | None = None,
     quantize: dict[str, str] | None = None,
     threads: int | None = None,
+    image=None,
 ) -> tuple[Embeddings, RunReport]:
     """Run only the encode stage; the embeddings carry both guidance branches. ``model``, ``config``,
-    ``components``, ``quantize`` and ``threads`` as memfit.generate's."""
+    ``components``, ``quantize`` and ``threads`` as memfit.generate's. ``image`` (a PIL image or a file) is the
+    input image of a family whose text encoders see it (Qwen-Image-Edit), which needs it; the embeddings record
+    its content, and generate refuses them with another image."""
     _begin(threads)
     folder = open_model(model, allow_pickle=allow_pickle, config=config, components=components, quantize=quantize)
     if not folder.adapter.staged:
         raise MemfitError(_not_staged(folder, "encode prompts on their own"))
+    image = _open_image(image, "--image", "RGB")
+    if folder.adapter.prompt_sees_image and image is None:
+        raise MemfitError(f"{folder.class_name} encodes the prompt together with the image it edits: pass --image IMG "
+                          "(memfit.encode(..., image=...)).")
+    if image is not None and not folder.adapter.prompt_sees_image:
+        raise MemfitError(f"{folder.class_name}'s text encoders do not see the input image, so its embeddings do not "
+                          "depend on it: leave --image out of memfit encode.")
     check_backend_takes_stored_weights(folder, backend, fallback)
     options = RunOptions.build(device=device, dtype=dtype, budget=budget, backend=backend, fallback=fallback,
                                progress=False, allow_pickle=allow_pickle, threads=threads)
@@ -77,8 +91,10 @@ def encode(
                                       makes_images=False)
     report = RunReport(device=str(options.device), dtype=dtype, model=str(folder.path), notes=source_notes(folder))
     runner = StageRunner(options, report=report, settings=settings, guided=True)
-    tensors = runner.run([encode_stage([("base", folder)], settings, with_negative=True)])["encode"]["base"]
-    embeddings = Embeddings(tensors, folder.class_name, folder.text_fingerprint, settings.prompt, settings.negative_prompt)
+    tensors = runner.run([encode_stage([("base", folder)], settings, with_negative=True, image=image)])["encode"]["base"]
+    extra = {IMAGE_FINGERPRINT: image_fingerprint(image)} if image is not None else {}
+    embeddings = Embeddings(tensors, folder.class_name, folder.text_fingerprint, settings.prompt, settings.negative_prompt,
+                            extra=extra)
     return embeddings, report
 
 
@@ -213,7 +229,13 @@ def generate(
         if prompt is not None or negative_prompt is not None:
             raise MemfitError("Pass either a prompt or an embeddings file, not both: the embeddings already fix the prompt.")
         loaded = embeddings if isinstance(embeddings, Embeddings) else Embeddings.load(embeddings)
-        check_embeddings(loaded, folder, "The embeddings" if isinstance(embeddings, Embeddings) else str(embeddings))
+        where = "The embeddings" if isinstance(embeddings, Embeddings) else str(embeddings)
+        check_embeddings(loaded, folder, where)
+        if adapter.prompt_sees_image and conditioning.image is not None and \
+                loaded.extra.get(IMAGE_FINGERPRINT) != image_fingerprint(conditioning.image):
+            raise MemfitError(f"{where} were encoded with another input image than this --image, and "
+                              f"{folder.class_name}'s prompt embeddings depend on the image: encode again with "
+                              "memfit encode --image IMG, or pass --prompt.")
         prompt, negative_prompt = loaded.prompt, loaded.negative_prompt
     check_conditioning(adapter, conditioning, loaded is not None)
     settings = adapter.resolve(prompt, negative_prompt, steps, guidance, seed, width, height, folder.defaults,
@@ -242,7 +264,8 @@ def generate(
                                backend, precision, dtype)
     stages = []
     if loaded is None:
-        stages.append(encode_stage([("base", folder)], settings, with_negative=guided, loras=conditioning.loras))
+        stages.append(encode_stage([("base", folder)], settings, with_negative=guided, loras=conditioning.loras,
+                                   image=conditioning.image))
     else:
         if guided and not loaded.has_negative:
             raise MemfitError("These embeddings have no negative prompt branch; generate with --guidance 1 or encode again.")

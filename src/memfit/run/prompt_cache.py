@@ -2,7 +2,8 @@
 
 The key is content only: the text encoders' and tokenizers' fingerprint (memfit.run.generate.
 text_fingerprint), the pipeline class, the prompt, the negative prompt, whether the negative branch
-was encoded, the run dtype, and the backend the text encoders ran with (a compiled encoder's
+was encoded, the run dtype, the input image's content where the text encoders see it (Qwen-Image-Edit:
+PipelineAdapter.prompt_sees_image), and the backend the text encoders ran with (a compiled encoder's
 embeddings differ from eager ones within its tolerance, and a hit must give exactly what a miss
 would have). The entry is an Embeddings safetensors file, so a hit is bitwise the tensors the
 miss produced. MEMFIT_CACHE=0 turns it off; MEMFIT_CACHE=require makes a miss an error.
@@ -10,6 +11,7 @@ miss produced. MEMFIT_CACHE=0 turns it off; MEMFIT_CACHE=require makes a miss an
 
 from __future__ import annotations
 
+import hashlib
 from pathlib import Path
 from typing import Any, Mapping
 
@@ -44,21 +46,31 @@ def text_backend_label(backend: Any, text_encoders) -> dict[str, str]:
     return labels
 
 
+def image_fingerprint(image) -> str:
+    """A digest of a PIL image's content (mode, size, pixels): what embeddings encoded with it depend on."""
+    digest = hashlib.sha256(f"memfit-image/1:{image.mode}:{image.size[0]}x{image.size[1]}:".encode())
+    digest.update(image.tobytes())
+    return digest.hexdigest()
+
+
 def embeddings_key(text_fingerprint: str, pipeline_class: str, prompt: str, negative_prompt: str | None,
-                   with_negative: bool, dtype: torch.dtype, backends: Mapping[str, str]) -> CacheKey:
-    return CacheKey(
-        KIND,
-        {
-            "text_fingerprint": text_fingerprint,
-            "pipeline_class": pipeline_class,
-            "prompt": prompt,
-            "negative_prompt": negative_prompt,
-            "with_negative": bool(with_negative),
-            "dtype": str(dtype),
-            # Sorted by encoder role so the key holds no part-name-dependent ordering.
-            "text_backends": sorted(backends.values()),
-        },
-    )
+                   with_negative: bool, dtype: torch.dtype, backends: Mapping[str, str],
+                   image: str | None = None) -> CacheKey:
+    """``image``: the image_fingerprint of the input image the text encoders see, None where they see none
+    (then the key is what it was before images entered it, so earlier entries still hit)."""
+    fields = {
+        "text_fingerprint": text_fingerprint,
+        "pipeline_class": pipeline_class,
+        "prompt": prompt,
+        "negative_prompt": negative_prompt,
+        "with_negative": bool(with_negative),
+        "dtype": str(dtype),
+        # Sorted by encoder role so the key holds no part-name-dependent ordering.
+        "text_backends": sorted(backends.values()),
+    }
+    if image is not None:
+        fields["image"] = image
+    return CacheKey(KIND, fields)
 
 
 class PromptCache:

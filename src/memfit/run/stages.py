@@ -131,10 +131,12 @@ def lora_fingerprint(loras) -> list[str]:
 
 
 def encode_stage(folders: list[tuple[str, ModelFolder]], settings: Settings, with_negative: bool,
-                 loras=()) -> Stage:
+                 loras=(), image=None) -> Stage:
     """The text encoders of each (label, folder), in order; returns {label: embedding tensors}.
 
     ``loras`` ((file, scale) pairs) are loaded into the text encoders (those a LoRA file has keys for).
+    ``image`` (a PIL image) is the input image, which a family whose text encoders see it (Qwen-Image-Edit:
+    PipelineAdapter.prompt_sees_image) encodes with the prompt; the prompt cache then keys by its content.
 
     A repeated prompt is served from the prompt cache and loads no text encoder. A component whose
     content equals one an earlier folder of this stage loaded (an SDXL refiner's text_encoder_2) is
@@ -143,7 +145,7 @@ def encode_stage(folders: list[tuple[str, ModelFolder]], settings: Settings, wit
 
     def work(context: StageContext, results: dict[str, Any]) -> dict[str, dict[str, torch.Tensor]]:
         from memfit.cache import CacheMode, open_store
-        from memfit.run.prompt_cache import PromptCache, embeddings_key, text_backend_label
+        from memfit.run.prompt_cache import PromptCache, embeddings_key, image_fingerprint, text_backend_label
 
         runner = context.runner
         tensors: dict[str, dict[str, torch.Tensor]] = {}
@@ -154,6 +156,10 @@ def encode_stage(folders: list[tuple[str, ModelFolder]], settings: Settings, wit
         store = open_store()
         for label, folder in folders:
             names = [name for name in folder.adapter.encode_components if name in folder.components]
+            sees_image = folder.adapter.prompt_sees_image
+            if sees_image and image is None:
+                raise MemfitError(f"{folder.class_name} encodes the prompt together with the image it edits: pass "
+                                  "--image IMG.")
             cache = None
             if store.mode is not CacheMode.OFF:
                 text_fingerprint = folder.text_fingerprint
@@ -163,7 +169,8 @@ def encode_stage(folders: list[tuple[str, ModelFolder]], settings: Settings, wit
                     text_fingerprint = combine_fingerprints([text_fingerprint, *lora_fingerprint(loras)])
                 cache = PromptCache(embeddings_key(
                     text_fingerprint, folder.class_name, settings.prompt, settings.negative_prompt, with_negative,
-                    runner.options.torch_dtype, text_backend_label(runner.options.backend, names)), store)
+                    runner.options.torch_dtype, text_backend_label(runner.options.backend, names),
+                    image=image_fingerprint(image) if sees_image else None), store)
                 found = cache.lookup()  # a hit never loads a text encoder
                 if found is not None:
                     tensors[label] = {k: v.to(runner.device) for k, v in found.items()}
@@ -180,7 +187,8 @@ def encode_stage(folders: list[tuple[str, ModelFolder]], settings: Settings, wit
                 if isinstance(getattr(pipe, name, None), torch.nn.Module):
                     loaded.setdefault(fingerprint, getattr(pipe, name))
             with torch.inference_mode(), _truncation_notices() as cut:
-                embeddings = folder.adapter.encode(pipe, settings, with_negative)
+                embeddings = folder.adapter.encode(pipe, settings, with_negative,
+                                                   **({"image": image} if sees_image else {}))
             for notice in dict.fromkeys(cut):  # once each, however many encoders or branches saw it
                 warnings.warn(f"The prompt is longer than {folder.path.name}'s text encoder takes and was cut: "
                               f"{notice.splitlines()[0]}", PromptTruncatedWarning, stacklevel=2)

@@ -94,11 +94,12 @@ def save_lora(model_dir: str | Path, path: str | Path, *, seed: int = 0, rank: i
     Other text encoders (T5, ...) get none: diffusers' loaders read text encoder LoRAs of CLIP only."""
     import inspect
 
-    import diffusers
     from peft import LoraConfig
     from peft.utils import get_peft_model_state_dict
 
-    pipe = diffusers.DiffusionPipeline.from_pretrained(model_dir)
+    from memfit.testing.plain_diffusers import plain_pipeline
+
+    pipe = plain_pipeline(model_dir)
     torch.manual_seed(seed)
     saves = inspect.signature(type(pipe).save_lora_weights).parameters
     layers, metadata = {}, {}

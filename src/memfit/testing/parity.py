@@ -46,15 +46,12 @@ def diffusers_output(model_dir: str | Path, settings, dtype: torch.dtype = torch
     tensor at another address modulo a cache line (seen: one level of one pixel for a tiny Wan 2.2), so the
     mapped file's placement is not what a GPU run is compared with.
     """
-    import diffusers
-
     from memfit.models.folder import ModelFolder
     from memfit.testing.conditioning import load_loras_as_diffusers
+    from memfit.testing.plain_diffusers import plain_pipeline
 
-    pipeline_class = diffusers.DiffusionPipeline
-    if components:  # DiffusionPipeline.from_pretrained loads the folder's own in place of models passed to it
-        pipeline_class = getattr(diffusers, diffusers.DiffusionPipeline.load_config(model_dir)["_class_name"])
-    pipe = pipeline_class.from_pretrained(model_dir, torch_dtype=dtype, **(components or {}))
+    folder = ModelFolder.open(model_dir)
+    pipe = plain_pipeline(model_dir, components, torch_dtype=dtype)
     pipe.set_progress_bar_config(disable=True)
     if weights_in_own_memory:
         for module in pipe.components.values():
@@ -62,7 +59,7 @@ def diffusers_output(model_dir: str | Path, settings, dtype: torch.dtype = torch
                 for tensor in (*module.parameters(), *module.buffers()):
                     tensor.data = tensor.data.clone()
     load_loras_as_diffusers(pipe, loras)
-    adapter = ModelFolder.open(model_dir).adapter
+    adapter = folder.adapter
     for name, component in adapter.call_components(pipe, settings).items():  # a setting held by a component
         setattr(pipe, name, component)
     if settings.negative_prompt is not None:  # else the pipeline's own default, as a plain call leaves it

@@ -377,11 +377,14 @@ _QWEN_TEMPLATE_WORDS = (
 ).split()
 
 
-def _qwen2_5_vl(tokenizer, text_hidden: int, text_layers: int):
-    """A tiny Qwen2.5-VL for the word tokenizer; stands in for Qwen2.5-VL-7B (QwenImage, HunyuanImage 2.1)."""
+def _qwen2_5_vl(tokenizer, text_hidden: int, text_layers: int, vision_tokens: dict[str, int] | None = None):
+    """A tiny Qwen2.5-VL for the word tokenizer; stands in for Qwen2.5-VL-7B (QwenImage, HunyuanImage 2.1).
+    ``vision_tokens``: the ids of the tokenizer's vision tokens (_QWEN_VISION_TOKENS), where prompts show it images."""
     from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
 
     vocab = len(tokenizer)
+    # Vision tokens never occur in a text prompt: ids past the word vocabulary, unless the tokenizer has them.
+    vision_tokens = vision_tokens or {token: vocab + index + 1 for index, token in enumerate(_QWEN_VISION_TOKENS)}
     return Qwen2_5_VLForConditionalGeneration(
         Qwen2_5_VLConfig(
             text_config={
@@ -393,22 +396,66 @@ def _qwen2_5_vl(tokenizer, text_hidden: int, text_layers: int):
             },
             vision_config={"depth": 1, "hidden_size": 16, "intermediate_size": 16, "num_heads": 2,
                            "out_hidden_size": text_hidden},
-            # Vision tokens never occur in a text prompt: ids past the word vocabulary.
-            vision_start_token_id=vocab + 1, vision_end_token_id=vocab + 2, image_token_id=vocab + 3,
-            video_token_id=vocab + 4, vocab_size=vocab,
+            vision_start_token_id=vision_tokens["<|vision_start|>"], vision_end_token_id=vision_tokens["<|vision_end|>"],
+            image_token_id=vision_tokens["<|image_pad|>"], video_token_id=vision_tokens["<|video_pad|>"], vocab_size=vocab,
         )
     ).eval()
 
 
 def _qwenimage(scale: int, text_layers: int):
-    from diffusers import (AutoencoderKLQwenImage, FlowMatchEulerDiscreteScheduler, QwenImagePipeline,
-                           QwenImageTransformer2DModel)
+    from diffusers import QwenImagePipeline
 
     from memfit.testing.tokenizers import DEFAULT_WORDS
 
     tokenizer = word_tokenizer([*DEFAULT_WORDS, *_QWEN_TEMPLATE_WORDS])
     text_hidden = 16 * scale
     text_encoder = _qwen2_5_vl(tokenizer, text_hidden, text_layers)
+    return QwenImagePipeline(text_encoder=text_encoder, tokenizer=tokenizer,
+                             **_qwenimage_parts(scale, text_hidden, dim_mult=[1, 2, 4], temperal_downsample=[False, True]))
+
+
+# The tokens Qwen2-VL's processor puts an image between (and a video's, which the edit pipelines never send).
+_QWEN_VISION_TOKENS = ("<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>")
+# The words of the edit pipelines' prompt templates besides QwenImage's.
+_QWEN_EDIT_TEMPLATE_WORDS = (
+    "key features input then explain how instruction should alter or modify generate new that meets requirements "
+    "while maintaining consistency original where appropriate picture"
+).split()
+
+
+def _qwenimage_edit(scale: int, text_layers: int, pipeline_class: str = "QwenImageEditPipeline"):
+    """Qwen-Image-Edit: QwenImage's transformer, a Qwen2.5-VL that sees images through a Qwen2-VL processor.
+
+    The pipeline encodes every input image at about 1024 x 1024 pixels with the VAE: one that shrinks 32x
+    (five levels) and is narrow keeps that quick and the image's latents a few hundred tokens. The processor
+    shows the text encoder at most 112 x 112 pixels (16 tokens); it has no video processor, which needs
+    torchvision (memfit.models.families.qwenimage_edit), and save_pipeline names it Qwen2VLProcessor."""
+    import diffusers
+    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
+
+    from memfit.models.families.qwenimage_edit import image_only_processor
+    from memfit.testing.tokenizers import DEFAULT_WORDS
+
+    tokenizer = word_tokenizer([*DEFAULT_WORDS, *_QWEN_TEMPLATE_WORDS, *_QWEN_EDIT_TEMPLATE_WORDS])
+    tokenizer.add_special_tokens({"additional_special_tokens": list(_QWEN_VISION_TOKENS)})
+    vision_tokens = {token: tokenizer.convert_tokens_to_ids(token) for token in _QWEN_VISION_TOKENS}
+    text_hidden = 16 * scale
+    text_encoder = _qwen2_5_vl(tokenizer, text_hidden, text_layers, vision_tokens)
+    processor = image_only_processor(Qwen2VLImageProcessorPil(min_pixels=56 * 56, max_pixels=112 * 112), tokenizer)
+    return getattr(diffusers, pipeline_class)(
+        text_encoder=text_encoder, tokenizer=tokenizer, processor=processor,
+        **_qwenimage_parts(scale, text_hidden, dim_mult=[1] * 6, temperal_downsample=[False] * 5))
+
+
+def _qwenimage_edit_plus(scale: int, text_layers: int):
+    return _qwenimage_edit(scale, text_layers, "QwenImageEditPlusPipeline")
+
+
+def _qwenimage_parts(scale: int, text_hidden: int, **vae_levels):
+    """The QwenImage pipelines' transformer, scheduler and VAE (its levels: ``vae_levels``), for a text encoder
+    ``text_hidden`` wide."""
+    from diffusers import AutoencoderKLQwenImage, FlowMatchEulerDiscreteScheduler, QwenImageTransformer2DModel
+
     latent_channels = 4
     transformer = QwenImageTransformer2DModel(
         patch_size=2,
@@ -421,22 +468,9 @@ def _qwenimage(scale: int, text_layers: int):
         guidance_embeds=False,
         axes_dims_rope=(8, 4, 4),
     )
-    vae = AutoencoderKLQwenImage(
-        base_dim=4 * scale,
-        z_dim=latent_channels,
-        dim_mult=[1, 2, 4],
-        num_res_blocks=1,
-        temperal_downsample=[False, True],
-        latents_mean=[0.1, -0.2, 0.05, 0.3],
-        latents_std=[1.5, 0.8, 1.2, 2.0],
-    )
-    return QwenImagePipeline(
-        scheduler=FlowMatchEulerDiscreteScheduler(),
-        vae=vae,
-        text_encoder=text_encoder,
-        tokenizer=tokenizer,
-        transformer=transformer,
-    )
+    vae = AutoencoderKLQwenImage(base_dim=4 * scale, z_dim=latent_channels, num_res_blocks=1,
+                                 latents_mean=[0.1, -0.2, 0.05, 0.3], latents_std=[1.5, 0.8, 1.2, 2.0], **vae_levels)
+    return dict(scheduler=FlowMatchEulerDiscreteScheduler(), vae=vae, transformer=transformer)
 
 
 def _hunyuan_image(scale: int, text_layers: int):
@@ -1062,7 +1096,8 @@ def _sd_pag(scale: int, text_layers: int):
 
 _BUILDERS: dict[str, Callable[[int, int], object]] = {
     "sd": _sd, "sdxl": _sdxl, "lumina2": _lumina2, "cogview4": _cogview4,
-    "flux": _flux, "flux_schnell": _flux_schnell, "sd3": _sd3, "qwenimage": _qwenimage, "wan": _wan, "wan22": _wan22,
+    "flux": _flux, "flux_schnell": _flux_schnell, "sd3": _sd3, "qwenimage": _qwenimage,
+    "qwenimage_edit": _qwenimage_edit, "qwenimage_edit_plus": _qwenimage_edit_plus, "wan": _wan, "wan22": _wan22,
     "wan22_narrow": _wan22_narrow,
     "wan_i2v": _wan_i2v, "wan22_i2v": _wan22_i2v, "wan22_ti2v": _wan22_ti2v, "chroma": _chroma, "sana": _sana, "pixart_sigma": _pixart_sigma, "aura_flow": _aura_flow, "hidream": _hidream,
     "zimage": _zimage, "flux_kontext": _flux_kontext, "flux2": _flux2, "flux2_klein": _flux2_klein,
@@ -1072,7 +1107,8 @@ _BUILDERS: dict[str, Callable[[int, int], object]] = {
 # Sizes each tiny architecture accepts (multiples of what its VAE and patching need).
 DEFAULT_SIZE = {"sd": 32, "sdxl": 32, "lumina2": 32, "cogview4": 32, "flux": 32, "flux_schnell": 32, "sd3": 32, "qwenimage": 32, "wan": 32, "wan22": 32, "wan22_narrow": 32, "wan_i2v": 32, "wan22_i2v": 32, "wan22_ti2v": 64, "chroma": 32, "sana": 32, "pixart_sigma": 32, "aura_flow": 32, "hidream": 32,
                 "zimage": 32, "flux_kontext": 32, "flux2": 32, "flux2_klein": 32, "hunyuan_image": 32,
-                "hunyuan_video15": 32, "hunyuan_video15_i2v": 32, "ltx": 32, "ltx_i2v": 32}
+                "hunyuan_video15": 32, "hunyuan_video15_i2v": 32, "ltx": 32, "ltx_i2v": 32, "qwenimage_edit": 64,
+                "qwenimage_edit_plus": 64}
 
 
 def build_pipeline(kind: str, *, seed: int = 0, scale: int = 1, text_layers: int = 2):
@@ -1098,4 +1134,23 @@ def save_pipeline(kind: str, path: str | Path, *, seed: int = 0, scale: int = 1,
     if dtype is not None:
         pipe.to(dtype)
     pipe.save_pretrained(path, safe_serialization=True)
+    _name_qwen2_vl_processor(pipe, path)
     return path
+
+
+def _name_qwen2_vl_processor(pipe, path: Path) -> None:
+    """A tiny edit pipeline's processor is a Qwen2VLProcessor without its video half (which needs torchvision):
+    its saved folder names the class a real Qwen-Image-Edit folder names, transformers' Qwen2VLProcessor."""
+    import json
+
+    processor = getattr(pipe, "processor", None)
+    if processor is None or type(processor).__name__ != "ImageOnlyQwen2VLProcessor":
+        return
+    index_file = path / "model_index.json"
+    index = json.loads(index_file.read_text(encoding="utf-8"))
+    index["processor"] = ["transformers", "Qwen2VLProcessor"]
+    index_file.write_text(json.dumps(index, indent=2, sort_keys=True) + "\n", encoding="utf-8")
+    config_file = path / "processor" / "processor_config.json"
+    config = json.loads(config_file.read_text(encoding="utf-8"))
+    config["processor_class"] = "Qwen2VLProcessor"
+    config_file.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n", encoding="utf-8")

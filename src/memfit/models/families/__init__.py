@@ -18,6 +18,7 @@ from memfit.models.families.ltx import LTXAdapter
 from memfit.models.families.ltx_i2v import LTXImageToVideoAdapter
 from memfit.models.families.pixart_sigma import PixArtSigmaAdapter
 from memfit.models.families.qwenimage import QwenImageAdapter
+from memfit.models.families.qwenimage_edit import QwenImageEditAdapter, QwenImageEditPlusAdapter
 from memfit.models.families.sana import SanaAdapter
 from memfit.models.families.sd3 import StableDiffusion3Adapter
 from memfit.models.families.wan import WanAdapter
@@ -41,6 +42,8 @@ ADAPTERS: dict[str, type[PipelineAdapter]] = {
         FluxAdapter,
         StableDiffusion3Adapter,
         QwenImageAdapter,
+        QwenImageEditAdapter,
+        QwenImageEditPlusAdapter,
         WanAdapter,
         WanImageToVideoAdapter,
         ChromaAdapter,

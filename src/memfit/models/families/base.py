@@ -143,6 +143,10 @@ class PipelineAdapter:
     # 1.5's VAE): a stage that does not load one builds its pipeline with a weightless stand-in of its config in
     # its place, which is None again once the pipeline is built (memfit.models.folder.ModelFolder.load_stage).
     read_at_init: ClassVar[tuple[str, ...]] = ()
+    # Whether the text encoders see the input image too (Qwen-Image-Edit's Qwen2.5-VL takes it through its
+    # processor): the encode stage then needs --image, passes it to encode(..., image=), and its embeddings
+    # and their prompt-cache key depend on the image's content.
+    prompt_sees_image: ClassVar[bool] = False
 
     def __init__(self, configs: dict[str, dict], classes: dict[str, tuple[str, str]] | None = None):
         # Component configs read from the model folder (or a built-in architecture), and each
@@ -355,9 +359,16 @@ class PipelineAdapter:
         return Settings(prompt, negative_prompt or None, steps, guidance, int(seed), width, height, **options,
                         task=task, strength=strength)
 
+    def load_apart(self, folder, names) -> dict[str, Any]:
+        """{name: component} of ``names`` that the adapter loads itself from the model folder ``folder`` (a Path),
+        where diffusers' own loading cannot run here (a processor whose video half needs torchvision); the
+        stage hands them to from_pretrained in place of loading them. Here: none."""
+        return {}
+
     # ---- stages ------------------------------------------------------------------------------
     def encode(self, pipe, settings: Settings, with_negative: bool) -> dict[str, torch.Tensor]:
-        """Run the text encoders; returns the keyword arguments the denoise stage passes on."""
+        """Run the text encoders; returns the keyword arguments the denoise stage passes on. An adapter whose
+        prompt_sees_image takes the input image too, as ``encode(pipe, settings, with_negative, image=IMAGE)``."""
         raise NotImplementedError
 
     def denoise(self, pipe, embeddings: dict[str, torch.Tensor], settings: Settings, generator, split: bool = False,
