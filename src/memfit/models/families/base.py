@@ -467,6 +467,15 @@ class PipelineAdapter:
         raise NotImplementedError
 
 
+def check_frame_count(num_frames: int, temporal: int, class_name: str) -> None:
+    """A video VAE compresses ``temporal`` frames into one latent frame after the first: refuse a frame count that
+    is not ``temporal * k + 1``, naming the two nearest that are."""
+    if (num_frames - 1) % temporal:
+        lower = max(1, (num_frames - 1) // temporal * temporal + 1)
+        raise MemfitError(f"num_frames {num_frames} is not a multiple of {temporal} plus 1, which {class_name} needs; "
+                          f"use {lower} or {lower + temporal}.")
+
+
 def embeddings_needed(embeddings: dict[str, torch.Tensor], negative: bool) -> list[str]:
     """Names of the negative counterparts of the positive embeddings present."""
     positives = [name for name in embeddings if not name.startswith("negative_")]

@@ -42,6 +42,7 @@ class HunyuanImageAdapter(PipelineAdapter):
     guidance_batch = 1  # the negative pass is a separate transformer call
     separate_guidance_passes = True
     text_sequences = (("prompt_embeds", 1), ("prompt_embeds_2", 1))
+    per_prompt_keyword = "num_images_per_prompt"  # what its encode_prompt calls the outputs per prompt
 
     # ---- settings ----------------------------------------------------------------------------
     def guider_config(self, name: str) -> dict | None:
@@ -113,7 +114,7 @@ class HunyuanImageAdapter(PipelineAdapter):
         prompts = [("", settings.prompt)] + ([("negative_", settings.negative_prompt or "")] if with_negative else [])
         for prefix, prompt in prompts:
             embeds, mask, embeds_2, mask_2 = pipe.encode_prompt(prompt=prompt, device=device, batch_size=1,
-                                                                num_images_per_prompt=1)
+                                                                **{self.per_prompt_keyword: 1})
             embeddings.update({f"{prefix}prompt_embeds": embeds, f"{prefix}prompt_embeds_mask": mask,
                                f"{prefix}prompt_embeds_2": embeds_2, f"{prefix}prompt_embeds_mask_2": mask_2})
         return embeddings

@@ -26,7 +26,7 @@ Image to video (the i2v folders, HunyuanVideo15ImageToVideoPipeline) is memfit.m
 
 from __future__ import annotations
 
-from memfit.errors import MemfitError
+from memfit.models.families.base import check_frame_count
 from memfit.models.families.hunyuan_image import HunyuanImageAdapter
 
 # The image-token slots the transformer always takes (the pipeline's vision_num_semantic_tokens).
@@ -40,6 +40,7 @@ class HunyuanVideo15Adapter(HunyuanImageAdapter):
     max_text_tokens = 1000 + 256  # the Qwen2.5-VL tokens and the ByT5 glyph tokens, side by side
     options = ("num_frames",)
     frames_per_second = 24  # its default 121 frames are about 5 seconds (diffusers' i2v example writes 24 fps)
+    per_prompt_keyword = "num_videos_per_prompt"
 
     def vae_scale_factor(self) -> int:
         return int(self.configs["vae"].get("spatial_compression_ratio", 16))
@@ -71,12 +72,7 @@ class HunyuanVideo15Adapter(HunyuanImageAdapter):
         height = height if height is not None else defaults.get("height", default_height)
         settings = super().resolve(prompt, negative_prompt, steps, guidance, seed, width, height, defaults,
                                    makes_images=makes_images, **options)
-        temporal = self.temporal_scale_factor()
-        if settings.num_frames % temporal != 1:
-            lower = max(1, (settings.num_frames - 1) // temporal * temporal + 1)
-            raise MemfitError(
-                f"num_frames {settings.num_frames} is not a multiple of {temporal} plus 1, which {self.class_name} "
-                f"needs; use {lower} or {lower + temporal}.")
+        check_frame_count(settings.num_frames, self.temporal_scale_factor(), self.class_name)
         return settings
 
     def latent_frames(self, settings) -> int:
@@ -87,17 +83,6 @@ class HunyuanVideo15Adapter(HunyuanImageAdapter):
 
     def call_kwargs(self, settings):
         return dict(super().call_kwargs(settings), num_frames=settings.num_frames)
-
-    def encode(self, pipe, settings, with_negative):
-        device = pipe._execution_device
-        embeddings = {}
-        prompts = [("", settings.prompt)] + ([("negative_", settings.negative_prompt or "")] if with_negative else [])
-        for prefix, prompt in prompts:
-            embeds, mask, embeds_2, mask_2 = pipe.encode_prompt(prompt=prompt, device=device, batch_size=1,
-                                                                num_videos_per_prompt=1)
-            embeddings.update({f"{prefix}prompt_embeds": embeds, f"{prefix}prompt_embeds_mask": mask,
-                               f"{prefix}prompt_embeds_2": embeds_2, f"{prefix}prompt_embeds_mask_2": mask_2})
-        return embeddings
 
     def decode(self, pipe, latents, settings, generator):
         # Copied from HunyuanVideo15Pipeline.__call__ after its denoising loop (output_type="pil"); the video's frames.

@@ -40,8 +40,7 @@ import math
 
 import torch
 
-from memfit.errors import MemfitError
-from memfit.models.families.base import IMG2IMG, PipelineAdapter, masked_embeddings, pad_masked
+from memfit.models.families.base import IMG2IMG, PipelineAdapter, check_frame_count, masked_embeddings, pad_masked
 
 
 class LTXAdapter(PipelineAdapter):
@@ -97,12 +96,7 @@ class LTXAdapter(PipelineAdapter):
             height = height if height is not None else defaults.get("height", call_defaults["height"])
         settings = super().resolve(prompt, negative_prompt, steps, guidance, seed, width, height, defaults,
                                    conditioning=conditioning, makes_images=makes_images, **options)
-        temporal = self.temporal_scale_factor()
-        if (settings.num_frames - 1) % temporal:
-            lower = max(1, (settings.num_frames - 1) // temporal * temporal + 1)
-            raise MemfitError(
-                f"num_frames {settings.num_frames} is not a multiple of {temporal} plus 1, which {self.class_name} "
-                f"needs; use {lower} or {lower + temporal}.")
+        check_frame_count(settings.num_frames, self.temporal_scale_factor(), self.class_name)
         return settings
 
     def latent_frames(self, settings) -> int:

@@ -34,7 +34,7 @@ import math
 import torch
 
 from memfit.errors import MemfitError
-from memfit.models.families.base import IMG2IMG, PipelineAdapter, paired_embeddings
+from memfit.models.families.base import IMG2IMG, PipelineAdapter, check_frame_count, paired_embeddings
 
 
 class WanAdapter(PipelineAdapter):
@@ -98,13 +98,7 @@ class WanAdapter(PipelineAdapter):
             raise MemfitError(
                 f"guidance_scale_2 guides Wan 2.2's second expert (transformer_2), which this {self.class_name} "
                 "folder does not have; leave --guidance-2 out.")
-        temporal = self.temporal_scale_factor()
-        if settings.num_frames % temporal != 1:
-            lower = max(1, (settings.num_frames - 1) // temporal * temporal + 1)
-            raise MemfitError(
-                f"num_frames {settings.num_frames} is not a multiple of {temporal} plus 1, which {self.class_name} "
-                f"needs; use {lower} or {lower + temporal}."
-            )
+        check_frame_count(settings.num_frames, self.temporal_scale_factor(), self.class_name)
         if makes_images:
             self._check_position_table(settings)
         return settings
