@@ -12,6 +12,7 @@ import json
 import mmap
 import os
 import struct
+import sys
 import weakref
 from dataclasses import dataclass
 from pathlib import Path
@@ -20,7 +21,8 @@ import torch
 
 from memfit.errors import MemfitError
 
-__all__ = ["TORCH_DTYPES", "LazyMapping", "MappedFile", "SafetensorsHeader", "check_complete", "read_header", "same_samples"]
+__all__ = ["TORCH_DTYPES", "LazyMapping", "MappedFile", "SafetensorsHeader", "check_complete", "close_unused_mappings",
+           "read_header", "same_samples"]
 
 #: The torch dtype of each safetensors dtype name memfit maps into memory.
 TORCH_DTYPES = {
@@ -91,11 +93,19 @@ class LazyMapping:
     The mapping is private copy-on-write (``ACCESS_COPY``): pages are the page cache's own, the
     kernel may drop and re-read them under pressure, and an accidental in-place write to a weight
     makes a private page instead of corrupting the model file (or crashing on a read-only page).
+
+    The pages a process has touched in a mapping count in its resident set for as long as the mapping
+    is open, whoever holds the file object: a model file read for one stage (a checkpoint's text
+    encoder, a quantized UNet's blocks) would go on counting in every later stage's memory. So a
+    mapping that no tensor shows any more is closed between stages (``close_unused_mappings``) and
+    mapped again when a tensor is next asked for.
     """
 
     path: Path
     _mapping: mmap.mmap | None = None
     _descriptor: int | None = None  # the file the mapping shows, kept open for check_holds
+    _close_descriptor: weakref.finalize | None = None
+    _unshown_references = 0  # the mapping's reference count with no tensor showing it
 
     @property
     def mapping(self) -> mmap.mmap:
@@ -107,8 +117,29 @@ class LazyMapping:
                 os.close(descriptor)
                 raise
             self._descriptor = descriptor
-            weakref.finalize(self, os.close, descriptor)
+            self._close_descriptor = weakref.finalize(self, os.close, descriptor)
+            self._unshown_references = self._mapping_references()
+            _OPEN_MAPPINGS.add(self)
         return self._mapping
+
+    def _mapping_references(self) -> int:
+        # Counted the same way when the mapping opens and when it may close: only the difference matters.
+        return sys.getrefcount(self._mapping)
+
+    def close_if_unused(self) -> bool:
+        """Close the mapping where nothing but this object refers to it; returns whether it was closed.
+
+        A tensor made by torch.frombuffer holds a reference to the mmap object, not a buffer export, so
+        ``mmap.close`` would succeed under a live view and leave it pointing at unmapped memory: the
+        reference count is the only sign of a view (and of a MappedPages, which also keeps it open)."""
+        if self._mapping is None or self._mapping_references() > self._unshown_references:
+            return False
+        self._mapping = None
+        closing, self._close_descriptor, self._descriptor = self._close_descriptor, None, None
+        if closing is not None:
+            closing()  # the mmap object, now unreferenced, unmapped itself; its descriptor goes too
+        _OPEN_MAPPINGS.discard(self)
+        return True
 
     def check_holds(self, end: int) -> None:
         """Raise MemfitError naming the file when the file the mapping shows no longer reaches byte ``end``: a
@@ -121,6 +152,16 @@ class LazyMapping:
                 f"{self.path} was cut short while memfit was reading it: it has {size} bytes now, and memfit needs "
                 f"bytes up to {end}. Was it overwritten or copied over during the run? Let the copy or download "
                 "finish, then run again.")
+
+
+_OPEN_MAPPINGS: "weakref.WeakSet[LazyMapping]" = weakref.WeakSet()
+
+
+def close_unused_mappings() -> int:
+    """Close every open weights-file mapping no tensor shows any more (LazyMapping.close_if_unused), so
+    the pages read from it leave this process's resident set (they stay in the page cache); returns how
+    many were closed. Run after garbage collection, between stages."""
+    return sum(lazy.close_if_unused() for lazy in list(_OPEN_MAPPINGS))
 
 
 class MappedFile(LazyMapping):

@@ -25,6 +25,8 @@ from dataclasses import dataclass
 
 import psutil
 
+from memfit.safetensors_header import close_unused_mappings
+
 _CLEAR_REFS = "/proc/self/clear_refs"
 _STATUS = "/proc/self/status"
 
@@ -86,8 +88,11 @@ def release_freed_memory() -> None:
 
     glibc keeps freed heap memory in its arenas; without malloc_trim a stage's weights, though
     freed, would still count in the RSS of the next stage and stages would look like they overlap.
+    The same goes for the pages of a weights file's mapping that no tensor shows any more (a stage's
+    component loaded as views of its file): the mapping is closed.
     """
     gc.collect()
+    close_unused_mappings()
     try:
         ctypes.CDLL("libc.so.6").malloc_trim(0)
     except (OSError, AttributeError):
