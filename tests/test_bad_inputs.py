@@ -405,8 +405,8 @@ CASES = [
     ("gguf-truncated", _flux_gguf("Q8_0", cut=4096), "flux1-dev-Q8_0.gguf is truncated or damaged: "),
     ("gguf-of-another-width", _flux_gguf("Q8_0", width=64),
      "the file's FluxTransformer2DModel has width 64 where the model's has width 32"),
-    ("quantize-unknown-type", args("--quantize", "unet=q3_k"),
-     "--quantize unet=q3_k: memfit quantizes to fp8, int8, q8_0, q6_k, q5_k, q5_1, q5_0, q4_1, q4_0, q4_k"),
+    ("quantize-unknown-type", args("--quantize", "unet=iq4_nl"),
+     "--quantize unet=iq4_nl: memfit quantizes to fp8, int8, q8_0, q6_k, q5_k, q5_1, q5_0, q4_1, q4_0, q4_k, q3_k, q2_k"),
     ("quantize-unknown-component", args("--quantize", "unte=q8_0"), "has no model component 'unte'; the components"),
     ("quantize-no-equals", args("--quantize", "unet"), "--quantize unet: give NAME=TYPE"),
     ("quantize-nothing-to-quantize", lambda model, tmp: {"family": "flux", "args": [

@@ -2,7 +2,7 @@
 drawn from them.
 
 int8 (one float32 scale per output row, a safetensors file memfit writes) draws plain diffusers' image with the
-dequantized weights loaded, bit for bit; q4_k, q5_k, q6_k (memfit's own quantizers, llama.cpp's block layouts)
+dequantized weights loaded, bit for bit; q2_k to q6_k (memfit's own quantizers, llama.cpp's block layouts)
 write a GGUF file the gguf package and diffusers' GGUF loading read, and draw the latter's image bit for bit.
 Each is quantized once: a second run maps memfit's cache. int8 and the GGUF types quantize the layers downloaded
 GGUF files have quantized (AdaLN modulation linears too); fp8 keeps layerwise casting's.
@@ -216,6 +216,69 @@ def test_q5_k_and_q6_k_blocks_round_trip_through_gguf_and_memfit(kind, reference
     assert types == {"0.weight": name, "0.bias": "F32"}
 
 
+def _plain_grid_error(weights: torch.Tensor, kind: str) -> float:
+    """The rms error of ``kind``'s grid on sub-blocks of 16 with exact float scales and no fitting: Q3_K's -4..3 with
+    the largest magnitude at -4, Q2_K's 0..3 spanning the minimum (never above 0) to the maximum."""
+    sub = weights.reshape(-1, 16)
+    if kind == "q3_k":
+        scale = sub.gather(-1, sub.abs().argmax(dim=-1, keepdim=True)) / -4
+        read = torch.round(sub / scale).clamp(-4, 3) * scale
+    else:
+        low = sub.amin(dim=-1, keepdim=True).clamp(max=0)
+        step = (sub.amax(dim=-1, keepdim=True) - low) / 3
+        read = torch.round((sub - low) / step).clamp(0, 3) * step + low
+    return (read - sub).square().mean().sqrt().item()
+
+
+@pytest.mark.parametrize("kind, block_bytes", [("q3_k", 110), ("q2_k", 84)])
+def test_q3_k_and_q2_k_blocks_round_trip_through_diffusers(kind, block_bytes, tmp_path):
+    """memfit's Q3_K and Q2_K bytes dequantize, by diffusers' own dequantizers (the reference), the gguf package's and
+    memfit's reader alike, to the weights within their bits' error: no more than the plain grid with exact float
+    scales gives, nor much less (the fitted scales, quantized to 6 and 4 bits, gain a little); between Q4_K's error
+    and the next type down's. A row of zeros reads zeros, a constant row and an outlier read back; write_quantized
+    stores a 256-wide linear layer in the type."""
+    from diffusers.quantizers.gguf.utils import GGML_QUANT_SIZES, dequantize_functions
+
+    from memfit.quant.formats import STORAGE_DTYPE, readable_gguf_types
+    from memfit.quant.q2_k import quantize_q2_k
+    from memfit.quant.q3_k import quantize_q3_k
+    from memfit.quant.q4_k import quantize_q4_k
+    from memfit.quant.writers import GGUF_TYPES, write_quantized
+
+    name = GGUF_TYPES[kind]
+    quantize = {"q3_k": quantize_q3_k, "q2_k": quantize_q2_k}[kind]
+    kind_type = gguf.GGMLQuantizationType[name]
+    weights = _weights(24, 512)
+    blocks = quantize(weights)
+    assert blocks.dtype == np.uint8 and blocks.shape == (24, 2 * block_bytes)
+    assert GGML_QUANT_SIZES[kind_type] == (256, block_bytes)
+    theirs = dequantize_functions[kind_type](torch.from_numpy(blocks).reshape(-1, block_bytes), 256, block_bytes,
+                                             torch.float32).reshape(24, 512)
+    assert torch.equal(theirs, torch.from_numpy(gguf.quants.dequantize(blocks, kind_type)))
+    fmt = next(f for f in readable_gguf_types().values() if f.name == name)
+    ours = fmt.dequantize(torch.from_numpy(blocks).view(STORAGE_DTYPE), torch.float32)
+    assert ours.shape == (24, 512) and (ours - theirs).abs().max() <= 2e-3 * weights.abs().max()
+
+    def rmse(values):  # over the random rows
+        return (values - weights)[3:].square().mean().sqrt().item()
+
+    plain = _plain_grid_error(weights[3:], kind)
+    assert 0.75 * plain <= rmse(theirs) <= plain
+    q4_k = torch.from_numpy(gguf.quants.dequantize(quantize_q4_k(weights), gguf.GGMLQuantizationType.Q4_K))
+    lower = quantize_q2_k(weights) if kind == "q3_k" else None
+    assert rmse(q4_k) < rmse(theirs)
+    if lower is not None:
+        assert rmse(theirs) < rmse(torch.from_numpy(gguf.quants.dequantize(lower, gguf.GGMLQuantizationType.Q2_K)))
+    assert torch.equal(theirs[0], torch.zeros(512)) and (theirs[1] - 0.5).abs().max() < 1e-3
+    assert abs(theirs[2, 7].item() - 1.0) < 5e-3
+
+    torch.manual_seed(0)
+    layer = torch.nn.Sequential(torch.nn.Linear(256, 8))
+    path = write_quantized(layer, kind, tmp_path)
+    types = {tensor.name: tensor.tensor_type.name for tensor in gguf.GGUFReader(path).tensors}
+    assert types == {"0.weight": name, "0.bias": "F32"}
+
+
 # ---- on the fly ---------------------------------------------------------------------------------------------------
 
 
@@ -284,7 +347,7 @@ def test_int8_on_the_fly_is_diffusers_with_the_dequantized_weights(flux, capsys,
     assert denoise.stages[0].streamed_from_disk_bytes > 0
 
 
-@pytest.mark.parametrize("kind", ["q4_k", "q5_k", "q6_k"])
+@pytest.mark.parametrize("kind", ["q4_k", "q5_k", "q6_k", "q3_k", "q2_k"])
 def test_k_quants_on_the_fly_are_diffusers_gguf_loading(wide_flux, capsys, kind):
     """--quantize transformer=q4_k (q5_k, q6_k) writes a GGUF file of K-quant blocks (the 256-wide layers) that
     diffusers' GGUF loading draws memfit's image from, bit for bit; close to the unquantized image; a second run
@@ -314,7 +377,7 @@ def test_k_quants_on_the_fly_are_diffusers_gguf_loading(wide_flux, capsys, kind)
     assert "quantizing" not in capsys.readouterr().err and np.array_equal(_pixels(again), _pixels(ours))
 
 
-@pytest.mark.parametrize("kind", ["int8", "q4_k"])
+@pytest.mark.parametrize("kind", ["int8", "q4_k", "q2_k"])
 def test_memfit_plan_sizes_the_new_types_without_writing(wide_flux, capsys, kind):
     """memfit plan --quantize transformer=KIND plans the transformer at the bytes a run loads, writing nothing."""
     from memfit.cache import open_store

@@ -154,7 +154,7 @@ class LazyMapping:
                 "finish, then run again.")
 
 
-_OPEN_MAPPINGS: "weakref.WeakSet[LazyMapping]" = weakref.WeakSet()
+_OPEN_MAPPINGS: weakref.WeakSet[LazyMapping] = weakref.WeakSet()
 
 
 def close_unused_mappings() -> int:

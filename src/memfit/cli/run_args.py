@@ -29,7 +29,7 @@ COMPONENT_HELP = ("replace one component of the model by a single file of its ow
 
 QUANTIZE_HELP = ("quantize one component of the model on the fly, once (kept in memfit's cache), e.g. "
                  "transformer=q8_0; TYPE: fp8, int8 (weight-only, a scale per row), q8_0, q6_k, q5_k, q5_1, "
-                 "q5_0, q4_1, q4_0, q4_k (GGUF blocks); repeatable")
+                 "q5_0, q4_1, q4_0, q4_k, q3_k, q2_k (GGUF blocks); repeatable")
 
 
 def _parse_pairs(values: list[str] | None, flag: str, metavar: str, example: str) -> dict[str, str] | None:

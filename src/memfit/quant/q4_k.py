@@ -15,7 +15,8 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-__all__ = ["BLOCK_BYTES", "BLOCK_VALUES", "quantize_q4_k", "quantize_super_blocks", "scales_and_mins"]
+__all__ = ["BLOCK_BYTES", "BLOCK_VALUES", "fitted_steps_and_mins", "quantize_q4_k", "quantize_super_blocks",
+           "scales_and_mins"]
 
 BLOCK_VALUES = 256  # QK_K
 BLOCK_BYTES = 144
@@ -43,9 +44,10 @@ def quantize_super_blocks(weights: torch.Tensor | np.ndarray, name: str, block_b
     return out.reshape(*outer, width // BLOCK_VALUES * block_bytes)
 
 
-def _refined(sub: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor, top: int, steps: int = 2
+def fitted_steps_and_mins(sub: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor, top: int, steps: int = 2
              ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Each sub-block's (step, minimum) after ``steps`` least-squares fits of its values to its quants."""
+    """Each sub-block's (step, minimum) after ``steps`` least-squares fits of its values to its quants (0..``top``),
+    from the given ones; a fit is kept only where it lowers the sub-block's error. Q4_K's, Q5_K's and Q2_K's."""
 
     def fit(scales, mins):
         safe = torch.where(scales > 0, scales, torch.ones_like(scales)).unsqueeze(-1)
@@ -74,7 +76,7 @@ def scales_and_mins(sub: torch.Tensor, top: int) -> tuple[torch.Tensor, ...]:
     count = sub.shape[0]
     low = sub.amin(dim=-1).clamp(max=0.0)  # the sub-block's minimum, never above 0
     high = sub.amax(dim=-1)
-    scales, mins = _refined(sub, (high - low) / top, -low, top)
+    scales, mins = fitted_steps_and_mins(sub, (high - low) / top, -low, top)
     max_scale = scales.amax(dim=-1, keepdim=True)
     max_min = mins.amax(dim=-1, keepdim=True)
     d = (max_scale / 63.0).to(torch.float16)

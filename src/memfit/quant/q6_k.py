@@ -16,7 +16,7 @@ import torch
 
 from memfit.quant.q4_k import quantize_super_blocks
 
-__all__ = ["BLOCK_BYTES", "quantize_q6_k"]
+__all__ = ["BLOCK_BYTES", "quantize_q6_k", "signed_extreme", "symmetric_scales"]
 
 BLOCK_BYTES = 210
 _SUB = 16
@@ -27,20 +27,21 @@ def quantize_q6_k(weights: torch.Tensor | np.ndarray) -> np.ndarray:
     return quantize_super_blocks(weights, "Q6_K", BLOCK_BYTES, _blocks)
 
 
-def _signed_extreme(values: torch.Tensor) -> torch.Tensor:
+def signed_extreme(values: torch.Tensor) -> torch.Tensor:
     """The value of largest magnitude along the last dimension, with its sign."""
     return values.gather(-1, values.abs().argmax(dim=-1, keepdim=True)).squeeze(-1)
 
 
-def _sub_block_scales(sub: torch.Tensor, steps: int = 2) -> torch.Tensor:
-    """Each sub-block's scale: its largest magnitude mapped to -32, then least-squares steps where they help."""
+def symmetric_scales(sub: torch.Tensor, lowest: int, steps: int = 2) -> torch.Tensor:
+    """Each sub-block's scale for quants ``lowest``..``-lowest - 1`` (Q6_K's -32..31, Q3_K's -4..3): its largest
+    magnitude mapped to ``lowest``, then least-squares steps where they lower its error."""
 
     def fit(scales):
         safe = torch.where(scales != 0, scales, torch.ones_like(scales)).unsqueeze(-1)
-        quants = torch.round(sub / safe).clamp(-32, 31)
+        quants = torch.round(sub / safe).clamp(lowest, -lowest - 1)
         return quants, (quants * scales.unsqueeze(-1) - sub).square().sum(dim=-1)
 
-    scales = _signed_extreme(sub) / -32.0
+    scales = signed_extreme(sub) / float(lowest)
     quants, error = fit(scales)
     for _ in range(steps):
         energy = quants.square().sum(dim=-1)
@@ -58,8 +59,8 @@ def _blocks(blocks: torch.Tensor) -> torch.Tensor:
     """[n, 256] float32 -> [n, 210] uint8."""
     count = blocks.shape[0]
     sub = blocks.reshape(count, 16, _SUB)
-    scales = _sub_block_scales(sub)
-    largest = _signed_extreme(scales).unsqueeze(-1)  # [n, 1]
+    scales = symmetric_scales(sub, -32)
+    largest = signed_extreme(scales).unsqueeze(-1)  # [n, 1]
     inverse = torch.where(largest != 0, -128.0 / largest, torch.zeros_like(largest))
     d = torch.where(largest != 0, 1.0 / inverse, torch.zeros_like(largest)).to(torch.float16)
     quantized_scales = torch.round(inverse * scales).clamp(-128, 127)

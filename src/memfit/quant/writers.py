@@ -22,8 +22,8 @@ whose weight has more than ``SMALL_WEIGHT_ELEMENTS`` values and whose rows are w
 
 int8 rounds each chosen weight symmetrically, one scale per output row: ``scale = max|row| / 127``, each value
 rounded to the nearest of -127..127. A GGUF type quantizes with the gguf package's quantizers (as those files'
-converter uses them; the K-quants Q4_K, Q5_K and Q6_K with memfit.quant.q4_k's, q5_k's and q6_k's, which
-the gguf package lacks). Convolutions keep their dtype in both (a convolution's stored weight would be
+converter uses them; the K-quants Q2_K to Q6_K with memfit.quant.q2_k's to q6_k's, which the gguf package
+lacks). Convolutions keep their dtype in both (a convolution's stored weight would be
 dequantized when loaded, so nothing would be saved).
 
 Files are written one tensor at a time (a model never sits in memory twice): GGUF through the gguf
@@ -49,7 +49,7 @@ __all__ = ["FIRST_AND_LAST_LAYERS", "GGUF_TYPES", "QUANTIZE_TYPES", "SMALL_WEIGH
 
 #: --quantize's types: fp8, int8, and the GGUF ones (the name users give -> the GGUF type written).
 GGUF_TYPES = {"q8_0": "Q8_0", "q6_k": "Q6_K", "q5_k": "Q5_K", "q5_1": "Q5_1", "q5_0": "Q5_0", "q4_1": "Q4_1",
-              "q4_0": "Q4_0", "q4_k": "Q4_K"}
+              "q4_0": "Q4_0", "q4_k": "Q4_K", "q3_k": "Q3_K", "q2_k": "Q2_K"}
 QUANTIZE_TYPES = ("fp8", "int8", *GGUF_TYPES)
 
 
@@ -170,11 +170,14 @@ def _gguf_blocks(tensor: torch.Tensor, kind) -> np.ndarray:
 
 
 def _k_quantizers() -> dict:
+    from memfit.quant.q2_k import quantize_q2_k
+    from memfit.quant.q3_k import quantize_q3_k
     from memfit.quant.q4_k import quantize_q4_k
     from memfit.quant.q5_k import quantize_q5_k
     from memfit.quant.q6_k import quantize_q6_k
 
-    return {"Q4_K": quantize_q4_k, "Q5_K": quantize_q5_k, "Q6_K": quantize_q6_k}
+    return {"Q2_K": quantize_q2_k, "Q3_K": quantize_q3_k, "Q4_K": quantize_q4_k, "Q5_K": quantize_q5_k,
+            "Q6_K": quantize_q6_k}
 
 
 def quantize_int8_rows(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

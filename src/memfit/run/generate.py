@@ -148,8 +148,8 @@ def generate(
     its weights stream from the file as a folder's do. `components` ({"vae": "vae.safetensors"}) replaces
     components of the model, folder or checkpoint, by single files of their own (a UNet, VAE or CLIP text
     encoder in its original or diffusers layout; GGUF and fp8 files stay quantized), streamed from those files the
-    same way. `quantize` ({"transformer": "q8_0"}; fp8, int8, q8_0, q6_k, q5_k, q5_1, q5_0, q4_1, q4_0, q4_k) quantizes
-    components on the fly, once, into memfit's cache (memfit.models.quantize). With `embeddings` (a file from
+    same way. `quantize` ({"transformer": "q8_0"}; fp8, int8, q8_0, q6_k, q5_k, q5_1, q5_0, q4_1, q4_0, q4_k, q3_k,
+    q2_k) quantizes components on the fly, once, into memfit's cache (memfit.models.quantize). With `embeddings` (a file from
     `memfit encode` or an Embeddings object) the encode stage is skipped entirely. `budget`
     ("auto", the default: what this machine, container or GPU can spare now; "none": no planning;
     bytes, "2GiB", or a Budget) bounds each stage's peak: the process's own memory, resident
