@@ -48,8 +48,8 @@ FILE_TYPES = ["Q8_0", "Q5_1", "Q5_0", "Q4_1", "Q4_0", "fp8", "fp8-scaled"]
 # holds here (int8 is memfit's own; the gguf package cannot write K-quants), and q8_0 and q4_0 beside them, since
 # on the fly keeps the first and last layers (embedders, norm_out, proj_out) as downloaded GGUF files do, while
 # the "file" rows above quantize every linear weight.
-ON_THE_FLY_FILE_TYPES = ["q8_0", "q4_0", "int8", "q6_k", "q5_k", "q4_k"]
-ON_THE_FLY = ["fp8", "int8", "q8_0", "q5_0", "q4_0", "q6_k", "q5_k", "q4_k"]
+ON_THE_FLY_FILE_TYPES = ["q8_0", "q4_0", "int8", "q6_k", "q5_k", "q4_k", "q3_k", "q2_k"]
+ON_THE_FLY = ["fp8", "int8", "q8_0", "q5_0", "q4_0", "q6_k", "q5_k", "q4_k", "q3_k", "q2_k"]
 SPEED_TYPES = ["bf16", "Q8_0", "Q4_0", "fp8"]
 
 
