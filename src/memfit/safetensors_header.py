@@ -127,11 +127,13 @@ class LazyMapping:
         return sys.getrefcount(self._mapping)
 
     def close_if_unused(self) -> bool:
-        """Close the mapping where nothing but this object refers to it; returns whether it was closed.
+        """Let the mapping go where nothing but this object refers to it; returns whether it went.
 
         A tensor made by torch.frombuffer holds a reference to the mmap object, not a buffer export, so
-        ``mmap.close`` would succeed under a live view and leave it pointing at unmapped memory: the
-        reference count is the only sign of a view (and of a MappedPages, which also keeps it open)."""
+        ``mmap.close`` would succeed under a live view and leave it pointing at unmapped memory. The mapping
+        is never closed explicitly: this object's reference is dropped, and the mmap unmaps itself when the
+        last reference goes, so a view that appears meanwhile keeps it valid. The reference count (a view's,
+        a MappedPages') is checked first so that a file in use is not mapped twice."""
         if self._mapping is None or self._mapping_references() > self._unshown_references:
             return False
         self._mapping = None
