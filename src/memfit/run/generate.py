@@ -303,6 +303,7 @@ def check_conditioning(adapter, conditioning: Conditioning, from_embeddings: boo
     from memfit.models.families.base import TASK_FLAGS
 
     task = conditioning.task
+    adapter.refuse_missing_image(conditioning)
     if adapter.needs_control_image and conditioning.control_image is None:
         raise MemfitError(f"{adapter.class_name} draws from a control image: pass --control-image IMG "
                           "(memfit.generate(..., control_image=...)).")

@@ -49,22 +49,10 @@ class QwenImageEditAdapter(QwenImageAdapter):
     encode_components = ("tokenizer", "text_encoder", "processor")
     text_encoders = ("text_encoder", "tokenizer", "processor")  # the processor's image settings shape the embeddings
     prompt_sees_image = True
+    needs_image = True
     condition_image_area = VAE_IMAGE_AREA  # the pixels of the image the text encoder sees
     # The text encoder sees the prompt (at most QwenImage's 1024 tokens) and the image's tokens.
     max_text_tokens = QwenImageAdapter.max_text_tokens + VAE_IMAGE_AREA // PIXELS_PER_IMAGE_TOKEN
-
-    def stage_components(self, stage: str) -> tuple[str, ...]:
-        # Every run is the image task: what a plan places in the denoise stage is what the run loads there.
-        if stage == "denoise":
-            return self.task_denoise_components(IMG2IMG)
-        return super().stage_components(stage)
-
-    def resolve(self, prompt, negative_prompt, steps, guidance, seed, width, height, defaults=None, *,
-                conditioning=None, makes_images: bool = True, **options):
-        if makes_images and (conditioning is None or conditioning.image is None):
-            raise MemfitError(f"{self.class_name} edits an image: pass --image IMG (memfit.generate(..., image=...)).")
-        return super().resolve(prompt, negative_prompt, steps, guidance, seed, width, height, defaults,
-                               conditioning=conditioning, makes_images=makes_images, **options)
 
     def context_tokens(self, settings):
         # The input image's latent patches (at about VAE_IMAGE_AREA) join every transformer call.
