@@ -46,7 +46,7 @@ def register(commands: argparse._SubParsersAction) -> None:
                      "folder to read its configs and tokenizer from (default: found as --config's are)")
     gen.add_argument("--refiner-start", type=float, help="fraction of the schedule the base runs before the refiner "
                      "takes over (default 0.8; needs --refiner)")
-    gen.add_argument("--image", help="init image: img2img (with --strength), the image to inpaint (with --mask), the "
+    gen.add_argument("--image", help="init image: img2img (with --strength), the image to inpaint (with --mask; FLUX.1 Fill needs both), the "
                      "image to edit or refer to (FLUX.1 Kontext, FLUX.2, Qwen-Image-Edit), or a video's first frame "
                      "(Wan image to video)")
     gen.add_argument("--strength", type=float, help="how far --image is noised before denoising, in (0, 1] "

@@ -455,6 +455,19 @@ FLUX_KONTEXT = dataclasses.replace(
     FLUX, name="flux-kontext", class_name="FluxKontextPipeline",
     description="FLUX.1 Kontext dev, image editing (FLUX.1 dev's transformer 12B, CLIP-L, T5-XXL, 16-channel VAE)")
 
+# FLUX.1 Fill dev: FLUX.1 dev's components, its transformer's input widened from 64 to 384 channels (the noisy
+# latents, the masked image's latents and the mask, each packed in 2x2 patches: 64 + 64 + 256), its output Flux's 64.
+FLUX_FILL = dataclasses.replace(
+    FLUX, name="flux-fill", class_name="FluxFillPipeline",
+    description="FLUX.1 Fill dev, inpainting and outpainting (transformer 12B with 384 input channels, CLIP-L, "
+                "T5-XXL, 16-channel VAE)",
+    components=tuple(
+        dataclasses.replace(spec, config=_frozen(dict(spec.config, in_channels=384, out_channels=64)),
+                            # FLUX.1 dev's count with x_embedder's 320 more input channels (3072 x 320 weights)
+                            expected_params=spec.expected_params + 3072 * 320)
+        if spec.name == "transformer" else spec
+        for spec in FLUX.components))
+
 ZIMAGE = Arch(
     name="zimage",
     description="Z-Image (Turbo) (single-stream transformer 6B, Qwen3-4B text encoder, Flux VAE)",
@@ -610,7 +623,7 @@ FLUX2_KLEIN = Arch(
     ),
 )
 
-ARCHS: Mapping[str, Arch] = MappingProxyType({a.name: a for a in (SD15, SDXL, FLUX, LUMINA2, COGVIEW4, FLUX_KONTEXT,
+ARCHS: Mapping[str, Arch] = MappingProxyType({a.name: a for a in (SD15, SDXL, FLUX, LUMINA2, COGVIEW4, FLUX_KONTEXT, FLUX_FILL,
                                                                    ZIMAGE, FLUX2_DEV, FLUX2_KLEIN)})
 
 
