@@ -35,11 +35,11 @@ def planned_models(adapter) -> list[str]:
     return list(dict.fromkeys(name for names in planned_components(adapter).values() for name in names))
 
 
-def stage_options(adapter, *, dtype: str, width: int, height: int,
-                  steps: int = DEFAULT_STEPS) -> list[list[tuple[Strategy, StageInput]]]:
+def stage_options(adapter, *, dtype: str, width: int, height: int, steps: int = DEFAULT_STEPS,
+                  num_frames: int | None = None) -> list[list[tuple[Strategy, StageInput]]]:
     """Per stage, its (Strategy, StageInput) options, the pipeline's own way first. A stage whose experts run
     one at a time (PipelineAdapter.experts: Wan 2.2's) is a stage per expert, "denoise:transformer", ...:
-    the plan then needs the larger expert, not both."""
+    the plan then needs the larger expert, not both. ``num_frames``: a video's frames (default: its pipeline's)."""
     from memfit.plan.meta import measure_component  # imports torch: only when planning
 
     components = planned_components(adapter)
@@ -49,7 +49,8 @@ def stage_options(adapter, *, dtype: str, width: int, height: int,
             f"({sorted(adapter.classes)}); memfit plans text-to-image and text-to-video pipelines."
         )
     # A text-to-image run's settings ("text2img": the task of PipelineAdapter.tasks); plan has no input image.
-    settings = SimpleNamespace(width=width, height=height, num_frames=_default_frames(adapter), true_cfg_scale=1.0,
+    frames = num_frames if num_frames is not None and adapter.makes_video else _default_frames(adapter)
+    settings = SimpleNamespace(width=width, height=height, num_frames=frames, true_cfg_scale=1.0,
                                task="text2img")
     result = []
     for stage in STAGES:
