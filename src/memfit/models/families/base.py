@@ -60,7 +60,8 @@ class Conditioning:
     """What a request brings besides the prompt and settings: images and adapters.
 
     Images are PIL images as the user gave them; the pipeline's own image processors prepare them,
-    so memfit and plain diffusers see the same input. ``controlnet`` is a ControlNet model folder;
+    so memfit and plain diffusers see the same input. ``image`` is a list where several were given (a pipeline
+    that takes several: PipelineAdapter.takes_several_images). ``controlnet`` is a ControlNet model folder;
     ``loras`` are (file, scale) pairs loaded with diffusers' load_lora_weights.
     """
 
@@ -151,6 +152,8 @@ class PipelineAdapter:
     # inpaint): the run is always that task (image_task), so a plan places in the denoise stage what that task
     # loads there, and a request without the image is refused (refuse_missing_image).
     needs_image: ClassVar[bool] = False
+    # Whether the pipeline takes several input images (QwenImageEditPlusPipeline takes a list): --image repeated.
+    takes_several_images: ClassVar[bool] = False
 
     def __init__(self, configs: dict[str, dict], classes: dict[str, tuple[str, str]] | None = None):
         # Component configs read from the model folder (or a built-in architecture), and each
@@ -179,6 +182,15 @@ class PipelineAdapter:
     def image_task(self) -> str:
         """The task every run of a family that needs_image is: inpaint where it takes a mask, else img2img."""
         return INPAINT if INPAINT in self.tasks else IMG2IMG
+
+    def check_image_count(self, image) -> None:
+        """Refuse several input images (a list) where the pipeline takes one."""
+        if isinstance(image, (list, tuple)) and not self.takes_several_images:
+            from memfit.models.families import ADAPTERS
+
+            several = sorted(name for name, adapter in ADAPTERS.items() if adapter.takes_several_images)
+            raise MemfitError(f"{self.class_name} takes one --image, and {len(image)} were given: pass one "
+                              f"(several are taken by {', '.join(several)}).")
 
     def refuse_missing_image(self, conditioning: Conditioning) -> None:
         """Refuse a request without the --image (and --mask) a family that needs_image runs on every time."""
@@ -332,6 +344,8 @@ class PipelineAdapter:
             # Without --width/--height the output takes the input image's size, rounded down to
             # what the pipeline's image processor takes; img2img pipelines only ever take it.
             first = conditioning.image if conditioning.image is not None else conditioning.control_image
+            if isinstance(first, (list, tuple)):  # several input images: the last one's, whose aspect the pipeline takes
+                first = first[-1]
             sized = self.drawn_size(first, task)
             if "height" not in task_defaults:
                 if (width is not None and width != sized[0]) or (height is not None and height != sized[1]):
