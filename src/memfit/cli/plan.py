@@ -35,7 +35,7 @@ from memfit.errors import MemfitError
 from memfit.models.archs import ARCHS, get_arch
 from memfit.plan.budget import Budget, BudgetTooSmall, stage_budget
 from memfit.plan.planner import Plan, make_plan
-from memfit.plan.stages import DEFAULT_STEPS, choose_strategies, planned_models, stage_options
+from memfit.plan.stages import DEFAULT_STEPS, choose_strategies, default_frames, planned_models, stage_options
 from memfit.run.libraries import quiet_libraries
 from memfit.sizes import format_bytes, parse_size
 
@@ -131,11 +131,7 @@ def run_plan(args: argparse.Namespace) -> int:
         print(json.dumps({**_report(name, args.dtype, width, height, plan, strategies), "budget_source": source,
                           "device": runtime.name, "process_bytes": held, **extra}, indent=2))
     else:
-        frames = ""
-        if adapter.makes_video:
-            from memfit.plan.stages import _default_frames
-
-            frames = f", {args.frames or _default_frames(adapter)} frames"
+        frames = f", {args.frames or default_frames(adapter)} frames" if adapter.makes_video else ""
         print(f"{name}: {description}; {width}x{height}{frames}, {args.dtype}, {args.steps} steps, on {runtime.name}")
         print(f"budget: {source}")
         if held:

@@ -15,7 +15,8 @@ from memfit.plan.activations import Strategy, choose, stage_strategies, vae_exec
 from memfit.plan.budget import Budget
 from memfit.plan.planner import StageInput, make_plan, phase_stages, stage_input
 
-__all__ = ["DEFAULT_STEPS", "STAGES", "choose_strategies", "planned_components", "planned_models", "stage_options"]
+__all__ = ["DEFAULT_STEPS", "STAGES", "choose_strategies", "default_frames", "planned_components", "planned_models",
+           "stage_options"]
 
 DEFAULT_STEPS = 30
 STAGES = ("encode", "denoise", "decode")
@@ -49,7 +50,7 @@ def stage_options(adapter, *, dtype: str, width: int, height: int, steps: int = 
             f"({sorted(adapter.classes)}); memfit plans text-to-image and text-to-video pipelines."
         )
     # A text-to-image run's settings ("text2img": the task of PipelineAdapter.tasks); plan has no input image.
-    frames = num_frames if num_frames is not None and adapter.makes_video else _default_frames(adapter)
+    frames = num_frames if num_frames is not None and adapter.makes_video else default_frames(adapter)
     settings = SimpleNamespace(width=width, height=height, num_frames=frames, true_cfg_scale=1.0,
                                task="text2img")
     result = []
@@ -75,7 +76,7 @@ def stage_options(adapter, *, dtype: str, width: int, height: int, steps: int = 
     return result
 
 
-def _default_frames(adapter) -> int:
+def default_frames(adapter) -> int:
     """The frames a video pipeline makes by default (its __call__'s num_frames); 1 for images."""
     return int(adapter.call_defaults().get("num_frames") or 1)
 

@@ -78,7 +78,7 @@ def encode(
     if not folder.adapter.staged:
         raise MemfitError(_not_staged(folder, "encode prompts on their own"))
     image = _open_images(image, "--image", "RGB")
-    folder.adapter.check_image_count(image)
+    check_image_count(folder.adapter, image)
     if folder.adapter.prompt_sees_image and image is None:
         raise MemfitError(f"{folder.class_name} encodes the prompt together with the image it edits: pass --image IMG "
                           "(memfit.encode(..., image=...)).")
@@ -299,12 +299,20 @@ def _with_precision(result, backend, precision: str | None, dtype: str):
     return result
 
 
+def check_image_count(adapter, image) -> None:
+    """Refuse several input images (a list) where the pipeline takes one (PipelineAdapter.takes_several_images)."""
+    if isinstance(image, (list, tuple)) and not adapter.takes_several_images:
+        several = sorted(name for name, other in ADAPTERS.items() if other.takes_several_images)
+        raise MemfitError(f"{adapter.class_name} takes one --image, and {len(image)} were given: pass one "
+                          f"(several are taken by {', '.join(several)}).")
+
+
 def check_conditioning(adapter, conditioning: Conditioning, from_embeddings: bool) -> None:
     """Refuse, naming the flag, what this family does not run yet (and the families that do)."""
     from memfit.models.families.base import TASK_FLAGS
 
     task = conditioning.task
-    adapter.check_image_count(conditioning.image)
+    check_image_count(adapter, conditioning.image)
     adapter.refuse_missing_image(conditioning)
     if adapter.needs_control_image and conditioning.control_image is None:
         raise MemfitError(f"{adapter.class_name} draws from a control image: pass --control-image IMG "

@@ -183,15 +183,6 @@ class PipelineAdapter:
         """The task every run of a family that needs_image is: inpaint where it takes a mask, else img2img."""
         return INPAINT if INPAINT in self.tasks else IMG2IMG
 
-    def check_image_count(self, image) -> None:
-        """Refuse several input images (a list) where the pipeline takes one."""
-        if isinstance(image, (list, tuple)) and not self.takes_several_images:
-            from memfit.models.families import ADAPTERS
-
-            several = sorted(name for name, adapter in ADAPTERS.items() if adapter.takes_several_images)
-            raise MemfitError(f"{self.class_name} takes one --image, and {len(image)} were given: pass one "
-                              f"(several are taken by {', '.join(several)}).")
-
     def refuse_missing_image(self, conditioning: Conditioning) -> None:
         """Refuse a request without the --image (and --mask) a family that needs_image runs on every time."""
         if not self.needs_image:
