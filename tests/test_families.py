@@ -22,12 +22,14 @@ from memfit.run.embeddings import Embeddings
 from memfit.models.folder import ModelFolder
 from conftest import smallest_budget, with_staging_ring
 from memfit.testing import PIPELINE_KINDS, assert_matches_diffusers, diffusers_output, max_pixel_difference
+from memfit.testing import conditioning
 from memfit.testing.conditioning import test_image
 
 PROMPT = "a red house near the sea"
 NEGATIVE = "blurry"
 BASE = dict(prompt=PROMPT, steps=2, seed=7, width=32, height=32)
 KONTEXT_IMAGE = test_image(32, seed=1)
+FILL = dict(image=test_image(32, seed=1), mask=conditioning.test_mask(32))  # FLUX.1 Fill repaints the mask's white square
 EDIT_IMAGE = test_image(64, seed=1)  # the tiny Qwen-Image-Edit's sides are multiples of 64
 
 # kind -> (settings without guidance, settings with guidance); None where a family has no guidance.
@@ -47,6 +49,8 @@ CASES = {
     # Kontext edits an input image (the img2img task)
     "flux_kontext": (dict(guidance=3.5, image=KONTEXT_IMAGE),
                      dict(guidance=3.5, true_cfg_scale=4.0, negative_prompt=NEGATIVE, image=KONTEXT_IMAGE)),
+    # FLUX.1 Fill inpaints (image and mask on every run); its guidance is embedded only: no negative prompt
+    "flux_fill": (dict(guidance=3.5, **FILL), dict(guidance=30.0, **FILL)),
     # Qwen-Image-Edit (and Plus) edits an input image, which its text encoder sees with the prompt too
     "qwenimage_edit": (dict(guidance=1.0, image=EDIT_IMAGE, width=64, height=64),
                        dict(guidance=4.0, negative_prompt=NEGATIVE, image=EDIT_IMAGE, width=64, height=64)),
@@ -83,11 +87,15 @@ def test_the_oracle_can_fail(tiny_models, kind):
     """A different seed, and guidance on instead of off, each give a different image."""
     model = tiny_models(kind)
     ours = memfit.generate(model=model, progress=False, **_settings(kind, True))
-    image = {"image": CASES[kind][True]["image"]} if "image" in CASES[kind][True] else {}
-    other_seed = diffusers_output(model, dataclasses.replace(ours.settings, seed=8), **image)
+    other_seed = diffusers_output(model, dataclasses.replace(ours.settings, seed=8), **_images(CASES[kind][True]))
     assert max_pixel_difference(_output(ours), other_seed) > 0
     unguided = memfit.generate(model=model, progress=False, **_settings(kind, False))
     assert max_pixel_difference(_output(ours), _output(unguided)) > 0
+
+
+def _images(settings):
+    """The input images of ``settings`` (memfit.generate's image and mask) as the plain pipeline's arguments."""
+    return {name: settings[key] for key, name in (("image", "image"), ("mask", "mask_image")) if key in settings}
 
 
 def _output(result):
@@ -419,10 +427,10 @@ def test_chroma_unequal_lengths_are_native(tiny_models):
     assert max_pixel_difference(ours.images, other_seed) > 0
 
 
-@pytest.mark.parametrize("kind", ["zimage", "flux_kontext", "flux2", "flux2_klein"])
+@pytest.mark.parametrize("kind", ["zimage", "flux_kontext", "flux_fill", "flux2", "flux2_klein"])
 def test_embeddings_file_equals_diffusers(tiny_models, kind, tmp_path):
-    """memfit encode, then generate from the file (Kontext with its input image): the image plain
-    diffusers makes from the prompts, without the encode stage."""
+    """memfit encode, then generate from the file (Kontext with its input image, Fill with its image and mask):
+    the image plain diffusers makes from the prompts, without the encode stage."""
     model = tiny_models(kind)
     settings = _settings(kind, True)
     del settings["prompt"]
@@ -435,8 +443,7 @@ def test_embeddings_file_equals_diffusers(tiny_models, kind, tmp_path):
     if positive.shape[1] != negative.shape[1]:  # Z-Image embeds each prompt at its own length
         assert any(f"{positive.shape[1]} (positive) and {negative.shape[1]} (negative)" in note
                    for note in ours.report.notes)
-    inputs = {"image": settings["image"]} if "image" in settings else {}
-    assert max_pixel_difference(ours.images, diffusers_output(model, ours.settings, **inputs)) == 0
+    assert max_pixel_difference(ours.images, diffusers_output(model, ours.settings, **_images(settings))) == 0
 
 
 def test_zimage_guides_above_zero(tiny_models):
@@ -723,7 +730,7 @@ def test_optional_settings_are_resolved_or_refused(tiny_models):
     assert settings.guidance == 4.0 and qwen.call_kwargs(settings)["true_cfg_scale"] == 4.0
 
 
-@pytest.mark.parametrize("kind", [*PIPELINE_KINDS, "wan", "hunyuan_video15", "ltx", "sd_pag", "qwenimage_edit"])
+@pytest.mark.parametrize("kind", [*PIPELINE_KINDS, "wan", "hunyuan_video15", "ltx", "sd_pag", "qwenimage_edit", "flux_fill"])
 def test_plan_model_works_for_every_family(tiny_models, kind, capsys):
     """memfit plan --model plans every family's folder from its configs, with the family's adapter."""
     from memfit.cli.app import main

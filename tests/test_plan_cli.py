@@ -279,3 +279,39 @@ def test_plan_and_generate_agree_on_a_cpu(tiny_models, monkeypatch, capsys):
     assert {p["where"] for s in report["plan"]["stages"] for p in s["placements"]} <= {"device", "disk"}
     fixed = run_json([*size, "--budget", str(needed), "--process-memory", "0"], capsys)
     assert fixed["process_bytes"] == 0 and fixed["plan"]["budget"]["device"] == needed
+
+
+# The 2025-26 video and editing families at real size; a video's frames where the default's plain decode (every frame
+# at once, as the pipeline decodes them) would not fit the smallest budget: LTX-Video's 161 frames need 6.6 GiB,
+# HunyuanVideo 1.5's 121 frames 27.8 GiB (below).
+REAL_SIZE_FAMILIES = {"flux-fill": None, "qwen-image-edit": None, "qwen-image-edit-plus": None, "wan2.2-a14b": None,
+                      "wan2.2-i2v-a14b": None, "wan2.2-ti2v-5b": None, "ltx-video": 121, "hunyuanvideo1.5": 17}
+
+
+@pytest.mark.parametrize("arch", sorted(REAL_SIZE_FAMILIES))
+def test_the_newer_families_plan_at_real_size_in_6_12_and_24_gib(arch, capsys):
+    from memfit.models.families import ADAPTERS
+
+    adapter = get_arch(arch).adapter()
+    assert type(adapter) is ADAPTERS[get_arch(arch).class_name]
+    frames = ["--frames", str(REAL_SIZE_FAMILIES[arch])] if REAL_SIZE_FAMILIES[arch] else []
+    streamed = []
+    for budget in ("6GiB", "12GiB", "24GiB"):
+        report = run_json(["--arch", arch, "--budget", budget, "--dtype", "bf16", "--process-memory", "0", *frames],
+                          capsys)
+        stages = report["plan"]["stages"]
+        assert all(stage["peak_bytes"] <= parse_size(budget) for stage in stages), budget
+        assert {stage["name"].split(":")[0] for stage in stages} == {"encode", "denoise", "decode"}
+        streamed.append(sum(p["bytes"] for stage in stages for p in stage["placements"] if p["where"] != "device"))
+    assert streamed[0] >= streamed[1] >= streamed[2] and streamed[0] > 0  # more room, less streamed
+
+
+def test_a_video_plan_takes_its_frames_and_refuses_a_decode_that_cannot_fit(capsys):
+    """HunyuanVideo 1.5 decodes every frame at once, as its pipeline does: its default 121 frames need about 28 GiB
+    for the decode alone, which the floor names; fewer frames need less. An image family has no --frames."""
+    with pytest.raises(MemfitError, match=r"plus 27\.\d+ GiB for the decode stage"):
+        run(["--arch", "hunyuanvideo1.5", "--budget", "24GiB", "--dtype", "bf16", "--process-memory", "0"], capsys)
+    code, out = run(["--arch", "hunyuanvideo1.5", "--budget", "24GiB", "--dtype", "bf16", "--frames", "33"], capsys)
+    assert code == 0 and "33 frames" in out
+    with pytest.raises(MemfitError, match="leave --frames out"):
+        run(["--arch", "flux-fill", "--budget", "24GiB", "--frames", "5"], capsys)

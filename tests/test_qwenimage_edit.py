@@ -130,3 +130,54 @@ def test_a_lora_equals_diffusers(tiny_models, cache_dir, tmp_path, kind):
     reference = diffusers_output(model, ours.settings, loras=check_loras(loras), image=IMAGE)
     assert max_pixel_difference(ours.images, reference) == 0
     assert max_pixel_difference(diffusers_output(model, ours.settings, image=IMAGE), reference) > 0
+
+
+# Edit Plus takes several input images: the last one portrait, so the output takes its size (128 x 64 here).
+PORTRAIT = conditioning.test_image(128, seed=3).resize((128, 64))
+
+
+def test_plus_with_two_images_equals_diffusers_and_both_images_count(tiny_models, cache_dir):
+    from memfit.testing import diffusers_output, max_pixel_difference
+
+    model = tiny_models("qwenimage_edit_plus")
+    ours = memfit.generate(PROMPT, model=model, negative_prompt=NEGATIVE, image=[IMAGE, PORTRAIT], **RUN)
+    assert (ours.settings.width, ours.settings.height) == PORTRAIT.size
+    assert max_pixel_difference(ours.images, diffusers_output(model, ours.settings, image=[IMAGE, PORTRAIT])) == 0
+    alone = memfit.generate(PROMPT, model=model, negative_prompt=NEGATIVE, image=PORTRAIT, **RUN)
+    assert max_pixel_difference(ours.images, alone.images) > 0  # the first image reaches the run too
+
+
+def test_plus_encodes_several_images_and_keys_them_in_their_order(tiny_models, cache_dir, tmp_path):
+    from memfit.cli.app import main
+    from memfit.run.prompt_cache import image_fingerprint
+
+    model = tiny_models("qwenimage_edit_plus")
+    files = [tmp_path / "a.png", tmp_path / "b.png"]
+    IMAGE.save(files[0])
+    PORTRAIT.save(files[1])
+    out = tmp_path / "two.safetensors"
+    assert main(["encode", "--model", model, "--prompt", PROMPT, "--negative-prompt", NEGATIVE,
+                 "--image", str(files[0]), "--image", str(files[1]), "--out", str(out), "--quiet"]) == 0
+    direct = memfit.generate(PROMPT, model=model, negative_prompt=NEGATIVE, image=[IMAGE, PORTRAIT], **RUN)
+    from_file = memfit.generate(model=model, embeddings=out, image=[str(f) for f in files], **RUN)
+    assert from_file.images[0].tobytes() == direct.images[0].tobytes()
+    # The order is part of the prompt ("Picture 1", "Picture 2"): swapped, other embeddings, never a stale hit.
+    swapped, report = memfit.encode(PROMPT, model=model, image=[PORTRAIT, IMAGE])
+    assert report.stages[0].note != "cache hit"
+    assert not _equal(swapped, memfit.encode(PROMPT, model=model, image=[IMAGE, PORTRAIT])[0])
+    assert len({image_fingerprint([IMAGE, PORTRAIT]), image_fingerprint([PORTRAIT, IMAGE]),
+                image_fingerprint(IMAGE)}) == 3
+    with pytest.raises(MemfitError, match="encoded with another input image than this --image"):
+        memfit.generate(model=model, embeddings=out, image=[files[1], files[0]], **RUN)
+
+
+def test_a_family_that_takes_one_image_refuses_several(tiny_models, cache_dir):
+    model = tiny_models("qwenimage_edit")
+    expected = r"QwenImageEditPipeline takes one --image, and 2 were given: pass one \(several are taken by " \
+               r"QwenImageEditPlusPipeline\)"
+    with pytest.raises(MemfitError, match=expected):
+        memfit.generate(PROMPT, model=model, image=[IMAGE, OTHER_IMAGE], **RUN)
+    with pytest.raises(MemfitError, match=expected):
+        memfit.encode(PROMPT, model=model, image=[IMAGE, OTHER_IMAGE])
+    one, _ = memfit.encode(PROMPT, model=model, image=[IMAGE])  # a list of one is that image
+    assert _equal(one, memfit.encode(PROMPT, model=model, image=IMAGE)[0])

@@ -46,9 +46,10 @@ def register(commands: argparse._SubParsersAction) -> None:
                      "folder to read its configs and tokenizer from (default: found as --config's are)")
     gen.add_argument("--refiner-start", type=float, help="fraction of the schedule the base runs before the refiner "
                      "takes over (default 0.8; needs --refiner)")
-    gen.add_argument("--image", help="init image: img2img (with --strength), the image to inpaint (with --mask), the "
-                     "image to edit or refer to (FLUX.1 Kontext, FLUX.2, Qwen-Image-Edit), or a video's first frame "
-                     "(Wan image to video)")
+    gen.add_argument("--image", action="append", help="init image: img2img (with --strength), the image to inpaint "
+                     "(with --mask; FLUX.1 Fill needs both), the image to edit or refer to (FLUX.1 Kontext, FLUX.2, "
+                     "Qwen-Image-Edit), or a video's first frame (Wan image to video); repeat it for a pipeline that "
+                     "takes several (Qwen-Image-Edit-Plus)")
     gen.add_argument("--strength", type=float, help="how far --image is noised before denoising, in (0, 1] "
                      "(default: the pipeline's, 0.8 for img2img)")
     gen.add_argument("--mask", help="inpainting mask for --image: white is repainted, black kept")
@@ -68,8 +69,9 @@ def register(commands: argparse._SubParsersAction) -> None:
     add_model_args(enc)
     enc.add_argument("--prompt", required=True)
     enc.add_argument("--negative-prompt")
-    enc.add_argument("--image", help="the image to edit, for a family whose text encoder sees it with the prompt "
-                     "(Qwen-Image-Edit); generate from the embeddings with the same --image")
+    enc.add_argument("--image", action="append", help="the image to edit, for a family whose text encoder sees it "
+                     "with the prompt (Qwen-Image-Edit; repeat it for Qwen-Image-Edit-Plus's several); generate from "
+                     "the embeddings with the same --image")
     enc.add_argument("--out", required=True, help="embeddings file to write (.safetensors)")
     enc.add_argument("--report", help="also write the stage report as JSON here")
     enc.add_argument("--budget", default="auto", help="memory budget for the stage, as for generate (default auto)")

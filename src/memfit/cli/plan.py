@@ -35,7 +35,7 @@ from memfit.errors import MemfitError
 from memfit.models.archs import ARCHS, get_arch
 from memfit.plan.budget import Budget, BudgetTooSmall, stage_budget
 from memfit.plan.planner import Plan, make_plan
-from memfit.plan.stages import DEFAULT_STEPS, choose_strategies, planned_models, stage_options
+from memfit.plan.stages import DEFAULT_STEPS, choose_strategies, default_frames, planned_models, stage_options
 from memfit.run.libraries import quiet_libraries
 from memfit.sizes import format_bytes, parse_size
 
@@ -74,6 +74,8 @@ def register(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
                         help="weight dtype (default fp32, as memfit generate)")
     parser.add_argument("--width", type=int, help="image width in pixels (default: the model's native size)")
     parser.add_argument("--height", type=int, help="image height in pixels (default: the model's native size)")
+    parser.add_argument("--frames", type=int, help="a video's frames (num_frames; default: the pipeline's, e.g. "
+                        "Wan's 81): the decode's activations grow with them")
     parser.add_argument("--steps", type=int, default=DEFAULT_STEPS, help="denoising steps (decides host vs disk)")
     parser.add_argument("--prefetch", type=int, default=1, help="blocks copied ahead while one runs (default 1)")
     parser.add_argument("--precision", metavar="{fp32,bf16,fp16}",
@@ -93,6 +95,10 @@ def run_plan(args: argparse.Namespace) -> int:
     height = args.height or adapter.default_size()
     if width <= 0 or height <= 0 or args.steps <= 0:
         raise MemfitError(f"--width, --height and --steps must be positive, got {width}, {height}, {args.steps}.")
+    if args.frames is not None and (args.frames <= 0 or not adapter.makes_video):
+        raise MemfitError(f"--frames is a video's frame count, a positive number; {adapter.class_name} makes "
+                          f"{'videos' if adapter.makes_video else 'images'}: "
+                          f"{'give at least 1' if adapter.makes_video else 'leave --frames out'}.")
     precision_line = None
     if args.precision is not None:
         from memfit.compile.precision import describe_precision
@@ -107,12 +113,14 @@ def run_plan(args: argparse.Namespace) -> int:
     budget, source = _budget(args, runtime, held)
     if budget.device is not None and str(args.budget).strip().lower() != "auto":
         # As memfit generate refuses an explicit budget below the run's floor: the same check, the same message.
-        check_budget_floor(adapter, SimpleNamespace(width=width, height=height, steps=args.steps), args.dtype,
+        check_budget_floor(adapter, SimpleNamespace(width=width, height=height, steps=args.steps,
+                                                    num_frames=args.frames), args.dtype,
                            budget, runtime, above_process=on_top, in_use=held)
     if on_top:
         held = 0
     room = _room(budget, runtime, held, _stream_from(args, runtime))
-    options = stage_options(adapter, dtype=args.dtype, width=width, height=height, steps=args.steps)
+    options = stage_options(adapter, dtype=args.dtype, width=width, height=height, steps=args.steps,
+                            num_frames=args.frames)
     try:
         stages, strategies = choose_strategies(options, room, prefetch=args.prefetch)
         plan = make_plan(stages, room, prefetch=args.prefetch)
@@ -123,7 +131,8 @@ def run_plan(args: argparse.Namespace) -> int:
         print(json.dumps({**_report(name, args.dtype, width, height, plan, strategies), "budget_source": source,
                           "device": runtime.name, "process_bytes": held, **extra}, indent=2))
     else:
-        print(f"{name}: {description}; {width}x{height}, {args.dtype}, {args.steps} steps, on {runtime.name}")
+        frames = f", {args.frames or default_frames(adapter)} frames" if adapter.makes_video else ""
+        print(f"{name}: {description}; {width}x{height}{frames}, {args.dtype}, {args.steps} steps, on {runtime.name}")
         print(f"budget: {source}")
         if held:
             print(f"this process: {format_bytes(held)} before any weight (Python, torch, the libraries), counted in "

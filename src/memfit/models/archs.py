@@ -48,6 +48,9 @@ class Arch:
     description: str
     class_name: str
     components: tuple[ComponentSpec, ...]
+    # The pipeline's own settings in model_index.json besides its components (Wan 2.2's boundary_ratio,
+    # expand_timesteps), as a model folder's adapter gets them (PipelineAdapter.pipeline_options).
+    pipeline_options: Mapping[str, Any] = dataclasses.field(default_factory=lambda: MappingProxyType({}))
 
     @property
     def configs(self) -> dict[str, dict]:
@@ -56,8 +59,10 @@ class Arch:
     def adapter(self):
         from memfit.models.families import adapter_for
 
-        return adapter_for(self.class_name, self.configs, {spec.name: (spec.library, spec.class_name)
-                                                             for spec in self.components})
+        adapter = adapter_for(self.class_name, self.configs, {spec.name: (spec.library, spec.class_name)
+                                                                for spec in self.components})
+        adapter.pipeline_options = dict(self.pipeline_options)
+        return adapter
 
     def component(self, name: str) -> ComponentSpec:
         for spec in self.components:
@@ -455,6 +460,19 @@ FLUX_KONTEXT = dataclasses.replace(
     FLUX, name="flux-kontext", class_name="FluxKontextPipeline",
     description="FLUX.1 Kontext dev, image editing (FLUX.1 dev's transformer 12B, CLIP-L, T5-XXL, 16-channel VAE)")
 
+# FLUX.1 Fill dev: FLUX.1 dev's components, its transformer's input widened from 64 to 384 channels (the noisy
+# latents, the masked image's latents and the mask, each packed in 2x2 patches: 64 + 64 + 256), its output Flux's 64.
+FLUX_FILL = dataclasses.replace(
+    FLUX, name="flux-fill", class_name="FluxFillPipeline",
+    description="FLUX.1 Fill dev, inpainting and outpainting (transformer 12B with 384 input channels, CLIP-L, "
+                "T5-XXL, 16-channel VAE)",
+    components=tuple(
+        dataclasses.replace(spec, config=_frozen(dict(spec.config, in_channels=384, out_channels=64)),
+                            # FLUX.1 dev's count with x_embedder's 320 more input channels (3072 x 320 weights)
+                            expected_params=spec.expected_params + 3072 * 320)
+        if spec.name == "transformer" else spec
+        for spec in FLUX.components))
+
 ZIMAGE = Arch(
     name="zimage",
     description="Z-Image (Turbo) (single-stream transformer 6B, Qwen3-4B text encoder, Flux VAE)",
@@ -610,8 +628,228 @@ FLUX2_KLEIN = Arch(
     ),
 )
 
-ARCHS: Mapping[str, Arch] = MappingProxyType({a.name: a for a in (SD15, SDXL, FLUX, LUMINA2, COGVIEW4, FLUX_KONTEXT,
-                                                                   ZIMAGE, FLUX2_DEV, FLUX2_KLEIN)})
+# --- the video and editing families (2025-26) ----------------------------------------------------------------
+# Configs are the published folders' config.json fields that differ from diffusers' defaults (the defaults of
+# WanTransformer3DModel, HunyuanVideo15Transformer3DModel, LTXVideoTransformer3DModel and
+# QwenImageTransformer2DModel are those models' own); the VAEs are spelled out, as the adapters read their fields.
+
+UMT5_XXL_ENCODER = {  # google/umt5-xxl's encoder: Wan's text_encoder
+    "architectures": ["UMT5EncoderModel"],
+    "d_ff": 10240,
+    "d_kv": 64,
+    "d_model": 4096,
+    "decoder_start_token_id": 0,
+    "dense_act_fn": "gelu_new",
+    "eos_token_id": 1,
+    "feed_forward_proj": "gated-gelu",
+    "is_gated_act": True,
+    "layer_norm_epsilon": 1e-06,
+    "model_type": "umt5",
+    "num_decoder_layers": 24,
+    "num_heads": 64,
+    "num_layers": 24,
+    "pad_token_id": 0,
+    "relative_attention_max_distance": 128,
+    "relative_attention_num_buckets": 32,
+    "tie_word_embeddings": False,
+    "vocab_size": 256384,
+}
+UMT5_XXL_ENCODER_PARAMS = 5_680_910_336  # the encoder half of umt5-xxl (its 11.4 GB bf16 file)
+
+WAN21_VAE = {  # AutoencoderKLWan of Wan 2.1 and Wan 2.2 A14B (diffusers' defaults); Qwen-Image's VAE is the same
+    "base_dim": 96,
+    "dim_mult": [1, 2, 4, 4],
+    "num_res_blocks": 2,
+    "attn_scales": [],
+    "temperal_downsample": [False, True, True],
+    "z_dim": 16,
+    "scale_factor_spatial": 8,
+    "scale_factor_temporal": 4,
+}
+WAN21_VAE_PARAMS = 126_892_531  # Wan2.1_VAE.pth: 508 MB at fp32
+
+WAN22_VAE = {  # Wan 2.2 TI2V-5B's high-compression VAE: 16x16 spatial, 4x temporal, 48 latent channels
+    **WAN21_VAE,
+    "base_dim": 160,
+    "decoder_base_dim": 256,
+    "z_dim": 48,
+    "is_residual": True,
+    "in_channels": 12,
+    "out_channels": 12,
+    "patch_size": 2,
+    "scale_factor_spatial": 16,
+    "clip_output": False,
+}
+
+WAN_14B_PARAMS = 14_000_000_000  # published as "14B" per expert (Wan 2.1 14B, each Wan 2.2 A14B expert)
+
+WAN22_A14B = Arch(
+    name="wan2.2-a14b",
+    description="Wan 2.2 T2V A14B, text to video (two 14B transformer experts, one at a time; UMT5-XXL; Wan 2.1 VAE)",
+    class_name="WanPipeline",
+    components=(
+        ComponentSpec("text_encoder", "transformers", "UMT5EncoderModel", _frozen(UMT5_XXL_ENCODER),
+                      UMT5_XXL_ENCODER_PARAMS),
+        ComponentSpec("transformer", "diffusers", "WanTransformer3DModel", _frozen({}), WAN_14B_PARAMS, 0.03),
+        ComponentSpec("transformer_2", "diffusers", "WanTransformer3DModel", _frozen({}), WAN_14B_PARAMS, 0.03),
+        ComponentSpec("vae", "diffusers", "AutoencoderKLWan", _frozen(WAN21_VAE), WAN21_VAE_PARAMS),
+    ),
+    pipeline_options=_frozen({"boundary_ratio": 0.875}),
+)
+
+# Wan 2.2 I2V A14B: the input image's condition latents and mask join the noise (16 + 16 + 4 input channels).
+WAN22_I2V_A14B = dataclasses.replace(
+    WAN22_A14B, name="wan2.2-i2v-a14b", class_name="WanImageToVideoPipeline",
+    description="Wan 2.2 I2V A14B, image to video (two 14B transformer experts, one at a time; UMT5-XXL; Wan 2.1 VAE)",
+    components=tuple(dataclasses.replace(spec, config=_frozen({"in_channels": 36}))
+                     if spec.name.startswith("transformer") else spec for spec in WAN22_A14B.components),
+    pipeline_options=_frozen({"boundary_ratio": 0.9}))
+
+WAN22_TI2V_5B = Arch(
+    name="wan2.2-ti2v-5b",
+    description="Wan 2.2 TI2V-5B, text or image to video (transformer 5B, UMT5-XXL, 16x-compressing Wan 2.2 VAE)",
+    class_name="WanPipeline",
+    components=(
+        ComponentSpec("text_encoder", "transformers", "UMT5EncoderModel", _frozen(UMT5_XXL_ENCODER),
+                      UMT5_XXL_ENCODER_PARAMS),
+        ComponentSpec("transformer", "diffusers", "WanTransformer3DModel",
+                      _frozen({"num_attention_heads": 24, "in_channels": 48, "out_channels": 48, "ffn_dim": 14336,
+                               "num_layers": 30}),
+                      5_000_000_000, 0.03),  # published as "5B"
+        ComponentSpec("vae", "diffusers", "AutoencoderKLWan", _frozen(WAN22_VAE),
+                      704_688_668),  # Wan2.2_VAE.pth: 2.82 GB at fp32
+    ),
+    pipeline_options=_frozen({"expand_timesteps": True}),
+)
+
+QWEN25_7B_TEXT = {  # Qwen2.5-VL-7B's language model
+    "hidden_act": "silu",
+    "hidden_size": 3584,
+    "intermediate_size": 18944,
+    "max_position_embeddings": 128000,
+    "num_attention_heads": 28,
+    "num_hidden_layers": 28,
+    "num_key_value_heads": 4,
+    "rms_norm_eps": 1e-06,
+    "rope_scaling": {"mrope_section": [16, 24, 24], "rope_type": "default", "type": "default"},
+    "rope_theta": 1000000.0,
+    "vocab_size": 152064,
+}
+
+QWEN25_VL_7B = {  # Qwen/Qwen2.5-VL-7B-Instruct: Qwen-Image's and Qwen-Image-Edit's text_encoder
+    "architectures": ["Qwen2_5_VLForConditionalGeneration"],
+    "model_type": "qwen2_5_vl",
+    "image_token_id": 151655,
+    "video_token_id": 151656,
+    "vision_start_token_id": 151652,
+    "vision_end_token_id": 151653,
+    "tie_word_embeddings": False,
+    "vocab_size": 152064,
+    "text_config": QWEN25_7B_TEXT,
+    "vision_config": {
+        "depth": 32,
+        "fullatt_block_indexes": [7, 15, 23, 31],
+        "hidden_act": "silu",
+        "hidden_size": 1280,
+        "in_chans": 3,
+        "intermediate_size": 3420,
+        "num_heads": 16,
+        "out_hidden_size": 3584,
+        "patch_size": 14,
+        "spatial_merge_size": 2,
+        "temporal_patch_size": 2,
+        "tokens_per_second": 2,
+        "window_size": 112,
+    },
+}
+
+QWEN_IMAGE_EDIT = Arch(
+    name="qwen-image-edit",
+    description="Qwen-Image-Edit, image editing (transformer 20B, Qwen2.5-VL-7B seeing the image too, Wan 2.1 VAE)",
+    class_name="QwenImageEditPipeline",
+    components=(
+        ComponentSpec("text_encoder", "transformers", "Qwen2_5_VLForConditionalGeneration", _frozen(QWEN25_VL_7B),
+                      8_292_166_656),  # Qwen2.5-VL-7B-Instruct, vision tower and lm_head included
+        ComponentSpec("transformer", "diffusers", "QwenImageTransformer2DModel", _frozen({}),
+                      20_000_000_000, 0.03),  # published as "20B"
+        ComponentSpec("vae", "diffusers", "AutoencoderKLQwenImage",
+                      _frozen({key: WAN21_VAE[key] for key in ("base_dim", "dim_mult", "num_res_blocks", "attn_scales",
+                                                               "temperal_downsample", "z_dim")}),
+                      WAN21_VAE_PARAMS),
+    ),
+)
+
+QWEN_IMAGE_EDIT_PLUS = dataclasses.replace(
+    QWEN_IMAGE_EDIT, name="qwen-image-edit-plus", class_name="QwenImageEditPlusPipeline",
+    description="Qwen-Image-Edit-2509 and later, image editing (Qwen-Image-Edit's components)")
+
+HUNYUAN_VIDEO15 = Arch(
+    name="hunyuanvideo1.5",
+    description="HunyuanVideo 1.5, text to video (transformer 8.3B, Qwen2.5-VL-7B's language model, ByT5, "
+                "16x-compressing VAE)",
+    class_name="HunyuanVideo15Pipeline",
+    components=(
+        ComponentSpec("text_encoder", "transformers", "Qwen2_5_VLTextModel",
+                      _frozen({**QWEN25_7B_TEXT, "model_type": "qwen2_5_vl_text",
+                               "architectures": ["Qwen2_5_VLTextModel"]}),
+                      7_070_619_136),  # Qwen2.5-7B's 7,615,616,512 less its lm_head (152064 x 3584)
+        ComponentSpec(
+            "text_encoder_2",
+            "transformers",
+            "T5EncoderModel",
+            _frozen({  # google/byt5-small's encoder (Glyph-SDXL-v2's)
+                "architectures": ["T5EncoderModel"],
+                "d_ff": 3584,
+                "d_kv": 64,
+                "d_model": 1472,
+                "dense_act_fn": "gelu_new",
+                "eos_token_id": 1,
+                "feed_forward_proj": "gated-gelu",
+                "is_gated_act": True,
+                "layer_norm_epsilon": 1e-06,
+                "model_type": "t5",
+                "num_decoder_layers": 4,
+                "num_heads": 6,
+                "num_layers": 12,
+                "pad_token_id": 0,
+                "relative_attention_max_distance": 128,
+                "relative_attention_num_buckets": 32,
+                "tie_word_embeddings": False,
+                "vocab_size": 384,
+            }),
+            None,  # published for byt5-small as a whole (300M, with its decoder) only
+        ),
+        ComponentSpec("transformer", "diffusers", "HunyuanVideo15Transformer3DModel",
+                      _frozen({"task_type": "t2v", "target_size": 480}), 8_300_000_000, 0.01),  # published as "8.3B"
+        ComponentSpec("vae", "diffusers", "AutoencoderKLHunyuanVideo15",
+                      _frozen({"latent_channels": 32, "block_out_channels": [128, 256, 512, 1024, 1024],
+                               "layers_per_block": 2, "spatial_compression_ratio": 16, "temporal_compression_ratio": 4,
+                               "scaling_factor": 1.03682}),
+                      None),
+    ),
+)
+
+LTX_VIDEO = Arch(
+    name="ltx-video",
+    description="LTX-Video 0.9 2B, text to video (transformer 2B, T5-XXL, 32x-compressing 128-channel VAE)",
+    class_name="LTXPipeline",
+    components=(
+        # The same T5-XXL v1.1 encoder as Flux's text_encoder_2.
+        dataclasses.replace(FLUX.component("text_encoder_2"), name="text_encoder"),
+        ComponentSpec("transformer", "diffusers", "LTXVideoTransformer3DModel", _frozen({}),
+                      1_900_000_000, 0.02),  # published as "2B"; the transformer holds about 1.92B
+        ComponentSpec("vae", "diffusers", "AutoencoderKLLTXVideo",
+                      _frozen({"latent_channels": 128, "block_out_channels": [128, 256, 512, 512],
+                               "patch_size": 4, "patch_size_t": 1, "scaling_factor": 1.0,
+                               "spatio_temporal_scaling": [True, True, True, False]}),
+                      None),
+    ),
+)
+
+ARCHS: Mapping[str, Arch] = MappingProxyType({a.name: a for a in (SD15, SDXL, FLUX, LUMINA2, COGVIEW4, FLUX_KONTEXT, FLUX_FILL,
+                                                                   ZIMAGE, FLUX2_DEV, FLUX2_KLEIN, QWEN_IMAGE_EDIT,
+                                                                   QWEN_IMAGE_EDIT_PLUS, WAN22_A14B, WAN22_I2V_A14B,
+                                                                   WAN22_TI2V_5B, HUNYUAN_VIDEO15, LTX_VIDEO)})
 
 
 def get_arch(name: str) -> Arch:

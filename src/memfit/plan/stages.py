@@ -15,7 +15,8 @@ from memfit.plan.activations import Strategy, choose, stage_strategies, vae_exec
 from memfit.plan.budget import Budget
 from memfit.plan.planner import StageInput, make_plan, phase_stages, stage_input
 
-__all__ = ["DEFAULT_STEPS", "STAGES", "choose_strategies", "planned_components", "planned_models", "stage_options"]
+__all__ = ["DEFAULT_STEPS", "STAGES", "choose_strategies", "default_frames", "planned_components", "planned_models",
+           "stage_options"]
 
 DEFAULT_STEPS = 30
 STAGES = ("encode", "denoise", "decode")
@@ -35,11 +36,11 @@ def planned_models(adapter) -> list[str]:
     return list(dict.fromkeys(name for names in planned_components(adapter).values() for name in names))
 
 
-def stage_options(adapter, *, dtype: str, width: int, height: int,
-                  steps: int = DEFAULT_STEPS) -> list[list[tuple[Strategy, StageInput]]]:
+def stage_options(adapter, *, dtype: str, width: int, height: int, steps: int = DEFAULT_STEPS,
+                  num_frames: int | None = None) -> list[list[tuple[Strategy, StageInput]]]:
     """Per stage, its (Strategy, StageInput) options, the pipeline's own way first. A stage whose experts run
     one at a time (PipelineAdapter.experts: Wan 2.2's) is a stage per expert, "denoise:transformer", ...:
-    the plan then needs the larger expert, not both."""
+    the plan then needs the larger expert, not both. ``num_frames``: a video's frames (default: its pipeline's)."""
     from memfit.plan.meta import measure_component  # imports torch: only when planning
 
     components = planned_components(adapter)
@@ -49,7 +50,8 @@ def stage_options(adapter, *, dtype: str, width: int, height: int,
             f"({sorted(adapter.classes)}); memfit plans text-to-image and text-to-video pipelines."
         )
     # A text-to-image run's settings ("text2img": the task of PipelineAdapter.tasks); plan has no input image.
-    settings = SimpleNamespace(width=width, height=height, num_frames=_default_frames(adapter), true_cfg_scale=1.0,
+    frames = num_frames if num_frames is not None and adapter.makes_video else default_frames(adapter)
+    settings = SimpleNamespace(width=width, height=height, num_frames=frames, true_cfg_scale=1.0,
                                task="text2img")
     result = []
     for stage in STAGES:
@@ -74,7 +76,7 @@ def stage_options(adapter, *, dtype: str, width: int, height: int,
     return result
 
 
-def _default_frames(adapter) -> int:
+def default_frames(adapter) -> int:
     """The frames a video pipeline makes by default (its __call__'s num_frames); 1 for images."""
     return int(adapter.call_defaults().get("num_frames") or 1)
 

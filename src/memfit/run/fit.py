@@ -360,7 +360,7 @@ def check_budget_floor(adapter, settings: Settings, dtype: str, budget: Budget |
         return
     try:
         options = stage_options(adapter, dtype=dtype, width=settings.width, height=settings.height,
-                                steps=settings.steps)
+                                steps=settings.steps, num_frames=getattr(settings, "num_frames", None))
     except MemfitError:
         return  # a class the planner cannot size: each stage's own check still applies
     floors = {opts[0][1].name: min(minimum_device_bytes(stage) for _, stage in opts) for opts in options}

@@ -70,14 +70,15 @@ def encode(
     image=None,
 ) -> tuple[Embeddings, RunReport]:
     """Run only the encode stage; the embeddings carry both guidance branches. ``model``, ``config``,
-    ``components``, ``quantize`` and ``threads`` as memfit.generate's. ``image`` (a PIL image or a file) is the
-    input image of a family whose text encoders see it (Qwen-Image-Edit), which needs it; the embeddings record
-    its content, and generate refuses them with another image."""
+    ``components``, ``quantize`` and ``threads`` as memfit.generate's. ``image`` (a PIL image or a file; a list for
+    Qwen-Image-Edit-Plus's several) is the input image of a family whose text encoders see it (Qwen-Image-Edit),
+    which needs it; the embeddings record its content, and generate refuses them with another image."""
     _begin(threads)
     folder = open_model(model, allow_pickle=allow_pickle, config=config, components=components, quantize=quantize)
     if not folder.adapter.staged:
         raise MemfitError(_not_staged(folder, "encode prompts on their own"))
-    image = _open_image(image, "--image", "RGB")
+    image = _open_images(image, "--image", "RGB")
+    check_image_count(folder.adapter, image)
     if folder.adapter.prompt_sees_image and image is None:
         raise MemfitError(f"{folder.class_name} encodes the prompt together with the image it edits: pass --image IMG "
                           "(memfit.encode(..., image=...)).")
@@ -164,9 +165,9 @@ def generate(
     0.8) of the schedule and the refiner finishes (memfit.run.refiner).
 
     Beyond text to image (the family's own diffusers pipeline for each, PipelineAdapter.tasks):
-    `image` (a PIL image or a file) runs img2img, noised by `strength` (a family that edits, refers to or
-    animates it, FLUX.1 Kontext, FLUX.2 and Wan image to video, takes it as it is); with `mask` (white = repaint)
-    it inpaints; `control_image` with `controlnet` (a ControlNet model folder; a ControlNet pipeline
+    `image` (a PIL image or a file; a list of them for a pipeline that takes several, Qwen-Image-Edit-Plus) runs
+    img2img, noised by `strength` (a family that edits, refers to or animates it, FLUX.1 Kontext, FLUX.2 and Wan
+    image to video, takes it as it is); with `mask` (white = repaint) it inpaints (FLUX.1 Fill needs both); `control_image` with `controlnet` (a ControlNet model folder; a ControlNet pipeline
     folder has its own) steers every step, the ControlNet loaded and planned in the denoise stage.
     `loras` are LoRA files, each a path, "PATH:SCALE" or (path, scale), loaded unfused with diffusers'
     load_lora_weights into the text encoders and the denoiser. `frames` (the CLI's `--frames`; `num_frames`,
@@ -193,7 +194,7 @@ def generate(
 
         backend = with_precision(backend, precision, dtype)  # refused before anything loads
     conditioning = Conditioning(
-        image=_open_image(image, "--image", "RGB"), mask_image=_open_image(mask, "--mask", None),
+        image=_open_images(image, "--image", "RGB"), mask_image=_open_image(mask, "--mask", None),
         control_image=_open_image(control_image, "--control-image", "RGB"),
         controlnet=None if controlnet is None else str(Path(controlnet).expanduser()), loras=check_loras(loras))
     if refiner is not None and conditioning != Conditioning():
@@ -298,11 +299,21 @@ def _with_precision(result, backend, precision: str | None, dtype: str):
     return result
 
 
+def check_image_count(adapter, image) -> None:
+    """Refuse several input images (a list) where the pipeline takes one (PipelineAdapter.takes_several_images)."""
+    if isinstance(image, (list, tuple)) and not adapter.takes_several_images:
+        several = sorted(name for name, other in ADAPTERS.items() if other.takes_several_images)
+        raise MemfitError(f"{adapter.class_name} takes one --image, and {len(image)} were given: pass one "
+                          f"(several are taken by {', '.join(several)}).")
+
+
 def check_conditioning(adapter, conditioning: Conditioning, from_embeddings: bool) -> None:
     """Refuse, naming the flag, what this family does not run yet (and the families that do)."""
     from memfit.models.families.base import TASK_FLAGS
 
     task = conditioning.task
+    check_image_count(adapter, conditioning.image)
+    adapter.refuse_missing_image(conditioning)
     if adapter.needs_control_image and conditioning.control_image is None:
         raise MemfitError(f"{adapter.class_name} draws from a control image: pass --control-image IMG "
                           "(memfit.generate(..., control_image=...)).")
@@ -316,6 +327,15 @@ def check_conditioning(adapter, conditioning: Conditioning, from_embeddings: boo
         if from_embeddings:
             raise MemfitError("--lora cannot be combined with --embeddings: a LoRA may change the text encoders; "
                               "pass --prompt instead.")
+
+
+def _open_images(value, flag: str, mode: str | None):
+    """_open_image of each of several images (a list or tuple: a pipeline that takes several); a list of one is
+    that one image, an empty list none."""
+    if not isinstance(value, (list, tuple)):
+        return _open_image(value, flag, mode)
+    images = [_open_image(item, flag, mode) for item in value]
+    return None if not images else images[0] if len(images) == 1 else images
 
 
 def _open_image(value, flag: str, mode: str | None):

@@ -47,7 +47,11 @@ def text_backend_label(backend: Any, text_encoders) -> dict[str, str]:
 
 
 def image_fingerprint(image) -> str:
-    """A digest of a PIL image's content (mode, size, pixels): what embeddings encoded with it depend on."""
+    """A digest of a PIL image's content (mode, size, pixels): what embeddings encoded with it depend on. Of
+    several images (a list), a digest of each one's, in their order."""
+    if isinstance(image, (list, tuple)):
+        return hashlib.sha256(f"memfit-images/1:{len(image)}:{':'.join(map(image_fingerprint, image))}".encode()
+                              ).hexdigest()
     digest = hashlib.sha256(f"memfit-image/1:{image.mode}:{image.size[0]}x{image.size[1]}:".encode())
     digest.update(image.tobytes())
     return digest.hexdigest()

@@ -91,12 +91,14 @@ def assert_matches_diffusers(model_dir: str | Path, *, atol: int = 0, **settings
     """Generate with memfit and with plain diffusers; fail if any pixel differs by more than atol.
 
     An ``image`` (a PIL image) reaches both: memfit.generate's --image, and the folder's own pipeline's
-    ``image`` argument (a pipeline that takes it itself, as FluxKontextPipeline does)."""
+    ``image`` argument (a pipeline that takes it itself, as FluxKontextPipeline does); so does a ``mask``, as the
+    pipeline's ``mask_image`` (FluxFillPipeline)."""
     from memfit.run.generate import generate
 
     ours = generate(model=model_dir, progress=False, **settings)
     s = ours.settings
-    inputs = {"image": settings["image"]} if settings.get("image") is not None else {}
+    inputs = {name: settings[key] for key, name in (("image", "image"), ("mask", "mask_image"))
+              if settings.get(key) is not None}
     inputs["weights_in_own_memory"] = str(settings.get("device") or "").startswith("cuda")
     if ours.frames is not None:  # a video: every frame must match
         reference = diffusers_output(model_dir, s, **inputs)

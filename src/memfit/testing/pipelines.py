@@ -320,6 +320,22 @@ def _flux_kontext(scale: int, text_layers: int):
     return FluxKontextPipeline(**_flux(scale, text_layers, vae_levels=5, vae_width=8).components)
 
 
+def _flux_fill(scale: int, text_layers: int):
+    """FLUX.1 Fill: Flux's components, its transformer's input widened by the masked image's latents and the mask
+    folded into the latent grid (the real one's 64 + 64 + 256 = 384 channels; here 16 + 16 + 16), its output
+    Flux's 4 x latent channels."""
+    from diffusers import FluxFillPipeline, FluxTransformer2DModel
+
+    components = _flux(scale, text_layers).components
+    packed = components["transformer"].config.in_channels
+    scale_factor = 2 ** (len(components["vae"].config.block_out_channels) - 1)
+    config = {name: value for name, value in components["transformer"].config.items() if not name.startswith("_")}
+    config.update(in_channels=2 * packed + 4 * scale_factor ** 2, out_channels=packed)
+    components["transformer"] = FluxTransformer2DModel(**config).eval()
+    taken = ("scheduler", "vae", "text_encoder", "tokenizer", "text_encoder_2", "tokenizer_2", "transformer")
+    return FluxFillPipeline(**{name: components[name] for name in taken})  # FluxPipeline's IP-Adapter slots aside
+
+
 def _sd3(scale: int, text_layers: int, *, clip_g_hidden: int | None = None, latent_channels: int = 4,
          quant_conv: bool = True):
     from diffusers import FlowMatchEulerDiscreteScheduler, SD3Transformer2DModel, StableDiffusion3Pipeline
@@ -1100,13 +1116,13 @@ _BUILDERS: dict[str, Callable[[int, int], object]] = {
     "qwenimage_edit": _qwenimage_edit, "qwenimage_edit_plus": _qwenimage_edit_plus, "wan": _wan, "wan22": _wan22,
     "wan22_narrow": _wan22_narrow,
     "wan_i2v": _wan_i2v, "wan22_i2v": _wan22_i2v, "wan22_ti2v": _wan22_ti2v, "chroma": _chroma, "sana": _sana, "pixart_sigma": _pixart_sigma, "aura_flow": _aura_flow, "hidream": _hidream,
-    "zimage": _zimage, "flux_kontext": _flux_kontext, "flux2": _flux2, "flux2_klein": _flux2_klein,
+    "zimage": _zimage, "flux_kontext": _flux_kontext, "flux_fill": _flux_fill, "flux2": _flux2, "flux2_klein": _flux2_klein,
     "sd_pag": _sd_pag, "hunyuan_image": _hunyuan_image, "hunyuan_video15": _hunyuan_video15, "hunyuan_video15_i2v": _hunyuan_video15_i2v, "ltx": _ltx, "ltx_i2v": _ltx_i2v, "sdxl_single_file": _sdxl_single_file, "sd3_single_file": _sd3_single_file, "sd2_single_file": _sd2_single_file,
 }
 
 # Sizes each tiny architecture accepts (multiples of what its VAE and patching need).
 DEFAULT_SIZE = {"sd": 32, "sdxl": 32, "lumina2": 32, "cogview4": 32, "flux": 32, "flux_schnell": 32, "sd3": 32, "qwenimage": 32, "wan": 32, "wan22": 32, "wan22_narrow": 32, "wan_i2v": 32, "wan22_i2v": 32, "wan22_ti2v": 64, "chroma": 32, "sana": 32, "pixart_sigma": 32, "aura_flow": 32, "hidream": 32,
-                "zimage": 32, "flux_kontext": 32, "flux2": 32, "flux2_klein": 32, "hunyuan_image": 32,
+                "zimage": 32, "flux_kontext": 32, "flux_fill": 32, "flux2": 32, "flux2_klein": 32, "hunyuan_image": 32,
                 "hunyuan_video15": 32, "hunyuan_video15_i2v": 32, "ltx": 32, "ltx_i2v": 32, "qwenimage_edit": 64,
                 "qwenimage_edit_plus": 64}
 

@@ -8,6 +8,7 @@ from memfit.models.families.chroma import ChromaAdapter
 from memfit.models.families.cogview4 import CogView4Adapter
 from memfit.models.families.controlnet import StableDiffusionControlNetAdapter, StableDiffusionXLControlNetAdapter
 from memfit.models.families.flux import FluxAdapter
+from memfit.models.families.flux_fill import FluxFillAdapter
 from memfit.models.families.flux_kontext import FluxKontextAdapter
 from memfit.models.families.flux2 import Flux2Adapter, Flux2KleinAdapter
 from memfit.models.families.hidream import HiDreamImageAdapter
@@ -53,6 +54,7 @@ ADAPTERS: dict[str, type[PipelineAdapter]] = {
         HiDreamImageAdapter,
         ZImageAdapter,
         FluxKontextAdapter,
+        FluxFillAdapter,
         Flux2Adapter,
         Flux2KleinAdapter,
         HunyuanImageAdapter,

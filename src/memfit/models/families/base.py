@@ -60,7 +60,8 @@ class Conditioning:
     """What a request brings besides the prompt and settings: images and adapters.
 
     Images are PIL images as the user gave them; the pipeline's own image processors prepare them,
-    so memfit and plain diffusers see the same input. ``controlnet`` is a ControlNet model folder;
+    so memfit and plain diffusers see the same input. ``image`` is a list where several were given (a pipeline
+    that takes several: PipelineAdapter.takes_several_images). ``controlnet`` is a ControlNet model folder;
     ``loras`` are (file, scale) pairs loaded with diffusers' load_lora_weights.
     """
 
@@ -147,6 +148,12 @@ class PipelineAdapter:
     # processor): the encode stage then needs --image, passes it to encode(..., image=), and its embeddings
     # and their prompt-cache key depend on the image's content.
     prompt_sees_image: ClassVar[bool] = False
+    # Whether every run needs --image (an edit or image-to-video pipeline; with --mask where its one task is
+    # inpaint): the run is always that task (image_task), so a plan places in the denoise stage what that task
+    # loads there, and a request without the image is refused (refuse_missing_image).
+    needs_image: ClassVar[bool] = False
+    # Whether the pipeline takes several input images (QwenImageEditPlusPipeline takes a list): --image repeated.
+    takes_several_images: ClassVar[bool] = False
 
     def __init__(self, configs: dict[str, dict], classes: dict[str, tuple[str, str]] | None = None):
         # Component configs read from the model folder (or a built-in architecture), and each
@@ -167,7 +174,26 @@ class PipelineAdapter:
                  "decode": self.decode_components}.get(stage)
         if names is None:
             raise MemfitError(f"Unknown stage {stage!r}; memfit's stages are encode, denoise and decode.")
+        if stage == "denoise" and self.needs_image:
+            return self.task_denoise_components(self.image_task)
         return names
+
+    @property
+    def image_task(self) -> str:
+        """The task every run of a family that needs_image is: inpaint where it takes a mask, else img2img."""
+        return INPAINT if INPAINT in self.tasks else IMG2IMG
+
+    def refuse_missing_image(self, conditioning: Conditioning) -> None:
+        """Refuse a request without the --image (and --mask) a family that needs_image runs on every time."""
+        if not self.needs_image:
+            return
+        if self.image_task == INPAINT:
+            if conditioning.image is None or conditioning.mask_image is None:
+                raise MemfitError(f"{self.class_name} fills the masked part of an image: pass --image IMG and --mask "
+                                  "MASK, white where it repaints (memfit.generate(..., image=..., mask=...)).")
+        elif conditioning.image is None:
+            what, hint = ("makes a video from an image", "its first frame; ") if self.makes_video else ("edits an image", "")
+            raise MemfitError(f"{self.class_name} {what}: pass --image IMG ({hint}memfit.generate(..., image=...)).")
 
     def pipeline_class(self, task: str = TEXT2IMG) -> str:
         """The diffusers pipeline class the denoise stage of ``task`` loads the folder as."""
@@ -285,6 +311,8 @@ class PipelineAdapter:
         so a family does not hold it to what its denoiser reaches."""
         call_defaults = self.call_defaults()
         conditioning = conditioning or Conditioning()
+        if makes_images:
+            self.refuse_missing_image(conditioning)
         task = conditioning.task
         task_defaults = self.task_call_defaults(task) if task != TEXT2IMG else call_defaults
         if strength is not None and conditioning.image is None:
@@ -307,6 +335,8 @@ class PipelineAdapter:
             # Without --width/--height the output takes the input image's size, rounded down to
             # what the pipeline's image processor takes; img2img pipelines only ever take it.
             first = conditioning.image if conditioning.image is not None else conditioning.control_image
+            if isinstance(first, (list, tuple)):  # several input images: the last one's, whose aspect the pipeline takes
+                first = first[-1]
             sized = self.drawn_size(first, task)
             if "height" not in task_defaults:
                 if (width is not None and width != sized[0]) or (height is not None and height != sized[1]):

@@ -58,7 +58,10 @@ class FluxAdapter(PackedLatentsAdapter):
         return settings.true_cfg_scale > 1 and settings.negative_prompt is not None
 
     def call_kwargs(self, settings):
-        return dict(super().call_kwargs(settings), true_cfg_scale=settings.true_cfg_scale)
+        kwargs = super().call_kwargs(settings)
+        if "true_cfg_scale" in self.options:  # FLUX.1 Fill's pipeline takes none
+            kwargs["true_cfg_scale"] = settings.true_cfg_scale
+        return kwargs
 
     def encode(self, pipe, settings, with_negative):
         device = pipe._execution_device

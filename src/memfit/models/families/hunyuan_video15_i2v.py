@@ -16,7 +16,6 @@ differs from it.
 
 from __future__ import annotations
 
-from memfit.errors import MemfitError
 from memfit.models.families.base import IMG2IMG
 from memfit.models.families.hunyuan_video15 import HunyuanVideo15Adapter
 
@@ -24,14 +23,9 @@ from memfit.models.families.hunyuan_video15 import HunyuanVideo15Adapter
 class HunyuanVideo15ImageToVideoAdapter(HunyuanVideo15Adapter):
     class_name = "HunyuanVideo15ImageToVideoPipeline"
     tasks = {IMG2IMG: "HunyuanVideo15ImageToVideoPipeline"}
+    needs_image = True
     # The image encoder runs in the pipeline's loop set-up; task_denoise_components adds the VAE.
     denoise_components = ("transformer", "scheduler", "guider", "image_encoder", "feature_extractor")
-
-    def stage_components(self, stage: str) -> tuple[str, ...]:
-        # Every run is the image task: what a plan places in the denoise stage is what the run loads there.
-        if stage == "denoise":
-            return self.task_denoise_components(IMG2IMG)
-        return super().stage_components(stage)
 
     def drawn_size(self, image, task):
         from diffusers.pipelines.hunyuan_video1_5.image_processor import HunyuanVideo15ImageProcessor
@@ -43,9 +37,6 @@ class HunyuanVideo15ImageToVideoAdapter(HunyuanVideo15Adapter):
 
     def resolve(self, prompt, negative_prompt, steps, guidance, seed, width, height, defaults=None, *,
                 conditioning=None, makes_images: bool = True, **options):
-        if makes_images and (conditioning is None or conditioning.image is None):
-            raise MemfitError(f"{self.class_name} makes a video from an image: pass --image IMG (its first frame; "
-                              "memfit.generate(..., image=...)).")
         if conditioning is not None and conditioning.image is not None:  # the image's bucket, not the default size
             sized = self.drawn_size(conditioning.image, IMG2IMG)
             width, height = (sized[0] if width is None else width), (sized[1] if height is None else height)

@@ -15,7 +15,10 @@ The input image goes two ways, as the pipelines' __call__ sends it:
   ratio, into latents in the loop set-up (so the VAE's encoder is loaded and planned in the denoise stage), and
   their patches join every transformer call. There is no --strength.
 
-Edit Plus takes several input images in diffusers; memfit passes it one (--image) for now.
+Edit Plus takes several input images (--image repeated; memfit.generate(..., image=[A, B])), in the order given: each
+reaches the text encoder and the VAE as above, the prompt cache and an embeddings file key them by all their
+contents in that order, and without --width/--height the output takes the last image's size, whose aspect ratio the
+pipeline's own default takes. The other families take one image and refuse several.
 
 Size: the pipelines take a width and height (their default is the 1024 x 1024 area); memfit passes the size
 asked for, without --width/--height the input image's size rounded down to a multiple of 16 (as for every
@@ -49,22 +52,10 @@ class QwenImageEditAdapter(QwenImageAdapter):
     encode_components = ("tokenizer", "text_encoder", "processor")
     text_encoders = ("text_encoder", "tokenizer", "processor")  # the processor's image settings shape the embeddings
     prompt_sees_image = True
+    needs_image = True
     condition_image_area = VAE_IMAGE_AREA  # the pixels of the image the text encoder sees
     # The text encoder sees the prompt (at most QwenImage's 1024 tokens) and the image's tokens.
     max_text_tokens = QwenImageAdapter.max_text_tokens + VAE_IMAGE_AREA // PIXELS_PER_IMAGE_TOKEN
-
-    def stage_components(self, stage: str) -> tuple[str, ...]:
-        # Every run is the image task: what a plan places in the denoise stage is what the run loads there.
-        if stage == "denoise":
-            return self.task_denoise_components(IMG2IMG)
-        return super().stage_components(stage)
-
-    def resolve(self, prompt, negative_prompt, steps, guidance, seed, width, height, defaults=None, *,
-                conditioning=None, makes_images: bool = True, **options):
-        if makes_images and (conditioning is None or conditioning.image is None):
-            raise MemfitError(f"{self.class_name} edits an image: pass --image IMG (memfit.generate(..., image=...)).")
-        return super().resolve(prompt, negative_prompt, steps, guidance, seed, width, height, defaults,
-                               conditioning=conditioning, makes_images=makes_images, **options)
 
     def context_tokens(self, settings):
         # The input image's latent patches (at about VAE_IMAGE_AREA) join every transformer call.
@@ -108,17 +99,22 @@ class QwenImageEditAdapter(QwenImageAdapter):
 class QwenImageEditPlusAdapter(QwenImageEditAdapter):
     class_name = "QwenImageEditPlusPipeline"
     tasks = {IMG2IMG: "QwenImageEditPlusPipeline"}
+    takes_several_images = True  # --image repeated: a list, as the pipeline takes it
     condition_image_area = PLUS_CONDITION_IMAGE_AREA
     max_text_tokens = QwenImageAdapter.max_text_tokens + PLUS_CONDITION_IMAGE_AREA // PIXELS_PER_IMAGE_TOKEN
 
     def prompt_images(self, pipe, image):
-        """The input image as the pipeline's __call__ hands it to encode_prompt: a list of one, about 384 x 384."""
+        """The input image(s) as the pipeline's __call__ hands them to encode_prompt: a list, each about 384 x 384
+        at its aspect ratio ("Picture 1", "Picture 2", ... in the prompt's template, in the order given)."""
         from diffusers.pipelines.qwenimage.pipeline_qwenimage_edit_plus import (
             calculate_dimensions,
         )
 
-        width, height = calculate_dimensions(self.condition_image_area, image.size[0] / image.size[1])
-        return [pipe.image_processor.resize(image, height, width)]
+        resized = []
+        for each in image if isinstance(image, (list, tuple)) else [image]:
+            width, height = calculate_dimensions(self.condition_image_area, each.size[0] / each.size[1])
+            resized.append(pipe.image_processor.resize(each, height, width))
+        return resized
 
 
 @functools.cache

@@ -18,7 +18,6 @@ Size (without --width/--height) and the ftfy check: as Wan 2.2 TI2V-5B's image p
 
 from __future__ import annotations
 
-from memfit.errors import MemfitError
 from memfit.models.families.base import IMG2IMG
 from memfit.models.families.wan import WanAdapter, check_prompt_cleaning
 
@@ -26,23 +25,15 @@ from memfit.models.families.wan import WanAdapter, check_prompt_cleaning
 class WanImageToVideoAdapter(WanAdapter):
     class_name = "WanImageToVideoPipeline"
     tasks = {IMG2IMG: "WanImageToVideoPipeline"}
+    needs_image = True
     # The image encoder (Wan 2.1 only) runs in the pipeline's loop set-up; task_denoise_components adds the VAE.
     denoise_components = ("transformer", "transformer_2", "scheduler", "image_encoder", "image_processor")
-
-    def stage_components(self, stage: str) -> tuple[str, ...]:
-        # Every run is the image task: what a plan places in the denoise stage is what the run loads there.
-        if stage == "denoise":
-            return self.task_denoise_components(IMG2IMG)
-        return super().stage_components(stage)
 
     def takes_image(self) -> bool:
         return True
 
     def resolve(self, prompt, negative_prompt, steps, guidance, seed, width, height, defaults=None, *,
                 conditioning=None, makes_images: bool = True, **options):
-        if makes_images and (conditioning is None or conditioning.image is None):
-            raise MemfitError(f"{self.class_name} makes a video from an image: pass --image IMG (its first frame; "
-                              "memfit.generate(..., image=...)).")
         check_prompt_cleaning()  # its encode_prompt cleans the prompt too, with or without an image
         return super().resolve(prompt, negative_prompt, steps, guidance, seed, width, height, defaults,
                                conditioning=conditioning, makes_images=makes_images, **options)
