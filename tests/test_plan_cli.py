@@ -227,7 +227,8 @@ def test_the_json_plan_replays_through_optimize_with_plain_diffusers_bits(tiny_m
 
     model = tiny_models("sd")
     size = ["--model", model, "--width", "32", "--height", "32", "--steps", "2"]
-    roomy = {s["name"]: s for s in run_json([*size, "--budget", "1GiB"], capsys)["plan"]["stages"]}["denoise"]
+    roomy = {s["name"]: s for s in run_json([*size, "--budget", "1GiB", "--device", "cuda"],
+                                            capsys)["plan"]["stages"]}["denoise"]
     # Half the UNet fits beside the denoise activations; a tenth of it on the host, the rest on disk (a GPU's
     # tiers: on the CPU a run streams from the model's files, with no host tier).
     weights = roomy["resident_bytes"]

@@ -119,13 +119,15 @@ def run_plan(args: argparse.Namespace) -> int:
     if on_top:
         held = 0
     room = _room(budget, runtime, held, _stream_from(args, runtime))
-    options = stage_options(adapter, dtype=args.dtype, width=width, height=height, steps=args.steps,
-                            num_frames=args.frames)
+    # As a run plans: on the CPU with the denoising loop's heap counted where the budget has room for it.
     try:
-        stages, strategies = choose_strategies(options, room, prefetch=args.prefetch)
-        plan = make_plan(stages, room, prefetch=args.prefetch)
-    except BudgetTooSmall as exc:
-        raise exc.counting(budget.device, held) if held else exc from None
+        options, strategies, plan = _plan_stages(adapter, args, width, height, room,
+                                                 heap_temporaries=not runtime.separate_memory)
+    except BudgetTooSmall:
+        try:
+            options, strategies, plan = _plan_stages(adapter, args, width, height, room, heap_temporaries=False)
+        except BudgetTooSmall as exc:
+            raise exc.counting(budget.device, held) if held else exc from None
     if args.json:
         extra = {"precision": precision_line} if precision_line else {}
         print(json.dumps({**_report(name, args.dtype, width, height, plan, strategies), "budget_source": source,
@@ -148,6 +150,13 @@ def run_plan(args: argparse.Namespace) -> int:
         if precision_line:
             print(precision_line)
     return 0
+
+
+def _plan_stages(adapter, args, width: int, height: int, room, *, heap_temporaries: bool):
+    options = stage_options(adapter, dtype=args.dtype, width=width, height=height, steps=args.steps,
+                            num_frames=args.frames, heap_temporaries=heap_temporaries)
+    stages, strategies = choose_strategies(options, room, prefetch=args.prefetch)
+    return options, strategies, make_plan(stages, room, prefetch=args.prefetch)
 
 
 def _runtime(device: str | None):

@@ -34,8 +34,8 @@ from typing import Callable
 from memfit.errors import MemfitError
 from memfit.text_enum import TextEnum
 
-__all__ = ["DEVICE_ACTIVATION_MARGIN", "Strategy", "StrategyKind", "banded_decode_unsupported", "choose",
-           "stage_strategies", "vae_execution_dtype"]
+__all__ = ["DEVICE_ACTIVATION_MARGIN", "HEAP_SLACK_CEILING", "Strategy", "StrategyKind", "banded_decode_unsupported",
+           "choose", "heap_slack", "stage_strategies", "vae_execution_dtype"]
 
 # The activation estimates are calibrated on CPU RSS. On a GPU the caching allocator rounds each
 # block up (512 B, and 2 MiB segments for large ones) and keeps freed blocks that do not fit the next
@@ -43,6 +43,18 @@ __all__ = ["DEVICE_ACTIVATION_MARGIN", "Strategy", "StrategyKind", "banded_decod
 # measured on a GPU yet (benchmarks/gpu_check.sh measures it): the CUDA context and library
 # workspaces are the detection reserve's (memfit.plan.budget.device_reserve), not this margin's.
 DEVICE_ACTIVATION_MARGIN = 1.25
+
+# On the CPU the denoising loop takes its temporaries under 32 MiB from the heap where the budget has room for
+# it (memfit.run.memory's DENOISE_HEAP_THRESHOLD): as fresh mappings each would fault in and zero its pages
+# every step. Freed temporaries leave holes the heap keeps until the stage ends; measured over the estimate,
+# 0-123 MiB (the demo UNet, Flux-width bf16 64x64, SD 1.5 fp32 256x256 and 512x512, streamed and resident):
+# counted as twice the activations, at most this much.
+HEAP_SLACK_CEILING = 128 * 2**20
+
+
+def heap_slack(activation_bytes: int) -> int:
+    """What the CPU denoising loop's heap holds beyond its live activations (see HEAP_SLACK_CEILING)."""
+    return min(2 * activation_bytes, HEAP_SLACK_CEILING)
 
 
 class StrategyKind(TextEnum):
@@ -65,8 +77,12 @@ class Strategy:
     cheap: bool = True
 
 
-def stage_strategies(adapter, stage: str, settings, guided: bool, dtype: str) -> list[Strategy]:
-    """The strategies of ``stage`` for this family (its adapter) and request, the pipeline's own first."""
+def stage_strategies(adapter, stage: str, settings, guided: bool, dtype: str, *,
+                     heap_temporaries: bool = False) -> list[Strategy]:
+    """The strategies of ``stage`` for this family (its adapter) and request, the pipeline's own first.
+
+    ``heap_temporaries``: the denoising loop runs on the CPU, its temporaries from the heap (heap_slack counted).
+    """
     from memfit.plan.meta import activation_estimate
 
     configs = adapter.configs
@@ -84,8 +100,9 @@ def stage_strategies(adapter, stage: str, settings, guided: bool, dtype: str) ->
         denoiser_class = adapter.classes.get(denoiser, ("", ""))[1]
 
         def estimate(batch: int, kind: str = kind) -> int:
-            return activation_estimate(kind, configs[denoiser], batch=batch, text_tokens=adapter.context_tokens(settings),
+            live = activation_estimate(kind, configs[denoiser], batch=batch, text_tokens=adapter.context_tokens(settings),
                                        class_name=denoiser_class, dtype=dtype, **size)
+            return live + heap_slack(live) if heap_temporaries else live
 
         batch = 1 if not guided or adapter.guidance_batch == 1 else 2
         options = [Strategy(StrategyKind.BATCHED, estimate(batch))]

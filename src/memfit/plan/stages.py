@@ -37,10 +37,13 @@ def planned_models(adapter) -> list[str]:
 
 
 def stage_options(adapter, *, dtype: str, width: int, height: int, steps: int = DEFAULT_STEPS,
-                  num_frames: int | None = None) -> list[list[tuple[Strategy, StageInput]]]:
+                  num_frames: int | None = None,
+                  heap_temporaries: bool = False) -> list[list[tuple[Strategy, StageInput]]]:
     """Per stage, its (Strategy, StageInput) options, the pipeline's own way first. A stage whose experts run
     one at a time (PipelineAdapter.experts: Wan 2.2's) is a stage per expert, "denoise:transformer", ...:
-    the plan then needs the larger expert, not both. ``num_frames``: a video's frames (default: its pipeline's)."""
+    the plan then needs the larger expert, not both. ``num_frames``: a video's frames (default: its pipeline's).
+    ``heap_temporaries``: the denoising loop's heap counted (memfit.plan.activations.heap_slack), as a CPU run
+    plans it where the budget has room."""
     from memfit.plan.meta import measure_component  # imports torch: only when planning
 
     components = planned_components(adapter)
@@ -68,7 +71,7 @@ def stage_options(adapter, *, dtype: str, width: int, height: int, steps: int = 
                 size = size.select(parts)  # another VAE class without these parts is planned whole, as a run does
             sizes[name] = size
         runs = steps if stage == "denoise" else 1
-        strategies = stage_strategies(adapter, stage, settings, True, dtype)
+        strategies = stage_strategies(adapter, stage, settings, True, dtype, heap_temporaries=heap_temporaries)
         # Experts that run one at a time are a stage each, with the stage's other components, as a run plans them.
         for name, members, homed in phase_stages(stage, sizes, adapter.present_experts(sizes)):
             result.append([(strategy, stage_input(name, [sizes[m] for m in members], strategy.activation_bytes,

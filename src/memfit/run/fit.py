@@ -42,7 +42,7 @@ from memfit.plan.budget import Budget, BudgetTooSmall, StageDoesNotFit, stage_bu
 from memfit.plan.compiled import COMPILED_BLOCK_BUILD, COMPILED_BLOCK_OVERHEAD, choose_compiled, compiled_blocks_extra
 from memfit.run.executor import (blocks_not_run, host_tier_reused, keep_dequantized, live_blocks, optimize, plan_stage,
                                  reads_in_place)
-from memfit.run.memory import return_large_frees_to_os
+from memfit.run.memory import DENOISE_HEAP_THRESHOLD, return_large_frees_to_os
 from memfit.run.options import RunOptions
 from memfit.sizes import format_bytes
 
@@ -62,7 +62,9 @@ class StageFit:
     streamed_bytes: weights the plan left off the device (streamed);
     tiers:          per planned component, its weights' bytes by tier ({"unet": {"device": .., "disk": ..}});
     compiled:       the compile records of the load (they fill in as entries compile during the stage);
-    notes:          what the run report says about it, in order.
+    notes:          what the run report says about it, in order;
+    heap_temporaries: the plan counted the denoising loop's heap (memfit.plan.activations.heap_slack), so its
+                    temporaries may come from there (memfit.run.memory.DENOISE_HEAP_THRESHOLD).
     """
 
     strategy: StrategyKind | str = ""
@@ -71,6 +73,7 @@ class StageFit:
     tiers: Mapping[str, Mapping[str, int]] = dataclasses.field(default_factory=dict)
     compiled: tuple = ()
     notes: tuple[str, ...] = ()
+    heap_temporaries: bool = False
 
 
 def fit_stage(pipe, folder: ModelFolder, names: Sequence[str], options: RunOptions, *, stage: str, plan_as: str,
@@ -143,7 +146,10 @@ def _plan_and_place(pipe, folder: ModelFolder, options: RunOptions, *, stage: st
     compile the blocks ``in_blocks`` components keep resident; the whole compiled models are the caller's."""
     runtime = options.runtime
     adapter = folder.adapter
-    choices = stage_strategies(adapter, plan_as, settings, guided, options.dtype)
+    # On the CPU the denoising loop's temporaries come from the heap when the plan can count what that holds;
+    # where it cannot, the stage is planned (and run) without it rather than refused.
+    with_heap = plan_as == "denoise" and not runtime.separate_memory
+    choices = stage_strategies(adapter, plan_as, settings, guided, options.dtype, heap_temporaries=with_heap)
     parts = adapter.stage_parts.get(plan_as)
     margin = DEVICE_ACTIVATION_MARGIN if runtime.separate_memory else 1.0
     stream_from = None if runtime.separate_memory else str(folder.path)
@@ -158,7 +164,7 @@ def _plan_and_place(pipe, folder: ModelFolder, options: RunOptions, *, stage: st
     host_tiers = options.pool.host_tiers if options.pool is not None and runtime.separate_memory else None
     kept_host = 0 if host_tiers is None else host_tiers.nbytes()
 
-    def plan_with(extra: int):
+    def plan_with(extra: int, choices=choices):
         room = stage_budget(budget, runtime, already_used=already_used + extra, stream_from=stream_from,
                             kept_host=kept_host)
         try:
@@ -185,13 +191,20 @@ def _plan_and_place(pipe, folder: ModelFolder, options: RunOptions, *, stage: st
 
     # The reserve a plan needs shrinks as the reserve grows (less room, fewer blocks): the least reserve
     # that covers what its own plan needs is found by bisection. held: (reserve, the plan made with it).
-    first = plan_with(0)
+    try:
+        first = plan_with(0)
+    except StageDoesNotFit:
+        if not with_heap:
+            raise
+        with_heap = False
+        choices = stage_strategies(adapter, plan_as, settings, guided, options.dtype)
+        first = plan_with(0, choices)
     held = (0, first) if first[3] == 0 else None
     low, high = 0, first[3]
     while low < high and (held is None or high - low > high // 32):
         extra = high if held is None else (low + high) // 2
         try:
-            candidate = plan_with(extra)
+            candidate = plan_with(extra, choices)
         except StageDoesNotFit:
             break  # even this reserve leaves too little room: no compiled block is affordable
         if candidate[3] <= extra:
@@ -226,6 +239,9 @@ def _plan_and_place(pipe, folder: ModelFolder, options: RunOptions, *, stage: st
         for planned_stage in plan.stages:
             _refuse_streaming(planned_stage, stage, runtime)
         place_whole(pipe, runtime)
+    if with_heap:
+        notes.append(f"{stage}: temporaries under {format_bytes(DENOISE_HEAP_THRESHOLD)} from the heap, the holes it "
+                     "keeps counted with the activations")
     if phases:
         notes.append(f"{stage}: {' and '.join(phases)} run one at a time: each planned apart, {phases[0]} placed "
                      f"first, each next one brought in at its first call and the one before released")
@@ -277,7 +293,7 @@ def _plan_and_place(pipe, folder: ModelFolder, options: RunOptions, *, stage: st
             notes.append(f"{stage}: {format_bytes(kept)} of resident quantized weights kept dequantized, which the "
                          "budget has room for, so they are not dequantized at each step")
     return StageFit(strategy=strategy.name, planned_peak=planned_peak, streamed_bytes=streamed, tiers=tiers,
-                    notes=tuple(notes))
+                    notes=tuple(notes), heap_temporaries=with_heap)
 
 
 def _placements(plan) -> list:

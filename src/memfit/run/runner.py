@@ -100,6 +100,11 @@ class StageContext:
         return next((fit.strategy for fit in reversed(self.fits) if fit.strategy), "")
 
     @property
+    def heap_temporaries(self) -> bool:
+        """Whether the last planned load counted the denoising loop's heap (StageFit.heap_temporaries)."""
+        return next((fit.heap_temporaries for fit in reversed(self.fits) if fit.strategy), False)
+
+    @property
     def planned_peak(self) -> int | None:
         peaks = [fit.planned_peak for fit in self.fits if fit.planned_peak is not None]
         return max(peaks) if peaks else None

@@ -23,6 +23,7 @@ from memfit.models.folder import ModelFolder
 from memfit.models.model_path import open_model_path, with_components
 from memfit.plan.activations import StrategyKind
 from memfit.run.media import IMAGE_SUFFIXES, VIDEO_SUFFIXES, save_png, save_video
+from memfit.run.memory import DENOISE_HEAP_THRESHOLD, heap_for_temporaries_under
 from memfit.run.runner import Stage, StageContext
 
 __all__ = ["Generation", "check_backend_takes_stored_weights", "check_embeddings", "decode_stage", "denoise_stage",
@@ -228,7 +229,8 @@ def denoise_stage(folder: ModelFolder, settings: Settings, embeddings: Callable[
         chunked = context.strategy == StrategyKind.CHUNKED
         split = context.strategy == StrategyKind.SPLIT
         inputs = conditioning.pipeline_inputs()
-        with torch.inference_mode(), sampler_scheduler(pipe, sampler), _chunked_if(chunked, pipe):
+        with torch.inference_mode(), sampler_scheduler(pipe, sampler), _chunked_if(chunked, pipe), \
+                _heap_if(context.heap_temporaries):
             if run is None:
                 latents = adapter.denoise(pipe, embeddings(results), settings, generator, split=split, inputs=inputs)
             else:
@@ -246,6 +248,11 @@ def _chunked_if(chunked: bool, pipe):
     from memfit.run.chunked_attention import chunked_attention
 
     return chunked_attention(getattr(pipe, "unet", None))
+
+
+def _heap_if(planned: bool):
+    """The denoising loop's temporaries from the heap while inside, where its plan counted that; else nothing."""
+    return heap_for_temporaries_under(DENOISE_HEAP_THRESHOLD) if planned else contextlib.nullcontext()
 
 
 def decode_stage(folder: ModelFolder, settings: Settings, generator, latents_from: str = "denoise") -> Stage:
