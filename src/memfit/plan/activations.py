@@ -34,7 +34,7 @@ from typing import Callable
 from memfit.errors import MemfitError
 from memfit.text_enum import TextEnum
 
-__all__ = ["DEVICE_ACTIVATION_MARGIN", "HEAP_SLACK_CEILING", "Strategy", "StrategyKind", "banded_decode_unsupported",
+__all__ = ["DENOISE_HEAP_THRESHOLD", "DEVICE_ACTIVATION_MARGIN", "HEAP_SLACK_CEILING", "HEAP_SLACK_TEMPORARIES", "Strategy", "StrategyKind", "banded_decode_unsupported",
            "choose", "heap_slack", "stage_strategies", "vae_execution_dtype"]
 
 # The activation estimates are calibrated on CPU RSS. On a GPU the caching allocator rounds each
@@ -44,17 +44,21 @@ __all__ = ["DEVICE_ACTIVATION_MARGIN", "HEAP_SLACK_CEILING", "Strategy", "Strate
 # workspaces are the detection reserve's (memfit.plan.budget.device_reserve), not this margin's.
 DEVICE_ACTIVATION_MARGIN = 1.25
 
-# On the CPU the denoising loop takes its temporaries under 32 MiB from the heap where the budget has room for
-# it (memfit.run.memory's DENOISE_HEAP_THRESHOLD): as fresh mappings each would fault in and zero its pages
-# every step. Freed temporaries leave holes the heap keeps until the stage ends; measured over the estimate,
-# 0-123 MiB (the demo UNet, Flux-width bf16 64x64, SD 1.5 fp32 256x256 and 512x512, streamed and resident):
-# counted as twice the activations, at most this much.
+# On the CPU the denoising loop takes its temporaries under DENOISE_HEAP_THRESHOLD (glibc's own ceiling) from
+# the heap where the budget has room for it (memfit.run.stages): as fresh mappings each would fault in and zero
+# its pages every step; measured, Flux-width bf16 64x64 streamed on 2 threads, a quarter of the page faults. Freed temporaries leave holes the heap keeps until the stage ends. Measured over the estimate:
+# 0 (the demo UNet), 11-23 MiB (SD 1.5 fp32 256x256), 32-107 MiB (Flux-width bf16 64x64, whose widest
+# temporary is 18 MiB), 120 MiB (SD 1.5 fp32 512x512, widest above 32 MiB): counted as this many of the
+# widest temporary the heap serves, at most HEAP_SLACK_CEILING.
+DENOISE_HEAP_THRESHOLD = 32 * 2**20
+HEAP_SLACK_TEMPORARIES = 7
 HEAP_SLACK_CEILING = 128 * 2**20
 
 
-def heap_slack(activation_bytes: int) -> int:
-    """What the CPU denoising loop's heap holds beyond its live activations (see HEAP_SLACK_CEILING)."""
-    return min(2 * activation_bytes, HEAP_SLACK_CEILING)
+def heap_slack(widest_bytes: int) -> int:
+    """What the CPU denoising loop's heap holds beyond its live activations, for a widest activation of
+    ``widest_bytes`` (see HEAP_SLACK_TEMPORARIES)."""
+    return min(HEAP_SLACK_TEMPORARIES * min(widest_bytes, DENOISE_HEAP_THRESHOLD), HEAP_SLACK_CEILING)
 
 
 class StrategyKind(TextEnum):
@@ -83,7 +87,7 @@ def stage_strategies(adapter, stage: str, settings, guided: bool, dtype: str, *,
 
     ``heap_temporaries``: the denoising loop runs on the CPU, its temporaries from the heap (heap_slack counted).
     """
-    from memfit.plan.meta import activation_estimate
+    from memfit.plan.meta import activation_elements, activation_estimate, dtype_bytes
 
     configs = adapter.configs
     size = dict(width=settings.width, height=settings.height, vae_scale=adapter.vae_scale_factor(),
@@ -100,9 +104,12 @@ def stage_strategies(adapter, stage: str, settings, guided: bool, dtype: str, *,
         denoiser_class = adapter.classes.get(denoiser, ("", ""))[1]
 
         def estimate(batch: int, kind: str = kind) -> int:
-            live = activation_estimate(kind, configs[denoiser], batch=batch, text_tokens=adapter.context_tokens(settings),
-                                       class_name=denoiser_class, dtype=dtype, **size)
-            return live + heap_slack(live) if heap_temporaries else live
+            shape = dict(text_tokens=adapter.context_tokens(settings), class_name=denoiser_class, **size)
+            live = activation_estimate(kind, configs[denoiser], batch=batch, dtype=dtype, **shape)
+            if not heap_temporaries:
+                return live
+            widest = batch * dtype_bytes(dtype) * activation_elements(kind, configs[denoiser], **shape)
+            return live + heap_slack(widest)
 
         batch = 1 if not guided or adapter.guidance_batch == 1 else 2
         options = [Strategy(StrategyKind.BATCHED, estimate(batch))]

@@ -37,12 +37,13 @@ from memfit.devices import DeviceRuntime
 from memfit.errors import MemfitError
 from memfit.models.families import Settings
 from memfit.models.folder import ModelFolder
-from memfit.plan.activations import DEVICE_ACTIVATION_MARGIN, StrategyKind, choose, stage_strategies
+from memfit.plan.activations import (DENOISE_HEAP_THRESHOLD, DEVICE_ACTIVATION_MARGIN, StrategyKind, choose,
+                                     stage_strategies)
 from memfit.plan.budget import Budget, BudgetTooSmall, StageDoesNotFit, stage_budget
 from memfit.plan.compiled import COMPILED_BLOCK_BUILD, COMPILED_BLOCK_OVERHEAD, choose_compiled, compiled_blocks_extra
 from memfit.run.executor import (blocks_not_run, host_tier_reused, keep_dequantized, live_blocks, optimize, plan_stage,
                                  reads_in_place)
-from memfit.run.memory import DENOISE_HEAP_THRESHOLD, return_large_frees_to_os
+from memfit.run.memory import return_large_frees_to_os
 from memfit.run.options import RunOptions
 from memfit.sizes import format_bytes
 

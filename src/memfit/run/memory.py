@@ -143,10 +143,6 @@ def freeze_the_run_set_up() -> None:
 
 _M_MMAP_THRESHOLD = -3  # glibc mallopt parameter
 HEAP_MMAP_THRESHOLD = 1 << 20
-# Below this size (glibc's own ceiling) the denoising loop's temporaries come from the heap where its plan
-# counted that (memfit.plan.activations.heap_slack). Measured, Flux-width bf16 64x64 streamed on 2 threads:
-# a quarter of the page faults, and from 1.04-1.11x plain diffusers' time under caps to 0.93-1.02x.
-DENOISE_HEAP_THRESHOLD = 32 << 20
 _fixed_threshold: int | None = None  # the mmap threshold memfit set, if it set one
 
 

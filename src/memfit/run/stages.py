@@ -21,9 +21,9 @@ from memfit.errors import MemfitError, MemfitWarning
 from memfit.models.families import Conditioning, Settings
 from memfit.models.folder import ModelFolder
 from memfit.models.model_path import open_model_path, with_components
-from memfit.plan.activations import StrategyKind
+from memfit.plan.activations import DENOISE_HEAP_THRESHOLD, StrategyKind
 from memfit.run.media import IMAGE_SUFFIXES, VIDEO_SUFFIXES, save_png, save_video
-from memfit.run.memory import DENOISE_HEAP_THRESHOLD, heap_for_temporaries_under
+from memfit.run.memory import heap_for_temporaries_under
 from memfit.run.runner import Stage, StageContext
 
 __all__ = ["Generation", "check_backend_takes_stored_weights", "check_embeddings", "decode_stage", "denoise_stage",

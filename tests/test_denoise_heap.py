@@ -1,0 +1,75 @@
+"""On the CPU the denoising loop takes its temporaries from the heap where its plan counts the holes the heap
+keeps (memfit.plan.activations.heap_slack); where a budget has no room for them, the stage runs without it,
+not refused."""
+
+from __future__ import annotations
+
+import pytest
+
+import memfit
+from memfit.plan.activations import DENOISE_HEAP_THRESHOLD, HEAP_SLACK_CEILING, heap_slack
+from memfit.plan.planner import minimum_device_bytes
+from memfit.plan.stages import stage_options
+from memfit.run import memory
+from memfit.run.stages import open_model
+
+SIZE = 128
+
+
+def _denoise_floor(model: str, heap: bool) -> int:
+    """The smallest budget above the process the denoise stage can be planned in, all of it streamed."""
+    options = stage_options(open_model(model).adapter, dtype="fp32", width=SIZE, height=SIZE, steps=2,
+                            heap_temporaries=heap)
+    return min(minimum_device_bytes(stage) for opts in options for _, stage in opts if stage.name == "denoise")
+
+
+def _run(model: str, budget: str):
+    """A generation under ``budget`` and the mmap threshold each denoising step ran under."""
+    thresholds = []
+
+    def on_step(stage, done, total):
+        if stage == "denoise" and total:
+            thresholds.append(memory._fixed_threshold)
+
+    result = memfit.generate("a red circle", model=model, steps=2, width=SIZE, height=SIZE, budget=budget,
+                             on_step=on_step, progress=False)
+    return result, thresholds
+
+
+def test_heap_slack_counts_the_widest_temporaries_the_heap_serves():
+    assert heap_slack(0) == 0
+    assert heap_slack(2**20) == 7 * 2**20
+    # A temporary above the threshold is a mapping of its own: the holes are at most the threshold's size.
+    assert heap_slack(4 * DENOISE_HEAP_THRESHOLD) == heap_slack(DENOISE_HEAP_THRESHOLD) == HEAP_SLACK_CEILING
+
+
+def test_the_loop_uses_the_heap_where_the_plan_has_room_and_not_where_it_has_none(tiny_models):
+    model = tiny_models("sd")
+    without, with_heap = _denoise_floor(model, heap=False), _denoise_floor(model, heap=True)
+    assert with_heap - without > 4 * 2**20  # the holes are counted
+
+    roomy, thresholds = _run(model, "+1GiB")
+    assert thresholds and set(thresholds) == {DENOISE_HEAP_THRESHOLD}
+    assert any("from the heap" in note for note in roomy.report.notes)
+    assert memory._fixed_threshold == memory.HEAP_MMAP_THRESHOLD  # back once the loop is done
+
+    # Room for the stage streamed, not for the heap's holes as well: planned (and run) without them.
+    tight, thresholds = _run(model, f"+{(without + with_heap) // 2}")
+    assert thresholds and set(thresholds) == {memory.HEAP_MMAP_THRESHOLD}
+    assert not any("from the heap" in note for note in tight.report.notes)
+    assert tight.images[0].tobytes() == roomy.images[0].tobytes()
+
+
+@pytest.mark.parametrize("device", ["cpu", "cuda"])
+def test_memfit_plan_counts_the_heap_on_the_cpu_only(tiny_models, device, capsys):
+    import json
+
+    from memfit.cli.app import main
+
+    model = tiny_models("sd")
+    main(["plan", "--model", model, "--width", str(SIZE), "--height", str(SIZE), "--budget", "1GiB", "--device",
+          device, "--json"])
+    denoise = {s["name"]: s for s in json.loads(capsys.readouterr().out)["plan"]["stages"]}["denoise"]
+    options = stage_options(open_model(model).adapter, dtype="fp32", width=SIZE, height=SIZE, heap_temporaries=False)
+    live = next(stage.activation_bytes for opts in options for _, stage in opts if stage.name == "denoise")
+    assert (denoise["activation_bytes"] > live) == (device == "cpu")
