@@ -36,6 +36,7 @@ __all__ = [
     "DEFAULT_MAX_BLOCK_FRACTION",
     "DTYPE_BYTES",
     "DirectTensors",
+    "activation_elements",
     "activation_estimate",
     "build_on_meta",
     "dtype_bytes",
