@@ -586,3 +586,27 @@ def test_img2img_on_an_editing_family_ignores_the_strength_a1111_always_sends(ti
                                                           "init_images": [b64_png(image)], "denoising_strength": 0.75})
         assert response.status_code == 200, response.text
         assert base64.b64decode(response.json()["images"][0]) == png_bytes(expected.images[0], expected.metadata)
+
+
+@pytest.mark.parametrize("kind", ["qwenimage_edit", "flux_fill"])
+def test_img2img_on_families_that_need_an_image_answers_as_memfit_generate(tiny_models, kind):
+    """Qwen-Image-Edit (whose text encoder sees the image with the prompt) and FLUX.1 Fill (image and mask on every
+    run) through the img2img endpoint: the image memfit generate makes from the same image (and mask)."""
+    import memfit
+    from memfit.run.media import png_bytes
+    from memfit.testing.conditioning import test_image, test_mask
+
+    model = tiny_models(kind)
+    image = test_image(64, seed=3)  # Qwen-Image-Edit sizes its output in multiples of 64
+    mask = test_mask(64) if kind == "flux_fill" else None
+    expected = memfit.generate("a red circle", model=model, steps=2, seed=4, image=image, mask=mask, progress=False)
+    request = {"prompt": "a red circle", "steps": 2, "seed": 4, "cfg_scale": expected.settings.guidance,
+               "init_images": [b64_png(image)], "denoising_strength": 1.0}
+    if mask is not None:
+        request["mask"] = b64_png(mask)
+    with TestClient(create_app(Session(model))) as client:
+        response = client.post("/sdapi/v1/img2img", json=request)
+        assert response.status_code == 200, response.text
+        assert base64.b64decode(response.json()["images"][0]) == png_bytes(expected.images[0], expected.metadata)
+        without = client.post("/sdapi/v1/txt2img", json={"prompt": "a red circle", "steps": 2})
+        assert without.status_code == 422 and "--image" in without.json()["detail"], without.text
