@@ -610,3 +610,24 @@ def test_img2img_on_families_that_need_an_image_answers_as_memfit_generate(tiny_
         assert base64.b64decode(response.json()["images"][0]) == png_bytes(expected.images[0], expected.metadata)
         without = client.post("/sdapi/v1/txt2img", json={"prompt": "a red circle", "steps": 2})
         assert without.status_code == 422 and "--image" in without.json()["detail"], without.text
+
+
+def test_img2img_takes_several_init_images_where_the_model_does(tiny_models):
+    """Qwen-Image-Edit-Plus edits with several images: every one of init_images goes to it, in order, as
+    memfit generate's repeated --image; a model that takes one answers 422 for two."""
+    import memfit
+    from memfit.run.media import png_bytes
+    from memfit.testing.conditioning import test_image
+
+    images = [test_image(64, seed=3), test_image(64, seed=5)]
+    model = tiny_models("qwenimage_edit_plus")
+    expected = memfit.generate("a red circle", model=model, steps=2, seed=4, image=images, progress=False)
+    request = {"prompt": "a red circle", "steps": 2, "seed": 4, "cfg_scale": expected.settings.guidance,
+               "init_images": [b64_png(image) for image in images]}
+    with TestClient(create_app(Session(model))) as client:
+        response = client.post("/sdapi/v1/img2img", json=request)
+        assert response.status_code == 200, response.text
+        assert base64.b64decode(response.json()["images"][0]) == png_bytes(expected.images[0], expected.metadata)
+    with TestClient(create_app(Session(tiny_models("qwenimage_edit")))) as client:
+        response = client.post("/sdapi/v1/img2img", json=request)
+        assert response.status_code == 422 and "init_images has 2 images" in response.json()["detail"], response.text

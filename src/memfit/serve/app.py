@@ -238,8 +238,7 @@ def create_app(served: Session | Checkpoints, *, limits: Limits = Limits(), auth
         folder = await _opened(entry, vae, modules)
         notes = []
         if conditioning is not None:
-            image, notes = await _init_image_sized(conditioning.image, folder)
-            conditioning = replace(conditioning, image=image)
+            conditioning, notes = await _init_images_sized(conditioning, folder)
         runs, seeds, sampler = _runs(body, folder, conditioning,
                                     None if conditioning is None else body.denoising_strength)
         estimate, check_pace = _priced(entry, folder, runs)
@@ -491,18 +490,28 @@ def create_app(served: Session | Checkpoints, *, limits: Limits = Limits(), auth
         if not body.init_images:
             raise HTTPException(422, "init_images needs one base64 image (the image to start from); for text to "
                                      "image use /sdapi/v1/txt2img.")
-        if len(body.init_images) > 1:
-            raise HTTPException(422, f"init_images has {len(body.init_images)} images; memfit takes one per request "
-                                     "(batch_size and n_iter make several images from it).")
-        return Conditioning(image=await _image(body.init_images[0], "init_images[0]", "RGB"),
+        images = [await _image(data, f"init_images[{index}]", "RGB") for index, data in enumerate(body.init_images)]
+        return Conditioning(image=images[0] if len(images) == 1 else images,
                             mask_image=None if body.mask is None else await _image(body.mask, "mask", None))
+
+    async def _init_images_sized(conditioning: Conditioning, folder: ModelFolder) -> tuple[Conditioning, list[str]]:
+        """``conditioning`` with each init image sized for ``folder``'s model (_init_image_sized), and the notes;
+        HTTP 422 for several where the model takes one."""
+        several = isinstance(conditioning.image, list)
+        images = conditioning.image if several else [conditioning.image]
+        if several and not folder.adapter.takes_several_images:
+            raise HTTPException(422, f"init_images has {len(images)} images; {folder.class_name} takes one per request "
+                                     "(batch_size and n_iter make several images from it).")
+        sized = [await _init_image_sized(image, folder, f"init_images[{index}]") for index, image in enumerate(images)]
+        notes = [note for _, image_notes in sized for note in image_notes]
+        return replace(conditioning, image=[image for image, _ in sized] if several else sized[0][0]), notes
 
     async def _image(data: str, field: str, mode: str | None):
         """A request's base64 image, its size checked from its header and then decoded in a thread: a large
         image never holds up the event loop (and every other client with it)."""
         return await asyncio.to_thread(_decode_image, data, field, mode, limits.max_pixels)
 
-    async def _init_image_sized(image, folder: ModelFolder):
+    async def _init_image_sized(image, folder: ModelFolder, field: str):
         """``image`` with its sides rounded down to what ``folder``'s model takes, and notes for the answer's info
         saying so where they were not: A1111 draws an init image at a size the model takes too (resizing it)."""
         adapter = folder.adapter
@@ -511,14 +520,14 @@ def create_app(served: Session | Checkpoints, *, limits: Limits = Limits(), auth
         if sized == image.size:
             return image, []
         if not min(sized):
-            raise HTTPException(422, f"init_images[0] is {image.width}x{image.height}; {folder.class_name} needs at "
+            raise HTTPException(422, f"{field} is {image.width}x{image.height}; {folder.class_name} needs at "
                                      f"least {multiple}x{multiple} (sides multiples of {multiple}).")
         from PIL import Image
 
         # With the resampling diffusers' image processor uses: a model whose VAE takes the original size resizes
         # it the same way, so the image equals memfit generate's from the resized file.
         resized = await asyncio.to_thread(image.resize, sized, Image.Resampling.LANCZOS)
-        return resized, [f"init_images[0] is {image.width}x{image.height}; memfit resized it to {sized[0]}x{sized[1]}, "
+        return resized, [f"{field} is {image.width}x{image.height}; memfit resized it to {sized[0]}x{sized[1]}, "
                          f"the nearest multiples of {multiple} below, as {folder.class_name} needs."]
 
     def _priced(entry: ModelEntry, folder: ModelFolder, runs: list[dict[str, Any]]):
