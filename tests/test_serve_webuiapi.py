@@ -160,3 +160,21 @@ def test_names_memfit_cannot_follow_are_422s_naming_those_it_can_and_start_no_jo
     body = {**PROMPTS, **SMALL, "sampler_name": "Euler a", "scheduler": "Align Your Steps", "force_task_id": "nope"}
     assert api.session.post(f"{api.baseurl}/txt2img", json=body).status_code == 422
     assert api.session.get(api.baseurl.replace("/sdapi/v1", "/memfit/v1/report/nope")).status_code == 404
+
+
+def test_img2img_with_several_images_for_qwen_image_edit_plus(tiny_models, memfit_server):
+    """webuiapi's img2img(images=[A, B]) sends both as init_images: Qwen-Image-Edit-Plus edits with both, in
+    order, as memfit generate's repeated --image (its own scheduler: the flow-matching model has no "Euler a")."""
+    import memfit
+    from memfit.run.media import png_bytes
+    from memfit.testing.conditioning import test_image
+
+    model = tiny_models("qwenimage_edit_plus")
+    images = [test_image(64, seed=3), test_image(64, seed=5)]
+    expected = memfit.generate("a red circle", model=model, steps=2, seed=4, image=images, progress=False)
+    with memfit_server(model) as (_, url):
+        host, port = url.rsplit("//", 1)[1].split(":")
+        client = webuiapi.WebUIApi(host=host, port=int(port), sampler="Default")
+        result = client.img2img(images=images, prompt="a red circle", steps=2, seed=4,
+                                cfg_scale=expected.settings.guidance, width=64, height=64)
+    assert sent_png(result) == png_bytes(expected.images[0], expected.metadata)
