@@ -24,6 +24,15 @@ def own_cache_dir(tmp_path_factory, monkeypatch):
     monkeypatch.setenv("MEMFIT_CACHE_DIR", str(tmp_path_factory.mktemp("memfit-cache")))
 
 
+@pytest.fixture(autouse=True)
+def no_heap_holes_from_earlier_tests(monkeypatch):
+    """The holes a loop left in the heap count in every later plan of the process (memory.heap_holes): each test
+    plans as a fresh process would, whatever ran before it."""
+    from memfit.run import memory
+
+    monkeypatch.setattr(memory, "_heap_holes", 0)
+
+
 @pytest.fixture(scope="session")
 def tiny_models(tmp_path_factory):
     """kind -> folder of a tiny pipeline saved in the diffusers layout (built once per session)."""

@@ -35,6 +35,34 @@ def current_rss() -> int:
     return psutil.Process().memory_info().rss
 
 
+class _MallocInfo(ctypes.Structure):
+    _fields_ = [(name, ctypes.c_size_t) for name in
+                ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks", "fsmblks", "uordblks", "fordblks", "keepcost")]
+
+
+def _heap_free_bytes() -> int:
+    """The bytes of free chunks glibc's heaps hold (0 where glibc's mallinfo2 is not there)."""
+    try:
+        info = ctypes.CDLL("libc.so.6").mallinfo2
+    except (OSError, AttributeError):
+        return 0
+    info.restype = _MallocInfo
+    return int(info().fordblks)
+
+
+_heap_holes = 0  # the most free heap a stretch under heap_for_temporaries_under left behind
+
+
+def heap_holes() -> int:
+    """The free chunks work under heap_for_temporaries_under left in the heap, at most (bytes).
+
+    After release_freed_memory their pages are back with the OS, but the allocator serves later requests of
+    any size from free chunks before it maps fresh memory (the mmap threshold only applies where none fits),
+    and a chunk freed again stays resident until the next trim: a later stage may grow by up to this much
+    over its own tensors, so its plan counts it with what the process already holds."""
+    return _heap_holes
+
+
 def read_peak_rss() -> int | None:
     try:
         with open(_STATUS) as status:
@@ -170,14 +198,17 @@ def heap_for_temporaries_under(nbytes: int):
     raised for a whole run, the same setting left SDXL's bf16 decode 30-40% above its planned peak.
     The heap the temporaries leave behind is trimmed at the end of the stage (release_freed_memory).
     """
+    global _heap_holes
     previous = _fixed_threshold
     if previous is None or previous >= nbytes or not _set_mmap_threshold(nbytes):
         yield
         return
+    free_before = _heap_free_bytes()
     try:
         yield
     finally:
         _set_mmap_threshold(previous)
+        _heap_holes = max(_heap_holes, _heap_free_bytes() - free_before)
 
 
 def _set_mmap_threshold(nbytes: int) -> bool:

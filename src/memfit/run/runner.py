@@ -33,7 +33,7 @@ from memfit.models.families import Settings
 from memfit.models.folder import ModelFolder
 from memfit.plan.budget import ABOVE_PROCESS, AUTO, Budget, StageDoesNotFit, resolve_budget, stage_start_budget
 from memfit.run.fit import StageFit, fit_stage
-from memfit.run.memory import PeakMemory, freeze_the_run_set_up, release_freed_memory
+from memfit.run.memory import PeakMemory, freeze_the_run_set_up, heap_holes, release_freed_memory
 from memfit.run.options import RunOptions
 from memfit.run.report import RunReport, StageReport
 from memfit.run.threads import choose_threads, torch_threads
@@ -214,7 +214,8 @@ class StageContext:
         runner = self.runner
         options = runner.options
         runtime = options.runtime
-        already_used = runtime.memory_in_use()
+        # On the CPU also the holes earlier loops left in the heap: a stage's allocations may take them back.
+        already_used = runtime.memory_in_use() + (0 if runtime.separate_memory else heap_holes())
         task_options = {key: value for key, value in (("pipeline_class", pipeline_class), ("external", external))
                         if value}  # only where a task needs them: text to image loads as before
         # Loaded on the host (device None) and planned there: only what the plan keeps on the device
