@@ -38,6 +38,7 @@ __all__ = [
     "DirectTensors",
     "activation_estimate",
     "build_on_meta",
+    "diffusers_module",
     "dtype_bytes",
     "is_model_class",
     "is_under",
@@ -187,7 +188,7 @@ def build_on_meta(library: str, class_name: str, config: dict):
     config = {k: v for k, v in config.items() if not k.startswith("_") or k == "_name_or_path"}
     try:
         with torch.device("meta"):
-            if library == "diffusers":
+            if diffusers_module(library) is not None:
                 return cls.from_config(config)
             hf_config = cls.config_class.from_dict(config)
             return cls._from_config(hf_config)
@@ -204,17 +205,30 @@ def _resolve_class(library: str, class_name: str):
 
     import torch
 
-    if library not in ("diffusers", "transformers"):
+    module = diffusers_module(library) or (library if library == "transformers" else None)
+    if module is None:
         raise MemfitError(
             f"Cannot size a {library!r} component ({class_name}); memfit sizes diffusers and transformers models."
         )
-    cls = getattr(importlib.import_module(library), class_name, None)
+    cls = getattr(importlib.import_module(module), class_name, None)
     if cls is None or not (isinstance(cls, type) and issubclass(cls, torch.nn.Module)):
+        package = module.split(".")[0]
         raise MemfitError(
-            f"{library} has no model class {class_name!r} (installed version "
-            f"{importlib.import_module(library).__version__}); upgrade {library} or fix the class name."
+            f"{library} has no model class {class_name!r} (installed {package} "
+            f"{importlib.import_module(package).__version__}); upgrade {package} or fix the class name."
         )
     return cls
+
+
+def diffusers_module(library: str) -> str | None:
+    """The module of diffusers' own code that model_index.json's ``library`` names: "diffusers", or one of its
+    pipeline packages, where diffusers keeps a pipeline's own components (LTX-2's "ltx2": its text connectors and
+    vocoder), as diffusers' from_pretrained resolves it; None for any other name."""
+    if library == "diffusers":
+        return library
+    import diffusers.pipelines
+
+    return f"diffusers.pipelines.{library}" if library.isidentifier() and hasattr(diffusers.pipelines, library) else None
 
 
 def split_blocks(module, prefix: str, threshold: int):

@@ -1,0 +1,191 @@
+"""LTX2Pipeline (LTX-2), text to video with audio: a Gemma-3 text encoder (Gemma3ForConditionalGeneration, its
+hidden states of every layer stacked), text connectors that turn them into the video and the audio streams' text
+tokens, the LTX-2 audio-video transformer, the video VAE (32x, 8x in time), the audio VAE (mel spectrograms) and a
+vocoder (mel spectrograms to a waveform).
+
+Stages: encode runs the tokenizer and Gemma-3 (encode_prompt: every prompt left-padded to 1024 tokens, with its
+attention mask); denoise runs the connectors and the transformer (the pipeline's own __call__ runs the connectors
+on the embeddings it is given); decode runs the video VAE, the audio VAE and the vocoder. The embeddings are the
+stacked hidden states, as encode_prompt returns them: (layers + 1) x the hidden size a token (49 x 3840 for
+Gemma-3 12B), large in the prompt cache, but the text encoder's own output, so memfit encode / --embeddings and
+the cache hold what plain diffusers computes.
+
+The output is a video with a soundtrack: memfit's `frames` are its frames (PIL), as `LTX2Pipeline(...).frames[0]`
+with output_type="pil", and `audio` the vocoder's waveform (channels x samples, `.audio[0]`) at the vocoder's
+output_sampling_rate; an .mp4 carries both (memfit.run.media). `num_frames` (Settings field, default: the
+pipeline's 121) must be 8k+1 and each side a multiple of 32 (check_inputs) and of the VAE's scale times the
+transformer's patch; memfit refuses other counts and sizes. Without --width/--height the video has __call__'s
+default size, 768 x 512, and plays at __call__'s frame_rate, 24.
+
+Guidance: __call__ guides the audio at audio_guidance_scale (7 by default) whatever --guidance is, so every run
+has a negative pass (a negative prompt of "" without --negative-prompt), batched with the positive one as [negative,
+positive]; the default spatio-temporal and modality guidance add two more transformer calls a step (batch 1).
+memfit takes none of the audio or extra guidance scales yet: they are __call__'s defaults.
+
+The denoising loop ends with both latents unpacked (output_type="latent"), denormalized with the VAEs' latents_mean
+and latents_std, which live in the VAEs: the denoise stage, which does not load them, runs the loop with stand-ins
+whose statistics leave the latents as they are (mean 0, std 1, scaling 1), and the decode stage denormalizes with
+the real ones in __call__'s order (the audio's on its packed layout). __init__ reads the VAEs' compression ratios
+and the audio's sample rate and hop length: the denoise stage sets them from the configs. The decode is __call__'s
+post-loop code (decode_timestep and decode_noise_scale at their defaults: the noise for a timestep-conditioned
+decoder is drawn from the run's generator, as plain diffusers draws it). Prompt enhancement, the duration head
+(memfit always passes num_frames) and --lora are not taken yet.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from types import SimpleNamespace
+
+import torch
+
+from memfit.models.families.base import (VAE_DECODE_PARTS, PipelineAdapter, VideoFrames, check_frame_count,
+                                         masked_embeddings, pad_to_length)
+
+# What the pipeline's __call__ uses of a VAE that the denoise stage does not load (see the module docstring).
+_VAE_READS = {"vae": ("scaling_factor",), "audio_vae": ("mel_bins", "latent_channels", "sample_rate", "mel_hop_length")}
+
+
+class LTX2Adapter(PipelineAdapter):
+    class_name = "LTX2Pipeline"
+    encode_components = ("tokenizer", "text_encoder")
+    denoise_components = ("connectors", "transformer", "scheduler")
+    decode_components = ("vae", "audio_vae", "vocoder")
+    text_encoders = ("text_encoder", "tokenizer")
+    unequal_lengths = "pad the shorter embedding on the left with masked zeros (attention mask 0), as Gemma's tokenizer pads"
+    max_text_tokens = 1024  # __call__'s max_sequence_length
+    options = ("num_frames",)
+    frames_per_second = 24  # __call__'s frame_rate: the rotary positions and the audio's length follow it
+    stage_parts = {"decode": {"vae": VAE_DECODE_PARTS, "audio_vae": VAE_DECODE_PARTS}}
+
+    def vae_scale_factor(self) -> int:
+        return self._compression("spatial_compression_ratio", "patch_size", 4)
+
+    def temporal_scale_factor(self) -> int:
+        return self._compression("temporal_compression_ratio", "patch_size_t", 1)
+
+    def _compression(self, stated: str, patch: str, default_patch: int) -> int:
+        """A compression ratio of the video VAE, as AutoencoderKLLTX2Video computes it where its config does not
+        state it: its patch times 2 for each block that scales."""
+        vae = self.configs.get("vae", {})
+        if vae.get(stated) is not None:
+            return int(vae[stated])
+        scaling = vae.get("spatio_temporal_scaling", (True, True, True, True))
+        scaling = scaling if isinstance(scaling, (list, tuple)) else (scaling,) * 4
+        return int(vae.get(patch, default_patch)) * 2 ** sum(bool(flag) for flag in scaling)
+
+    def size_multiple(self) -> int:
+        patch = int(self.configs.get("transformer", {}).get("patch_size", 1))
+        return math.lcm(32, self.vae_scale_factor() * patch)
+
+    def default_size(self) -> int:
+        return self.call_defaults()["height"]  # not square: resolve() takes __call__'s width and height
+
+    def uses_guidance(self, guidance: float) -> bool:
+        # __call__'s audio_guidance_scale (7.0; its `or` falls back to guidance_scale) guides the audio on its own.
+        audio = self.call_defaults().get("audio_guidance_scale") or guidance
+        return guidance > 1 or audio > 1
+
+    def resolve(self, prompt, negative_prompt, steps, guidance, seed, width, height, defaults=None, *,
+                num_frames=None, makes_images: bool = True, **options):
+        call_defaults = self.call_defaults()
+        defaults = defaults or {}
+        width = width if width is not None else defaults.get("width", call_defaults["width"])
+        height = height if height is not None else defaults.get("height", call_defaults["height"])
+        # __call__'s num_frames is None: 121 where the folder has no duration head, which memfit never loads
+        num_frames = num_frames if num_frames is not None else defaults.get("num_frames", 121)
+        settings = super().resolve(prompt, negative_prompt, steps, guidance, seed, width, height, defaults,
+                                   num_frames=num_frames, makes_images=makes_images, **options)
+        check_frame_count(settings.num_frames, self.temporal_scale_factor(), self.class_name)
+        return settings
+
+    def latent_frames(self, settings) -> int:
+        return (settings.num_frames - 1) // self.temporal_scale_factor() + 1
+
+    def call_kwargs(self, settings):
+        return dict(super().call_kwargs(settings), num_frames=settings.num_frames)
+
+    def encode(self, pipe, settings, with_negative):
+        positive, positive_mask, negative, negative_mask = pipe.encode_prompt(
+            prompt=settings.prompt,
+            negative_prompt=settings.negative_prompt,
+            do_classifier_free_guidance=with_negative,
+            num_videos_per_prompt=1,
+            max_sequence_length=self.call_defaults()["max_sequence_length"],
+            device=pipe._execution_device,
+        )
+        return masked_embeddings(positive, positive_mask, negative, negative_mask, with_negative)
+
+    def fit_lengths(self, pipe, embeddings, lengths):
+        # Gemma's tokenizer pads on the left (the connectors read the mask that way): so does memfit.
+        length = max(max(pair) for pair in lengths.values())
+        padded = dict(embeddings)
+        for name in ("prompt_embeds", "prompt_attention_mask", "negative_prompt_embeds", "negative_prompt_attention_mask"):
+            tensor = embeddings[name]
+            padded[name] = pad_to_length(tensor.flip(1), length).flip(1)
+        return padded, contextlib.nullcontext()
+
+    def denoise_call(self, pipe, embeddings, settings, generator, **inputs):
+        pipe.vae_spatial_compression_ratio = self.vae_scale_factor()
+        pipe.vae_temporal_compression_ratio = self.temporal_scale_factor()
+        audio = self.configs.get("audio_vae", {})
+        pipe.audio_sampling_rate = audio.get("sample_rate", 16000)
+        pipe.audio_hop_length = audio.get("mel_hop_length", 160)
+        kwargs = self.embedding_kwargs(embeddings, self.guided(settings))
+        with self._vae_stand_ins(pipe):
+            output = pipe(**kwargs, **self.call_kwargs(settings), **inputs, generator=generator, output_type="latent")
+        return {"latents": output.frames, "audio_latents": output.audio}
+
+    @contextlib.contextmanager
+    def _vae_stand_ins(self, pipe):
+        """While active, the VAEs the denoise stage does not load are stand-ins holding what __call__ reads of them,
+        with statistics that leave the latents unchanged (the decode stage applies the real ones)."""
+        stand_ins = {}
+        for name, keys in _VAE_READS.items():
+            config = self.configs.get(name, {})
+            channels = config.get("latent_channels", 128) if name == "vae" else config.get("base_channels", 128)
+            values = {key: config[key] for key in keys if key in config}
+            if name == "vae":
+                values["scaling_factor"] = 1.0
+            stand_ins[name] = SimpleNamespace(config=SimpleNamespace(**values), latents_mean=torch.zeros(channels),
+                                              latents_std=torch.ones(channels))
+        # object.__setattr__: not registered as the pipeline's components (DiffusionPipeline.__setattr__ would).
+        before = {name: pipe.__dict__.get(name) for name in stand_ins}
+        for name, stand_in in stand_ins.items():
+            object.__setattr__(pipe, name, stand_in)
+        try:
+            yield
+        finally:
+            for name, value in before.items():
+                object.__setattr__(pipe, name, value)
+
+    def decode(self, pipe, latents, settings, generator):
+        # Copied from LTX2Pipeline.__call__ after its denoising loop (output_type="pil", decode_timestep and
+        # decode_noise_scale at their defaults), with the denormalizations the denoise stage's stand-ins left out.
+        # Its casts to the prompt embeddings' dtype are the VAEs': memfit runs every component in one dtype.
+        from diffusers.utils.torch_utils import get_module_execution_device, randn_tensor
+
+        vae = pipe.vae
+        device = get_module_execution_device(vae)
+        video = latents["latents"].to(device, vae.dtype)
+        timestep = None
+        if vae.config.timestep_conditioning:
+            noise = randn_tensor(video.shape, generator=generator, device=device, dtype=video.dtype)
+            timestep = torch.tensor([0.0], device=device, dtype=video.dtype)  # decode_timestep
+            noise_scale = torch.tensor([0.0], device=device, dtype=video.dtype)[:, None, None, None, None]
+            video = (1 - noise_scale) * video + noise_scale * noise
+        video = pipe._denormalize_latents(video, vae.latents_mean, vae.latents_std, vae.config.scaling_factor)
+        video = vae.decode(video.to(vae.dtype), timestep, return_dict=False)[0]
+        frames = pipe.video_processor.postprocess_video(video, output_type="pil")[0]
+
+        audio_vae = pipe.audio_vae
+        audio = latents["audio_latents"].to(get_module_execution_device(audio_vae))
+        mel_bins = audio.shape[-1]
+        packed = pipe._denormalize_audio_latents(pipe._pack_audio_latents(audio), audio_vae.latents_mean,
+                                                 audio_vae.latents_std)
+        audio = pipe._unpack_audio_latents(packed, audio.shape[2], num_mel_bins=mel_bins).to(audio_vae.dtype)
+        spectrograms = audio_vae.decode(audio, return_dict=False)[0]
+        waveform = pipe.vocoder(spectrograms.to(get_module_execution_device(pipe.vocoder)))
+        return VideoFrames(frames, audio=waveform[0].float().cpu(),
+                           sample_rate=int(pipe.vocoder.config.output_sampling_rate))
