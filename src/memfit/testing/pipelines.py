@@ -648,7 +648,7 @@ def _ltx2(scale: int, text_layers: int):
     connectors = LTX2TextConnectors(caption_channels=text_hidden, text_proj_in_factor=text_layers + 1,
                                     **{f"{stream}_connector_{key}": value for stream in ("video", "audio")
                                        for key, value in connector.items()})
-    latent_channels, audio_channels, mel_bins = 4, 4, 16
+    latent_channels, audio_channels, mel_bins = 4, 2, 16
     transformer = LTX2VideoTransformer3DModel(
         in_channels=latent_channels, out_channels=latent_channels, num_attention_heads=2 * scale, attention_head_dim=8,
         cross_attention_dim=16 * scale, audio_in_channels=audio_channels * mel_bins // 4, audio_out_channels=None,
