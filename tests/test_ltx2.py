@@ -1,0 +1,148 @@
+"""LTX-2 (LTX2Pipeline), video with audio. The staged video and its soundtrack equal plain diffusers' bit for bit
+(tests/test_families.py, with and without streaming; the parity oracle compares the waveform too); here: its Gemma-3
+embeddings through memfit encode and --embeddings (a shorter negative padded on the left with masked zeros), the
+soundtrack in the files memfit generate --out writes (AAC in an .mp4, a WAV beside a .gif), the frame, size and
+guidance rules, and the plan of its six weighted components."""
+
+from __future__ import annotations
+
+import json
+import wave
+
+import numpy as np
+import pytest
+
+import memfit
+from memfit.cli.app import main
+from memfit.errors import MemfitError
+from memfit.models.folder import ModelFolder
+from memfit.run.embeddings import Embeddings
+from memfit.testing import diffusers_output, max_pixel_difference
+
+PROMPT = "a red house near the sea"
+NEGATIVE = "blurry"
+VIDEO = dict(steps=2, guidance=3.0, seed=7, width=32, height=32, frames=9)
+NAMES = {f"{prefix}prompt_{part}" for prefix in ("", "negative_") for part in ("embeds", "attention_mask")}
+
+
+@pytest.fixture
+def model(tiny_models):
+    return tiny_models("ltx2")
+
+
+@pytest.fixture(scope="module")
+def clip(tiny_models):
+    """One LTX-2 video through the API, and the CLI's arguments for the same video."""
+    model = tiny_models("ltx2")
+    result = memfit.generate(PROMPT, model=model, negative_prompt=NEGATIVE, progress=False, **VIDEO)
+    args = ["generate", "--model", model, "--prompt", PROMPT, "--negative-prompt", NEGATIVE, "--steps", "2",
+            "--guidance", "3", "--seed", "7", "--width", "32", "--height", "32", "--frames", "9", "--quiet"]
+    return result, args
+
+
+def _same_soundtrack(ours, reference) -> bool:
+    return ours.audio_sample_rate == reference.sample_rate and bool((ours.audio == reference.audio).all())
+
+
+def test_encode_then_embeddings_equals_plain_diffusers(model, tmp_path):
+    """`memfit encode` writes Gemma-3's stacked hidden states and masks, left-padded to the pipeline's 1024 tokens;
+    generating from the file (no encode stage) makes plain diffusers' video and soundtrack; a negative cut to its
+    words' tokens goes through padded on the left with masked zeros and makes the same ones (the connectors put
+    their learned registers where the mask is 0, whatever the padding held)."""
+    path = tmp_path / "prompt.safetensors"
+    assert main(["encode", "--model", model, "--prompt", PROMPT, "--negative-prompt", NEGATIVE, "--out", str(path),
+                 "--quiet"]) == 0
+    tensors = Embeddings.load(path).tensors
+    assert set(tensors) == NAMES
+    config = ModelFolder.open(model).configs["text_encoder"]["text_config"]
+    assert tensors["prompt_embeds"].shape == (1, 1024, config["hidden_size"] * (config["num_hidden_layers"] + 1))
+    words = int(tensors["negative_prompt_attention_mask"].sum())
+    assert 0 < words < 8 and tensors["negative_prompt_attention_mask"][0, -words:].all()  # Gemma pads on the left
+    ours = memfit.generate(model=model, embeddings=path, progress=False, **VIDEO)
+    assert [stage.stage for stage in ours.report.stages] == ["denoise", "decode"]
+    assert ours.settings.prompt == PROMPT and ours.settings.negative_prompt == NEGATIVE
+    reference = diffusers_output(model, ours.settings)
+    assert len(ours.frames) == 9 and max_pixel_difference(ours.frames, reference) == 0
+    assert _same_soundtrack(ours, reference)
+
+    cut = dict(tensors)
+    for name in ("prompt_embeds", "prompt_attention_mask"):
+        cut[f"negative_{name}"] = tensors[f"negative_{name}"][:, -words:]
+    shorter = Embeddings(cut, "LTX2Pipeline", ModelFolder.open(model).text_fingerprint, PROMPT, NEGATIVE)
+    cut_run = memfit.generate(model=model, embeddings=shorter, progress=False, **VIDEO)
+    assert any(f"1024 (positive) and {words} (negative)" in note for note in cut_run.report.notes)
+    assert max_pixel_difference(cut_run.frames, ours.frames) == 0 and bool((cut_run.audio == ours.audio).all())
+
+
+def test_the_soundtrack_is_the_videos_length(clip):
+    result, _ = clip
+    assert result.frames_per_second == 24 and result.audio_sample_rate == 8000  # the tiny vocoder's rate
+    channels, samples = result.audio.shape
+    assert channels == 2 and abs(samples / 8000 - 9 / 24) < 0.05  # 9 frames at 24 a second
+    assert 0 < float(result.audio.abs().max()) <= 1
+
+
+def test_mp4_carries_the_soundtrack(clip, tmp_path):
+    av = pytest.importorskip("av")
+    result, args = clip
+    out = tmp_path / "clip.mp4"
+    assert main([*args, "--out", str(out)]) == 0
+    with av.open(str(out)) as container:
+        video, audio = container.streams.video[0], container.streams.audio[0]
+        assert json.loads(container.metadata["comment"])["num_frames"] == "9"
+        assert (audio.codec_context.name, audio.rate, audio.channels) == ("aac", 8000, 2)
+        assert abs(float(audio.duration * audio.time_base) - result.audio.shape[1] / 8000) < 1e-3
+        assert len(list(container.decode(video))) == 9
+        container.seek(0)
+        heard = np.concatenate([frame.to_ndarray() for frame in container.decode(audio)], axis=1)
+    # AAC is lossy and starts with its encoder's priming samples: the same tone, not the same samples.
+    assert heard.shape[0] == 2 and heard.shape[1] >= result.audio.shape[1]
+    assert abs(float(np.sqrt((heard ** 2).mean())) - float(result.audio.pow(2).mean().sqrt())) < 0.05
+
+
+def test_gif_writes_the_soundtrack_beside_it(clip, tmp_path):
+    result, args = clip
+    out = tmp_path / "clip.gif"
+    assert main([*args, "--out", str(out)]) == 0
+    with wave.open(str(tmp_path / "clip.wav")) as sound:
+        assert (sound.getnchannels(), sound.getframerate(), sound.getnframes()) == (2, 8000, result.audio.shape[1])
+        samples = np.frombuffer(sound.readframes(sound.getnframes()), dtype="<i2").reshape(-1, 2).T
+    assert np.abs(samples / 32767 - result.audio.numpy()).max() < 1 / 32767
+
+
+def test_a_silent_video_writes_no_soundtrack(tiny_models, tmp_path):
+    av = pytest.importorskip("av")
+    out = tmp_path / "clip.mp4"
+    assert main(["generate", "--model", tiny_models("ltx"), "--prompt", PROMPT, "--steps", "1", "--width", "32",
+                 "--height", "32", "--frames", "5", "--quiet", "--out", str(out)]) == 0
+    with av.open(str(out)) as container:
+        assert not container.streams.audio
+    assert not (tmp_path / "clip.wav").exists()
+
+
+def test_frames_sizes_and_guidance(model):
+    """__call__'s defaults (768x512, 121 frames); the real VAE's 32x and 8x in time; frames 8k+1 there, 4k+1 in the
+    tiny one; the audio's own guidance (7) makes every run guided, --guidance 1 too."""
+    adapter = ModelFolder.open(model).adapter
+    settings = adapter.resolve(PROMPT, None, None, None, 0, None, None)
+    assert (settings.width, settings.height, settings.num_frames, settings.guidance) == (768, 512, 121, 3.0)
+    assert adapter.guided(adapter.resolve(PROMPT, None, 2, 1.0, 0, 32, 32, num_frames=9))
+    with pytest.raises(MemfitError, match=r"num_frames 6 is not a multiple of 4 plus 1, which LTX2Pipeline needs; "
+                                          r"use 5 or 9\."):
+        memfit.generate(PROMPT, model=model, progress=False, **dict(VIDEO, frames=6))
+    with pytest.raises(MemfitError, match=r"The width 48 is not a positive multiple of 32"):
+        memfit.generate(PROMPT, model=model, progress=False, **dict(VIDEO, width=48))
+    adapter.configs["vae"].update(patch_size=4, spatio_temporal_scaling=[True, True, True, True])
+    assert (adapter.vae_scale_factor(), adapter.temporal_scale_factor(), adapter.size_multiple()) == (64, 16, 64)
+    adapter.configs["vae"].update(spatial_compression_ratio=32, temporal_compression_ratio=8)  # the real one states them
+    assert (adapter.vae_scale_factor(), adapter.temporal_scale_factor(), adapter.latent_frames(settings)) == (32, 8, 16)
+
+
+def test_plan_places_each_stage(model, capsys):
+    """memfit plan --model plans Gemma-3 alone, the connectors with the transformer, and the three decoders, from
+    the configs (the connectors and the vocoder are classes of diffusers' ltx2 pipeline package)."""
+    assert main(["plan", "--model", model, "--budget", "8GiB", "--json"]) == 0
+    stages = {stage["name"]: stage for stage in json.loads(capsys.readouterr().out)["plan"]["stages"]}
+    assert {name: {p["component"] for p in stage["placements"]} for name, stage in stages.items()} == {
+        "encode": {"text_encoder"}, "denoise": {"connectors", "transformer"},
+        "decode": {"vae", "audio_vae", "vocoder"}}
