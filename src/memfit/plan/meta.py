@@ -346,7 +346,7 @@ _PACKED_PATCH = {"FluxTransformer2DModel": 2}
 
 # Video VAEs whose decoder runs every frame at once (no frame-by-frame cache, no tiling unless asked): the
 # widest activation is the whole video at full resolution, times its last up block's channels.
-WHOLE_VIDEO_DECODERS = ("AutoencoderKLHunyuanVideo15", "AutoencoderKLLTXVideo")
+WHOLE_VIDEO_DECODERS = ("AutoencoderKLHunyuanVideo15", "AutoencoderKLLTXVideo", "AutoencoderKLLTX2Video")
 
 
 def activation_estimate(
@@ -438,7 +438,7 @@ def _vae_decoder_elems(config, *, width, height, frames=1, class_name="", **_):
     channels = config.get("block_out_channels") or (config.get("base_dim", 128),)
     if frames == 1:
         return width * height * channels[0]
-    if class_name == "AutoencoderKLLTXVideo":
+    if class_name in ("AutoencoderKLLTXVideo", "AutoencoderKLLTX2Video"):  # LTX-2's decoder is LTX-Video's design
         return _ltx_decoder_elems(config, width=width, height=height, frames=frames)
     temporal = int(config.get("scale_factor_temporal") or config.get("temporal_compression_ratio") or 4)
     video_frames = (frames - 1) * temporal + 1
@@ -450,7 +450,7 @@ def _vae_decoder_elems(config, *, width, height, frames=1, class_name="", **_):
 
 
 def _ltx_decoder_elems(config, *, width, height, frames):
-    """LTX-Video's VAE decodes every frame at once; its last up block runs at 1/patch_size of each side (the decoder
+    """LTX-Video's VAE (and LTX-2's) decodes every frame at once; its last up block runs at 1/patch_size of each side (the decoder
     unpatchifies its output), so its widest activation is that block's channels over patch_size**2 per output pixel."""
     scaling = config.get("spatio_temporal_scaling", (True, True, True, False))
     temporal = int(config.get("temporal_compression_ratio")
@@ -462,6 +462,7 @@ def _ltx_decoder_elems(config, *, width, height, frames):
 
 
 def _text_encoder_elems(config, *, text_tokens, **_):
+    config = config.get("text_config") or config  # a multimodal model's language model (Gemma-3's)
     hidden = config.get("hidden_size") or config.get("d_model", 768)
     inner = config.get("intermediate_size") or config.get("d_ff") or 4 * hidden
     return text_tokens * max(hidden, inner)

@@ -247,6 +247,12 @@ class PipelineAdapter:
         prompt's (max_text_tokens) and, in a family that conditions on an input image, that image's."""
         return self.max_text_tokens
 
+    def kept_text_elements(self, guided: bool) -> int:
+        """Elements a prompt token's encoding keeps in memory beside the text encoder's own activations, for the
+        encode stage's estimate: what the pipeline's encode holds at its peak of the hidden states it returns (a
+        family that stacks every layer's, LTX-2). Here: none worth counting."""
+        return 0
+
     def latent_frames(self, settings: Settings) -> int:
         """The latent frames the denoiser sees at once (video pipelines); for activation estimates."""
         return 1

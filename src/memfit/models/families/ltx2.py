@@ -106,6 +106,14 @@ class LTX2Adapter(PipelineAdapter):
     def call_kwargs(self, settings):
         return dict(super().call_kwargs(settings), num_frames=settings.num_frames)
 
+    def kept_text_elements(self, guided: bool) -> int:
+        # Every layer's hidden states (output_hidden_states), then their stacked copy; under guidance the first
+        # prompt's stacked embeddings stay while the second encodes.
+        config = self.configs.get("text_encoder", {})
+        text = config.get("text_config") or config
+        per_copy = (int(text.get("num_hidden_layers", 48)) + 1) * int(text.get("hidden_size", 3840))
+        return per_copy * (3 if guided else 2)
+
     def encode(self, pipe, settings, with_negative):
         positive, positive_mask, negative, negative_mask = pipe.encode_prompt(
             prompt=settings.prompt,
