@@ -67,7 +67,7 @@ class Strategy:
 
 def stage_strategies(adapter, stage: str, settings, guided: bool, dtype: str) -> list[Strategy]:
     """The strategies of ``stage`` for this family (its adapter) and request, the pipeline's own first."""
-    from memfit.plan.meta import activation_estimate, dtype_bytes
+    from memfit.plan.meta import activation_estimate
 
     configs = adapter.configs
     size = dict(width=settings.width, height=settings.height, vae_scale=adapter.vae_scale_factor(),
@@ -77,7 +77,8 @@ def stage_strategies(adapter, stage: str, settings, guided: bool, dtype: str) ->
         batch = 2 if guided else 1
         peak = max((activation_estimate("text_encoder", configs[name], batch=batch, text_tokens=adapter.max_text_tokens,
                                         dtype=dtype, **size) for name in encoders), default=0)
-        kept = adapter.kept_text_elements(guided) * adapter.max_text_tokens * dtype_bytes(dtype)
+        kept = activation_estimate("text_output", {"elements_per_token": adapter.kept_text_elements(guided)},
+                                   text_tokens=adapter.max_text_tokens, dtype=dtype, **size)
         return [Strategy(StrategyKind.PLAIN, peak + kept)]
     if stage == "denoise":
         denoiser = adapter.denoiser

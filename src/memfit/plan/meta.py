@@ -327,6 +327,8 @@ ACTIVATION_FACTORS = {
     "vae_decoder": 7.42,
     "vae_decoder_banded": 2.14,
     "text_encoder": 6.84,
+    # What a family's encode keeps of the text encoder's outputs (PipelineAdapter.kept_text_elements): counted, not fitted.
+    "text_output": 1.0,
 }
 
 # Workspace that does not scale with the feature maps (kernels' scratch buffers, attention blocks).
@@ -337,6 +339,7 @@ ACTIVATION_OFFSETS = {
     "vae_decoder": 22 * 2**20,
     "vae_decoder_banded": 210 * 2**20,
     "text_encoder": 0,
+    "text_output": 0,
 }
 
 # Flux packs 2x2 latent patches into 64 channels outside the model, so its config says
@@ -405,6 +408,7 @@ def activation_elements(kind: str, config: Mapping[str, Any], *, width: int, hei
         "vae_decoder": _vae_decoder_elems,
         "vae_decoder_banded": _vae_decoder_elems,
         "text_encoder": _text_encoder_elems,
+        "text_output": _text_output_elems,
     }[kind](config, width=width, height=height, vae_scale=vae_scale, text_tokens=text_tokens, class_name=class_name,
              frames=frames)
 
@@ -459,6 +463,10 @@ def _ltx_decoder_elems(config, *, width, height, frames):
     patch = int(config.get("patch_size", 4))
     video_frames = (frames - 1) * temporal + 1
     return width * height * video_frames * (channels / patch**2 + 3)
+
+
+def _text_output_elems(config, *, text_tokens, **_):
+    return config["elements_per_token"] * text_tokens
 
 
 def _text_encoder_elems(config, *, text_tokens, **_):

@@ -43,8 +43,9 @@ import torch
 from memfit.models.families.base import (VAE_DECODE_PARTS, PipelineAdapter, VideoFrames, check_frame_count,
                                          masked_embeddings, pad_to_length)
 
-# What the pipeline's __call__ uses of a VAE that the denoise stage does not load (see the module docstring).
-_VAE_READS = {"vae": ("scaling_factor",), "audio_vae": ("mel_bins", "latent_channels", "sample_rate", "mel_hop_length")}
+# What the pipeline's __call__ reads of a VAE that the denoise stage does not load (see the module docstring).
+# With the classes' defaults, for a config that leaves one out.
+_VAE_READS = {"vae": {"scaling_factor": 1.0}, "audio_vae": {"mel_bins": 64, "latent_channels": 8}}
 
 
 class LTX2Adapter(PipelineAdapter):
@@ -135,38 +136,44 @@ class LTX2Adapter(PipelineAdapter):
         return padded, contextlib.nullcontext()
 
     def denoise_call(self, pipe, embeddings, settings, generator, **inputs):
-        pipe.vae_spatial_compression_ratio = self.vae_scale_factor()
-        pipe.vae_temporal_compression_ratio = self.temporal_scale_factor()
-        audio = self.configs.get("audio_vae", {})
-        pipe.audio_sampling_rate = audio.get("sample_rate", 16000)
-        pipe.audio_hop_length = audio.get("mel_hop_length", 160)
+        if pipe.vae is None:  # what __init__ reads from the VAEs it does not have in this stage
+            pipe.vae_spatial_compression_ratio = self.vae_scale_factor()
+            pipe.vae_temporal_compression_ratio = self.temporal_scale_factor()
+        if pipe.audio_vae is None:
+            audio = self.configs.get("audio_vae", {})
+            pipe.audio_sampling_rate = audio.get("sample_rate", 16000)
+            pipe.audio_hop_length = audio.get("mel_hop_length", 160)
         kwargs = self.embedding_kwargs(embeddings, self.guided(settings))
-        with self._vae_stand_ins(pipe):
+        with self._latents_left_normalized(pipe):
             output = pipe(**kwargs, **self.call_kwargs(settings), **inputs, generator=generator, output_type="latent")
         return {"latents": output.frames, "audio_latents": output.audio}
 
     @contextlib.contextmanager
-    def _vae_stand_ins(self, pipe):
-        """While active, the VAEs the denoise stage does not load are stand-ins holding what __call__ reads of them,
-        with statistics that leave the latents unchanged (the decode stage applies the real ones)."""
+    def _latents_left_normalized(self, pipe):
+        """While active, __call__'s post-loop denormalizations leave the latents as they are (the decode stage runs
+        them with the VAEs' statistics, in __call__'s order), and a VAE the stage does not load is a stand-in holding
+        what __call__ reads of it. The image task's VAE is loaded: its encoder normalizes the image's latents."""
         stand_ins = {}
-        for name, keys in _VAE_READS.items():
+        for name, defaults in _VAE_READS.items():
+            if getattr(pipe, name, None) is not None:
+                continue
             config = self.configs.get(name, {})
             channels = config.get("latent_channels", 128) if name == "vae" else config.get("base_channels", 128)
-            values = {key: config[key] for key in keys if key in config}
-            if name == "vae":
-                values["scaling_factor"] = 1.0
-            stand_ins[name] = SimpleNamespace(config=SimpleNamespace(**values), latents_mean=torch.zeros(channels),
-                                              latents_std=torch.ones(channels))
-        # object.__setattr__: not registered as the pipeline's components (DiffusionPipeline.__setattr__ would).
-        before = {name: pipe.__dict__.get(name) for name in stand_ins}
-        for name, stand_in in stand_ins.items():
-            object.__setattr__(pipe, name, stand_in)
+            stand_ins[name] = SimpleNamespace(config=SimpleNamespace(**{key: config.get(key, value) for key, value in defaults.items()}),
+                                              latents_mean=torch.zeros(channels), latents_std=torch.ones(channels))
+        unchanged = {"_denormalize_latents": lambda latents, *statistics, **scaling: latents,
+                     "_denormalize_audio_latents": lambda latents, *statistics: latents}
+        # object.__setattr__: neither registered as the pipeline's components (DiffusionPipeline.__setattr__ would)
+        # nor left behind: the instance attributes go, the class's methods and the None components come back.
+        for name, value in {**stand_ins, **unchanged}.items():
+            object.__setattr__(pipe, name, value)
         try:
             yield
         finally:
-            for name, value in before.items():
-                object.__setattr__(pipe, name, value)
+            for name in unchanged:
+                object.__delattr__(pipe, name)
+            for name in stand_ins:
+                object.__setattr__(pipe, name, None)
 
     def decode(self, pipe, latents, settings, generator):
         # Copied from LTX2Pipeline.__call__ after its denoising loop (output_type="pil", decode_timestep and
