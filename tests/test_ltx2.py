@@ -2,22 +2,30 @@
 (tests/test_families.py, with and without streaming; the parity oracle compares the waveform too); here: its Gemma-3
 embeddings through memfit encode and --embeddings (a shorter negative padded on the left with masked zeros), the
 soundtrack in the files memfit generate --out writes (AAC in an .mp4, a WAV beside a .gif), the frame, size and
-guidance rules, and the plan of its six weighted components."""
+guidance rules, and the plan of its six weighted components; and image to video, the same folder run as
+LTX2ImageToVideoPipeline for --image (and a folder saved as that class), equal to plain diffusers with and without
+streaming."""
 
 from __future__ import annotations
 
 import json
 import wave
 
+import diffusers
 import numpy as np
 import pytest
+import torch
+from diffusers.pipelines.ltx2.utils import resolve_default_image_crf
 
 import memfit
+from conftest import smallest_budget
 from memfit.cli.app import main
 from memfit.errors import MemfitError
+from memfit.models.families.base import Conditioning
 from memfit.models.folder import ModelFolder
 from memfit.run.embeddings import Embeddings
-from memfit.testing import diffusers_output, max_pixel_difference
+from memfit.testing import assert_matches_diffusers, diffusers_output, max_pixel_difference
+from memfit.testing.conditioning import test_image as picture
 
 PROMPT = "a red house near the sea"
 NEGATIVE = "blurry"
@@ -146,3 +154,61 @@ def test_plan_places_each_stage(model, capsys):
     assert {name: {p["component"] for p in stage["placements"]} for name, stage in stages.items()} == {
         "encode": {"text_encoder"}, "denoise": {"connectors", "transformer"},
         "decode": {"vae", "audio_vae", "vocoder"}}
+
+
+# ---- image to video (LTX2ImageToVideoPipeline) ---------------------------------------------------------------------
+
+IMAGE = picture(32, seed=1)
+I2V = dict(prompt=PROMPT, negative_prompt=NEGATIVE, steps=2, guidance=3.0, seed=7, num_frames=9, width=32, height=32,
+           image=IMAGE)
+
+
+def _plain_image_to_video(model, settings, image):
+    """Plain diffusers' video and soundtrack: the folder loaded as LTX2ImageToVideoPipeline, as diffusers' example does
+    (its image CRF is the one it would read from its text encoder: the adapter's call_kwargs pass it)."""
+    pipe = diffusers.LTX2ImageToVideoPipeline.from_pretrained(model)
+    pipe.set_progress_bar_config(disable=True)
+    output = pipe(prompt=settings.prompt, image=image, negative_prompt=settings.negative_prompt,
+                  **ModelFolder.open(model).adapter.call_kwargs(settings),
+                  generator=torch.Generator().manual_seed(settings.seed), output_type="pil")
+    assert pipe.text_encoder is not None and ModelFolder.open(model).adapter.image_crf() == \
+        resolve_default_image_crf(pipe.text_encoder)
+    return list(output.frames[0]), output.audio[0]
+
+
+def test_image_to_video_equals_plain_diffusers(model):
+    ours = memfit.generate(model=model, progress=False, **I2V)
+    assert [stage.stage for stage in ours.report.stages] == ["encode", "denoise", "decode"]
+    assert ours.settings.task == "img2img" and len(ours.frames) == 9
+    frames, audio = _plain_image_to_video(model, ours.settings, IMAGE)
+    assert max_pixel_difference(ours.frames, frames) == 0 and bool((ours.audio == audio).all())
+    other = memfit.generate(model=model, progress=False, **dict(I2V, image=picture(32, seed=2)))
+    assert max_pixel_difference(ours.frames, other.frames) > 0
+
+
+def test_image_to_video_streams_and_plans_the_vaes_encoder(model, streamed_plans, tmp_path, monkeypatch):
+    budget = smallest_budget(model=model, **dict(I2V, steps=1))
+    streamed_plans.clear()
+    monkeypatch.setenv("MEMFIT_CACHE_DIR", str(tmp_path / "cache"))
+    ours = memfit.generate(model=model, progress=False, budget=budget, **I2V)
+    stages = {plan.stages[0].name: plan.stages[0] for plan in streamed_plans}
+    assert stages["denoise"].streamed_from_disk_bytes > 0
+    assert {placement.component for placement in stages["denoise"].placements} == {"connectors", "transformer", "vae"}
+    frames, audio = _plain_image_to_video(model, ours.settings, IMAGE)
+    assert max_pixel_difference(ours.frames, frames) == 0 and bool((ours.audio == audio).all())
+
+
+def test_image_to_video_size_is_the_images_aspect(model):
+    """Without --width/--height: the image's aspect ratio at the area of 768x512, each side a multiple of 32."""
+    adapter = ModelFolder.open(model).adapter
+    wide = Conditioning(image=IMAGE.resize((96, 48)))
+    settings = adapter.resolve(PROMPT, None, 2, None, 0, None, None, conditioning=wide, num_frames=9)
+    assert (settings.width, settings.height) == (864, 416)
+
+
+def test_a_folder_saved_as_the_image_to_video_class(tiny_models):
+    model = tiny_models("ltx2_i2v")
+    ours, _ = assert_matches_diffusers(model, atol=0, **I2V)  # the oracle compares the soundtrack too
+    assert ours.settings.task == "img2img" and ours.metadata["pipeline"] == "LTX2ImageToVideoPipeline"
+    with pytest.raises(MemfitError, match=r"makes a video from an image: pass --image IMG"):
+        memfit.generate(model=model, progress=False, **dict(I2V, image=None))

@@ -622,12 +622,13 @@ def _ltx_i2v(scale: int, text_layers: int):
     return _ltx(scale, text_layers, image_to_video=True)
 
 
-def _ltx2(scale: int, text_layers: int):
+def _ltx2(scale: int, text_layers: int, *, image_to_video: bool = False):
     """LTX-2: a tiny Gemma-3 (with its vision tower, as Gemma3ForConditionalGeneration has), one-block text
     connectors, a two-block audio-video transformer, an 8x (4x in time) video VAE that patchifies (2x2 pixels; the
-    real one's 4x4, 32x and 8x in time), an audio VAE of 16 mel bins and a vocoder that makes 8 kHz stereo."""
+    real one's 4x4, 32x and 8x in time), an audio VAE of 16 mel bins and a vocoder that makes 8 kHz stereo.
+    ``image_to_video``: LTX2ImageToVideoPipeline's, the same components."""
     from diffusers import (AutoencoderKLLTX2Audio, AutoencoderKLLTX2Video, FlowMatchEulerDiscreteScheduler,
-                           LTX2Pipeline, LTX2VideoTransformer3DModel)
+                           LTX2ImageToVideoPipeline, LTX2Pipeline, LTX2VideoTransformer3DModel)
     from diffusers.pipelines.ltx2.connectors import LTX2TextConnectors
     from diffusers.pipelines.ltx2.vocoder import LTX2Vocoder
     from transformers import Gemma3Config, Gemma3ForConditionalGeneration
@@ -659,6 +660,8 @@ def _ltx2(scale: int, text_layers: int):
         latent_channels=latent_channels, block_out_channels=(width,) * 4, decoder_block_out_channels=(width,) * 3,
         layers_per_block=(1,) * 5, decoder_layers_per_block=(1,) * 4,
         spatio_temporal_scaling=(True, True, False, False), decoder_spatio_temporal_scaling=(True, True, False),
+        # the encoder's two scaling blocks scale time and space alike, as the ratios the class states assume
+        downsample_type=("spatiotemporal", "spatiotemporal", "spatial", "spatial"),
         decoder_inject_noise=(False,) * 4, upsample_residual=(False,) * 3, upsample_factor=(1,) * 3,
         timestep_conditioning=True, patch_size=2, patch_size_t=1, scaling_factor=0.75)
     # The VAEs' latents_mean/latents_std are weights (buffers); the real ones are not zeros and ones either.
@@ -673,12 +676,16 @@ def _ltx2(scale: int, text_layers: int):
     vocoder = LTX2Vocoder(in_channels=2 * mel_bins, hidden_channels=16, out_channels=2, upsample_kernel_sizes=[20, 16],
                           upsample_factors=[10, 8], resnet_kernel_sizes=[3], resnet_dilations=[[1]],
                           output_sampling_rate=8000)
-    return LTX2Pipeline(
+    return (LTX2ImageToVideoPipeline if image_to_video else LTX2Pipeline)(
         scheduler=FlowMatchEulerDiscreteScheduler(shift=1.0, use_dynamic_shifting=True, base_image_seq_len=16,
                                                   max_image_seq_len=256, base_shift=0.95, max_shift=2.05),
         vae=vae, audio_vae=audio_vae, text_encoder=text_encoder, tokenizer=tokenizer, connectors=connectors,
         transformer=transformer, vocoder=vocoder,
     )
+
+
+def _ltx2_i2v(scale: int, text_layers: int):
+    return _ltx2(scale, text_layers, image_to_video=True)
 
 
 def _wan(scale: int, text_layers: int, boundary_ratio: float | None = None, ffn_dim: int | None = None, *,
@@ -1160,13 +1167,13 @@ _BUILDERS: dict[str, Callable[[int, int], object]] = {
     "wan22_narrow": _wan22_narrow,
     "wan_i2v": _wan_i2v, "wan22_i2v": _wan22_i2v, "wan22_ti2v": _wan22_ti2v, "chroma": _chroma, "sana": _sana, "pixart_sigma": _pixart_sigma, "aura_flow": _aura_flow, "hidream": _hidream,
     "zimage": _zimage, "flux_kontext": _flux_kontext, "flux2": _flux2, "flux2_klein": _flux2_klein,
-    "sd_pag": _sd_pag, "hunyuan_image": _hunyuan_image, "hunyuan_video15": _hunyuan_video15, "hunyuan_video15_i2v": _hunyuan_video15_i2v, "ltx": _ltx, "ltx_i2v": _ltx_i2v, "ltx2": _ltx2, "sdxl_single_file": _sdxl_single_file, "sd3_single_file": _sd3_single_file, "sd2_single_file": _sd2_single_file,
+    "sd_pag": _sd_pag, "hunyuan_image": _hunyuan_image, "hunyuan_video15": _hunyuan_video15, "hunyuan_video15_i2v": _hunyuan_video15_i2v, "ltx": _ltx, "ltx_i2v": _ltx_i2v, "ltx2": _ltx2, "ltx2_i2v": _ltx2_i2v, "sdxl_single_file": _sdxl_single_file, "sd3_single_file": _sd3_single_file, "sd2_single_file": _sd2_single_file,
 }
 
 # Sizes each tiny architecture accepts (multiples of what its VAE and patching need).
 DEFAULT_SIZE = {"sd": 32, "sdxl": 32, "lumina2": 32, "cogview4": 32, "flux": 32, "flux_schnell": 32, "sd3": 32, "qwenimage": 32, "wan": 32, "wan22": 32, "wan22_narrow": 32, "wan_i2v": 32, "wan22_i2v": 32, "wan22_ti2v": 64, "chroma": 32, "sana": 32, "pixart_sigma": 32, "aura_flow": 32, "hidream": 32,
                 "zimage": 32, "flux_kontext": 32, "flux2": 32, "flux2_klein": 32, "hunyuan_image": 32,
-                "hunyuan_video15": 32, "hunyuan_video15_i2v": 32, "ltx": 32, "ltx_i2v": 32, "ltx2": 32, "qwenimage_edit": 64,
+                "hunyuan_video15": 32, "hunyuan_video15_i2v": 32, "ltx": 32, "ltx_i2v": 32, "ltx2": 32, "ltx2_i2v": 32, "qwenimage_edit": 64,
                 "qwenimage_edit_plus": 64}
 
 

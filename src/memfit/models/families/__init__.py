@@ -17,6 +17,7 @@ from memfit.models.families.hunyuan_video15_i2v import HunyuanVideo15ImageToVide
 from memfit.models.families.ltx import LTXAdapter
 from memfit.models.families.ltx_i2v import LTXImageToVideoAdapter
 from memfit.models.families.ltx2 import LTX2Adapter
+from memfit.models.families.ltx2_i2v import LTX2ImageToVideoAdapter
 from memfit.models.families.pixart_sigma import PixArtSigmaAdapter
 from memfit.models.families.qwenimage import QwenImageAdapter
 from memfit.models.families.qwenimage_edit import QwenImageEditAdapter, QwenImageEditPlusAdapter
@@ -62,6 +63,7 @@ ADAPTERS: dict[str, type[PipelineAdapter]] = {
         LTXAdapter,
         LTXImageToVideoAdapter,
         LTX2Adapter,
+        LTX2ImageToVideoAdapter,
     )
 }
 

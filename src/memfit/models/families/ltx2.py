@@ -40,8 +40,8 @@ from types import SimpleNamespace
 
 import torch
 
-from memfit.models.families.base import (VAE_DECODE_PARTS, PipelineAdapter, VideoFrames, check_frame_count,
-                                         masked_embeddings, pad_to_length)
+from memfit.models.families.base import (IMG2IMG, VAE_DECODE_PARTS, PipelineAdapter, VideoFrames,
+                                         check_frame_count, masked_embeddings, pad_to_length)
 
 # What the pipeline's __call__ reads of a VAE that the denoise stage does not load (see the module docstring).
 # With the classes' defaults, for a config that leaves one out.
@@ -58,7 +58,9 @@ class LTX2Adapter(PipelineAdapter):
     max_text_tokens = 1024  # __call__'s max_sequence_length
     options = ("num_frames",)
     frames_per_second = 24  # __call__'s frame_rate: the rotary positions and the audio's length follow it
-    stage_parts = {"decode": {"vae": VAE_DECODE_PARTS, "audio_vae": VAE_DECODE_PARTS}}
+    stage_parts = {"decode": {"vae": VAE_DECODE_PARTS, "audio_vae": VAE_DECODE_PARTS},
+                   "denoise": {"vae": ("encoder", "rest")}}
+    tasks = {IMG2IMG: "LTX2ImageToVideoPipeline"}
 
     def vae_scale_factor(self) -> int:
         return self._compression("spatial_compression_ratio", "patch_size", 4)
@@ -83,21 +85,31 @@ class LTX2Adapter(PipelineAdapter):
     def default_size(self) -> int:
         return self.call_defaults()["height"]  # not square: resolve() takes __call__'s width and height
 
+    def drawn_size(self, image, task):
+        """(width, height) for an input image without --width/--height: its aspect ratio at __call__'s default area."""
+        call_defaults = self.call_defaults()
+        area, step = call_defaults["width"] * call_defaults["height"], self.size_multiple()
+        aspect = image.height / image.width
+        return (max(step, round(math.sqrt(area / aspect)) // step * step),
+                max(step, round(math.sqrt(area * aspect)) // step * step))
+
     def uses_guidance(self, guidance: float) -> bool:
         # __call__'s audio_guidance_scale (7.0; its `or` falls back to guidance_scale) guides the audio on its own.
         audio = self.call_defaults().get("audio_guidance_scale") or guidance
         return guidance > 1 or audio > 1
 
     def resolve(self, prompt, negative_prompt, steps, guidance, seed, width, height, defaults=None, *,
-                num_frames=None, makes_images: bool = True, **options):
+                num_frames=None, conditioning=None, makes_images: bool = True, **options):
         call_defaults = self.call_defaults()
         defaults = defaults or {}
-        width = width if width is not None else defaults.get("width", call_defaults["width"])
-        height = height if height is not None else defaults.get("height", call_defaults["height"])
+        if conditioning is None or conditioning.image is None:  # with an image, the image's size (drawn_size)
+            width = width if width is not None else defaults.get("width", call_defaults["width"])
+            height = height if height is not None else defaults.get("height", call_defaults["height"])
         # __call__'s num_frames is None: 121 where the folder has no duration head, which memfit never loads
         num_frames = num_frames if num_frames is not None else defaults.get("num_frames", 121)
         settings = super().resolve(prompt, negative_prompt, steps, guidance, seed, width, height, defaults,
-                                   num_frames=num_frames, makes_images=makes_images, **options)
+                                   num_frames=num_frames, conditioning=conditioning, makes_images=makes_images,
+                                   **options)
         check_frame_count(settings.num_frames, self.temporal_scale_factor(), self.class_name)
         return settings
 
@@ -105,7 +117,18 @@ class LTX2Adapter(PipelineAdapter):
         return (settings.num_frames - 1) // self.temporal_scale_factor() + 1
 
     def call_kwargs(self, settings):
-        return dict(super().call_kwargs(settings), num_frames=settings.num_frames)
+        kwargs = dict(super().call_kwargs(settings), num_frames=settings.num_frames)
+        if settings.task == IMG2IMG:
+            kwargs["image_crf"] = self.image_crf()
+        return kwargs
+
+    def image_crf(self) -> int:
+        """The H.264 CRF LTX2ImageToVideoPipeline re-compresses the input image at by default, which it reads from
+        its text encoder's model type: the denoise stage, which does not load the text encoder, passes it."""
+        from diffusers.pipelines.ltx2.utils import resolve_default_image_crf
+
+        model_type = self.configs.get("text_encoder", {}).get("model_type")
+        return resolve_default_image_crf(SimpleNamespace(config=SimpleNamespace(model_type=model_type)))
 
     def kept_text_elements(self, guided: bool) -> int:
         # Every layer's hidden states (output_hidden_states), then their stacked copy; under guidance the first
