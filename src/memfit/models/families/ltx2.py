@@ -22,13 +22,21 @@ has a negative pass (a negative prompt of "" without --negative-prompt), batched
 positive]; the default spatio-temporal and modality guidance add two more transformer calls a step (batch 1).
 memfit takes none of the audio or extra guidance scales yet: they are __call__'s defaults.
 
-The denoising loop ends with both latents unpacked (output_type="latent"), denormalized with the VAEs' latents_mean
-and latents_std, which live in the VAEs: the denoise stage, which does not load them, runs the loop with stand-ins
-whose statistics leave the latents as they are (mean 0, std 1, scaling 1), and the decode stage denormalizes with
-the real ones in __call__'s order (the audio's on its packed layout). __init__ reads the VAEs' compression ratios
-and the audio's sample rate and hop length: the denoise stage sets them from the configs. The decode is __call__'s
+The denoising loop ends with both latents unpacked (output_type="latent") and denormalized with the VAEs'
+latents_mean and latents_std, which live in the VAEs: the denoise stage runs the loop with those two steps left out
+(the pipeline's own _denormalize_latents and _denormalize_audio_latents replaced by identities for the call, and
+stand-ins holding what __call__ reads of a VAE it does not load), and the decode stage applies them with the real
+statistics in __call__'s order (the audio's on its packed layout). __init__ reads the VAEs' compression ratios and
+the audio's sample rate and hop length: the denoise stage sets them from the configs. The decode is __call__'s
 post-loop code (decode_timestep and decode_noise_scale at their defaults: the noise for a timestep-conditioned
-decoder is drawn from the run's generator, as plain diffusers draws it). Prompt enhancement, the duration head
+decoder is drawn from the run's generator, as plain diffusers draws it).
+
+Input image (--image, the img2img task): an LTX-2 folder also makes a video from an image, its first frame, as
+LTX2ImageToVideoPipeline (the same components). Its loop set-up re-compresses the image as H.264 at the CRF it reads
+from its text encoder's model type (which the denoise stage does not load: call_kwargs passes the same value, read
+from the config) and encodes it with the VAE's encoder (loaded and planned in the denoise stage) as the first latent
+frame. Without --width/--height the video has the image's aspect ratio at the area of 768 x 512. A folder saved as
+LTX2ImageToVideoPipeline is memfit.models.families.ltx2_i2v's. Prompt enhancement, the duration head
 (memfit always passes num_frames) and --lora are not taken yet.
 """
 
