@@ -2,12 +2,13 @@
 (tests/test_families.py, with and without streaming; the parity oracle compares the waveform too); here: its Gemma-3
 embeddings through memfit encode and --embeddings (a shorter negative padded on the left with masked zeros), the
 soundtrack in the files memfit generate --out writes (AAC in an .mp4, a WAV beside a .gif), the frame, size and
-guidance rules, and the plan of its six weighted components; and image to video, the same folder run as
+guidance rules, the plan of its six weighted components, a LoRA; and image to video, the same folder run as
 LTX2ImageToVideoPipeline for --image (and a folder saved as that class), equal to plain diffusers with and without
 streaming."""
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import wave
 
@@ -226,3 +227,18 @@ def test_a_folder_saved_as_the_image_to_video_class(tiny_models):
     assert ours.settings.task == "img2img" and ours.metadata["pipeline"] == "LTX2ImageToVideoPipeline"
     with pytest.raises(MemfitError, match=r"makes a video from an image: pass --image IMG"):
         memfit.generate(model=model, progress=False, **dict(I2V, image=None))
+
+
+@pytest.mark.skipif(importlib.util.find_spec("peft") is None, reason="LoRAs need peft (pip install memfit[lora])")
+def test_a_lora_goes_into_the_transformer(model, tmp_path):
+    """--lora through the pipeline's own load_lora_weights: plain diffusers' video and soundtrack with it, another
+    video without it."""
+    from memfit.models.lora import check_loras
+    from memfit.testing.conditioning import save_lora
+
+    loras = [(str(save_lora(model, tmp_path / "lora", seed=1)), 0.7)]
+    ours = memfit.generate(PROMPT, model=model, negative_prompt=NEGATIVE, progress=False, loras=loras, **VIDEO)
+    assert "LoRA(s), unfused" in ours.report.stages[1].note
+    reference = diffusers_output(model, ours.settings, loras=check_loras(loras))
+    assert max_pixel_difference(ours.frames, reference) == 0 and _same_soundtrack(ours, reference)
+    assert max_pixel_difference(diffusers_output(model, ours.settings), reference) > 0

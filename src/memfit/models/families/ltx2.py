@@ -36,8 +36,9 @@ LTX2ImageToVideoPipeline (the same components). Its loop set-up re-compresses th
 from its text encoder's model type (which the denoise stage does not load: call_kwargs passes the same value, read
 from the config) and encodes it with the VAE's encoder (loaded and planned in the denoise stage) as the first latent
 frame. Without --width/--height the video has the image's aspect ratio at the area of 768 x 512. A folder saved as
-LTX2ImageToVideoPipeline is memfit.models.families.ltx2_i2v's. Prompt enhancement, the duration head
-(memfit always passes num_frames) and --lora are not taken yet.
+LTX2ImageToVideoPipeline is memfit.models.families.ltx2_i2v's. --lora goes into the transformer, through the
+pipeline's own load_lora_weights. Prompt enhancement and the duration head (memfit always passes num_frames) are
+not taken yet.
 """
 
 from __future__ import annotations
@@ -58,6 +59,7 @@ _VAE_READS = {"vae": {"scaling_factor": 1.0}, "audio_vae": {"mel_bins": 64, "lat
 
 class LTX2Adapter(PipelineAdapter):
     class_name = "LTX2Pipeline"
+    takes_lora = True
     encode_components = ("tokenizer", "text_encoder")
     denoise_components = ("connectors", "transformer", "scheduler")
     decode_components = ("vae", "audio_vae", "vocoder")
