@@ -66,6 +66,8 @@ CASES = {
     # HunyuanVideo 1.5's guidance is its guider's scale too (6.0 in the tiny folder)
     "hunyuan_video15": (dict(guidance=1.0, num_frames=5), dict(guidance=4.0, negative_prompt=NEGATIVE, num_frames=5)),
     "ltx": (dict(guidance=1.0, num_frames=5), dict(guidance=3.0, negative_prompt=NEGATIVE, num_frames=5)),
+    # LTX-2 guides its audio whatever --guidance is (audio_guidance_scale 7): both runs have a negative pass
+    "ltx2": (dict(guidance=1.0, num_frames=9), dict(guidance=3.0, negative_prompt=NEGATIVE, num_frames=9)),
 }
 
 
@@ -730,7 +732,7 @@ def test_optional_settings_are_resolved_or_refused(tiny_models):
     assert settings.guidance == 4.0 and qwen.call_kwargs(settings)["true_cfg_scale"] == 4.0
 
 
-@pytest.mark.parametrize("kind", [*PIPELINE_KINDS, "wan", "hunyuan_video15", "ltx", "sd_pag", "qwenimage_edit", "flux_fill"])
+@pytest.mark.parametrize("kind", [*PIPELINE_KINDS, "wan", "hunyuan_video15", "ltx", "ltx2", "sd_pag", "qwenimage_edit", "flux_fill"])
 def test_plan_model_works_for_every_family(tiny_models, kind, capsys):
     """memfit plan --model plans every family's folder from its configs, with the family's adapter."""
     from memfit.cli.app import main

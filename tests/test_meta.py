@@ -163,7 +163,11 @@ def test_unknown_dtype_lists_valid_ones():
 def test_is_model_class():
     assert is_model_class("diffusers", "AutoencoderKL")
     assert not is_model_class("transformers", "CLIPTokenizer")
-    assert not is_model_class("stable_diffusion", "StableDiffusionSafetyChecker")
+    # a class of one of diffusers' own pipeline packages is diffusers' code, as from_pretrained resolves it
+    assert is_model_class("stable_diffusion", "StableDiffusionSafetyChecker")
+    assert is_model_class("ltx2", "LTX2Vocoder")
+    assert not is_model_class("my_unet", "MyUNet")  # anything else would be code from the model
+    assert not is_model_class("ltx2", "GemmaTokenizer")
 
 
 # --- the real architectures --------------------------------------------------------------------

@@ -175,6 +175,8 @@ def _generate(args) -> int:
     if not args.quiet:
         print(result.report.table())
     print(f"wrote {out}")
+    if result.audio is not None and Path(out).suffix.lower() in (".webp", ".gif"):  # they hold no audio
+        print(f"wrote {Path(out).with_suffix('.wav')} (the soundtrack)")
     return 0
 
 

@@ -846,10 +846,76 @@ LTX_VIDEO = Arch(
     ),
 )
 
+# Gemma-3 12B (LTX-2's text encoder), loaded whole as Gemma3ForConditionalGeneration (with its SigLIP vision tower)
+# although the prompt runs only the language model, every layer's hidden states stacked (49 x 3840 a token).
+GEMMA3_12B = {
+    "architectures": ["Gemma3ForConditionalGeneration"],
+    "boi_token_index": 255999,
+    "eoi_token_index": 256000,
+    "eos_token_id": [1, 106],
+    "image_token_index": 262144,
+    "initializer_range": 0.02,
+    "mm_tokens_per_image": 256,
+    "model_type": "gemma3",
+    "text_config": {
+        "attention_bias": False,
+        "attention_dropout": 0.0,
+        "attn_logit_softcapping": None,
+        "final_logit_softcapping": None,
+        "head_dim": 256,
+        "hidden_activation": "gelu_pytorch_tanh",
+        "hidden_size": 3840,
+        "intermediate_size": 15360,
+        "max_position_embeddings": 131072,
+        "model_type": "gemma3_text",
+        "num_attention_heads": 16,
+        "num_hidden_layers": 48,
+        "num_key_value_heads": 8,
+        "query_pre_attn_scalar": 256,
+        "rms_norm_eps": 1e-06,
+        "rope_local_base_freq": 10000.0,
+        "rope_scaling": {"factor": 8.0, "rope_type": "linear"},
+        "rope_theta": 1000000.0,
+        "sliding_window": 1024,
+        "vocab_size": 262208,
+    },
+    "vision_config": {
+        "hidden_size": 1152,
+        "image_size": 896,
+        "intermediate_size": 4304,
+        "model_type": "siglip_vision_model",
+        "num_attention_heads": 16,
+        "num_hidden_layers": 27,
+        "patch_size": 14,
+        "vision_use_head": False,
+    },
+}
+
+LTX2 = Arch(
+    name="ltx2",
+    description="LTX-2, video with audio (audio-video transformer 18.9B, Gemma-3 12B text encoder, text connectors, "
+                "video VAE, audio VAE, vocoder)",
+    class_name="LTX2Pipeline",
+    components=(
+        ComponentSpec("text_encoder", "transformers", "Gemma3ForConditionalGeneration", _frozen(GEMMA3_12B),
+                      12_187_325_040),  # Gemma-3 12B, its 0.42B vision tower included
+        # The ltx2 classes' defaults in diffusers are LTX-2's own configuration (LTX-2.0: one text projection).
+        ComponentSpec("connectors", "ltx2", "LTX2TextConnectors", _frozen({}), None),
+        ComponentSpec("transformer", "diffusers", "LTX2VideoTransformer3DModel", _frozen({}),
+                      18_900_000_000, 0.01),  # published as "19B" (14B video, 5B audio); 18.88B by count
+        # The video VAE states its ratios: the class would count its four scaling blocks in time and space alike.
+        ComponentSpec("vae", "diffusers", "AutoencoderKLLTX2Video",
+                      _frozen({"spatial_compression_ratio": 32, "temporal_compression_ratio": 8,
+                               "timestep_conditioning": False}), None),
+        ComponentSpec("audio_vae", "diffusers", "AutoencoderKLLTX2Audio", _frozen({}), None),
+        ComponentSpec("vocoder", "ltx2", "LTX2Vocoder", _frozen({}), None),
+    ),
+)
+
 ARCHS: Mapping[str, Arch] = MappingProxyType({a.name: a for a in (SD15, SDXL, FLUX, LUMINA2, COGVIEW4, FLUX_KONTEXT, FLUX_FILL,
                                                                    ZIMAGE, FLUX2_DEV, FLUX2_KLEIN, QWEN_IMAGE_EDIT,
                                                                    QWEN_IMAGE_EDIT_PLUS, WAN22_A14B, WAN22_I2V_A14B,
-                                                                   WAN22_TI2V_5B, HUNYUAN_VIDEO15, LTX_VIDEO)})
+                                                                   WAN22_TI2V_5B, HUNYUAN_VIDEO15, LTX_VIDEO, LTX2)})
 
 
 def get_arch(name: str) -> Arch:

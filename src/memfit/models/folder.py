@@ -45,8 +45,9 @@ def check_safetensors(path: Path) -> None:
     check_complete(path)
 
 
-# The libraries whose classes memfit loads. Any other name in model_index.json is a module to
-# import (code shipped with or named by the model): memfit never runs code from a model folder.
+# The libraries whose classes memfit loads, besides diffusers' own pipeline packages (memfit.plan.meta.diffusers_module).
+# Any other name in model_index.json is a module to import (code shipped with or named by the model): memfit never
+# runs code from a model folder.
 LIBRARIES = ("diffusers", "transformers")
 _CONVERT = ("convert it to safetensors: python -c \"import torch, safetensors.torch as s; "
             "s.save_file(torch.load('{src}', weights_only=True), '{dst}')\"")
@@ -335,8 +336,10 @@ class ModelFolder:
                 "not have; use a folder saved by diffusers' save_pretrained (a class newer than this diffusers needs "
                 "a newer diffusers)."
             )
+        from memfit.plan.meta import diffusers_module
+
         for name, (library, class_name) in self.components.items():
-            if library not in LIBRARIES:
+            if library not in LIBRARIES and diffusers_module(library) is None:
                 raise MemfitError(
                     f"{index} names {library}.{class_name} for {name!r}, code that would have to be imported from the "
                     f"model; memfit never runs code from a model folder, so use a model whose components are "
@@ -414,12 +417,15 @@ class ModelFolder:
         file_dtype = self.file_dtype(name)
         if file_dtype is None or file_dtype == dtype or file_dtype not in _CONVERTIBLE or dtype not in _CONVERTIBLE:
             return False
+        from memfit.plan.meta import diffusers_module
+
         library, class_name = self.components.get(name, ("", ""))
+        module = diffusers_module(library) or library
         try:
-            cls = getattr(importlib.import_module(library), class_name)
+            cls = getattr(importlib.import_module(module), class_name)
         except (ImportError, AttributeError, ValueError):
             return False
-        if library == "diffusers" or dtype == torch.float16:
+        if module.startswith("diffusers") or dtype == torch.float16:
             return not getattr(cls, "_keep_in_fp32_modules", None)
         return not getattr(cls, "_keep_in_fp32_modules_strict", None)
 

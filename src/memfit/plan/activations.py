@@ -97,7 +97,9 @@ def stage_strategies(adapter, stage: str, settings, guided: bool, dtype: str, *,
         batch = 2 if guided else 1
         peak = max((activation_estimate("text_encoder", configs[name], batch=batch, text_tokens=adapter.max_text_tokens,
                                         dtype=dtype, **size) for name in encoders), default=0)
-        return [Strategy(StrategyKind.PLAIN, peak)]
+        kept = activation_estimate("text_output", {"elements_per_token": adapter.kept_text_elements(guided)},
+                                   text_tokens=adapter.max_text_tokens, dtype=dtype, **size)
+        return [Strategy(StrategyKind.PLAIN, peak + kept)]
     if stage == "denoise":
         denoiser = adapter.denoiser
         kind = "unet" if denoiser == "unet" else "transformer"

@@ -39,6 +39,7 @@ __all__ = [
     "activation_elements",
     "activation_estimate",
     "build_on_meta",
+    "diffusers_module",
     "dtype_bytes",
     "is_model_class",
     "is_under",
@@ -188,7 +189,7 @@ def build_on_meta(library: str, class_name: str, config: dict):
     config = {k: v for k, v in config.items() if not k.startswith("_") or k == "_name_or_path"}
     try:
         with torch.device("meta"):
-            if library == "diffusers":
+            if diffusers_module(library) is not None:
                 return cls.from_config(config)
             hf_config = cls.config_class.from_dict(config)
             return cls._from_config(hf_config)
@@ -205,17 +206,30 @@ def _resolve_class(library: str, class_name: str):
 
     import torch
 
-    if library not in ("diffusers", "transformers"):
+    module = diffusers_module(library) or (library if library == "transformers" else None)
+    if module is None:
         raise MemfitError(
             f"Cannot size a {library!r} component ({class_name}); memfit sizes diffusers and transformers models."
         )
-    cls = getattr(importlib.import_module(library), class_name, None)
+    cls = getattr(importlib.import_module(module), class_name, None)
     if cls is None or not (isinstance(cls, type) and issubclass(cls, torch.nn.Module)):
+        package = module.split(".")[0]
         raise MemfitError(
-            f"{library} has no model class {class_name!r} (installed version "
-            f"{importlib.import_module(library).__version__}); upgrade {library} or fix the class name."
+            f"{library} has no model class {class_name!r} (installed {package} "
+            f"{importlib.import_module(package).__version__}); upgrade {package} or fix the class name."
         )
     return cls
+
+
+def diffusers_module(library: str) -> str | None:
+    """The module of diffusers' own code that model_index.json's ``library`` names: "diffusers", or one of its
+    pipeline packages, where diffusers keeps a pipeline's own components (LTX-2's "ltx2": its text connectors and
+    vocoder), as diffusers' from_pretrained resolves it; None for any other name."""
+    if library == "diffusers":
+        return library
+    import diffusers.pipelines
+
+    return f"diffusers.pipelines.{library}" if library.isidentifier() and hasattr(diffusers.pipelines, library) else None
 
 
 def split_blocks(module, prefix: str, threshold: int):
@@ -314,6 +328,8 @@ ACTIVATION_FACTORS = {
     "vae_decoder": 7.42,
     "vae_decoder_banded": 2.14,
     "text_encoder": 6.84,
+    # What a family's encode keeps of the text encoder's outputs (PipelineAdapter.kept_text_elements): counted, not fitted.
+    "text_output": 1.0,
 }
 
 # Workspace that does not scale with the feature maps (kernels' scratch buffers, attention blocks).
@@ -324,6 +340,7 @@ ACTIVATION_OFFSETS = {
     "vae_decoder": 22 * 2**20,
     "vae_decoder_banded": 210 * 2**20,
     "text_encoder": 0,
+    "text_output": 0,
 }
 
 # Flux packs 2x2 latent patches into 64 channels outside the model, so its config says
@@ -333,7 +350,7 @@ _PACKED_PATCH = {"FluxTransformer2DModel": 2}
 
 # Video VAEs whose decoder runs every frame at once (no frame-by-frame cache, no tiling unless asked): the
 # widest activation is the whole video at full resolution, times its last up block's channels.
-WHOLE_VIDEO_DECODERS = ("AutoencoderKLHunyuanVideo15", "AutoencoderKLLTXVideo")
+WHOLE_VIDEO_DECODERS = ("AutoencoderKLHunyuanVideo15", "AutoencoderKLLTXVideo", "AutoencoderKLLTX2Video")
 
 
 def activation_estimate(
@@ -392,6 +409,7 @@ def activation_elements(kind: str, config: Mapping[str, Any], *, width: int, hei
         "vae_decoder": _vae_decoder_elems,
         "vae_decoder_banded": _vae_decoder_elems,
         "text_encoder": _text_encoder_elems,
+        "text_output": _text_output_elems,
     }[kind](config, width=width, height=height, vae_scale=vae_scale, text_tokens=text_tokens, class_name=class_name,
              frames=frames)
 
@@ -425,7 +443,7 @@ def _vae_decoder_elems(config, *, width, height, frames=1, class_name="", **_):
     channels = config.get("block_out_channels") or (config.get("base_dim", 128),)
     if frames == 1:
         return width * height * channels[0]
-    if class_name == "AutoencoderKLLTXVideo":
+    if class_name in ("AutoencoderKLLTXVideo", "AutoencoderKLLTX2Video"):  # LTX-2's decoder is LTX-Video's design
         return _ltx_decoder_elems(config, width=width, height=height, frames=frames)
     temporal = int(config.get("scale_factor_temporal") or config.get("temporal_compression_ratio") or 4)
     video_frames = (frames - 1) * temporal + 1
@@ -437,7 +455,7 @@ def _vae_decoder_elems(config, *, width, height, frames=1, class_name="", **_):
 
 
 def _ltx_decoder_elems(config, *, width, height, frames):
-    """LTX-Video's VAE decodes every frame at once; its last up block runs at 1/patch_size of each side (the decoder
+    """LTX-Video's VAE (and LTX-2's) decodes every frame at once; its last up block runs at 1/patch_size of each side (the decoder
     unpatchifies its output), so its widest activation is that block's channels over patch_size**2 per output pixel."""
     scaling = config.get("spatio_temporal_scaling", (True, True, True, False))
     temporal = int(config.get("temporal_compression_ratio")
@@ -448,7 +466,12 @@ def _ltx_decoder_elems(config, *, width, height, frames):
     return width * height * video_frames * (channels / patch**2 + 3)
 
 
+def _text_output_elems(config, *, text_tokens, **_):
+    return config["elements_per_token"] * text_tokens
+
+
 def _text_encoder_elems(config, *, text_tokens, **_):
+    config = config.get("text_config") or config  # a multimodal model's language model (Gemma-3's)
     hidden = config.get("hidden_size") or config.get("d_model", 768)
     inner = config.get("intermediate_size") or config.get("d_ff") or 4 * hidden
     return text_tokens * max(hidden, inner)

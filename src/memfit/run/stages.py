@@ -236,7 +236,8 @@ def denoise_stage(folder: ModelFolder, settings: Settings, embeddings: Callable[
             else:
                 latents = run(adapter, pipe, embeddings(results), results, split)
         check_finite(latents, name, folder, [c for c in adapter.denoise_components if c in folder.components])
-        return latents.clone()
+        # A pipeline that denoises more than one latent (LTX-2's video and audio) hands over {name: latents}.
+        return {key: value.clone() for key, value in latents.items()} if isinstance(latents, dict) else latents.clone()
 
     return Stage(name, work, generators=(generator,))
 
@@ -321,6 +322,9 @@ class Generation:
     metadata: dict[str, str] = field(default_factory=dict)
     frames: list | None = None
     frames_per_second: int | None = None
+    # A video's soundtrack (LTX-2): a float waveform, channels x samples, at audio_sample_rate; None: silent.
+    audio: Any = None
+    audio_sample_rate: int | None = None
     timeline: Any = None  # memfit.run.timeline.Timeline: weight movements and memory over the run
 
     def save(self, path: str | Path, index: int = 0, frames_per_second: int | None = None) -> Path:
@@ -330,7 +334,8 @@ class Generation:
             if self.frames is None:
                 raise MemfitError(f"{path}: {self.metadata.get('pipeline', 'this pipeline')} makes images, not a "
                                   "video; write a .png.")
-            return save_video(self.frames, path, frames_per_second or self.frames_per_second, self.metadata)
+            return save_video(self.frames, path, frames_per_second or self.frames_per_second, self.metadata,
+                              audio=self.audio, sample_rate=self.audio_sample_rate)
         if suffix not in IMAGE_SUFFIXES:
             raise MemfitError(f"{path}: memfit writes images as .png and videos as {', '.join(VIDEO_SUFFIXES)}.")
         return save_png(self.frames[0] if self.frames is not None else self.images[index], path, self.metadata)
@@ -342,7 +347,8 @@ def run_result(output: list, settings: Settings, report, folder: ModelFolder, dt
     metadata = png_metadata(settings, folder, dtype)
     if adapter.makes_video:
         return Generation([], settings, report, metadata, frames=list(output),
-                          frames_per_second=adapter.frames_per_second, timeline=timeline)
+                          frames_per_second=adapter.frames_per_second, timeline=timeline,
+                          audio=getattr(output, "audio", None), audio_sample_rate=getattr(output, "sample_rate", None))
     return Generation(list(output), settings, report, metadata, timeline=timeline)
 
 

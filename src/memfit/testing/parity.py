@@ -73,7 +73,16 @@ def diffusers_output(model_dir: str | Path, settings, dtype: torch.dtype = torch
         generator=torch.Generator(device="cpu").manual_seed(settings.seed), output_type="pil", **call_kwargs,
     )
     images = getattr(output, "images", None)
-    return list(images) if images is not None else list(output.frames[0])
+    if images is not None:
+        return list(images)
+    audio = getattr(output, "audio", None)
+    if audio is None:
+        return list(output.frames[0])
+    from memfit.models.families import VideoFrames
+
+    # a video with its soundtrack (LTX-2): the waveform at the vocoder's rate, as diffusers' example writes it
+    return VideoFrames(output.frames[0], audio=audio[0].float().cpu(),
+                       sample_rate=int(pipe.vocoder.config.output_sampling_rate))
 
 
 def max_pixel_difference(a, b) -> int:
@@ -88,7 +97,8 @@ def max_pixel_difference(a, b) -> int:
 
 
 def assert_matches_diffusers(model_dir: str | Path, *, atol: int = 0, **settings):
-    """Generate with memfit and with plain diffusers; fail if any pixel differs by more than atol.
+    """Generate with memfit and with plain diffusers; fail if any pixel differs by more than atol, or, for a video
+    with a soundtrack, if a sample of its waveform differs at all or its sample rate does.
 
     An ``image`` (a PIL image) reaches both: memfit.generate's --image, and the folder's own pipeline's
     ``image`` argument (a pipeline that takes it itself, as FluxKontextPipeline does); so does a ``mask``, as the
@@ -103,6 +113,12 @@ def assert_matches_diffusers(model_dir: str | Path, *, atol: int = 0, **settings
     if ours.frames is not None:  # a video: every frame must match
         reference = diffusers_output(model_dir, s, **inputs)
         difference = max_pixel_difference(ours.frames, reference)
+        heard = getattr(reference, "audio", None)
+        if (ours.audio is None) != (heard is None):
+            raise AssertionError(f"memfit's video {'has' if ours.audio is not None else 'lacks'} a soundtrack, plain "
+                                 f"diffusers' {'has' if heard is not None else 'lacks'} one, for {model_dir}")
+        if heard is not None and (ours.audio_sample_rate != reference.sample_rate or not torch.equal(ours.audio, heard)):
+            raise AssertionError(f"memfit's soundtrack differs from plain diffusers' for {model_dir}")
     else:
         reference = diffusers_output(model_dir, s, **inputs)[0]
         difference = max_pixel_difference(ours.images[0], reference)

@@ -638,6 +638,72 @@ def _ltx_i2v(scale: int, text_layers: int):
     return _ltx(scale, text_layers, image_to_video=True)
 
 
+def _ltx2(scale: int, text_layers: int, *, image_to_video: bool = False):
+    """LTX-2: a tiny Gemma-3 (with its vision tower, as Gemma3ForConditionalGeneration has), one-block text
+    connectors, a two-block audio-video transformer, an 8x (4x in time) video VAE that patchifies (2x2 pixels; the
+    real one's 4x4, 32x and 8x in time), an audio VAE of 16 mel bins and a vocoder that makes 8 kHz stereo.
+    ``image_to_video``: LTX2ImageToVideoPipeline's, the same components."""
+    from diffusers import (AutoencoderKLLTX2Audio, AutoencoderKLLTX2Video, FlowMatchEulerDiscreteScheduler,
+                           LTX2ImageToVideoPipeline, LTX2Pipeline, LTX2VideoTransformer3DModel)
+    from diffusers.pipelines.ltx2.connectors import LTX2TextConnectors
+    from diffusers.pipelines.ltx2.vocoder import LTX2Vocoder
+    from transformers import Gemma3Config, Gemma3ForConditionalGeneration
+
+    tokenizer = word_tokenizer()
+    text_hidden = 16 * scale
+    vocabulary = len(tokenizer) + 3  # the image tokens after the words: a prompt never holds them
+    text_encoder = Gemma3ForConditionalGeneration(Gemma3Config(
+        text_config=dict(hidden_size=text_hidden, intermediate_size=2 * text_hidden, num_attention_heads=2,
+                         num_key_value_heads=1, head_dim=8, num_hidden_layers=text_layers, vocab_size=vocabulary,
+                         sliding_window=8, pad_token_id=tokenizer.pad_token_id, bos_token_id=tokenizer.bos_token_id,
+                         eos_token_id=tokenizer.eos_token_id),
+        vision_config=dict(hidden_size=16, intermediate_size=32, num_attention_heads=2, num_hidden_layers=1,
+                           image_size=28, patch_size=14),
+        mm_tokens_per_image=4, image_token_index=len(tokenizer), boi_token_index=len(tokenizer) + 1,
+        eoi_token_index=len(tokenizer) + 2)).eval()
+    connector = dict(num_attention_heads=2, attention_head_dim=8 * scale, num_layers=1, num_learnable_registers=8)
+    connectors = LTX2TextConnectors(caption_channels=text_hidden, text_proj_in_factor=text_layers + 1,
+                                    **{f"{stream}_connector_{key}": value for stream in ("video", "audio")
+                                       for key, value in connector.items()})
+    latent_channels, audio_channels, mel_bins = 4, 2, 16
+    transformer = LTX2VideoTransformer3DModel(
+        in_channels=latent_channels, out_channels=latent_channels, num_attention_heads=2 * scale, attention_head_dim=8,
+        cross_attention_dim=16 * scale, audio_in_channels=audio_channels * mel_bins // 4, audio_out_channels=None,
+        audio_num_attention_heads=2, audio_attention_head_dim=4, audio_cross_attention_dim=8, num_layers=2,
+        caption_channels=text_hidden, vae_scale_factors=(4, 8, 8))
+    width = 8 * scale
+    vae = AutoencoderKLLTX2Video(
+        latent_channels=latent_channels, block_out_channels=(width,) * 4, decoder_block_out_channels=(width,) * 3,
+        layers_per_block=(1,) * 5, decoder_layers_per_block=(1,) * 4,
+        spatio_temporal_scaling=(True, True, False, False), decoder_spatio_temporal_scaling=(True, True, False),
+        # the encoder's two scaling blocks scale time and space alike, as the ratios the class states assume
+        downsample_type=("spatiotemporal", "spatiotemporal", "spatial", "spatial"),
+        decoder_inject_noise=(False,) * 4, upsample_residual=(False,) * 3, upsample_factor=(1,) * 3,
+        timestep_conditioning=True, patch_size=2, patch_size_t=1, scaling_factor=0.75)
+    # The VAEs' latents_mean/latents_std are weights (buffers); the real ones are not zeros and ones either.
+    vae.latents_mean.copy_(torch.tensor([0.1, -0.2, 0.05, 0.3]))
+    vae.latents_std.copy_(torch.tensor([1.5, 0.8, 1.2, 2.0]))
+    audio_vae = AutoencoderKLLTX2Audio(base_channels=audio_channels * mel_bins // 4, output_channels=2, ch_mult=(1, 2),
+                                       num_res_blocks=1, latent_channels=audio_channels, mel_bins=mel_bins,
+                                       resolution=16)
+    audio_vae.latents_mean.copy_(torch.linspace(-0.3, 0.3, audio_vae.latents_mean.numel()))
+    audio_vae.latents_std.copy_(torch.linspace(0.5, 1.5, audio_vae.latents_std.numel()))
+    # 16 kHz mel frames of 160 samples, 80 output samples each: 8 kHz
+    vocoder = LTX2Vocoder(in_channels=2 * mel_bins, hidden_channels=16, out_channels=2, upsample_kernel_sizes=[20, 16],
+                          upsample_factors=[10, 8], resnet_kernel_sizes=[3], resnet_dilations=[[1]],
+                          output_sampling_rate=8000)
+    return (LTX2ImageToVideoPipeline if image_to_video else LTX2Pipeline)(
+        scheduler=FlowMatchEulerDiscreteScheduler(shift=1.0, use_dynamic_shifting=True, base_image_seq_len=16,
+                                                  max_image_seq_len=256, base_shift=0.95, max_shift=2.05),
+        vae=vae, audio_vae=audio_vae, text_encoder=text_encoder, tokenizer=tokenizer, connectors=connectors,
+        transformer=transformer, vocoder=vocoder,
+    )
+
+
+def _ltx2_i2v(scale: int, text_layers: int):
+    return _ltx2(scale, text_layers, image_to_video=True)
+
+
 def _wan(scale: int, text_layers: int, boundary_ratio: float | None = None, ffn_dim: int | None = None, *,
          image_to_video: bool = False, image_encoder=None, image_processor=None):
     """A tiny Wan pipeline; ``image_to_video``: WanImageToVideoPipeline's, whose transformers also take the
@@ -1117,13 +1183,13 @@ _BUILDERS: dict[str, Callable[[int, int], object]] = {
     "wan22_narrow": _wan22_narrow,
     "wan_i2v": _wan_i2v, "wan22_i2v": _wan22_i2v, "wan22_ti2v": _wan22_ti2v, "chroma": _chroma, "sana": _sana, "pixart_sigma": _pixart_sigma, "aura_flow": _aura_flow, "hidream": _hidream,
     "zimage": _zimage, "flux_kontext": _flux_kontext, "flux_fill": _flux_fill, "flux2": _flux2, "flux2_klein": _flux2_klein,
-    "sd_pag": _sd_pag, "hunyuan_image": _hunyuan_image, "hunyuan_video15": _hunyuan_video15, "hunyuan_video15_i2v": _hunyuan_video15_i2v, "ltx": _ltx, "ltx_i2v": _ltx_i2v, "sdxl_single_file": _sdxl_single_file, "sd3_single_file": _sd3_single_file, "sd2_single_file": _sd2_single_file,
+    "sd_pag": _sd_pag, "hunyuan_image": _hunyuan_image, "hunyuan_video15": _hunyuan_video15, "hunyuan_video15_i2v": _hunyuan_video15_i2v, "ltx": _ltx, "ltx_i2v": _ltx_i2v, "ltx2": _ltx2, "ltx2_i2v": _ltx2_i2v, "sdxl_single_file": _sdxl_single_file, "sd3_single_file": _sd3_single_file, "sd2_single_file": _sd2_single_file,
 }
 
 # Sizes each tiny architecture accepts (multiples of what its VAE and patching need).
 DEFAULT_SIZE = {"sd": 32, "sdxl": 32, "lumina2": 32, "cogview4": 32, "flux": 32, "flux_schnell": 32, "sd3": 32, "qwenimage": 32, "wan": 32, "wan22": 32, "wan22_narrow": 32, "wan_i2v": 32, "wan22_i2v": 32, "wan22_ti2v": 64, "chroma": 32, "sana": 32, "pixart_sigma": 32, "aura_flow": 32, "hidream": 32,
                 "zimage": 32, "flux_kontext": 32, "flux_fill": 32, "flux2": 32, "flux2_klein": 32, "hunyuan_image": 32,
-                "hunyuan_video15": 32, "hunyuan_video15_i2v": 32, "ltx": 32, "ltx_i2v": 32, "qwenimage_edit": 64,
+                "hunyuan_video15": 32, "hunyuan_video15_i2v": 32, "ltx": 32, "ltx_i2v": 32, "ltx2": 32, "ltx2_i2v": 32, "qwenimage_edit": 64,
                 "qwenimage_edit_plus": 64}
 
 

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from memfit.models.families.base import DENOISE_COMPANIONS, DENOISER_NAMES, TEXT2IMG, Conditioning, PipelineAdapter, Settings
+from memfit.models.families.base import DENOISE_COMPANIONS, DENOISER_NAMES, TEXT2IMG, Conditioning, PipelineAdapter, Settings, VideoFrames
 from memfit.models.families.aura_flow import AuraFlowAdapter
 from memfit.models.families.chroma import ChromaAdapter
 from memfit.models.families.cogview4 import CogView4Adapter
@@ -17,6 +17,8 @@ from memfit.models.families.hunyuan_video15 import HunyuanVideo15Adapter
 from memfit.models.families.hunyuan_video15_i2v import HunyuanVideo15ImageToVideoAdapter
 from memfit.models.families.ltx import LTXAdapter
 from memfit.models.families.ltx_i2v import LTXImageToVideoAdapter
+from memfit.models.families.ltx2 import LTX2Adapter
+from memfit.models.families.ltx2_i2v import LTX2ImageToVideoAdapter
 from memfit.models.families.pixart_sigma import PixArtSigmaAdapter
 from memfit.models.families.qwenimage import QwenImageAdapter
 from memfit.models.families.qwenimage_edit import QwenImageEditAdapter, QwenImageEditPlusAdapter
@@ -62,6 +64,8 @@ ADAPTERS: dict[str, type[PipelineAdapter]] = {
         HunyuanVideo15ImageToVideoAdapter,
         LTXAdapter,
         LTXImageToVideoAdapter,
+        LTX2Adapter,
+        LTX2ImageToVideoAdapter,
     )
 }
 
@@ -102,4 +106,4 @@ def supporting(task: str) -> list[str]:
 
 
 __all__ = ["ADAPTERS", "DENOISER_NAMES", "DENOISE_COMPANIONS", "TEXT2IMG", "Conditioning", "GenericAdapter",
-           "PipelineAdapter", "Settings", "adapter_for", "run_together", "supporting"]
+           "PipelineAdapter", "Settings", "VideoFrames", "adapter_for", "run_together", "supporting"]

@@ -90,6 +90,17 @@ class Conditioning:
         return {name: value for name, value in names.items() if value is not None}
 
 
+class VideoFrames(list):
+    """A video's frames (PIL images), as a family's decode returns them, with the soundtrack its pipeline made beside
+    them (LTX-2): ``audio`` a float waveform, channels x samples in [-1, 1], at ``sample_rate`` samples a second;
+    None for a silent video."""
+
+    def __init__(self, frames, audio: torch.Tensor | None = None, sample_rate: int | None = None):
+        super().__init__(frames)
+        self.audio = audio
+        self.sample_rate = sample_rate
+
+
 class PipelineAdapter:
     """Base class; one subclass per supported diffusers pipeline class."""
 
@@ -262,6 +273,12 @@ class PipelineAdapter:
         prompt's (max_text_tokens) and, in a family that conditions on an input image, that image's."""
         return self.max_text_tokens
 
+    def kept_text_elements(self, guided: bool) -> int:
+        """Elements a prompt token's encoding keeps in memory beside the text encoder's own activations, for the
+        encode stage's estimate: what the pipeline's encode holds at its peak of the hidden states it returns (a
+        family that stacks every layer's, LTX-2). Here: none worth counting."""
+        return 0
+
     def latent_frames(self, settings: Settings) -> int:
         """The latent frames the denoiser sees at once (video pipelines); for activation estimates."""
         return 1
@@ -379,7 +396,8 @@ class PipelineAdapter:
             if not math.isfinite(options[name]):
                 raise MemfitError(f"{name} {value} is not a finite number; use a scale such as 4.0.")
         if "num_frames" in self.options:
-            options.setdefault("num_frames", int(call_defaults["num_frames"]))
+            if "num_frames" not in options:
+                options["num_frames"] = int(call_defaults["num_frames"])
             if options["num_frames"] < 1:
                 raise MemfitError(f"num_frames must be at least 1, got {options['num_frames']}.")
         if strength is not None and int(steps * strength) < 1:
