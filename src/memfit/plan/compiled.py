@@ -14,7 +14,7 @@ from memfit.plan.budget import BudgetTooSmall
 from memfit.sizes import format_bytes, round_up_mib
 
 __all__ = ["COMPILED_BLOCK_BUILD", "COMPILED_BLOCK_OVERHEAD", "COMPILED_WHOLE_BUILD", "CompiledChoice",
-           "choose_compiled", "compiled_blocks_extra"]
+           "choose_compiled", "compiled_blocks_extra", "decode_in_bands"]
 
 # What a block compiled as a model of its own holds beyond its weights, as a share of them: the runtime's
 # structures and buffers, intermediate buffers freed after each call (measured with openvino on the SD 1.5
@@ -49,6 +49,22 @@ class CompiledChoice:
     in_blocks: tuple[str, ...] = ()
     dropped: tuple[str, ...] = ()
     notes: tuple[str, ...] = ()
+
+
+def decode_in_bands(*, ceiling: int | None, already_used: int, compiled_bytes: int, plain: int,
+                    banded: int | None) -> bool:
+    """Whether a compiled VAE decode with no budget runs in bands (memfit.run.compiled_banded_decode) rather than
+    whole: where decoding whole would lift the process above ``ceiling``, the peak it has already reached (the
+    denoise stage's, measured), and the bands need less. ``already_used``: what the process holds as the stage
+    starts (kept stages included); ``compiled_bytes``: the compiled decoder; ``plain`` and ``banded``: the two
+    decodes' planned activations (``banded`` None: the VAE cannot be decoded in bands).
+
+    A one-shot run has let the denoiser go by then and decodes whole, as before; a Session that keeps the
+    compiled denoiser loaded decodes beside it in bands, so the decode does not set the session's peak.
+    """
+    if banded is None or ceiling is None or banded >= plain:
+        return False
+    return already_used + compiled_bytes + plain > ceiling
 
 
 def compiled_blocks_extra(block_bytes: Collection[int]) -> int:

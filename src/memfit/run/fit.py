@@ -26,6 +26,7 @@ whole run, naming the budget to give.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Collection, Mapping, Sequence
 from typing import Any
 
@@ -39,10 +40,11 @@ from memfit.models.families import Settings
 from memfit.models.folder import ModelFolder
 from memfit.plan.activations import DEVICE_ACTIVATION_MARGIN, StrategyKind, choose, stage_strategies
 from memfit.plan.budget import Budget, BudgetTooSmall, StageDoesNotFit, stage_budget
-from memfit.plan.compiled import COMPILED_BLOCK_BUILD, COMPILED_BLOCK_OVERHEAD, choose_compiled, compiled_blocks_extra
+from memfit.plan.compiled import (COMPILED_BLOCK_BUILD, COMPILED_BLOCK_OVERHEAD, choose_compiled, compiled_blocks_extra,
+                                  decode_in_bands)
 from memfit.run.executor import (blocks_not_run, host_tier_reused, keep_dequantized, live_blocks, optimize, plan_stage,
                                  reads_in_place)
-from memfit.run.memory import return_large_frees_to_os
+from memfit.run.memory import process_peak_rss, return_large_frees_to_os
 from memfit.run.options import RunOptions
 from memfit.sizes import format_bytes
 
@@ -87,15 +89,47 @@ def fit_stage(pipe, folder: ModelFolder, names: Sequence[str], options: RunOptio
     """
     notes: list[str] = []
     backend, in_blocks = options.backend, ()
+    # A compiled VAE whose decode can run in bands: (plain, banded) activations, else None.
+    band_options = _band_options(pipe, folder, names, options, plan_as, settings, guided)
+    in_bands = False
     # A component compiled by a backend with its own copy of the weights costs that copy, not its torch
     # weights (memory-mapped once compiled: memfit.compile.weights), and is planned as such.
     compiled = compiled_weight_bytes(pipe, names, backend, options.torch_dtype) if budget is not None else {}
     if compiled:
-        choice = _choose_compiled(pipe, folder, options, stage, plan_as, budget, already_used, compiled, settings,
-                                  guided)
+        choose = functools.partial(_choose_compiled, pipe, folder, options, stage, plan_as, budget, already_used,
+                                   compiled, settings, guided)
+        try:
+            choice = choose()
+        except BudgetTooSmall:
+            if band_options is None:
+                raise
+            choice = None
+        if band_options is not None and (choice is None or "vae" not in choice.kept):
+            # Decoded whole, the compiled VAE does not fit beside what the process holds (a Session's kept
+            # stages); in bands its activations are bounded: compiled, in bands, where that fits.
+            try:
+                banded = choose(activations=band_options[1])
+            except BudgetTooSmall:
+                if choice is None:
+                    raise  # the smallest budget it names is the banded decode's
+                banded = None
+            if banded is not None and "vae" in banded.kept:
+                choice, in_bands = banded, True
         compiled, in_blocks = dict(choice.kept), choice.in_blocks
         backend = without_components(backend, [*choice.dropped, *in_blocks])
         notes += choice.notes
+    elif band_options is not None and budget is None:
+        vae_bytes = compiled_weight_bytes(pipe, ["vae"], backend, options.torch_dtype).get("vae", 0)
+        in_bands = decode_in_bands(ceiling=process_peak_rss(), already_used=already_used, compiled_bytes=vae_bytes,
+                                   plain=band_options[0], banded=band_options[1])
+    if in_bands:
+        backend = without_components(backend, ["vae"])  # its band kernels are compiled below instead
+        notes.append(
+            f"{stage}: vae compiled in bands (a model per conv, each band's buffers freed after it; GroupNorm "
+            f"statistics over the whole tensor): planned activations {format_bytes(band_options[1])} instead of "
+            f"{format_bytes(band_options[0])} decoding whole, "
+            + ("which does not fit the budget beside what this process holds" if budget is not None else
+               f"which would lift the process above the {format_bytes(process_peak_rss())} it already reached"))
     for name, size in compiled.items():
         notes.append(f"{stage}: planned {name} as its compiled model, {format_bytes(size)} "
                      "resident (its torch weights memory-mapped, not counted)")
@@ -114,13 +148,41 @@ def fit_stage(pipe, folder: ModelFolder, names: Sequence[str], options: RunOptio
     served = [name for name in converting if budget is None or name in compiled]
     compile_stage(pipe, folder.path, backend, options.fallback, records, folder.component_fingerprint,
                   run_dtypes=dict.fromkeys(served, options.torch_dtype) if backend is not None else None)
+    if in_bands:
+        from memfit.run.compiled_banded_decode import compile_band_kernels, enable_compiled_banded_decode
+
+        enable_compiled_banded_decode(pipe.vae)
+        kernels_backend = served_by_own_weights(folder.components, ["vae"], options.backend)["vae"]
+        records += compile_band_kernels(pipe.vae, "vae", kernels_backend, fallback=options.fallback,
+                                        fingerprint=folder.component_fingerprint("vae"), source=folder.path / "vae",
+                                        run_dtype=options.torch_dtype if "vae" in converting else None)
+        fit = dataclasses.replace(fit, strategy=StrategyKind.BANDED)
     return dataclasses.replace(fit, compiled=tuple(records), notes=(*notes, *fit.notes))
 
 
+def _band_options(pipe, folder: ModelFolder, names: Sequence[str], options: RunOptions, plan_as: str,
+                  settings: Settings, guided: bool) -> tuple[int, int] | None:
+    """(plain, banded) planned activations of the decode where its VAE is compiled by a backend with its own
+    copy of the weights on the CPU and can be decoded in bands (memfit.run.compiled_banded_decode); else None."""
+    from memfit.run.banded_decode import unsupported_reason
+
+    vae = getattr(pipe, "vae", None)
+    if plan_as != "decode" or "vae" not in names or vae is None or options.runtime.separate_memory:
+        return None
+    if "vae" not in served_by_own_weights(folder.components, ["vae"], options.backend) or unsupported_reason(vae):
+        return None
+    choices = stage_strategies(folder.adapter, plan_as, settings, guided, options.dtype)
+    banded = next((choice for choice in choices if choice.name == StrategyKind.BANDED), None)
+    return None if banded is None else (choices[0].activation_bytes, banded.activation_bytes)
+
+
 def _choose_compiled(pipe, folder: ModelFolder, options: RunOptions, stage: str, plan_as: str, budget: Budget,
-                     already_used: int, compiled: dict[str, int], settings: Settings, guided: bool):
-    # A compiled graph runs the stage's own way (no chunked attention, no banded decode): its activations.
-    activations = stage_strategies(folder.adapter, plan_as, settings, guided, options.dtype)[0].activation_bytes
+                     already_used: int, compiled: dict[str, int], settings: Settings, guided: bool,
+                     activations: int | None = None):
+    # A compiled graph runs the stage's own way (no chunked attention, no banded decode): its activations, unless
+    # the caller names others (a VAE compiled in bands).
+    if activations is None:
+        activations = stage_strategies(folder.adapter, plan_as, settings, guided, options.dtype)[0].activation_bytes
     served = served_by_own_weights(folder.components, list(compiled), options.backend)
     stored = compiled_in_store({name: folder.component_fingerprint(name) for name in compiled}, served)
     # A build reads the torch weights in the run dtype: from files in another dtype that is a converted copy
