@@ -8,6 +8,7 @@ OpenVINO: within its fp32 tolerance, 1e-4, of the decode compiled whole).
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 
 import numpy as np
@@ -130,26 +131,51 @@ def _counting_loads(monkeypatch):
     return loads
 
 
-def _run_three(session):
-    return [session.generate("a red circle", steps=1, width=32, height=32, seed=seed) for seed in range(3)]
+def _run_three(session, prompts=("a red circle",) * 3):
+    return [session.generate(prompt, steps=1, width=32, height=32, seed=seed) for seed, prompt in enumerate(prompts)]
+
+
+@functools.lru_cache(maxsize=None)
+def _weighs(name: str) -> int:
+    """What the tiny pipeline's kept ``name`` weighs in the plan (1024x its weights, see decode_estimates)."""
+    from memfit.testing import build_pipeline
+
+    return 1024 * sum(p.numel() * p.element_size() for p in getattr(build_pipeline("sd", seed=0), name).parameters())
 
 
 @needs_openvino
-def test_a_budgeted_session_keeps_its_denoiser_where_the_banded_decode_fits_beside_it(tiny_models, decode_estimates,
+def test_a_budgeted_session_keeps_its_stages_where_the_banded_decode_fits_beside_them(tiny_models, decode_estimates,
                                                                                       monkeypatch):
     from memfit.run.session import Session
 
     session = Session(tiny_models("sd"), budget="8GiB", backend={"vae": "openvino"})
-    kept = 1024 * 4 * 2**20  # what the kept stages weigh here, at most (1024x a few MiB of tiny weights)
-    # Whole, the decode fits nowhere; in bands it fits beside the kept stages.
-    decode_estimates(plain=64 * GiB, banded=8 * GiB - GiB - kept - GiB // 2, session=session)
+    # Whole, the decode fits nowhere; in bands it fits beside the kept text encoder and denoiser.
+    decode_estimates(plain=64 * GiB, banded=7 * GiB - _weighs("text_encoder") - _weighs("unet") - GiB // 4, session=session)
     loads = _counting_loads(monkeypatch)
-    runs = _run_three(session)
-    assert session.pool.weights_bytes() * 1024 < kept
+    runs = _run_three(session, ("a red circle", "a blue square", "a red circle"))
     assert [stage.strategy for stage in runs[0].report.stages if stage.stage == "decode"] == ["banded"]
     assert sum("unet" in names for names in loads) == 1, loads  # the denoiser loaded once, kept across the images
+    assert sum("text_encoder" in names for names in loads) == 1, loads
     state = session.warm_state()
-    assert state["warm"] and "denoise:unet" in state["components"] and not state["reason"]
+    assert state["warm"] and not state["reason"] and state["released"] == 0
+    assert {"encode:text_encoder", "denoise:unet", "decode:vae"} <= set(state["components"])
+    assert [stage.note for stage in runs[1].report.stages] == ["warm", "warm", "warm"]
+
+
+@needs_openvino
+def test_a_budgeted_session_lets_the_text_encoder_go_where_the_banded_decode_fits_beside_the_denoiser_only(
+        tiny_models, decode_estimates, monkeypatch):
+    from memfit.run.session import Session
+
+    session = Session(tiny_models("sd"), budget="8GiB", backend={"vae": "openvino"})
+    decode_estimates(plain=64 * GiB, banded=7 * GiB - _weighs("unet") - _weighs("text_encoder") // 2, session=session)
+    loads = _counting_loads(monkeypatch)
+    runs = _run_three(session, ("a red circle", "a blue square", "a green circle"))
+    assert sum("unet" in names for names in loads) == 1, loads  # kept across the images
+    assert sum("text_encoder" in names for names in loads) == 3, loads  # let go, and loaded per new prompt since
+    state = session.warm_state()
+    assert state["warm"] and state["released"] == 1 and "denoise:unet" in state["components"]
+    assert not any(name.startswith("encode:") for name in state["components"])
     assert [stage.note for stage in runs[2].report.stages if stage.stage != "encode"] == ["warm", "warm"]
 
 
@@ -161,15 +187,16 @@ def test_a_budgeted_session_lets_its_denoiser_go_where_even_the_banded_decode_do
 
     folder = tiny_models("sd")
     session = Session(folder, budget="8GiB", backend={"vae": "openvino"})
-    # In bands the decode fits alone (1 GiB in use), not beside the kept stages (1024x their weights more).
-    decode_estimates(plain=64 * GiB, banded=8 * GiB - GiB - GiB // 4, session=session)
+    # In bands the decode fits alone (1 GiB in use), not beside the kept denoiser.
+    decode_estimates(plain=64 * GiB, banded=7 * GiB - _weighs("unet") // 2, session=session)
     loads = _counting_loads(monkeypatch)
     runs = _run_three(session)
-    assert sum("unet" in names for names in loads) == 3, loads  # released for the decode, loaded again for every image
+    assert sum("unet" in names for names in loads) == 3, loads  # let go for the decode, loaded for every image
     state = session.warm_state()
-    assert not state["warm"] and state["reason"].startswith("decode ") and state["components"] == []
-    assert all([stage.strategy for stage in run.report.stages if stage.stage == "decode"] == ["banded"] for run in runs)
+    assert state["released"] == 2 and not any(name.startswith("denoise:") for name in state["components"])
+    assert [stage.strategy for stage in runs[0].report.stages if stage.stage == "decode"] == ["banded"]
     # The image is the one-shot run's (which plans every stage alone and decodes in bands as well).
+    session.close()
     plain = memfit.generate("a red circle", model=folder, steps=1, width=32, height=32, seed=2, budget="8GiB",
                             backend={"vae": "openvino"}, progress=False)
     assert np.array_equal(np.asarray(runs[2].images[0]), np.asarray(plain.images[0]))
@@ -184,5 +211,5 @@ def test_an_unbudgeted_session_decodes_in_bands_where_whole_would_pass_the_peak(
     decode_estimates(plain=64 * GiB, banded=GiB // 4, session=session)
     first = session.generate("a red circle", steps=1, width=32, height=32)
     assert [stage.strategy for stage in first.report.stages if stage.stage == "decode"] == ["banded"]
-    assert session.warm_state()["warm"]
+    assert session.warm_state()["warm"] and "decode" in session.pool.bounded
     assert fit.process_peak_rss() < 64 * GiB  # the measured peak the choice compared with

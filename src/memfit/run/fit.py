@@ -106,22 +106,43 @@ def fit_stage(pipe, folder: ModelFolder, names: Sequence[str], options: RunOptio
             choice = None
         if band_options is not None and (choice is None or "vae" not in choice.kept):
             # Decoded whole, the compiled VAE does not fit beside what the process holds (a Session's kept
-            # stages); in bands its activations are bounded: compiled, in bands, where that fits.
-            try:
-                banded = choose(activations=band_options[1])
-            except BudgetTooSmall:
-                if choice is None:
-                    raise  # the smallest budget it names is the banded decode's
-                banded = None
+            # stages); in bands its activations are bounded: compiled, in bands, where that fits. Where that does
+            # not fit either, the pool lets its smallest kept pipelines go (a text encoder before the denoiser)
+            # until it does, and keeps the rest.
+            while True:
+                try:
+                    banded, refused = choose(activations=band_options[1]), None
+                except BudgetTooSmall as exc:
+                    banded, refused = None, exc
+                if (banded is not None and "vae" in banded.kept) or not _release_smallest(options.pool):
+                    break
+                already_used = options.runtime.memory_in_use()
+                choose = functools.partial(_choose_compiled, pipe, folder, options, stage, plan_as, budget,
+                                           already_used, compiled, settings, guided)
             if banded is not None and "vae" in banded.kept:
                 choice, in_bands = banded, True
+            elif choice is None:
+                if refused is not None:
+                    raise refused  # the smallest budget it names is the banded decode's
+                choice = banded
         compiled, in_blocks = dict(choice.kept), choice.in_blocks
         backend = without_components(backend, [*choice.dropped, *in_blocks])
         notes += choice.notes
     elif band_options is not None and budget is None:
         vae_bytes = compiled_weight_bytes(pipe, ["vae"], backend, options.torch_dtype).get("vae", 0)
-        in_bands = decode_in_bands(ceiling=process_peak_rss(), already_used=already_used, compiled_bytes=vae_bytes,
+        ceiling = process_peak_rss()
+        in_bands = decode_in_bands(ceiling=ceiling, already_used=already_used, compiled_bytes=vae_bytes,
                                    plain=band_options[0], banded=band_options[1])
+        if in_bands and options.pool is not None:
+            # Beside the kept weights, not their buffers; and, to stay under the peak, without the smaller kept
+            # pipelines where need be (never the largest: with no budget a Session keeps its denoiser).
+            options.pool.free_buffers()
+            already_used = options.runtime.memory_in_use()
+            while already_used + vae_bytes + band_options[1] > ceiling and \
+                    _release_smallest(options.pool, spare_largest=True):
+                already_used = options.runtime.memory_in_use()
+    if in_bands and options.pool is not None and hasattr(options.pool, "bounded"):
+        options.pool.bounded.add(stage)  # its warm runs too run beside the kept weights, not their buffers
     if in_bands:
         backend = without_components(backend, ["vae"])  # its band kernels are compiled below instead
         notes.append(
@@ -158,6 +179,12 @@ def fit_stage(pipe, folder: ModelFolder, names: Sequence[str], options: RunOptio
                                         run_dtype=options.torch_dtype if "vae" in converting else None)
         fit = dataclasses.replace(fit, strategy=StrategyKind.BANDED)
     return dataclasses.replace(fit, compiled=tuple(records), notes=(*notes, *fit.notes))
+
+
+def _release_smallest(pool, *, spare_largest: bool = False) -> bool:
+    """Let the pool's smallest kept pipeline go (WarmPool.release_smallest); False where there is none to let go."""
+    release = getattr(pool, "release_smallest", None)
+    return bool(release is not None and release(spare_largest=spare_largest))
 
 
 def _band_options(pipe, folder: ModelFolder, names: Sequence[str], options: RunOptions, plan_as: str,
