@@ -59,8 +59,8 @@ def decode_in_bands(*, ceiling: int | None, already_used: int, compiled_bytes: i
     starts (kept stages included); ``compiled_bytes``: the compiled decoder; ``plain`` and ``banded``: the two
     decodes' planned activations (``banded`` None: the VAE cannot be decoded in bands).
 
-    A one-shot run has let the denoiser go by then and decodes whole, as before; a Session that keeps the
-    compiled denoiser loaded decodes beside it in bands, so the decode does not set the session's peak.
+    Asked only beside kept stages (memfit.run.fit): a Session that keeps the compiled denoiser loaded decodes
+    beside it in bands, so the decode does not set the session's peak; a one-shot run decodes whole, as before.
     """
     if banded is None or ceiling is None or banded >= plain:
         return False

@@ -128,7 +128,8 @@ def fit_stage(pipe, folder: ModelFolder, names: Sequence[str], options: RunOptio
         compiled, in_blocks = dict(choice.kept), choice.in_blocks
         backend = without_components(backend, [*choice.dropped, *in_blocks])
         notes += choice.notes
-    elif band_options is not None and budget is None:
+    elif band_options is not None and budget is None and options.pool is not None and options.pool.holds_any():
+        # Without a budget only beside kept stages (a Session's): a one-shot run has let its denoiser go by now.
         vae_bytes = compiled_weight_bytes(pipe, ["vae"], backend, options.torch_dtype).get("vae", 0)
         ceiling = process_peak_rss()
         in_bands = decode_in_bands(ceiling=ceiling, already_used=already_used, compiled_bytes=vae_bytes,
