@@ -29,7 +29,7 @@ import functools
 import torch
 import torch.nn.functional as F
 
-from memfit.run.banded_decode import (DEFAULT_BAND_BYTES, _channel_affine, _group_stats, _rows_per_band,
+from memfit.run.banded_decode import (DEFAULT_BAND_BYTES, channel_affine, group_stats, rows_per_band,
                                       unsupported_reason)
 
 __all__ = ["band_kernel_paths", "compile_band_kernels", "enable_compiled_banded_decode", "is_compiled_banded"]
@@ -143,9 +143,9 @@ def _norm_act_conv(x, norm, conv, band_bytes: int, *, residual=None, overwrite: 
     n, channels, height, width = x.shape
     channels_out = conv.out_channels
     overwrite = overwrite and channels_out == channels
-    scale, shift = _channel_affine(norm, *_group_stats(x, norm, band_bytes), channels)
+    scale, shift = channel_affine(norm, *group_stats(x, norm, band_bytes), channels)
     out = x if overwrite else x.new_empty((n, channels_out, height, width))
-    rows = _band_rows(height, _rows_per_band(channels, channels_out, width, x.element_size(), band_bytes))
+    rows = _band_rows(height, rows_per_band(channels, channels_out, width, x.element_size(), band_bytes))
     band = x.new_zeros((n, channels, rows + 2, width))
     above = None  # with overwrite: the input row above the band, saved before the band before wrote over it
     for r0 in range(0, height, rows):
@@ -172,7 +172,7 @@ def _upsample_conv(x, conv, band_bytes: int):
     n, channels, height, width = x.shape
     out_height, out_width = 2 * height, 2 * width
     out = x.new_empty((n, conv.out_channels, out_height, out_width))
-    rows = _band_rows(out_height, _rows_per_band(channels, conv.out_channels, out_width, x.element_size(), band_bytes),
+    rows = _band_rows(out_height, rows_per_band(channels, conv.out_channels, out_width, x.element_size(), band_bytes),
                       step=2)
     half = rows // 2
     source = x.new_zeros((n, channels, half + 2, width))
