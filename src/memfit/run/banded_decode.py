@@ -45,7 +45,7 @@ from memfit.run.memory import heap_for_temporaries_under
 from memfit.run.offload import weights_ready
 
 __all__ = [
-    "DEFAULT_BAND_BYTES", "channel_affine", "disable_banded_decode", "enable_banded_decode", "group_stats", "is_banded",
+    "DEFAULT_BAND_BYTES", "band_heap", "channel_affine", "disable_banded_decode", "enable_banded_decode", "group_stats", "is_banded",
     "rows_per_band", "unsupported_reason",
 ]
 
@@ -174,7 +174,7 @@ def _decoder_forward(decoder, band_bytes, sample, latent_embeds=None):
 
 
 @contextlib.contextmanager
-def _band_heap(band_bytes: int):
+def band_heap(band_bytes: int):
     """A banded op's temporaries (each under band_bytes) from the heap, and that heap handed back to
     the OS as soon as the op is done. Raised for the whole decode instead, the mid block's and the
     64x64 level's 8 MiB tensors also landed in the heap and left ~95 MiB of it fragmented at the
@@ -279,7 +279,7 @@ def _norm_act_conv(
     scale, shift = channel_affine(norm, *group_stats(x, norm, band_bytes), channels)
     out = x if overwrite else x.new_empty((n, channels_out, height, width))
     rows = rows_per_band(channels, channels_out, width, x.element_size(), band_bytes)
-    with _band_heap(band_bytes):
+    with band_heap(band_bytes):
         _norm_act_conv_bands(x, out, conv, scale, shift, rows, residual, shortcut, output_scale, overwrite)
     return out
 
@@ -318,7 +318,7 @@ def _upsample_conv(x: torch.Tensor, conv, band_bytes: int) -> torch.Tensor:
     out_height, out_width = 2 * height, 2 * width
     out = x.new_empty((n, conv.out_channels, out_height, out_width))
     rows = max(2, rows_per_band(channels, conv.out_channels, out_width, x.element_size(), band_bytes) // 2 * 2)
-    with _band_heap(band_bytes):
+    with band_heap(band_bytes):
         for r0 in range(0, out_height, rows):
             r1 = min(out_height, r0 + rows)
             need0, need1 = max(0, r0 - 1), min(out_height, r1 + 1)  # upsampled rows the band reads

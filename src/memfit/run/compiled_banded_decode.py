@@ -29,7 +29,7 @@ import functools
 import torch
 import torch.nn.functional as F
 
-from memfit.run.banded_decode import (DEFAULT_BAND_BYTES, channel_affine, group_stats, rows_per_band,
+from memfit.run.banded_decode import (DEFAULT_BAND_BYTES, band_heap, channel_affine, group_stats, rows_per_band,
                                       unsupported_reason)
 
 __all__ = ["band_kernel_paths", "compile_band_kernels", "enable_compiled_banded_decode", "is_compiled_banded"]
@@ -146,6 +146,13 @@ def _norm_act_conv(x, norm, conv, band_bytes: int, *, residual=None, overwrite: 
     scale, shift = channel_affine(norm, *group_stats(x, norm, band_bytes), channels)
     out = x if overwrite else x.new_empty((n, channels_out, height, width))
     rows = _band_rows(height, rows_per_band(channels, channels_out, width, x.element_size(), band_bytes))
+    with band_heap(band_bytes):  # the bands' temporaries handed back to the OS after the layer, as in the eager one
+        _norm_act_conv_bands(x, out, conv, scale, shift, rows, residual, overwrite)
+    return out
+
+
+def _norm_act_conv_bands(x, out, conv, scale, shift, rows, residual, overwrite) -> None:
+    n, channels, height, width = x.shape
     band = x.new_zeros((n, channels, rows + 2, width))
     above = None  # with overwrite: the input row above the band, saved before the band before wrote over it
     for r0 in range(0, height, rows):
@@ -165,7 +172,6 @@ def _norm_act_conv(x, norm, conv, band_bytes: int, *, residual=None, overwrite: 
         if overwrite:
             above = x[:, :, r1 - 1:r1].clone()
         out[:, :, r0:r1] = y
-    return out
 
 
 def _upsample_conv(x, conv, band_bytes: int):
@@ -176,10 +182,11 @@ def _upsample_conv(x, conv, band_bytes: int):
                       step=2)
     half = rows // 2
     source = x.new_zeros((n, channels, half + 2, width))
-    for r0 in range(0, out_height, rows):
-        s0 = r0 // 2 - 1  # source row of the band's first source row (one above its own rows)
-        lo, hi = max(s0, 0), min(s0 + half + 2, height)
-        source.zero_()
-        source[:, :, lo - s0:hi - s0] = x[:, :, lo:hi]
-        out[:, :, r0:r0 + rows] = getattr(conv, KERNEL)(source)
+    with band_heap(band_bytes):
+        for r0 in range(0, out_height, rows):
+            s0 = r0 // 2 - 1  # source row of the band's first source row (one above its own rows)
+            lo, hi = max(s0, 0), min(s0 + half + 2, height)
+            source.zero_()
+            source[:, :, lo - s0:hi - s0] = x[:, :, lo:hi]
+            out[:, :, r0:r0 + rows] = getattr(conv, KERNEL)(source)
     return out
