@@ -13,7 +13,7 @@ from collections.abc import Collection, Mapping
 from memfit.plan.budget import BudgetTooSmall
 from memfit.sizes import format_bytes, round_up_mib
 
-__all__ = ["COMPILED_BLOCK_BUILD", "COMPILED_BLOCK_OVERHEAD", "COMPILED_WHOLE_BUILD", "CompiledChoice",
+__all__ = ["COMPILED_BANDS_EXTRA", "COMPILED_BLOCK_BUILD", "COMPILED_BLOCK_OVERHEAD", "COMPILED_WHOLE_BUILD", "CompiledChoice",
            "choose_compiled", "compiled_blocks_extra", "decode_in_bands"]
 
 # What a block compiled as a model of its own holds beyond its weights, as a share of them: the runtime's
@@ -33,6 +33,12 @@ COMPILED_BLOCK_BUILD = 3
 # compiles. Files in another dtype than the run's are read as a converted copy, also gone before it compiles:
 # the caller's ``converted``, which costs more only where it is larger than the model.
 COMPILED_WHOLE_BUILD = 0.25
+# What a VAE decoded in bands by compiled kernels (memfit.run.compiled_banded_decode) holds beyond its compiled
+# weights and the eager banded decode's calibrated activations, as a share of the compiled VAE: the kernels' own
+# runtime structures and the buffers of the band in flight. Measured once, SD 1.5 fp32 512x512 beside a kept
+# compiled UNet under a 4.7 GiB budget: the decode peaked 0.15 GiB (first image) and 0.22 GiB (the next, warm)
+# above the budget the plan had fitted it in without this, 0.71x the 0.31 GiB compiled VAE (docs/backends.md).
+COMPILED_BANDS_EXTRA = 0.75
 
 
 @dataclasses.dataclass(frozen=True)

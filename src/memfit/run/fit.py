@@ -44,7 +44,7 @@ from memfit.models.families import Settings
 from memfit.models.folder import ModelFolder
 from memfit.plan.activations import DEVICE_ACTIVATION_MARGIN, StrategyKind, choose, stage_strategies
 from memfit.plan.budget import Budget, BudgetTooSmall, StageDoesNotFit, stage_budget
-from memfit.plan.compiled import (COMPILED_BLOCK_BUILD, COMPILED_BLOCK_OVERHEAD, choose_compiled, compiled_blocks_extra,
+from memfit.plan.compiled import (COMPILED_BANDS_EXTRA, COMPILED_BLOCK_BUILD, COMPILED_BLOCK_OVERHEAD, choose_compiled, compiled_blocks_extra,
                                   decode_in_bands)
 from memfit.run.executor import (blocks_not_run, host_tier_reused, keep_dequantized, live_blocks, optimize, plan_stage,
                                  reads_in_place)
@@ -94,7 +94,7 @@ def fit_stage(pipe, folder: ModelFolder, names: Sequence[str], options: RunOptio
     notes: list[str] = []
     backend, in_blocks = options.backend, ()
     # A compiled VAE whose decode can run in bands: (plain, banded) activations, else None.
-    band_options = _band_options(pipe, folder, names, options, plan_as, settings, guided)
+    band_options = _band_options(pipe, folder, names, options, plan_as, settings, guided, backend)
     in_bands = False
     # A component compiled by a backend with its own copy of the weights costs that copy, not its torch
     # weights (memory-mapped once compiled: memfit.compile.weights), and is planned as such.
@@ -193,9 +193,10 @@ def _release_smallest(pool, *, spare_largest: bool = False) -> bool:
 
 
 def _band_options(pipe, folder: ModelFolder, names: Sequence[str], options: RunOptions, plan_as: str,
-                  settings: Settings, guided: bool) -> tuple[int, int] | None:
+                  settings: Settings, guided: bool, backend) -> tuple[int, int] | None:
     """(plain, banded) planned activations of the decode where its VAE is compiled by a backend with its own
-    copy of the weights on the CPU and can be decoded in bands (memfit.run.compiled_banded_decode); else None."""
+    copy of the weights on the CPU and can be decoded in bands (memfit.run.compiled_banded_decode); else None.
+    The banded figure counts what the band kernels hold beyond the compiled weights (COMPILED_BANDS_EXTRA)."""
     from memfit.run.banded_decode import unsupported_reason
 
     vae = getattr(pipe, "vae", None)
@@ -205,7 +206,10 @@ def _band_options(pipe, folder: ModelFolder, names: Sequence[str], options: RunO
         return None
     choices = stage_strategies(folder.adapter, plan_as, settings, guided, options.dtype)
     banded = next((choice for choice in choices if choice.name == StrategyKind.BANDED), None)
-    return None if banded is None else (choices[0].activation_bytes, banded.activation_bytes)
+    if banded is None:
+        return None
+    vae_bytes = compiled_weight_bytes(pipe, ["vae"], backend, options.torch_dtype).get("vae", 0)
+    return choices[0].activation_bytes, banded.activation_bytes + int(COMPILED_BANDS_EXTRA * vae_bytes)
 
 
 def _choose_compiled(pipe, folder: ModelFolder, options: RunOptions, stage: str, plan_as: str, budget: Budget,
