@@ -185,13 +185,15 @@ def compile_components(
 
 def compile_blocks(module: torch.nn.Module, component: str, paths, backend: str | Backend, *, fallback=None,
                    cache: Any = None, fingerprint: str | None = None, source=None,
-                   run_dtype: torch.dtype | None = None) -> list[CompileRecord]:
-    """Compile the ``forward`` of the submodules ``paths`` of ``module`` (component ``component``), each
+                   run_dtype: torch.dtype | None = None, method: str = "forward") -> list[CompileRecord]:
+    """Compile the ``forward`` (or ``method``) of the submodules ``paths`` of ``module`` (component ``component``), each
     as a model of its own, while ``module``'s own forward runs as plain PyTorch: a component whose
     compiled model does not fit a budget whole runs its largest blocks compiled and streams the rest
     (memfit.run.runner). Each block's torch weights are memory-mapped from ``source`` (the component's
     folder) like a whole component's; its records are named "component/path". ``fingerprint``: the
     component's weights fingerprint (each block's key adds its path). Undone by ``uncompile(module)``.
+    ``method``: another callable the submodules carry as an instance attribute (the compiled banded decode's
+    band kernels: memfit.run.compiled_banded_decode).
     """
     be, fallback_backend, cache = get_backend(backend), _fallback_backend(fallback), _store(cache)
     # Many block models would each keep their own intermediate buffers between calls, so each frees them after
@@ -203,7 +205,7 @@ def compile_blocks(module: torch.nn.Module, component: str, paths, backend: str 
         block_fingerprint = None
         if fingerprint is not None:
             block_fingerprint = hashlib.sha256(f"{fingerprint}\0{path}".encode()).hexdigest()
-        records += _install(module.get_submodule(path), f"{component}/{path}", ("forward",), be, fallback_backend,
+        records += _install(module.get_submodule(path), f"{component}/{path}", (method,), be, fallback_backend,
                             cache, block_fingerprint, options, source, run_dtype, key_prefix=path + ".")
     return records
 

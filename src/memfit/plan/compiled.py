@@ -13,8 +13,8 @@ from collections.abc import Collection, Mapping
 from memfit.plan.budget import BudgetTooSmall
 from memfit.sizes import format_bytes, round_up_mib
 
-__all__ = ["COMPILED_BLOCK_BUILD", "COMPILED_BLOCK_OVERHEAD", "COMPILED_WHOLE_BUILD", "CompiledChoice",
-           "choose_compiled", "compiled_blocks_extra"]
+__all__ = ["COMPILED_BANDS_EXTRA", "COMPILED_BLOCK_BUILD", "COMPILED_BLOCK_OVERHEAD", "COMPILED_WHOLE_BUILD", "CompiledChoice",
+           "choose_compiled", "compiled_blocks_extra", "decode_in_bands"]
 
 # What a block compiled as a model of its own holds beyond its weights, as a share of them: the runtime's
 # structures and buffers, intermediate buffers freed after each call (measured with openvino on the SD 1.5
@@ -33,6 +33,12 @@ COMPILED_BLOCK_BUILD = 3
 # compiles. Files in another dtype than the run's are read as a converted copy, also gone before it compiles:
 # the caller's ``converted``, which costs more only where it is larger than the model.
 COMPILED_WHOLE_BUILD = 0.25
+# What a VAE decoded in bands by compiled kernels (memfit.run.compiled_banded_decode) holds beyond its compiled
+# weights and the eager banded decode's calibrated activations, as a share of the compiled VAE: the kernels' own
+# runtime structures and the buffers of the band in flight. Measured once, SD 1.5 fp32 512x512 beside a kept
+# compiled UNet under a 4.7 GiB budget: the decode peaked 0.15 GiB (first image) and 0.22 GiB (the next, warm)
+# above the budget the plan had fitted it in without this, 0.71x the 0.31 GiB compiled VAE (docs/backends.md).
+COMPILED_BANDS_EXTRA = 0.75
 
 
 @dataclasses.dataclass(frozen=True)
@@ -49,6 +55,22 @@ class CompiledChoice:
     in_blocks: tuple[str, ...] = ()
     dropped: tuple[str, ...] = ()
     notes: tuple[str, ...] = ()
+
+
+def decode_in_bands(*, ceiling: int | None, already_used: int, compiled_bytes: int, plain: int,
+                    banded: int | None) -> bool:
+    """Whether a compiled VAE decode with no budget runs in bands (memfit.run.compiled_banded_decode) rather than
+    whole: where decoding whole would lift the process above ``ceiling``, the peak it has already reached (the
+    denoise stage's, measured), and the bands need less. ``already_used``: what the process holds as the stage
+    starts (kept stages included); ``compiled_bytes``: the compiled decoder; ``plain`` and ``banded``: the two
+    decodes' planned activations (``banded`` None: the VAE cannot be decoded in bands).
+
+    Asked only beside kept stages (memfit.run.fit): a Session that keeps the compiled denoiser loaded decodes
+    beside it in bands, so the decode does not set the session's peak; a one-shot run decodes whole, as before.
+    """
+    if banded is None or ceiling is None or banded >= plain:
+        return False
+    return already_used + compiled_bytes + plain > ceiling
 
 
 def compiled_blocks_extra(block_bytes: Collection[int]) -> int:

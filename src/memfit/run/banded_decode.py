@@ -45,7 +45,8 @@ from memfit.run.memory import heap_for_temporaries_under
 from memfit.run.offload import weights_ready
 
 __all__ = [
-    "DEFAULT_BAND_BYTES", "disable_banded_decode", "enable_banded_decode", "is_banded", "unsupported_reason",
+    "DEFAULT_BAND_BYTES", "band_heap", "channel_affine", "disable_banded_decode", "enable_banded_decode", "group_stats", "is_banded",
+    "rows_per_band", "unsupported_reason",
 ]
 
 DEFAULT_BAND_BYTES = 16 * 2**20  # temporaries of one band; small against any full-resolution tensor
@@ -173,7 +174,7 @@ def _decoder_forward(decoder, band_bytes, sample, latent_embeds=None):
 
 
 @contextlib.contextmanager
-def _band_heap(band_bytes: int):
+def band_heap(band_bytes: int):
     """A banded op's temporaries (each under band_bytes) from the heap, and that heap handed back to
     the OS as soon as the op is done. Raised for the whole decode instead, the mid block's and the
     64x64 level's 8 MiB tensors also landed in the heap and left ~95 MiB of it fragmented at the
@@ -213,13 +214,13 @@ def _upsampler_forward(upsampler, band_bytes, hidden_states, output_size=None, *
 # --- banded primitives ---------------------------------------------------------------------------
 
 
-def _rows_per_band(channels_in: int, channels_out: int, width: int, element_size: int, band_bytes: int) -> int:
+def rows_per_band(channels_in: int, channels_out: int, width: int, element_size: int, band_bytes: int) -> int:
     # per output row: the input band in fp32 (normalized) and its dtype copy, plus the conv output
     per_row = width * (channels_in * (4 + element_size) + channels_out * element_size)
     return max(1, band_bytes // max(1, per_row))
 
 
-def _group_stats(x: torch.Tensor, norm: torch.nn.GroupNorm, band_bytes: int) -> tuple[torch.Tensor, torch.Tensor]:
+def group_stats(x: torch.Tensor, norm: torch.nn.GroupNorm, band_bytes: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Per (sample, group) mean and 1/std over the whole tensor, a few groups at a time.
 
     For fp32 the statistics come from torch's own group-norm kernel run on channel slices (groups
@@ -247,7 +248,7 @@ def _group_stats(x: torch.Tensor, norm: torch.nn.GroupNorm, band_bytes: int) -> 
     return torch.cat(means, 1), torch.cat(rstds, 1)
 
 
-def _channel_affine(norm: torch.nn.GroupNorm, mean: torch.Tensor, rstd: torch.Tensor, channels: int):
+def channel_affine(norm: torch.nn.GroupNorm, mean: torch.Tensor, rstd: torch.Tensor, channels: int):
     """GroupNorm as y = x * scale + shift per (sample, channel), fused the way torch's CPU kernel
     fuses it (scale = rstd * gamma, shift = fma(-scale, mean, beta), y = fma(x, scale, shift)),
     which makes the fp32 result bitwise equal to nn.GroupNorm here."""
@@ -275,10 +276,10 @@ def _norm_act_conv(
     n, channels, height, width = x.shape
     channels_out = conv.out_channels
     overwrite = overwrite and channels_out == channels
-    scale, shift = _channel_affine(norm, *_group_stats(x, norm, band_bytes), channels)
+    scale, shift = channel_affine(norm, *group_stats(x, norm, band_bytes), channels)
     out = x if overwrite else x.new_empty((n, channels_out, height, width))
-    rows = _rows_per_band(channels, channels_out, width, x.element_size(), band_bytes)
-    with _band_heap(band_bytes):
+    rows = rows_per_band(channels, channels_out, width, x.element_size(), band_bytes)
+    with band_heap(band_bytes):
         _norm_act_conv_bands(x, out, conv, scale, shift, rows, residual, shortcut, output_scale, overwrite)
     return out
 
@@ -316,8 +317,8 @@ def _upsample_conv(x: torch.Tensor, conv, band_bytes: int) -> torch.Tensor:
     n, channels, height, width = x.shape
     out_height, out_width = 2 * height, 2 * width
     out = x.new_empty((n, conv.out_channels, out_height, out_width))
-    rows = max(2, _rows_per_band(channels, conv.out_channels, out_width, x.element_size(), band_bytes) // 2 * 2)
-    with _band_heap(band_bytes):
+    rows = max(2, rows_per_band(channels, conv.out_channels, out_width, x.element_size(), band_bytes) // 2 * 2)
+    with band_heap(band_bytes):
         for r0 in range(0, out_height, rows):
             r1 = min(out_height, r0 + rows)
             need0, need1 = max(0, r0 - 1), min(out_height, r1 + 1)  # upsampled rows the band reads

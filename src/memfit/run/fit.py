@@ -8,7 +8,11 @@ the stage runner (memfit.run.runner) records it. What it does, in order:
 
 1. Compiled models. A backend that holds its own copy of the weights (OpenVINO) makes a component a
    compiled model that cannot be streamed: memfit.plan.compiled chooses which are kept whole (fixed
-   costs for the plan), compiled block by block, or (with --fallback eager) run eagerly.
+   costs for the plan), compiled block by block, or (with --fallback eager) run eagerly. A compiled VAE decodes
+   in bands (memfit.run.compiled_banded_decode, bounded activations) where decoding whole does not fit the
+   budget beside what the process holds, or, with no budget, beside a Session's kept stages where it would lift
+   the process above its measured peak (memfit.plan.compiled.decode_in_bands); kept pipelines go, smallest
+   first, where even the bands do not fit (WarmPool.release_smallest).
 2. The plan. The budget left once the process's own memory is counted (memfit.plan.budget.stage_budget)
    is planned for the stage's components together with the activations of each strategy the family
    allows (memfit.plan.activations), and the first strategy that keeps every weight resident wins (else
@@ -26,6 +30,7 @@ whole run, naming the budget to give.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Collection, Mapping, Sequence
 from typing import Any
 
@@ -40,10 +45,11 @@ from memfit.models.folder import ModelFolder
 from memfit.plan.activations import (DENOISE_HEAP_THRESHOLD, DEVICE_ACTIVATION_MARGIN, StrategyKind, choose,
                                      stage_strategies)
 from memfit.plan.budget import Budget, BudgetTooSmall, StageDoesNotFit, stage_budget
-from memfit.plan.compiled import COMPILED_BLOCK_BUILD, COMPILED_BLOCK_OVERHEAD, choose_compiled, compiled_blocks_extra
+from memfit.plan.compiled import (COMPILED_BANDS_EXTRA, COMPILED_BLOCK_BUILD, COMPILED_BLOCK_OVERHEAD, choose_compiled, compiled_blocks_extra,
+                                  decode_in_bands)
 from memfit.run.executor import (blocks_not_run, host_tier_reused, keep_dequantized, live_blocks, optimize, plan_stage,
                                  reads_in_place)
-from memfit.run.memory import return_large_frees_to_os
+from memfit.run.memory import process_peak_rss, return_large_frees_to_os
 from memfit.run.options import RunOptions
 from memfit.sizes import format_bytes
 
@@ -91,15 +97,69 @@ def fit_stage(pipe, folder: ModelFolder, names: Sequence[str], options: RunOptio
     """
     notes: list[str] = []
     backend, in_blocks = options.backend, ()
+    # A compiled VAE whose decode can run in bands: (plain, banded) activations, else None.
+    band_options = _band_options(pipe, folder, names, options, plan_as, settings, guided, backend)
+    in_bands = False
     # A component compiled by a backend with its own copy of the weights costs that copy, not its torch
     # weights (memory-mapped once compiled: memfit.compile.weights), and is planned as such.
     compiled = compiled_weight_bytes(pipe, names, backend, options.torch_dtype) if budget is not None else {}
     if compiled:
-        choice = _choose_compiled(pipe, folder, options, stage, plan_as, budget, already_used, compiled, settings,
-                                  guided)
+        choose = functools.partial(_choose_compiled, pipe, folder, options, stage, plan_as, budget, already_used,
+                                   compiled, settings, guided)
+        try:
+            choice = choose()
+        except BudgetTooSmall:
+            if band_options is None:
+                raise
+            choice = None
+        if band_options is not None and (choice is None or "vae" not in choice.kept):
+            # Decoded whole, the compiled VAE does not fit beside what the process holds (a Session's kept
+            # stages); in bands its activations are bounded: compiled, in bands, where that fits. Where that does
+            # not fit either, the pool lets its smallest kept pipelines go (a text encoder before the denoiser)
+            # until it does, and keeps the rest.
+            while True:
+                try:
+                    banded, refused = choose(activations=band_options[1]), None
+                except BudgetTooSmall as exc:
+                    banded, refused = None, exc
+                if (banded is not None and "vae" in banded.kept) or not _release_smallest(options.pool):
+                    break
+                already_used = options.runtime.memory_in_use()
+                choose = functools.partial(_choose_compiled, pipe, folder, options, stage, plan_as, budget,
+                                           already_used, compiled, settings, guided)
+            if banded is not None and "vae" in banded.kept:
+                choice, in_bands = banded, True
+            elif choice is None:
+                if refused is not None:
+                    raise refused  # the smallest budget it names is the banded decode's
+                choice = banded
         compiled, in_blocks = dict(choice.kept), choice.in_blocks
         backend = without_components(backend, [*choice.dropped, *in_blocks])
         notes += choice.notes
+    elif band_options is not None and budget is None and options.pool is not None and options.pool.holds_any():
+        # Without a budget only beside kept stages (a Session's): a one-shot run has let its denoiser go by now.
+        vae_bytes = compiled_weight_bytes(pipe, ["vae"], backend, options.torch_dtype).get("vae", 0)
+        ceiling = process_peak_rss()
+        in_bands = decode_in_bands(ceiling=ceiling, already_used=already_used, compiled_bytes=vae_bytes,
+                                   plain=band_options[0], banded=band_options[1])
+        if in_bands and options.pool is not None:
+            # Beside the kept weights, not their buffers; and, to stay under the peak, without the smaller kept
+            # pipelines where need be (never the largest: with no budget a Session keeps its denoiser).
+            options.pool.free_buffers()
+            already_used = options.runtime.memory_in_use()
+            while already_used + vae_bytes + band_options[1] > ceiling and \
+                    _release_smallest(options.pool, spare_largest=True):
+                already_used = options.runtime.memory_in_use()
+    if in_bands and options.pool is not None and hasattr(options.pool, "bounded"):
+        options.pool.bounded.add(stage)  # its warm runs too run beside the kept weights, not their buffers
+    if in_bands:
+        backend = without_components(backend, ["vae"])  # its band kernels are compiled below instead
+        notes.append(
+            f"{stage}: vae compiled in bands (a model per conv, each band's buffers freed after it; GroupNorm "
+            f"statistics over the whole tensor): planned activations {format_bytes(band_options[1])} instead of "
+            f"{format_bytes(band_options[0])} decoding whole, "
+            + ("which does not fit the budget beside what this process holds" if budget is not None else
+               f"which would lift the process above the {format_bytes(process_peak_rss())} it already reached"))
     for name, size in compiled.items():
         notes.append(f"{stage}: planned {name} as its compiled model, {format_bytes(size)} "
                      "resident (its torch weights memory-mapped, not counted)")
@@ -118,13 +178,51 @@ def fit_stage(pipe, folder: ModelFolder, names: Sequence[str], options: RunOptio
     served = [name for name in converting if budget is None or name in compiled]
     compile_stage(pipe, folder.path, backend, options.fallback, records, folder.component_fingerprint,
                   run_dtypes=dict.fromkeys(served, options.torch_dtype) if backend is not None else None)
+    if in_bands:
+        from memfit.run.compiled_banded_decode import compile_band_kernels, enable_compiled_banded_decode
+
+        enable_compiled_banded_decode(pipe.vae)
+        kernels_backend = served_by_own_weights(folder.components, ["vae"], options.backend)["vae"]
+        records += compile_band_kernels(pipe.vae, "vae", kernels_backend, fallback=options.fallback,
+                                        fingerprint=folder.component_fingerprint("vae"), source=folder.path / "vae",
+                                        run_dtype=options.torch_dtype if "vae" in converting else None)
+        fit = dataclasses.replace(fit, strategy=StrategyKind.BANDED)
     return dataclasses.replace(fit, compiled=tuple(records), notes=(*notes, *fit.notes))
 
 
+def _release_smallest(pool, *, spare_largest: bool = False) -> bool:
+    """Let the pool's smallest kept pipeline go (WarmPool.release_smallest); False where there is none to let go."""
+    release = getattr(pool, "release_smallest", None)
+    return bool(release is not None and release(spare_largest=spare_largest))
+
+
+def _band_options(pipe, folder: ModelFolder, names: Sequence[str], options: RunOptions, plan_as: str,
+                  settings: Settings, guided: bool, backend) -> tuple[int, int] | None:
+    """(plain, banded) planned activations of the decode where its VAE is compiled by a backend with its own
+    copy of the weights on the CPU and can be decoded in bands (memfit.run.compiled_banded_decode); else None.
+    The banded figure counts what the band kernels hold beyond the compiled weights (COMPILED_BANDS_EXTRA)."""
+    from memfit.run.banded_decode import unsupported_reason
+
+    vae = getattr(pipe, "vae", None)
+    if plan_as != "decode" or "vae" not in names or vae is None or options.runtime.separate_memory:
+        return None
+    if "vae" not in served_by_own_weights(folder.components, ["vae"], options.backend) or unsupported_reason(vae):
+        return None
+    choices = stage_strategies(folder.adapter, plan_as, settings, guided, options.dtype)
+    banded = next((choice for choice in choices if choice.name == StrategyKind.BANDED), None)
+    if banded is None:
+        return None
+    vae_bytes = compiled_weight_bytes(pipe, ["vae"], backend, options.torch_dtype).get("vae", 0)
+    return choices[0].activation_bytes, banded.activation_bytes + int(COMPILED_BANDS_EXTRA * vae_bytes)
+
+
 def _choose_compiled(pipe, folder: ModelFolder, options: RunOptions, stage: str, plan_as: str, budget: Budget,
-                     already_used: int, compiled: dict[str, int], settings: Settings, guided: bool):
-    # A compiled graph runs the stage's own way (no chunked attention, no banded decode): its activations.
-    activations = stage_strategies(folder.adapter, plan_as, settings, guided, options.dtype)[0].activation_bytes
+                     already_used: int, compiled: dict[str, int], settings: Settings, guided: bool,
+                     activations: int | None = None):
+    # A compiled graph runs the stage's own way (no chunked attention, no banded decode): its activations, unless
+    # the caller names others (a VAE compiled in bands).
+    if activations is None:
+        activations = stage_strategies(folder.adapter, plan_as, settings, guided, options.dtype)[0].activation_bytes
     served = served_by_own_weights(folder.components, list(compiled), options.backend)
     stored = compiled_in_store({name: folder.component_fingerprint(name) for name in compiled}, served)
     # A build reads the torch weights in the run dtype: from files in another dtype that is a converted copy

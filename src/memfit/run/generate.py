@@ -249,8 +249,11 @@ def generate(
     runner = StageRunner(options, report=report, settings=settings, guided=guided)
     # An automatic budget is what there is: nothing to name instead.
     if runner.resolved.mode in ("explicit", ABOVE_PROCESS):
+        # What a Session keeps loaded is not this process's floor: its pool lets it go when a stage needs the room.
+        kept = options.pool.weights_bytes() if hasattr(options.pool, "weights_bytes") else 0
         check_budget_floor(adapter, settings, dtype, runner.budget, options.runtime,
-                           above_process=runner.resolved.mode == ABOVE_PROCESS)
+                           above_process=runner.resolved.mode == ABOVE_PROCESS,
+                           in_use=options.runtime.memory_in_use() - kept if kept else None)
     if sampler is not None:  # refused before anything loads when it does not fit the model
         from memfit.run.samplers import resolve_sampler
 

@@ -54,6 +54,9 @@ class StagePool(Protocol):
     def free_buffers(self) -> None:
         """Free the kept compiled models' intermediate buffers (before a stage is planned under a budget)."""
 
+    def release_smallest(self, *, spare_largest: bool = False) -> bool:
+        """Let the smallest kept pipeline go (and keep its slot no more) to make room for a stage; False if none."""
+
     def note_growth(self, stage: str, grew_by: int, *, loaded: bool) -> None:
         """How much ``stage``'s run grew the memory in use; ``loaded``: it loaded rather than took its pipe."""
 

@@ -7,6 +7,13 @@ pool (WarmPool, a memfit.run.options.StagePool): a stage hands its fitted pipeli
 the next run's stage takes it back instead of loading, planning and compiling again. The images
 are the same as memfit.generate's, bit for bit (tests/test_serve.py holds the server to that).
 
+A compiled VAE decodes in bands (memfit.run.compiled_banded_decode) where decoding it whole does not fit beside
+the kept stages (with no budget: where it would lift the process above the peak it already reached): bounded, the
+decode runs beside the kept compiled denoiser instead of making the pool let it go. Where even the bands do not
+fit, the pool first lets the smallest kept pipelines go (a text encoder before the denoiser: WarmPool.release_smallest,
+counted in ``released``), keeps the rest, and loads the stages it let go per run from then on; with no budget it
+never lets the largest go.
+
 The rule that keeps a session inside the budget: a stage's plan is made with the memory the process
 holds at the time, warm stages included, so nothing is ever planned past the budget. Stages are
 kept warm only while every stage fits fully resident that way; the first stage that would have to
@@ -66,6 +73,11 @@ class WarmPool:
         # On a GPU, the pinned host tiers of the stages that stream, kept filled for their next run (even where
         # the pipelines themselves are not kept: a stage that streams takes the device's room).
         self.host_tiers = KeptHostTiers()
+        # Stages fitted to run in bounded memory beside the kept ones (a compiled decode in bands): they run beside
+        # the kept weights only, so the kept compiled models' buffers are freed before each of their runs.
+        self.bounded: set[str] = set()
+        self.released = 0  # kept pipelines let go to make room for a stage while the pool went on keeping the rest
+        self._not_kept: set[tuple] = set()  # their slots: loaded per run from then on (see release_smallest)
 
     def take(self, slot: tuple, made_for: tuple):
         """The kept pipeline for ``slot`` (removed from the pool until the stage hands it back) if it was
@@ -78,7 +90,7 @@ class WarmPool:
         return pipe
 
     def keep(self, slot: tuple, made_for: tuple, pipe) -> None:
-        if not self.gave_up:
+        if not self.gave_up and slot not in self._not_kept:
             self._pipes[slot] = (made_for, pipe)
 
     def holds_any(self) -> bool:
@@ -94,8 +106,23 @@ class WarmPool:
         known to fit beside them: ``in_use`` (bytes held now, kept pipelines included) plus the most the stage grew
         by before stays within ``limit`` (the budget's device bytes; None: unlimited)."""
         grew_by = self._growth.get(stage)
-        if limit is not None and (grew_by is None or in_use + grew_by > limit):
+        if stage in self.bounded or (limit is not None and (grew_by is None or in_use + grew_by > limit)):
             self.free_buffers()
+
+    def release_smallest(self, *, spare_largest: bool = False) -> bool:
+        """Let the kept pipeline with the fewest weight bytes go, to make room for a stage, and keep the others
+        (``spare_largest``: never the one with the most, which a run without a budget keeps whatever it costs: the
+        denoiser a Session is for). That slot is not kept again: the stage that needed the room was fitted without
+        it and, kept, runs warm (unplanned) from then on. False where there is nothing (else) to let go."""
+        sizes = {slot: resident_bytes(pipe, slot[1]) for slot, (_, pipe) in self._pipes.items()}
+        if len(sizes) <= (1 if spare_largest else 0):
+            return False
+        smallest = min(sizes, key=sizes.get)
+        del self._pipes[smallest]
+        self._not_kept.add(smallest)
+        self.released += 1
+        release_freed_memory()
+        return True
 
     def free_buffers(self) -> None:
         """Free the kept compiled models' intermediate buffers (they are allocated again on their next call): before
@@ -162,9 +189,10 @@ class Session:
     def warm_state(self) -> dict[str, Any]:
         """What is kept loaded, for reports: components, their weight bytes, and why not, where not."""
         if self.pool is None:
-            return {"warm": False, "components": [], "weights_bytes": 0, "reason": "warm=False"}
+            return {"warm": False, "components": [], "weights_bytes": 0, "reason": "warm=False", "released": 0}
         return {"warm": not self.pool.gave_up, "components": self.pool.components(),
-                "weights_bytes": self.pool.weights_bytes(), "reason": self.pool.gave_up}
+                "weights_bytes": self.pool.weights_bytes(), "reason": self.pool.gave_up,
+                "released": self.pool.released}
 
     def close(self) -> None:
         """Release every kept stage."""

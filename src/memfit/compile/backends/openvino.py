@@ -254,7 +254,9 @@ def _convert(fn: Callable[..., Any], example_inputs: Sequence[Any]) -> tuple[Any
                 "(e.g. backend='inductor' or 'eager')."
             ) from exc
     expected = list(exported.graph_signature.user_inputs)
-    if [port.get_any_name() for port in model.inputs] != expected:
+    # A port can carry several names (an input the graph uses as is also takes its first use's name): any of them.
+    if len(model.inputs) != len(expected) or any(name not in port.get_names()
+                                                 for port, name in zip(model.inputs, expected)):
         raise MemfitError(
             f"OpenVINO converted {name_of(fn)} to a model with inputs "
             f"{[port.get_any_name() for port in model.inputs]}, not {expected}, so it cannot be "
