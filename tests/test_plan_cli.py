@@ -282,11 +282,13 @@ def test_plan_and_generate_agree_on_a_cpu(tiny_models, monkeypatch, capsys):
     assert fixed["process_bytes"] == 0 and fixed["plan"]["budget"]["device"] == needed
 
 
-# The 2025-26 video and editing families at real size; a video's frames where the default's plain decode (every frame
+# The 2025-26 families at real size; a video's frames (an image's size) where the default's plain decode (every frame
 # at once, as the pipeline decodes them) would not fit the smallest budget: LTX-Video's 161 frames need 6.6 GiB,
-# HunyuanVideo 1.5's 121 frames 27.8 GiB (below).
-REAL_SIZE_FAMILIES = {"flux-fill": None, "qwen-image-edit": None, "qwen-image-edit-plus": None, "wan2.2-a14b": None,
-                      "wan2.2-i2v-a14b": None, "wan2.2-ti2v-5b": None, "ltx-video": 121, "hunyuanvideo1.5": 17}
+# HunyuanVideo 1.5's 121 frames 27.8 GiB (below), HunyuanImage 2.1's 2048x2048 7.6 GiB.
+REAL_SIZE_FAMILIES = {"flux-fill": [], "qwen-image": [], "qwen-image-edit": [], "qwen-image-edit-plus": [],
+                      "hunyuanimage2.1": ["--width", "1024", "--height", "1024"], "wan2.2-a14b": [],
+                      "wan2.2-i2v-a14b": [], "wan2.2-ti2v-5b": [], "ltx-video": ["--frames", "121"],
+                      "hunyuanvideo1.5": ["--frames", "17"]}
 
 
 @pytest.mark.parametrize("arch", sorted(REAL_SIZE_FAMILIES))
@@ -295,11 +297,10 @@ def test_the_newer_families_plan_at_real_size_in_6_12_and_24_gib(arch, capsys):
 
     adapter = get_arch(arch).adapter()
     assert type(adapter) is ADAPTERS[get_arch(arch).class_name]
-    frames = ["--frames", str(REAL_SIZE_FAMILIES[arch])] if REAL_SIZE_FAMILIES[arch] else []
     streamed = []
     for budget in ("6GiB", "12GiB", "24GiB"):
-        report = run_json(["--arch", arch, "--budget", budget, "--dtype", "bf16", "--process-memory", "0", *frames],
-                          capsys)
+        report = run_json(["--arch", arch, "--budget", budget, "--dtype", "bf16", "--process-memory", "0",
+                           *REAL_SIZE_FAMILIES[arch]], capsys)
         stages = report["plan"]["stages"]
         assert all(stage["peak_bytes"] <= parse_size(budget) for stage in stages), budget
         assert {stage["name"].split(":")[0] for stage in stages} == {"encode", "denoise", "decode"}

@@ -783,6 +783,52 @@ QWEN_IMAGE_EDIT_PLUS = dataclasses.replace(
     QWEN_IMAGE_EDIT, name="qwen-image-edit-plus", class_name="QwenImageEditPlusPipeline",
     description="Qwen-Image-Edit-2509 and later, image editing (Qwen-Image-Edit's components)")
 
+# google/byt5-small's encoder (Glyph-SDXL-v2's): HunyuanImage 2.1's and HunyuanVideo 1.5's text_encoder_2
+BYT5_SMALL_ENCODER = {
+    "architectures": ["T5EncoderModel"],
+    "d_ff": 3584,
+    "d_kv": 64,
+    "d_model": 1472,
+    "dense_act_fn": "gelu_new",
+    "eos_token_id": 1,
+    "feed_forward_proj": "gated-gelu",
+    "is_gated_act": True,
+    "layer_norm_epsilon": 1e-06,
+    "model_type": "t5",
+    "num_decoder_layers": 4,
+    "num_heads": 6,
+    "num_layers": 12,
+    "pad_token_id": 0,
+    "relative_attention_max_distance": 128,
+    "relative_attention_num_buckets": 32,
+    "tie_word_embeddings": False,
+    "vocab_size": 384,
+}
+
+QWEN_IMAGE = dataclasses.replace(
+    QWEN_IMAGE_EDIT, name="qwen-image", class_name="QwenImagePipeline",
+    description="Qwen-Image, text to image (transformer 20B, Qwen2.5-VL-7B, Wan 2.1 VAE)")
+
+HUNYUAN_IMAGE21 = Arch(
+    name="hunyuanimage2.1",
+    description="HunyuanImage 2.1, text to image (transformer 17B, Qwen2.5-VL-7B, ByT5 for quoted text, "
+                "32x-compressing VAE)",
+    class_name="HunyuanImagePipeline",
+    components=(
+        ComponentSpec("text_encoder", "transformers", "Qwen2_5_VLForConditionalGeneration", _frozen(QWEN25_VL_7B),
+                      8_292_166_656),
+        ComponentSpec("text_encoder_2", "transformers", "T5EncoderModel", _frozen(BYT5_SMALL_ENCODER), None),
+        # diffusers' defaults are 2.1's transformer; its glyph (ByT5) embeddings come in 1472 wide
+        ComponentSpec("transformer", "diffusers", "HunyuanImageTransformer2DModel",
+                      _frozen({"text_embed_2_dim": 1472}), 17_000_000_000, 0.03),  # published as "17B"
+        ComponentSpec("vae", "diffusers", "AutoencoderKLHunyuanImage",
+                      _frozen({"in_channels": 3, "out_channels": 3, "latent_channels": 64,
+                               "block_out_channels": [128, 256, 512, 512, 1024, 1024], "layers_per_block": 2,
+                               "spatial_compression_ratio": 32, "sample_size": 384, "scaling_factor": 0.75289}),
+                      None),
+    ),
+)
+
 HUNYUAN_VIDEO15 = Arch(
     name="hunyuanvideo1.5",
     description="HunyuanVideo 1.5, text to video (transformer 8.3B, Qwen2.5-VL-7B's language model, ByT5, "
@@ -797,26 +843,7 @@ HUNYUAN_VIDEO15 = Arch(
             "text_encoder_2",
             "transformers",
             "T5EncoderModel",
-            _frozen({  # google/byt5-small's encoder (Glyph-SDXL-v2's)
-                "architectures": ["T5EncoderModel"],
-                "d_ff": 3584,
-                "d_kv": 64,
-                "d_model": 1472,
-                "dense_act_fn": "gelu_new",
-                "eos_token_id": 1,
-                "feed_forward_proj": "gated-gelu",
-                "is_gated_act": True,
-                "layer_norm_epsilon": 1e-06,
-                "model_type": "t5",
-                "num_decoder_layers": 4,
-                "num_heads": 6,
-                "num_layers": 12,
-                "pad_token_id": 0,
-                "relative_attention_max_distance": 128,
-                "relative_attention_num_buckets": 32,
-                "tie_word_embeddings": False,
-                "vocab_size": 384,
-            }),
+            _frozen(BYT5_SMALL_ENCODER),
             None,  # published for byt5-small as a whole (300M, with its decoder) only
         ),
         ComponentSpec("transformer", "diffusers", "HunyuanVideo15Transformer3DModel",
@@ -912,10 +939,10 @@ LTX2 = Arch(
     ),
 )
 
-ARCHS: Mapping[str, Arch] = MappingProxyType({a.name: a for a in (SD15, SDXL, FLUX, LUMINA2, COGVIEW4, FLUX_KONTEXT, FLUX_FILL,
-                                                                   ZIMAGE, FLUX2_DEV, FLUX2_KLEIN, QWEN_IMAGE_EDIT,
-                                                                   QWEN_IMAGE_EDIT_PLUS, WAN22_A14B, WAN22_I2V_A14B,
-                                                                   WAN22_TI2V_5B, HUNYUAN_VIDEO15, LTX_VIDEO, LTX2)})
+ARCHS: Mapping[str, Arch] = MappingProxyType({a.name: a for a in (
+    SD15, SDXL, FLUX, LUMINA2, COGVIEW4, FLUX_KONTEXT, FLUX_FILL, ZIMAGE, FLUX2_DEV, FLUX2_KLEIN, QWEN_IMAGE,
+    QWEN_IMAGE_EDIT, QWEN_IMAGE_EDIT_PLUS, HUNYUAN_IMAGE21, WAN22_A14B, WAN22_I2V_A14B, WAN22_TI2V_5B, HUNYUAN_VIDEO15,
+    LTX_VIDEO, LTX2)})
 
 
 def get_arch(name: str) -> Arch:
