@@ -142,10 +142,11 @@ def streamed_plans(monkeypatch, nothing_in_use):
     left out, and the prompt cache is off so the encode stage always loads (and streams) its encoders.
     """
     import memfit.run.fit as fit
-    from memfit.plan import meta
+    from memfit.plan import activations, meta
 
     monkeypatch.setattr(meta, "ACTIVATION_OFFSETS", dict.fromkeys(meta.ACTIVATION_OFFSETS, 0))
     monkeypatch.setattr(meta, "ACTIVATION_FACTORS", dict.fromkeys(meta.ACTIVATION_FACTORS, 0))
+    monkeypatch.setattr(activations, "HEAP_SLACK_CEILING", 0)  # the denoising loop's heap: activations too
     monkeypatch.setenv("MEMFIT_CACHE", "0")
     plans = []
     original = fit.optimize

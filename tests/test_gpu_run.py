@@ -215,8 +215,8 @@ def test_activation_estimates_get_the_device_margin_on_a_gpu_only(tiny_models, m
         asked.append(activation_bytes)
         return plan_stage(pipe, budget, stage, activation_bytes, parts, **options)
 
-    def strategies(*args):
-        options = stage_strategies(*args)
+    def strategies(*args, **kwargs):
+        options = stage_strategies(*args, **kwargs)
         offered.append(options[0].activation_bytes)
         return options
 
