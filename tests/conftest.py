@@ -129,8 +129,10 @@ def nothing_in_use(monkeypatch):
     """Every device runtime says the process holds nothing on it before memfit places weights: the
     process's own memory (Python, torch) would swamp a tiny model's budget."""
     from memfit.devices import DeviceRuntime
+    from memfit.run import runner
 
     monkeypatch.setattr(DeviceRuntime, "memory_in_use", lambda self: 0)
+    monkeypatch.setattr(runner, "heap_holes", lambda: 0)  # nor the holes its heap keeps (memory.heap_holes)
 
 
 @pytest.fixture
@@ -142,11 +144,10 @@ def streamed_plans(monkeypatch, nothing_in_use):
     left out, and the prompt cache is off so the encode stage always loads (and streams) its encoders.
     """
     import memfit.run.fit as fit
-    from memfit.plan import activations, meta
+    from memfit.plan import meta
 
     monkeypatch.setattr(meta, "ACTIVATION_OFFSETS", dict.fromkeys(meta.ACTIVATION_OFFSETS, 0))
     monkeypatch.setattr(meta, "ACTIVATION_FACTORS", dict.fromkeys(meta.ACTIVATION_FACTORS, 0))
-    monkeypatch.setattr(activations, "HEAP_SLACK_CEILING", 0)  # the denoising loop's heap: activations too
     monkeypatch.setenv("MEMFIT_CACHE", "0")
     plans = []
     original = fit.optimize
