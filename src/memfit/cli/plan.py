@@ -143,9 +143,11 @@ def run_plan(args: argparse.Namespace) -> int:
         for stage_options_, (stage, chosen) in zip(options, strategies.items()):
             if len(stage_options_) > 1:
                 own = stage_options_[0][0]
-                line = f"{stage}: {chosen}" + (" (the pipeline's own way)" if chosen == own.name else
-                                                f" instead of {own.name}, which would need "
-                                                f"{format_bytes(own.activation_bytes)} of activations")
+                line = f"{stage}: {chosen.name}" + (" (the pipeline's own way)" if chosen.name == own.name else
+                                                     f" instead of {own.name}, which would need "
+                                                     f"{format_bytes(own.activation_bytes)} of activations")
+                if chosen.tiling is not None:
+                    line += f"; {chosen.tiling.describe()} (the frames differ from an untiled decode's at the seams)"
                 print(line)
         if precision_line:
             print(precision_line)
@@ -262,6 +264,8 @@ def _models_left_out(adapter, planned: set[str]) -> list[str]:
             if name not in planned and is_model_class(library, class_name)]
 
 
-def _report(name: str, dtype: str, width: int, height: int, plan: Plan, strategies: dict[str, str]) -> dict[str, Any]:
-    return {"arch": name, "dtype": dtype, "width": width, "height": height, "strategies": strategies,
-            "plan": plan.to_dict()}
+def _report(name: str, dtype: str, width: int, height: int, plan: Plan, strategies: dict) -> dict[str, Any]:
+    tilings = {stage: strategy.tiling.enable_kwargs for stage, strategy in strategies.items() if strategy.tiling}
+    return {"arch": name, "dtype": dtype, "width": width, "height": height,
+            "strategies": {stage: str(strategy.name) for stage, strategy in strategies.items()},
+            **({"vae_tiling": tilings} if tilings else {}), "plan": plan.to_dict()}

@@ -24,6 +24,10 @@ computes the same image (within float rounding):
            banded    memfit.run.banded_decode: bands of rows, GroupNorm statistics over the whole tensor
                      (half the activations at 512x512); chosen as soon as
                      the plain decode would push any VAE weight off the device.
+           tiled     diffusers' own tiled decode (vae.enable_tiling) for a video VAE that decodes every
+                     frame at once (memfit.plan.tiled_decode), the largest tile first. Not the untiled
+                     arithmetic (tiles blend where they overlap), so chosen only where the plain decode
+                     cannot be planned at all: the frames then equal diffusers' with that tiling.
 """
 
 from __future__ import annotations
@@ -32,6 +36,7 @@ import dataclasses
 from typing import Callable
 
 from memfit.errors import MemfitError
+from memfit.plan.tiled_decode import DecodeTiling, decode_tilings, tiled_activation_bytes
 from memfit.text_enum import TextEnum
 
 __all__ = ["DENOISE_HEAP_THRESHOLD", "DEVICE_ACTIVATION_MARGIN", "HEAP_SLACK_CEILING", "HEAP_SLACK_TEMPORARIES", "Strategy", "StrategyKind", "banded_decode_unsupported",
@@ -69,7 +74,7 @@ class StrategyKind(TextEnum):
     CHUNKED = "chunked"
     SPLIT = "split"
     BANDED = "banded"
-
+    TILED = "tiled"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -77,8 +82,9 @@ class Strategy:
     name: StrategyKind
     activation_bytes: int
     # True when the strategy costs little (use it as soon as it keeps more weights resident);
-    # False when it costs time (use it only when nothing cheaper can be planned).
+    # False when it costs time or changes the output (use it only when nothing cheaper can be planned).
     cheap: bool = True
+    tiling: DecodeTiling | None = None  # the tiles of a "tiled" decode
 
 
 def stage_strategies(adapter, stage: str, settings, guided: bool, dtype: str, *,
@@ -128,6 +134,10 @@ def stage_strategies(adapter, stage: str, settings, guided: bool, dtype: str, *,
                                                                     class_name=vae_class, **size))]
         if banded_decode_unsupported(adapter.classes.get("vae", ("", "AutoencoderKL"))[1], vae) is None:
             options.append(Strategy(StrategyKind.BANDED, activation_estimate("vae_decoder_banded", vae, dtype=vae_dtype, **size)))
+        for tiling in decode_tilings(vae_class, size["vae_scale"], settings.width, settings.height):
+            tiled = tiled_activation_bytes(tiling, vae, width=settings.width, height=settings.height,
+                                           frames=size["frames"], dtype=vae_dtype)
+            options.append(Strategy(StrategyKind.TILED, tiled, cheap=False, tiling=tiling))
         return options
     if stage == "pipeline":  # a pipeline's own __call__ runs its parts one after another
         parts = [part for part in ("encode", "denoise", "decode") if adapter.stage_components(part)]

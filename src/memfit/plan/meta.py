@@ -39,6 +39,7 @@ __all__ = [
     "activation_elements",
     "activation_estimate",
     "build_on_meta",
+    "decoded_frames",
     "diffusers_module",
     "dtype_bytes",
     "is_model_class",
@@ -445,25 +446,33 @@ def _vae_decoder_elems(config, *, width, height, frames=1, class_name="", **_):
         return width * height * channels[0]
     if class_name in ("AutoencoderKLLTXVideo", "AutoencoderKLLTX2Video"):  # LTX-2's decoder is LTX-Video's design
         return _ltx_decoder_elems(config, width=width, height=height, frames=frames)
-    temporal = int(config.get("scale_factor_temporal") or config.get("temporal_compression_ratio") or 4)
-    video_frames = (frames - 1) * temporal + 1
+    video_frames = decoded_frames(config, class_name, frames)
     if class_name in WHOLE_VIDEO_DECODERS:
         return width * height * video_frames * (channels[0] + 3)
-    # A video VAE decodes a latent frame at a time (scale_factor_temporal video frames, widest at
+    # A video VAE decodes a latent frame at a time (its temporal ratio's video frames, widest at
     # full resolution) but returns the whole video at once.
-    return width * height * (channels[0] * temporal + 3 * video_frames)
+    return width * height * (channels[0] * _temporal_ratio(config, class_name) + 3 * video_frames)
+
+
+def decoded_frames(config: Mapping[str, Any], class_name: str, latent_frames: int) -> int:
+    """The video frames a video VAE of ``class_name`` decodes ``latent_frames`` latent frames into."""
+    return (latent_frames - 1) * _temporal_ratio(config, class_name) + 1
+
+
+def _temporal_ratio(config, class_name: str) -> int:
+    if class_name in ("AutoencoderKLLTXVideo", "AutoencoderKLLTX2Video"):
+        scaling = config.get("spatio_temporal_scaling", (True, True, True, False))
+        return int(config.get("temporal_compression_ratio")
+                   or config.get("patch_size_t", 1) * 2 ** sum(bool(flag) for flag in scaling))
+    return int(config.get("scale_factor_temporal") or config.get("temporal_compression_ratio") or 4)
 
 
 def _ltx_decoder_elems(config, *, width, height, frames):
     """LTX-Video's VAE (and LTX-2's) decodes every frame at once; its last up block runs at 1/patch_size of each side (the decoder
     unpatchifies its output), so its widest activation is that block's channels over patch_size**2 per output pixel."""
-    scaling = config.get("spatio_temporal_scaling", (True, True, True, False))
-    temporal = int(config.get("temporal_compression_ratio")
-                   or config.get("patch_size_t", 1) * 2 ** sum(bool(flag) for flag in scaling))
     channels = (config.get("decoder_block_out_channels") or config.get("block_out_channels") or (128,))[0]
     patch = int(config.get("patch_size", 4))
-    video_frames = (frames - 1) * temporal + 1
-    return width * height * video_frames * (channels / patch**2 + 3)
+    return width * height * decoded_frames(config, "AutoencoderKLLTXVideo", frames) * (channels / patch**2 + 3)
 
 
 def _text_output_elems(config, *, text_tokens, **_):

@@ -80,17 +80,17 @@ def stage_options(adapter, *, dtype: str, width: int, height: int, steps: int = 
 
 
 def default_frames(adapter) -> int:
-    """The frames a video pipeline makes by default (its __call__'s num_frames); 1 for images."""
-    return int(adapter.call_defaults().get("num_frames") or 1)
+    """The frames a video pipeline makes by default (PipelineAdapter.default_num_frames); 1 for images."""
+    return adapter.default_num_frames() if adapter.makes_video else 1
 
 
-def choose_strategies(options, budget: Budget, *, prefetch: int = 1) -> tuple[list[StageInput], dict[str, str]]:
+def choose_strategies(options, budget: Budget, *, prefetch: int = 1) -> tuple[list[StageInput], dict[str, Strategy]]:
     """Per stage, the strategy a run would choose under ``budget`` (memfit.plan.activations.choose)."""
-    stages, names = [], {}
+    stages, chosen = [], {}
     for stage_options_ in options:
         by_bytes = {strategy.activation_bytes: stage for strategy, stage in stage_options_}
         strategy, _ = choose([strategy for strategy, _ in stage_options_],
                              lambda activations: make_plan([by_bytes[activations]], budget, prefetch=prefetch))
         stages.append(by_bytes[strategy.activation_bytes])
-        names[stages[-1].name] = strategy.name
-    return stages, names
+        chosen[stages[-1].name] = strategy
+    return stages, chosen

@@ -348,6 +348,14 @@ def _plan_and_place(pipe, folder: ModelFolder, options: RunOptions, *, stage: st
         from memfit.run.banded_decode import enable_banded_decode
 
         enable_banded_decode(pipe.vae)
+    if strategy.tiling is not None:
+        # Set on the VAE this load made: a Session that keeps the stage decodes its warm runs the same way.
+        pipe.vae.enable_tiling(**strategy.tiling.enable_kwargs)
+        notes.append(
+            f"{stage}: {strategy.tiling.describe()}, because decoding every frame untiled needs "
+            f"{format_bytes(choices[0].activation_bytes)} of activations, which the budget cannot hold: the frames "
+            "equal diffusers' with that tiling, and differ from an untiled decode's where the tiles blend "
+            "(a larger --budget decodes untiled)")
     unrun = blocks_not_run(pipe)
     if unrun:
         notes.append(
@@ -365,7 +373,7 @@ def _plan_and_place(pipe, folder: ModelFolder, options: RunOptions, *, stage: st
     if read_ahead:
         notes.append(f"{stage}: {format_bytes(read_ahead)} read ahead into the page cache, "
                      "outside this process's memory until its block runs")
-    if strategy is not choices[0]:
+    if strategy is not choices[0] and strategy.tiling is None:
         notes.append(
             f"{stage}: {strategy.name} (activations {format_bytes(strategy.activation_bytes)} instead of "
             f"{format_bytes(choices[0].activation_bytes)} for {choices[0].name}), so more weights stay resident"

@@ -34,7 +34,8 @@ def diffusers_image(model_dir: str | Path, *, prompt: str, negative_prompt=None,
 
 
 def diffusers_output(model_dir: str | Path, settings, dtype: torch.dtype = torch.float32, loras=(),
-                     components: dict | None = None, weights_in_own_memory: bool = False, **call_kwargs) -> list:
+                     components: dict | None = None, weights_in_own_memory: bool = False,
+                     vae_tiling: dict | None = None, **call_kwargs) -> list:
     """What plain diffusers makes for memfit's resolved `settings`: the images (or a video's frames).
 
     The call arguments come from the folder's adapter (PipelineAdapter.call_kwargs), so settings
@@ -44,7 +45,8 @@ def diffusers_output(model_dir: str | Path, settings, dtype: torch.dtype = torch
     with every weight copied out of its mapped file, as a GPU holds them (the reference for memfit's runs on the
     fake GPU, whose device tensors are CPU memory of their own): CPU kernels may round a sum differently for a
     tensor at another address modulo a cache line (seen: one level of one pixel for a tiny Wan 2.2), so the
-    mapped file's placement is not what a GPU run is compared with.
+    mapped file's placement is not what a GPU run is compared with. ``vae_tiling``: the VAE's enable_tiling
+    arguments, for a decode in diffusers' tiles.
     """
     from memfit.models.folder import ModelFolder
     from memfit.testing.conditioning import load_loras_as_diffusers
@@ -59,6 +61,8 @@ def diffusers_output(model_dir: str | Path, settings, dtype: torch.dtype = torch
                 for tensor in (*module.parameters(), *module.buffers()):
                     tensor.data = tensor.data.clone()
     load_loras_as_diffusers(pipe, loras)
+    if vae_tiling is not None:
+        pipe.vae.enable_tiling(**vae_tiling)
     adapter = folder.adapter
     for name, component in adapter.call_components(pipe, settings).items():  # a setting held by a component
         setattr(pipe, name, component)

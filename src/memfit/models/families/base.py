@@ -247,6 +247,10 @@ class PipelineAdapter:
         signature = inspect.signature(pipeline_class.__call__)
         return {name: p.default for name, p in signature.parameters.items()}
 
+    def default_num_frames(self) -> int:
+        """The frames a video pipeline makes without --frames: its __call__'s num_frames."""
+        return int(self.call_defaults().get("num_frames") or 1)
+
     def vae_scale_factor(self) -> int:
         vae = self.configs.get("vae", {})
         if "scale_factor_spatial" in vae:  # video VAEs (Wan) state it

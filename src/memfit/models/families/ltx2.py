@@ -115,8 +115,7 @@ class LTX2Adapter(PipelineAdapter):
         if conditioning is None or conditioning.image is None:  # with an image, the image's size (drawn_size)
             width = width if width is not None else defaults.get("width", call_defaults["width"])
             height = height if height is not None else defaults.get("height", call_defaults["height"])
-        # __call__'s num_frames is None: 121 where the folder has no duration head, which memfit never loads
-        num_frames = num_frames if num_frames is not None else defaults.get("num_frames", 121)
+        num_frames = num_frames if num_frames is not None else defaults.get("num_frames", self.default_num_frames())
         settings = super().resolve(prompt, negative_prompt, steps, guidance, seed, width, height, defaults,
                                    num_frames=num_frames, conditioning=conditioning, makes_images=makes_images,
                                    **options)
@@ -125,6 +124,10 @@ class LTX2Adapter(PipelineAdapter):
 
     def latent_frames(self, settings) -> int:
         return (settings.num_frames - 1) // self.temporal_scale_factor() + 1
+
+    def default_num_frames(self) -> int:
+        # __call__'s num_frames is None: 121 where the folder has no duration head, which memfit never loads
+        return 121
 
     def call_kwargs(self, settings):
         kwargs = dict(super().call_kwargs(settings), num_frames=settings.num_frames)
