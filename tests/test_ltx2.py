@@ -133,6 +133,18 @@ def test_gif_writes_the_soundtrack_beside_it(clip, tmp_path, capsys):
     assert np.abs(samples / 32767 - result.audio.numpy()).max() < 1 / 32767
 
 
+def test_a_frame_rate_the_soundtrack_was_not_made_for_is_refused(clip, tmp_path, capsys):
+    """--fps other than the 24 frames a second LTX-2 makes its sound for would drift the pictures from the sound:
+    refused before any weight loads (and by Generation.save); 24 is what it is anyway."""
+    result, args = clip
+    assert main([*args, "--fps", "30", "--out", str(tmp_path / "fast.gif")]) != 0
+    assert "--fps 30: LTX2Pipeline makes its soundtrack for 24 frames a second" in capsys.readouterr().err
+    assert not (tmp_path / "fast.gif").exists()
+    with pytest.raises(MemfitError, match="drift from the sound"):
+        result.save(tmp_path / "fast.webp", frames_per_second=30)
+    assert result.save(tmp_path / "same.webp", frames_per_second=24).exists()
+
+
 def test_a_silent_video_writes_no_soundtrack(tiny_models, tmp_path):
     av = pytest.importorskip("av")
     out = tmp_path / "clip.mp4"

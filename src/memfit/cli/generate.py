@@ -94,8 +94,10 @@ def _check_out_path(path: str, suffix: str) -> Path:
 def _output_path(args, model) -> Path:
     """Where the result goes, checked before any work so a long run is never lost to a bad name."""
     from memfit.run.media import IMAGE_SUFFIXES, VIDEO_SUFFIXES, check_video_writer
+    from memfit.run.stages import check_frame_rate
 
     video = model.adapter.makes_video
+    check_frame_rate(model.adapter, args.fps)
     if args.out is None:
         if not video:
             return Path("memfit.png")

@@ -26,7 +26,7 @@ from memfit.run.media import IMAGE_SUFFIXES, VIDEO_SUFFIXES, save_png, save_vide
 from memfit.run.memory import heap_for_temporaries_under
 from memfit.run.runner import Stage, StageContext
 
-__all__ = ["Generation", "check_backend_takes_stored_weights", "check_embeddings", "decode_stage", "denoise_stage",
+__all__ = ["Generation", "check_backend_takes_stored_weights", "check_embeddings", "check_frame_rate", "decode_stage", "denoise_stage",
            "encode_stage", "open_model", "pipeline_stage", "png_metadata", "run_result", "source_notes"]
 
 
@@ -334,11 +334,25 @@ class Generation:
             if self.frames is None:
                 raise MemfitError(f"{path}: {self.metadata.get('pipeline', 'this pipeline')} makes images, not a "
                                   "video; write a .png.")
+            if self.audio is not None and frames_per_second not in (None, self.frames_per_second):
+                raise MemfitError(_drift(self.metadata.get("pipeline", "this pipeline"), frames_per_second,
+                                         self.frames_per_second))
             return save_video(self.frames, path, frames_per_second or self.frames_per_second, self.metadata,
                               audio=self.audio, sample_rate=self.audio_sample_rate)
         if suffix not in IMAGE_SUFFIXES:
             raise MemfitError(f"{path}: memfit writes images as .png and videos as {', '.join(VIDEO_SUFFIXES)}.")
         return save_png(self.frames[0] if self.frames is not None else self.images[index], path, self.metadata)
+
+
+def check_frame_rate(adapter, frames_per_second: int | None) -> None:
+    """Refuse, before a run, a frame rate its video's soundtrack was not made for (PipelineAdapter.makes_audio)."""
+    if adapter.makes_audio and frames_per_second not in (None, adapter.frames_per_second):
+        raise MemfitError(_drift(adapter.class_name, frames_per_second, adapter.frames_per_second))
+
+
+def _drift(pipeline: str, asked: int, made_for: int) -> str:
+    return (f"--fps {asked}: {pipeline} makes its soundtrack for {made_for} frames a second, so at {asked} the "
+            f"pictures would drift from the sound; leave --fps out (the video plays at {made_for}).")
 
 
 def run_result(output: list, settings: Settings, report, folder: ModelFolder, dtype: str, timeline=None) -> Generation:

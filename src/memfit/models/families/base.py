@@ -140,6 +140,9 @@ class PipelineAdapter:
     text_sequences: ClassVar[tuple[tuple[str, int], ...]] = (("prompt_embeds", 1),)
     # Frames per second a video file of this family's output plays at (video pipelines only).
     frames_per_second: ClassVar[int] = 16
+    # Whether the video comes with a soundtrack made for frames_per_second (LTX-2): played at another rate, the
+    # pictures would drift from the sound.
+    makes_audio: ClassVar[bool] = False
 
     @property
     def makes_video(self) -> bool:

@@ -68,6 +68,7 @@ class LTX2Adapter(PipelineAdapter):
     max_text_tokens = 1024  # __call__'s max_sequence_length
     options = ("num_frames",)
     frames_per_second = 24  # __call__'s frame_rate: the rotary positions and the audio's length follow it
+    makes_audio = True
     stage_parts = {"decode": {"vae": VAE_DECODE_PARTS, "audio_vae": VAE_DECODE_PARTS},
                    "denoise": {"vae": ("encoder", "rest")}}
     tasks = {IMG2IMG: "LTX2ImageToVideoPipeline"}
