@@ -282,10 +282,10 @@ def test_plan_and_generate_agree_on_a_cpu(tiny_models, monkeypatch, capsys):
     assert fixed["process_bytes"] == 0 and fixed["plan"]["budget"]["device"] == needed
 
 
-# The 2025-26 families at real size, videos at their default frames (a decode too large untiled runs in tiles:
-# tests/test_tiled_decode.py); HunyuanImage 2.1 at 1024x1024, since its 2048x2048 decode needs 7.6 GiB.
+# The 2025-26 families at real size and their default sizes and frames (a decode too large untiled runs in tiles:
+# tests/test_tiled_decode.py).
 REAL_SIZE_FAMILIES = {"flux-fill": [], "qwen-image": [], "qwen-image-edit": [], "qwen-image-edit-plus": [],
-                      "hunyuanimage2.1": ["--width", "1024", "--height", "1024"], "wan2.2-a14b": [],
+                      "hunyuanimage2.1": [], "wan2.2-a14b": [],
                       "wan2.2-i2v-a14b": [], "wan2.2-ti2v-5b": [], "ltx-video": [], "ltx2": [], "hunyuanvideo1.5": []}
 
 

@@ -1,7 +1,7 @@
-"""A video VAE that decodes every frame at once (HunyuanVideo 1.5, LTX-Video, LTX-2) decodes in diffusers' own tiles
-(vae.enable_tiling) where its untiled decode cannot be planned in the budget (memfit.plan.tiled_decode): the largest
-tile that fits, the frames equal to diffusers' with that tiling, the report and `memfit plan` saying so; untiled
-wherever the budget holds the untiled decode."""
+"""A VAE that decodes a whole video at once (HunyuanVideo 1.5, LTX-Video, LTX-2) or a very large image (HunyuanImage
+2.1) decodes in diffusers' own tiles (vae.enable_tiling) where its untiled decode cannot be planned in the budget
+(memfit.plan.tiled_decode): the largest tile that fits, the output equal to diffusers' with that tiling, the report
+and `memfit plan` saying so; untiled wherever the budget holds the untiled decode."""
 
 from __future__ import annotations
 
@@ -19,7 +19,19 @@ from memfit.testing import diffusers_output, max_pixel_difference
 
 PROMPT = "a red house near the sea"
 VIDEO = dict(steps=2, guidance=4.0, seed=7, width=32, height=32, frames=5, negative_prompt="blurry")
-FAMILIES = ("hunyuan_video15", "ltx")
+FAMILIES = ("hunyuan_video15", "ltx", "hunyuan_image")
+# Each family's request: large enough for its smallest tile (LTX's 32 pixels, HunyuanImage's 8) to cut it.
+REQUESTS = {"hunyuan_video15": VIDEO, "ltx": dict(VIDEO, width=64),
+            "hunyuan_image": dict(steps=2, guidance=4.0, seed=7, width=64, height=64, negative_prompt="blurry")}
+
+
+def decoded_shape(output: torch.Tensor) -> tuple:
+    """(frames, height, width) of a decoded video, (height, width) of an image."""
+    return tuple(output.shape[2:])
+
+
+def pictures(result) -> list:
+    return result.frames if result.frames is not None else result.images
 
 
 def _vae(model: str):
@@ -37,11 +49,12 @@ def test_the_tiles_planned_are_those_diffusers_decodes(family, tiny_models):
     vae, adapter = _vae(tiny_models(family))
     scale, vae_class = adapter.vae_scale_factor(), adapter.classes["vae"][1]
     width, height, latent_frames = 48, 32, 2
-    tilings = decode_tilings(vae_class, scale, width, height)
+    tilings = decode_tilings(vae_class, vae.config, scale, width, height)
     assert tilings and [t.tile for t in tilings] == sorted((t.tile for t in tilings), reverse=True)
     assert all(t.tile < max(width, height) and t.stride < t.tile and t.stride % scale == 0 for t in tilings)
-    latents = torch.randn(1, vae.config.latent_channels, latent_frames, height // scale, width // scale,
-                          generator=torch.Generator().manual_seed(0))
+    video = adapter.makes_video
+    shape = (1, vae.config.latent_channels, *((latent_frames,) if video else ()), height // scale, width // scale)
+    latents = torch.randn(shape, generator=torch.Generator().manual_seed(0))
     extra = {"temb": torch.tensor([0.05])} if vae_class == "AutoencoderKLLTXVideo" else {}
     for tiling in tilings:
         decoded: list[torch.Size] = []
@@ -49,15 +62,15 @@ def test_the_tiles_planned_are_those_diffusers_decodes(family, tiny_models):
         vae.enable_tiling(**tiling.enable_kwargs)
         try:
             with torch.no_grad():
-                video = vae.decode(latents, **extra).sample
+                output = vae.decode(latents, **extra).sample
         finally:
             hook.remove()
             vae.disable_tiling()
-        assert video.shape[-2:] == (height, width) and video.shape[2] == decoded_frames(vae.config, vae_class, 2)
+        assert decoded_shape(output) == ((decoded_frames(vae.config, vae_class, 2),) if video else ()) + (height, width)
         assert len(decoded) == len(tiling.tile_sides(height // scale)) * len(tiling.tile_sides(width // scale))
         counted = sum(tiling.tile_sides(height // scale)) * sum(tiling.tile_sides(width // scale))
         assert sum(shape[-1] * shape[-2] for shape in decoded) == counted
-    assert decode_tilings("AutoencoderKL", 8, 4096, 4096) == []  # an image VAE: memfit's banded decode instead
+    assert decode_tilings("AutoencoderKL", {}, 8, 4096, 4096) == []  # an image VAE: memfit's banded decode instead
 
 
 def test_the_tiled_estimate_is_below_the_untiled_one_and_shrinks_with_the_tile(tiny_models):
@@ -76,10 +89,10 @@ def test_a_decode_too_large_untiled_runs_in_diffusers_tiles(family, tiny_models,
     video at full resolution) runs in the largest tiles that fit, and its frames are diffusers' with those tiles;
     with room for the untiled decode the same run is untiled and equal to plain diffusers."""
     model = tiny_models(family)
-    video = dict(VIDEO, width=64) if family == "ltx" else VIDEO  # its smallest tile, 32 pixels, must cut the video
+    video = REQUESTS[family]
     roomy = memfit.generate(PROMPT, model=model, progress=False, budget="+400MiB", **video)
     assert roomy.report.stages[-1].strategy == "plain"
-    assert max_pixel_difference(roomy.frames, diffusers_output(model, roomy.settings)) == 0
+    assert max_pixel_difference(pictures(roomy), diffusers_output(model, roomy.settings)) == 0
 
     monkeypatch.setitem(meta.ACTIVATION_FACTORS, "vae_decoder", 4000.0)
     adapter = ModelFolder.open(model).adapter
@@ -93,8 +106,8 @@ def test_a_decode_too_large_untiled_runs_in_diffusers_tiles(family, tiny_models,
     note = next(note for note in ours.report.notes if "vae.enable_tiling(" in note)
     assert f"{tiling.tile}x{tiling.tile}-pixel tiles" in note and "a larger --budget decodes untiled" in note
     theirs = diffusers_output(model, ours.settings, vae_tiling=tiling.enable_kwargs)
-    assert max_pixel_difference(ours.frames, theirs) == 0
-    assert max_pixel_difference(ours.frames, roomy.frames) > 0  # the blend is not the untiled arithmetic
+    assert max_pixel_difference(pictures(ours), theirs) == 0
+    assert max_pixel_difference(pictures(ours), pictures(roomy)) > 0  # the blend is not the untiled arithmetic
 
 
 def test_memfit_plan_names_the_tiles_and_refuses_only_below_the_smallest(capsys):

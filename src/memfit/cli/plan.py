@@ -147,7 +147,7 @@ def run_plan(args: argparse.Namespace) -> int:
                                                      f" instead of {own.name}, which would need "
                                                      f"{format_bytes(own.activation_bytes)} of activations")
                 if chosen.tiling is not None:
-                    line += f"; {chosen.tiling.describe()} (the frames differ from an untiled decode's at the seams)"
+                    line += f"; {chosen.tiling.describe()} (its output differs from an untiled decode's at the seams)"
                 print(line)
         if precision_line:
             print(precision_line)

@@ -134,7 +134,7 @@ def stage_strategies(adapter, stage: str, settings, guided: bool, dtype: str, *,
                                                                     class_name=vae_class, **size))]
         if banded_decode_unsupported(adapter.classes.get("vae", ("", "AutoencoderKL"))[1], vae) is None:
             options.append(Strategy(StrategyKind.BANDED, activation_estimate("vae_decoder_banded", vae, dtype=vae_dtype, **size)))
-        for tiling in decode_tilings(vae_class, size["vae_scale"], settings.width, settings.height):
+        for tiling in decode_tilings(vae_class, vae, size["vae_scale"], settings.width, settings.height):
             tiled = tiled_activation_bytes(tiling, vae, width=settings.width, height=settings.height,
                                            frames=size["frames"], dtype=vae_dtype)
             options.append(Strategy(StrategyKind.TILED, tiled, cheap=False, tiling=tiling))

@@ -1,4 +1,5 @@
-"""diffusers' own tiled decode for the video VAEs that decode every frame at once: the tiles and what they hold.
+"""diffusers' own tiled decode for the VAEs that decode a whole video (or a very large image) at once: the tiles and
+what they hold.
 
 Why: HunyuanVideo 1.5's and LTX-Video's (and LTX-2's) VAEs decode the whole video in one pass, so their widest
 activation is every frame at full resolution times the last up block's channels: about 28 GiB for HunyuanVideo
@@ -7,7 +8,8 @@ in overlapping spatial tiles when ``vae.enable_tiling()`` was called, blending e
 neighbours'. That changes the frames (the blend is not the untiled arithmetic), so memfit takes it only where the
 untiled decode cannot be planned in the budget at all (a costly strategy, memfit.plan.activations), and then with
 the largest tile that fits: the frames equal diffusers' with ``vae.enable_tiling(**DecodeTiling.enable_kwargs)``,
-which the run's report names.
+which the run's report names. HunyuanImage 2.1's VAE, which decodes a 2048x2048 image in one pass (about 7.6 GiB in
+bf16) and is no AutoencoderKL for memfit's exact banded decode, is tiled the same way.
 
 What a tiled decode holds at its peak: one tile's decoder activations (the shape model of an untiled decode at the
 tile's size), every decoded tile (diffusers keeps them all until it blends them; counted tile by tile from the
@@ -27,24 +29,37 @@ _SMALLEST_LATENT_TILE = 4
 
 @dataclasses.dataclass(frozen=True)
 class _TileRule:
-    """How a VAE class lays out its tiles: its default tile side (pixels) and how enable_tiling names them."""
+    """How a VAE class lays out its tiles: its default tile side (pixels; None: the config's sample_size) and how
+    its enable_tiling names them: "stride" (LTX: the tiles' stride), "latent" (HunyuanVideo 1.5: a latent tile
+    side beside the pixel one, tiles overlapping by a quarter), "size" (HunyuanImage: one side, a quarter)."""
 
-    default_tile: int
-    strided: bool  # LTX's VAEs take the tiles' stride; HunyuanVideo 1.5's a latent tile side and overlap 1/4
+    default_tile: int | None
+    arguments: str
 
     def stride(self, tile: int, scale: int) -> int:
         """The distance between two tiles' starts, in pixels (a whole number of latent pixels)."""
-        if self.strided:  # diffusers' default 448 for 512: an eighth of the tile blended, at least a latent pixel
+        if self.arguments == "stride":  # diffusers' default 448 for 512: an eighth blended, at least a latent pixel
             return tile - max(scale, tile // 8 // scale * scale)
         return int(tile // scale * 0.75) * scale
 
+    def latent_tiles(self, default: int) -> list[int]:
+        """The latent tile sides to try, largest first: the default, then halves, down to _SMALLEST_LATENT_TILE.
+        A quarter-overlap rule needs a multiple of 4 (diffusers' overlap and blend then agree on the seams)."""
+        step = 1 if self.arguments == "stride" else 4
+        sides, side = [], default // step * step
+        while side >= _SMALLEST_LATENT_TILE:
+            sides.append(side)
+            side = side // 2 // step * step
+        return sides
 
-# Video VAE classes whose decode runs every frame at once (memfit.plan.meta.WHOLE_VIDEO_DECODERS) and whose
-# tiled_decode memfit can ask for.
+
+# VAE classes whose decode holds the whole output at full resolution (every frame at once: memfit.plan.meta's
+# WHOLE_VIDEO_DECODERS; HunyuanImage 2.1's 2048x2048 image) and whose tiled_decode memfit can ask for.
 TILED_DECODERS = {
-    "AutoencoderKLHunyuanVideo15": _TileRule(default_tile=256, strided=False),
-    "AutoencoderKLLTXVideo": _TileRule(default_tile=512, strided=True),
-    "AutoencoderKLLTX2Video": _TileRule(default_tile=512, strided=True),
+    "AutoencoderKLHunyuanVideo15": _TileRule(default_tile=256, arguments="latent"),
+    "AutoencoderKLLTXVideo": _TileRule(default_tile=512, arguments="stride"),
+    "AutoencoderKLLTX2Video": _TileRule(default_tile=512, arguments="stride"),
+    "AutoencoderKLHunyuanImage": _TileRule(default_tile=None, arguments="size"),
 }
 
 
@@ -61,9 +76,12 @@ class DecodeTiling:
     @property
     def enable_kwargs(self) -> dict[str, int]:
         """What to pass to the VAE's ``enable_tiling`` for these tiles (diffusers' names for this class)."""
-        if TILED_DECODERS[self.vae_class].strided:
+        arguments = TILED_DECODERS[self.vae_class].arguments
+        if arguments == "stride":
             return dict(tile_sample_min_height=self.tile, tile_sample_min_width=self.tile,
                         tile_sample_stride_height=self.stride, tile_sample_stride_width=self.stride)
+        if arguments == "size":
+            return dict(tile_sample_min_size=self.tile)
         # This class keeps its latent tile beside the pixel one; enable_tiling does not derive it.
         return dict(tile_sample_min_height=self.tile, tile_sample_min_width=self.tile,
                     tile_latent_min_height=self.tile // self.scale, tile_latent_min_width=self.tile // self.scale)
@@ -80,19 +98,16 @@ class DecodeTiling:
         return [min(tile, latent_side - start) * self.scale for start in range(0, latent_side, stride)]
 
 
-def decode_tilings(vae_class: str, scale: int, width: int, height: int) -> list[DecodeTiling]:
-    """The tilings memfit may ask a ``vae_class`` VAE for at ``width`` x ``height``, largest tile first: the class's
-    default tile, then halves of it down to _SMALLEST_LATENT_TILE latent pixels; only tiles smaller than the
-    video (a tile the video fits in decodes it untiled). None for a class memfit does not tile."""
+def decode_tilings(vae_class: str, config, scale: int, width: int, height: int) -> list[DecodeTiling]:
+    """The tilings memfit may ask a ``vae_class`` VAE (``config``) for at ``width`` x ``height``, largest tile
+    first: the class's default tile, then halves of it down to _SMALLEST_LATENT_TILE latent pixels; only tiles
+    smaller than the output (a tile it fits in decodes it untiled). None for a class memfit does not tile."""
     rule = TILED_DECODERS.get(vae_class)
     if rule is None or scale <= 0:
         return []
-    tilings, tile = [], rule.default_tile
-    while tile // scale >= _SMALLEST_LATENT_TILE:
-        if tile % scale == 0 and (width > tile or height > tile):
-            tilings.append(DecodeTiling(vae_class, tile, rule.stride(tile, scale), scale))
-        tile //= 2
-    return tilings
+    default = rule.default_tile or int(config.get("sample_size") or 0)
+    return [DecodeTiling(vae_class, side * scale, rule.stride(side * scale, scale), scale)
+            for side in rule.latent_tiles(default // scale) if width > side * scale or height > side * scale]
 
 
 def tiled_activation_bytes(tiling: DecodeTiling, config, *, width: int, height: int, frames: int,

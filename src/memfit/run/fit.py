@@ -352,9 +352,9 @@ def _plan_and_place(pipe, folder: ModelFolder, options: RunOptions, *, stage: st
         # Set on the VAE this load made: a Session that keeps the stage decodes its warm runs the same way.
         pipe.vae.enable_tiling(**strategy.tiling.enable_kwargs)
         notes.append(
-            f"{stage}: {strategy.tiling.describe()}, because decoding every frame untiled needs "
-            f"{format_bytes(choices[0].activation_bytes)} of activations, which the budget cannot hold: the frames "
-            "equal diffusers' with that tiling, and differ from an untiled decode's where the tiles blend "
+            f"{stage}: {strategy.tiling.describe()}, because decoding untiled needs "
+            f"{format_bytes(choices[0].activation_bytes)} of activations, which the budget cannot hold: the output "
+            "equals diffusers' with that tiling, and differs from an untiled decode's where the tiles blend "
             "(a larger --budget decodes untiled)")
     unrun = blocks_not_run(pipe)
     if unrun:
