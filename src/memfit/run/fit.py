@@ -47,6 +47,7 @@ from memfit.plan.activations import (DENOISE_HEAP_THRESHOLD, DEVICE_ACTIVATION_M
 from memfit.plan.budget import Budget, BudgetTooSmall, StageDoesNotFit, stage_budget
 from memfit.plan.compiled import (COMPILED_BANDS_EXTRA, COMPILED_BLOCK_BUILD, COMPILED_BLOCK_OVERHEAD, choose_compiled, compiled_blocks_extra,
                                   decode_in_bands)
+from memfit.plan.stages import planned_with_heap_where_it_fits
 from memfit.run.executor import (blocks_not_run, host_tier_reused, keep_dequantized, live_blocks, optimize, plan_stage,
                                  reads_in_place)
 from memfit.run.memory import process_peak_rss, return_large_frees_to_os
@@ -245,10 +246,6 @@ def _plan_and_place(pipe, folder: ModelFolder, options: RunOptions, *, stage: st
     compile the blocks ``in_blocks`` components keep resident; the whole compiled models are the caller's."""
     runtime = options.runtime
     adapter = folder.adapter
-    # On the CPU the denoising loop's temporaries come from the heap when the plan can count what that holds;
-    # where it cannot, the stage is planned (and run) without it rather than refused.
-    with_heap = plan_as == "denoise" and not runtime.separate_memory
-    choices = stage_strategies(adapter, plan_as, settings, guided, options.dtype, heap_temporaries=with_heap)
     parts = adapter.stage_parts.get(plan_as)
     margin = DEVICE_ACTIVATION_MARGIN if runtime.separate_memory else 1.0
     stream_from = None if runtime.separate_memory else str(folder.path)
@@ -263,7 +260,7 @@ def _plan_and_place(pipe, folder: ModelFolder, options: RunOptions, *, stage: st
     host_tiers = options.pool.host_tiers if options.pool is not None and runtime.separate_memory else None
     kept_host = 0 if host_tiers is None else host_tiers.nbytes()
 
-    def plan_with(extra: int, choices=choices):
+    def plan_with(extra: int, choices):
         room = stage_budget(budget, runtime, already_used=already_used + extra, stream_from=stream_from,
                             kept_host=kept_host)
         try:
@@ -288,16 +285,16 @@ def _plan_and_place(pipe, folder: ModelFolder, options: RunOptions, *, stage: st
             [p.bytes for p in _placements(plan) if f"{p.component}/{p.block}" in keys])
         return strategy, plan, found, extra_needed
 
+    def first_plan(heap_temporaries: bool):
+        choices = stage_strategies(adapter, plan_as, settings, guided, options.dtype, heap_temporaries=heap_temporaries)
+        return choices, plan_with(0, choices)
+
+    # On the CPU the denoising loop's temporaries come from the heap when the plan can count what that holds;
+    # where it cannot, the stage is planned (and run) without it rather than refused.
+    (choices, first), with_heap = planned_with_heap_where_it_fits(
+        first_plan, heap_temporaries=plan_as == "denoise" and not runtime.separate_memory)
     # The reserve a plan needs shrinks as the reserve grows (less room, fewer blocks): the least reserve
     # that covers what its own plan needs is found by bisection. held: (reserve, the plan made with it).
-    try:
-        first = plan_with(0)
-    except StageDoesNotFit:
-        if not with_heap:
-            raise
-        with_heap = False
-        choices = stage_strategies(adapter, plan_as, settings, guided, options.dtype)
-        first = plan_with(0, choices)
     held = (0, first) if first[3] == 0 else None
     low, high = 0, first[3]
     while low < high and (held is None or high - low > high // 32):
