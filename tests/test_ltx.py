@@ -1,8 +1,8 @@
 """LTX-Video (LTXPipeline). The staged video equals plain diffusers' bit for bit (tests/test_families.py, with and
 without streaming); here: its T5 embeddings and masks through memfit encode and --embeddings (a shorter negative
-padded with masked zeros), the frame and size checks, the default size, the plan, a LoRA; and image to video, the same
-folder run as LTXImageToVideoPipeline for --image (and a folder saved as that class), equal to plain diffusers with
-and without streaming."""
+padded with masked zeros), the frame and size checks (LTX-2's too), the default size, the plan, a LoRA; and image
+to video, the same folder run as LTXImageToVideoPipeline for --image (and a folder saved as that class), equal to
+plain diffusers with and without streaming."""
 
 from __future__ import annotations
 
@@ -59,11 +59,15 @@ def test_encode_then_embeddings_equals_plain_diffusers(model, tmp_path):
     assert max_pixel_difference(cut_run.frames, ours.frames) == 0
 
 
-def test_frames_and_sizes_it_cannot_take_are_refused(model):
-    with pytest.raises(MemfitError, match=r"num_frames 6 is not a multiple of 4 plus 1, which LTXPipeline needs; "
+@pytest.mark.parametrize("family, class_name", [("ltx", "LTXPipeline"), ("ltx2", "LTX2Pipeline")])
+def test_frames_and_sizes_it_cannot_take_are_refused(tiny_models, family, class_name):
+    """LTX-Video and LTX-2 alike (their tiny VAEs compress 4x in time): frames not 4k+1 and sides not a multiple of
+    32 are refused before anything runs, naming the nearest ones that are taken."""
+    model = tiny_models(family)
+    with pytest.raises(MemfitError, match=rf"num_frames 6 is not a multiple of 4 plus 1, which {class_name} needs; "
                                           r"use 5 or 9\."):
         memfit.generate(PROMPT, model=model, progress=False, **dict(VIDEO, frames=6))
-    with pytest.raises(MemfitError, match=r"The width 48 is not a positive multiple of 32, which LTXPipeline needs; "
+    with pytest.raises(MemfitError, match=rf"The width 48 is not a positive multiple of 32, which {class_name} needs; "
                                           r"use 32 or 64\."):
         memfit.generate(PROMPT, model=model, progress=False, **dict(VIDEO, width=48))
 

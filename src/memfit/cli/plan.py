@@ -35,7 +35,8 @@ from memfit.errors import MemfitError
 from memfit.models.archs import ARCHS, get_arch
 from memfit.plan.budget import Budget, BudgetTooSmall, stage_budget
 from memfit.plan.planner import Plan, make_plan
-from memfit.plan.stages import DEFAULT_STEPS, choose_strategies, default_frames, planned_models, stage_options
+from memfit.plan.stages import (DEFAULT_STEPS, choose_strategies, default_frames, planned_models,
+                                planned_with_heap_where_it_fits, stage_options)
 from memfit.run.libraries import quiet_libraries
 from memfit.sizes import format_bytes, parse_size
 
@@ -121,13 +122,12 @@ def run_plan(args: argparse.Namespace) -> int:
     room = _room(budget, runtime, held, _stream_from(args, runtime))
     # As a run plans: on the CPU with the denoising loop's heap counted where the budget has room for it.
     try:
-        options, strategies, plan = _plan_stages(adapter, args, width, height, room,
-                                                 heap_temporaries=not runtime.separate_memory)
-    except BudgetTooSmall:
-        try:
-            options, strategies, plan = _plan_stages(adapter, args, width, height, room, heap_temporaries=False)
-        except BudgetTooSmall as exc:
-            raise exc.counting(budget.device, held) if held else exc from None
+        (options, strategies, plan), _ = planned_with_heap_where_it_fits(
+            lambda heap_temporaries: _plan_stages(adapter, args, width, height, room,
+                                                  heap_temporaries=heap_temporaries),
+            heap_temporaries=not runtime.separate_memory)
+    except BudgetTooSmall as exc:
+        raise exc.counting(budget.device, held) if held else exc from None
     if args.json:
         extra = {"precision": precision_line} if precision_line else {}
         print(json.dumps({**_report(name, args.dtype, width, height, plan, strategies), "budget_source": source,

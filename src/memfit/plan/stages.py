@@ -8,15 +8,17 @@ memfit.plan.activations gives each stage's strategies with the same rules a run 
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from types import SimpleNamespace
+from typing import TypeVar
 
 from memfit.errors import MemfitError
 from memfit.plan.activations import Strategy, choose, stage_strategies, vae_execution_dtype
-from memfit.plan.budget import Budget
+from memfit.plan.budget import Budget, StageDoesNotFit
 from memfit.plan.planner import StageInput, make_plan, phase_stages, stage_input
 
 __all__ = ["DEFAULT_STEPS", "STAGES", "choose_strategies", "default_frames", "planned_components", "planned_models",
-           "stage_options"]
+           "planned_with_heap_where_it_fits", "stage_options"]
 
 DEFAULT_STEPS = 30
 STAGES = ("encode", "denoise", "decode")
@@ -94,3 +96,20 @@ def choose_strategies(options, budget: Budget, *, prefetch: int = 1) -> tuple[li
         stages.append(by_bytes[strategy.activation_bytes])
         chosen[stages[-1].name] = strategy
     return stages, chosen
+
+
+Planned = TypeVar("Planned")
+
+
+def planned_with_heap_where_it_fits(plan: Callable[[bool], Planned], heap_temporaries: bool) -> tuple[Planned, bool]:
+    """``plan(heap_temporaries)`` and whether it counted the heap, by the rule a run and ``memfit plan`` share:
+    on the CPU (``heap_temporaries``) the denoising loop takes its temporaries from the heap, whose slack
+    (memfit.plan.activations.heap_slack) is counted with the activations where the budget has room for it;
+    where that plan does not fit (StageDoesNotFit), the stage is planned (and run) without the heap rather than
+    refused. ``plan(heap_temporaries)`` makes the plan with or without the heap counted."""
+    if not heap_temporaries:
+        return plan(False), False
+    try:
+        return plan(True), True
+    except StageDoesNotFit:
+        return plan(False), False

@@ -46,7 +46,7 @@ from memfit.run.offload import weights_ready
 
 __all__ = [
     "DEFAULT_BAND_BYTES", "band_heap", "channel_affine", "disable_banded_decode", "enable_banded_decode", "group_stats", "is_banded",
-    "rows_per_band", "unsupported_reason",
+    "rows_per_band", "unsupported_reason", "walk_decoder",
 ]
 
 DEFAULT_BAND_BYTES = 16 * 2**20  # temporaries of one band; small against any full-resolution tensor
@@ -155,7 +155,14 @@ def _upsampler_reason(upsampler) -> str | None:
 # --- banded forwards -----------------------------------------------------------------------------
 
 
-def _decoder_forward(decoder, band_bytes, sample, latent_embeds=None):
+def walk_decoder(decoder, sample, latent_embeds, *, resnet_forward, upsampler_forward, output_forward,
+                 layers_ready=weights_ready):
+    """The decoder's forward walked layer by layer, as both banded decodes run it (this one and
+    memfit.run.compiled_banded_decode): conv_in and the mid block called as they are, then
+    ``resnet_forward(resnet, sample)`` and ``upsampler_forward(upsampler, sample)`` for each layer of the up
+    path and ``output_forward(sample)`` for conv_norm_out -> conv_act -> conv_out, inside ``layers_ready`` of
+    the modules whose weights they use. With latent_embeds, or training under autograd, the decoder's own
+    forward instead."""
     if latent_embeds is not None or (torch.is_grad_enabled() and decoder.training):
         return type(decoder).forward(decoder, sample, latent_embeds)
     sample = decoder.conv_in(sample)
@@ -164,13 +171,22 @@ def _decoder_forward(decoder, band_bytes, sample, latent_embeds=None):
         # The block's layers one by one, not up_block(sample): a call would hold the block's input
         # (as this frame's variable and the call's argument) until the block returns, beside every
         # later layer's output; here each layer's input is dropped as soon as the layer returns.
-        with weights_ready(up_block):
+        with layers_ready(up_block):
             for resnet in up_block.resnets:
-                sample = resnet(sample, None)
+                sample = resnet_forward(resnet, sample)
             for upsampler in up_block.upsamplers or ():
-                sample = upsampler(sample)
-    with weights_ready(decoder.conv_norm_out, decoder.conv_out):
-        return _norm_act_conv(sample, decoder.conv_norm_out, decoder.conv_out, band_bytes)
+                sample = upsampler_forward(upsampler, sample)
+    with layers_ready(decoder.conv_norm_out, decoder.conv_out):
+        return output_forward(sample)
+
+
+def _decoder_forward(decoder, band_bytes, sample, latent_embeds=None):
+    # Each up-path layer through its module call: its banded forward (below), memfit's hooks firing around it.
+    return walk_decoder(decoder, sample, latent_embeds,
+                        resnet_forward=lambda resnet, sample: resnet(sample, None),
+                        upsampler_forward=lambda upsampler, sample: upsampler(sample),
+                        output_forward=lambda sample: _norm_act_conv(sample, decoder.conv_norm_out,
+                                                                     decoder.conv_out, band_bytes))
 
 
 @contextlib.contextmanager

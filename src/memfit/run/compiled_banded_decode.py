@@ -24,13 +24,14 @@ computes the same sums per output element as the whole conv. Compiled, the kerne
 
 from __future__ import annotations
 
+import contextlib
 import functools
 
 import torch
 import torch.nn.functional as F
 
 from memfit.run.banded_decode import (DEFAULT_BAND_BYTES, band_heap, channel_affine, group_stats, rows_per_band,
-                                      unsupported_reason)
+                                      unsupported_reason, walk_decoder)
 
 __all__ = ["band_kernel_paths", "compile_band_kernels", "enable_compiled_banded_decode", "is_compiled_banded"]
 
@@ -125,18 +126,23 @@ def _band_rows(height: int, at_most: int, step: int = 1) -> int:
 
 
 def _decoder_forward(decoder, band_bytes, sample, latent_embeds=None):
-    if latent_embeds is not None or (torch.is_grad_enabled() and decoder.training):
-        return type(decoder).forward(decoder, sample, latent_embeds)
-    sample = decoder.conv_in(sample)
-    sample = decoder.mid_block(sample, None)
-    for up_block in decoder.up_blocks:
-        for resnet in up_block.resnets:  # layer by layer, each input dropped as soon as it is used
-            hidden = _norm_act_conv(sample, resnet.norm1, resnet.conv1, band_bytes)
-            sample = _norm_act_conv(hidden, resnet.norm2, resnet.conv2, band_bytes, residual=sample, overwrite=True)
-            del hidden
-        for upsampler in up_block.upsamplers or ():
-            sample = _upsample_conv(sample, _upsampler_conv(upsampler), band_bytes)
-    return _norm_act_conv(sample, decoder.conv_norm_out, decoder.conv_out, band_bytes)
+    # memfit.run.banded_decode's walk (layer by layer, each input dropped as soon as it is used), each layer's
+    # bands through the kernels on its convs. No memfit hooks are fired around them: a compiled VAE's torch
+    # weights stay as loaded (memory-mapped), left out when memfit.run.fit carries out the plan.
+    return walk_decoder(decoder, sample, latent_embeds,
+                        resnet_forward=functools.partial(_resnet_bands, band_bytes=band_bytes),
+                        upsampler_forward=lambda upsampler, sample: _upsample_conv(sample, _upsampler_conv(upsampler),
+                                                                                   band_bytes),
+                        output_forward=lambda sample: _norm_act_conv(sample, decoder.conv_norm_out,
+                                                                     decoder.conv_out, band_bytes),
+                        layers_ready=lambda *modules: contextlib.nullcontext())
+
+
+def _resnet_bands(resnet, sample, *, band_bytes: int):
+    """A ResnetBlock2D in bands: its second conv adds the block input (its kernel the shortcut and output scale)
+    and writes over the first conv's output."""
+    hidden = _norm_act_conv(sample, resnet.norm1, resnet.conv1, band_bytes)
+    return _norm_act_conv(hidden, resnet.norm2, resnet.conv2, band_bytes, residual=sample, overwrite=True)
 
 
 def _norm_act_conv(x, norm, conv, band_bytes: int, *, residual=None, overwrite: bool = False):

@@ -47,6 +47,7 @@ from memfit.plan.activations import (DENOISE_HEAP_THRESHOLD, DEVICE_ACTIVATION_M
 from memfit.plan.budget import Budget, BudgetTooSmall, StageDoesNotFit, stage_budget
 from memfit.plan.compiled import (COMPILED_BANDS_EXTRA, COMPILED_BLOCK_BUILD, COMPILED_BLOCK_OVERHEAD, choose_compiled, compiled_blocks_extra,
                                   decode_in_bands)
+from memfit.plan.stages import planned_with_heap_where_it_fits
 from memfit.run.executor import (blocks_not_run, host_tier_reused, keep_dequantized, live_blocks, optimize, plan_stage,
                                  reads_in_place)
 from memfit.run.memory import process_peak_rss, return_large_frees_to_os
@@ -99,57 +100,17 @@ def fit_stage(pipe, folder: ModelFolder, names: Sequence[str], options: RunOptio
     backend, in_blocks = options.backend, ()
     # A compiled VAE whose decode can run in bands: (plain, banded) activations, else None.
     band_options = _band_options(pipe, folder, names, options, plan_as, settings, guided, backend)
-    in_bands = False
     # A component compiled by a backend with its own copy of the weights costs that copy, not its torch
     # weights (memory-mapped once compiled: memfit.compile.weights), and is planned as such.
     compiled = compiled_weight_bytes(pipe, names, backend, options.torch_dtype) if budget is not None else {}
-    if compiled:
-        choose = functools.partial(_choose_compiled, pipe, folder, options, stage, plan_as, budget, already_used,
-                                   compiled, settings, guided)
-        try:
-            choice = choose()
-        except BudgetTooSmall:
-            if band_options is None:
-                raise
-            choice = None
-        if band_options is not None and (choice is None or "vae" not in choice.kept):
-            # Decoded whole, the compiled VAE does not fit beside what the process holds (a Session's kept
-            # stages); in bands its activations are bounded: compiled, in bands, where that fits. Where that does
-            # not fit either, the pool lets its smallest kept pipelines go (a text encoder before the denoiser)
-            # until it does, and keeps the rest.
-            while True:
-                try:
-                    banded, refused = choose(activations=band_options[1]), None
-                except BudgetTooSmall as exc:
-                    banded, refused = None, exc
-                if (banded is not None and "vae" in banded.kept) or not _release_smallest(options.pool):
-                    break
-                already_used = options.runtime.memory_in_use()
-                choose = functools.partial(_choose_compiled, pipe, folder, options, stage, plan_as, budget,
-                                           already_used, compiled, settings, guided)
-            if banded is not None and "vae" in banded.kept:
-                choice, in_bands = banded, True
-            elif choice is None:
-                if refused is not None:
-                    raise refused  # the smallest budget it names is the banded decode's
-                choice = banded
+    choice, in_bands, already_used = _compiled_choice(pipe, folder, options, stage=stage, plan_as=plan_as,
+                                                      budget=budget, already_used=already_used, compiled=compiled,
+                                                      band_options=band_options, settings=settings, guided=guided,
+                                                      backend=backend)
+    if choice is not None:
         compiled, in_blocks = dict(choice.kept), choice.in_blocks
         backend = without_components(backend, [*choice.dropped, *in_blocks])
         notes += choice.notes
-    elif band_options is not None and budget is None and options.pool is not None and options.pool.holds_any():
-        # Without a budget only beside kept stages (a Session's): a one-shot run has let its denoiser go by now.
-        vae_bytes = compiled_weight_bytes(pipe, ["vae"], backend, options.torch_dtype).get("vae", 0)
-        ceiling = process_peak_rss()
-        in_bands = decode_in_bands(ceiling=ceiling, already_used=already_used, compiled_bytes=vae_bytes,
-                                   plain=band_options[0], banded=band_options[1])
-        if in_bands and options.pool is not None:
-            # Beside the kept weights, not their buffers; and, to stay under the peak, without the smaller kept
-            # pipelines where need be (never the largest: with no budget a Session keeps its denoiser).
-            options.pool.free_buffers()
-            already_used = options.runtime.memory_in_use()
-            while already_used + vae_bytes + band_options[1] > ceiling and \
-                    _release_smallest(options.pool, spare_largest=True):
-                already_used = options.runtime.memory_in_use()
     if in_bands and options.pool is not None and hasattr(options.pool, "bounded"):
         options.pool.bounded.add(stage)  # its warm runs too run beside the kept weights, not their buffers
     if in_bands:
@@ -188,6 +149,68 @@ def fit_stage(pipe, folder: ModelFolder, names: Sequence[str], options: RunOptio
                                         run_dtype=options.torch_dtype if "vae" in converting else None)
         fit = dataclasses.replace(fit, strategy=StrategyKind.BANDED)
     return dataclasses.replace(fit, compiled=tuple(records), notes=(*notes, *fit.notes))
+
+
+def _compiled_choice(pipe, folder: ModelFolder, options: RunOptions, *, stage: str, plan_as: str,
+                     budget: Budget | None, already_used: int, compiled: dict[str, int],
+                     band_options: tuple[int, int] | None, settings: Settings, guided: bool,
+                     backend) -> tuple[Any, bool, int]:
+    """(choice, in_bands, already_used): which compiled models the stage keeps whole, compiles in blocks or drops
+    (a CompiledChoice of memfit.plan.compiled.choose_compiled; None where nothing is compiled under a budget),
+    whether its compiled VAE decodes in bands, and what the process holds once kept pipelines were let go for it.
+
+    Why: a VAE compiled whole allocates every full-resolution buffer of its graph at once, which may not fit
+    the budget beside what the process holds (a Session's kept stages) or, with no budget, lift the process
+    above the peak it already reached; in bands (memfit.run.compiled_banded_decode) its activations are bounded.
+    Where even the bands do not fit, kept pipelines go, smallest first (WarmPool.release_smallest), before the
+    stage is refused. Raises BudgetTooSmall where no choice fits.
+    """
+    choice, in_bands = None, False
+    if compiled:
+        choose = functools.partial(_choose_compiled, pipe, folder, options, stage, plan_as, budget, already_used,
+                                   compiled, settings, guided)
+        try:
+            choice = choose()
+        except BudgetTooSmall:
+            if band_options is None:
+                raise
+            choice = None
+        if band_options is not None and (choice is None or "vae" not in choice.kept):
+            # Decoded whole, the compiled VAE does not fit beside what the process holds (a Session's kept
+            # stages); in bands its activations are bounded: compiled, in bands, where that fits. Where that does
+            # not fit either, the pool lets its smallest kept pipelines go (a text encoder before the denoiser)
+            # until it does, and keeps the rest.
+            while True:
+                try:
+                    banded, refused = choose(activations=band_options[1]), None
+                except BudgetTooSmall as exc:
+                    banded, refused = None, exc
+                if (banded is not None and "vae" in banded.kept) or not _release_smallest(options.pool):
+                    break
+                already_used = options.runtime.memory_in_use()
+                choose = functools.partial(_choose_compiled, pipe, folder, options, stage, plan_as, budget,
+                                           already_used, compiled, settings, guided)
+            if banded is not None and "vae" in banded.kept:
+                choice, in_bands = banded, True
+            elif choice is None:
+                if refused is not None:
+                    raise refused  # the smallest budget it names is the banded decode's
+                choice = banded
+    elif band_options is not None and budget is None and options.pool is not None and options.pool.holds_any():
+        # Without a budget only beside kept stages (a Session's): a one-shot run has let its denoiser go by now.
+        vae_bytes = compiled_weight_bytes(pipe, ["vae"], backend, options.torch_dtype).get("vae", 0)
+        ceiling = process_peak_rss()
+        in_bands = decode_in_bands(ceiling=ceiling, already_used=already_used, compiled_bytes=vae_bytes,
+                                   plain=band_options[0], banded=band_options[1])
+        if in_bands and options.pool is not None:
+            # Beside the kept weights, not their buffers; and, to stay under the peak, without the smaller kept
+            # pipelines where need be (never the largest: with no budget a Session keeps its denoiser).
+            options.pool.free_buffers()
+            already_used = options.runtime.memory_in_use()
+            while already_used + vae_bytes + band_options[1] > ceiling and \
+                    _release_smallest(options.pool, spare_largest=True):
+                already_used = options.runtime.memory_in_use()
+    return choice, in_bands, already_used
 
 
 def _release_smallest(pool, *, spare_largest: bool = False) -> bool:
@@ -245,10 +268,6 @@ def _plan_and_place(pipe, folder: ModelFolder, options: RunOptions, *, stage: st
     compile the blocks ``in_blocks`` components keep resident; the whole compiled models are the caller's."""
     runtime = options.runtime
     adapter = folder.adapter
-    # On the CPU the denoising loop's temporaries come from the heap when the plan can count what that holds;
-    # where it cannot, the stage is planned (and run) without it rather than refused.
-    with_heap = plan_as == "denoise" and not runtime.separate_memory
-    choices = stage_strategies(adapter, plan_as, settings, guided, options.dtype, heap_temporaries=with_heap)
     parts = adapter.stage_parts.get(plan_as)
     margin = DEVICE_ACTIVATION_MARGIN if runtime.separate_memory else 1.0
     stream_from = None if runtime.separate_memory else str(folder.path)
@@ -263,7 +282,7 @@ def _plan_and_place(pipe, folder: ModelFolder, options: RunOptions, *, stage: st
     host_tiers = options.pool.host_tiers if options.pool is not None and runtime.separate_memory else None
     kept_host = 0 if host_tiers is None else host_tiers.nbytes()
 
-    def plan_with(extra: int, choices=choices):
+    def plan_with(extra: int, choices):
         room = stage_budget(budget, runtime, already_used=already_used + extra, stream_from=stream_from,
                             kept_host=kept_host)
         try:
@@ -288,16 +307,16 @@ def _plan_and_place(pipe, folder: ModelFolder, options: RunOptions, *, stage: st
             [p.bytes for p in _placements(plan) if f"{p.component}/{p.block}" in keys])
         return strategy, plan, found, extra_needed
 
+    def first_plan(heap_temporaries: bool):
+        choices = stage_strategies(adapter, plan_as, settings, guided, options.dtype, heap_temporaries=heap_temporaries)
+        return choices, plan_with(0, choices)
+
+    # On the CPU the denoising loop's temporaries come from the heap when the plan can count what that holds;
+    # where it cannot, the stage is planned (and run) without it rather than refused.
+    (choices, first), with_heap = planned_with_heap_where_it_fits(
+        first_plan, heap_temporaries=plan_as == "denoise" and not runtime.separate_memory)
     # The reserve a plan needs shrinks as the reserve grows (less room, fewer blocks): the least reserve
     # that covers what its own plan needs is found by bisection. held: (reserve, the plan made with it).
-    try:
-        first = plan_with(0)
-    except StageDoesNotFit:
-        if not with_heap:
-            raise
-        with_heap = False
-        choices = stage_strategies(adapter, plan_as, settings, guided, options.dtype)
-        first = plan_with(0, choices)
     held = (0, first) if first[3] == 0 else None
     low, high = 0, first[3]
     while low < high and (held is None or high - low > high // 32):

@@ -197,6 +197,9 @@ def heap_for_temporaries_under(nbytes: int):
     Measured, SD 1.5 fp32 512x512 banded decode: 19.8 s at 1 MiB, 13.3 s at 16 MiB. Only here:
     raised for a whole run, the same setting left SDXL's bf16 decode 30-40% above its planned peak.
     The heap the temporaries leave behind is trimmed at the end of the stage (release_freed_memory).
+    Where it did change the threshold, on leaving it records the free heap bytes the stretch inside added
+    (glibc's free chunks after it less those before it, mallinfo2's fordblks; 0 without mallinfo2): heap_holes()
+    returns the largest such figure of any stretch so far, which later stages' plans count.
     """
     global _heap_holes
     previous = _fixed_threshold

@@ -404,7 +404,7 @@ class PipelineAdapter:
                 raise MemfitError(f"{name} {value} is not a finite number; use a scale such as 4.0.")
         if "num_frames" in self.options:
             if "num_frames" not in options:
-                options["num_frames"] = int(call_defaults["num_frames"])
+                options["num_frames"] = self.default_num_frames()
             if options["num_frames"] < 1:
                 raise MemfitError(f"num_frames must be at least 1, got {options['num_frames']}.")
         if strength is not None and int(steps * strength) < 1:

@@ -43,33 +43,31 @@ import torch
 from memfit.models.families.base import IMG2IMG, PipelineAdapter, check_frame_count, masked_embeddings, pad_masked
 
 
-class LTXAdapter(PipelineAdapter):
-    class_name = "LTXPipeline"
-    takes_lora = True
-    encode_components = ("tokenizer", "text_encoder")
-    denoise_components = ("transformer", "scheduler")
-    text_encoders = ("text_encoder", "tokenizer")
-    unequal_lengths = "pad the shorter embedding with masked zeros (attention mask 0)"
-    max_text_tokens = 128  # __call__'s max_sequence_length
+class LTXFamilyAdapter(PipelineAdapter):
+    """What LTX-Video's and LTX-2's pipelines (memfit.models.families.ltx2) share: a video VAE that compresses by
+    its patch times 2 for each block that scales, each side a multiple of 32 and of that scale times the
+    transformer's patch, frames a multiple of the temporal compression plus 1 (8k+1), __call__'s default width and height (not
+    square; with an input image, its aspect ratio at their area), and encode_prompt's embeddings and masks."""
+
     options = ("num_frames",)
-    frames_per_second = 25  # __call__'s frame_rate, which its rotary positions are scaled to
-    tasks = {IMG2IMG: "LTXImageToVideoPipeline"}
 
     def vae_scale_factor(self) -> int:
-        return self._compression("spatial_compression_ratio", "patch_size")
+        return self._compression("spatial_compression_ratio", "patch_size", 4)
 
     def temporal_scale_factor(self) -> int:
-        return self._compression("temporal_compression_ratio", "patch_size_t")
+        return self._compression("temporal_compression_ratio", "patch_size_t", 1)
 
-    def _compression(self, stated: str, patch: str) -> int:
-        """A compression ratio of the VAE, as AutoencoderKLLTXVideo computes it where its config does not state it:
-        its patch times 2 for each block that scales (in space and time alike)."""
+    def _compression(self, stated: str, patch: str, default_patch: int) -> int:
+        """A compression ratio of the video VAE, as its class computes it where its config does not state it: its
+        patch times 2 for each block that scales (in space and time alike)."""
         vae = self.configs.get("vae", {})
         if vae.get(stated) is not None:
             return int(vae[stated])
-        default_patch = 4 if patch == "patch_size" else 1
-        scaling = vae.get("spatio_temporal_scaling", (True, True, True, False))
-        return int(vae.get(patch, default_patch)) * 2 ** sum(bool(flag) for flag in scaling)
+        return int(vae.get(patch, default_patch)) * 2 ** sum(bool(flag) for flag in self._scaling_blocks())
+
+    def _scaling_blocks(self):
+        """The VAE's spatio_temporal_scaling, with AutoencoderKLLTXVideo's default."""
+        return self.configs.get("vae", {}).get("spatio_temporal_scaling", (True, True, True, False))
 
     def size_multiple(self) -> int:
         # check_inputs needs 32; prepare_latents takes height // scale latent rows, which the transformer patches.
@@ -116,13 +114,29 @@ class LTXAdapter(PipelineAdapter):
         )
         return masked_embeddings(positive, positive_mask, negative, negative_mask, with_negative)
 
+    def _set_vae_compression(self, pipe):
+        """What __init__ reads from the video VAE, where the stage does not load it (the denoise stage)."""
+        if pipe.vae is None:
+            pipe.vae_spatial_compression_ratio = self.vae_scale_factor()
+            pipe.vae_temporal_compression_ratio = self.temporal_scale_factor()
+
+
+class LTXAdapter(LTXFamilyAdapter):
+    class_name = "LTXPipeline"
+    takes_lora = True
+    encode_components = ("tokenizer", "text_encoder")
+    denoise_components = ("transformer", "scheduler")
+    text_encoders = ("text_encoder", "tokenizer")
+    unequal_lengths = "pad the shorter embedding with masked zeros (attention mask 0)"
+    max_text_tokens = 128  # __call__'s max_sequence_length
+    frames_per_second = 25  # __call__'s frame_rate, which its rotary positions are scaled to
+    tasks = {IMG2IMG: "LTXImageToVideoPipeline"}
+
     def fit_lengths(self, pipe, embeddings, lengths):
         return pad_masked(embeddings), contextlib.nullcontext()
 
     def denoise_call(self, pipe, embeddings, settings, generator, **inputs):
-        if pipe.vae is None:  # what LTXPipeline.__init__ reads from the VAE it does not have in this stage
-            pipe.vae_spatial_compression_ratio = self.vae_scale_factor()
-            pipe.vae_temporal_compression_ratio = self.temporal_scale_factor()
+        self._set_vae_compression(pipe)
         return super().denoise_call(pipe, embeddings, settings, generator, **inputs)
 
     def after_loop(self, pipe, latents, settings):

@@ -44,20 +44,19 @@ not taken yet.
 from __future__ import annotations
 
 import contextlib
-import math
 from types import SimpleNamespace
 
 import torch
 
-from memfit.models.families.base import (IMG2IMG, VAE_DECODE_PARTS, PipelineAdapter, VideoFrames,
-                                         check_frame_count, masked_embeddings, pad_to_length)
+from memfit.models.families.base import IMG2IMG, VAE_DECODE_PARTS, VideoFrames, pad_to_length
+from memfit.models.families.ltx import LTXFamilyAdapter
 
 # What the pipeline's __call__ reads of a VAE that the denoise stage does not load (see the module docstring).
 # With the classes' defaults, for a config that leaves one out.
 _VAE_READS = {"vae": {"scaling_factor": 1.0}, "audio_vae": {"mel_bins": 64, "latent_channels": 8}}
 
 
-class LTX2Adapter(PipelineAdapter):
+class LTX2Adapter(LTXFamilyAdapter):
     class_name = "LTX2Pipeline"
     takes_lora = True
     encode_components = ("tokenizer", "text_encoder")
@@ -66,72 +65,28 @@ class LTX2Adapter(PipelineAdapter):
     text_encoders = ("text_encoder", "tokenizer")
     unequal_lengths = "pad the shorter embedding on the left with masked zeros (attention mask 0), as Gemma's tokenizer pads"
     max_text_tokens = 1024  # __call__'s max_sequence_length
-    options = ("num_frames",)
     frames_per_second = 24  # __call__'s frame_rate: the rotary positions and the audio's length follow it
     makes_audio = True
     stage_parts = {"decode": {"vae": VAE_DECODE_PARTS, "audio_vae": VAE_DECODE_PARTS},
                    "denoise": {"vae": ("encoder", "rest")}}
     tasks = {IMG2IMG: "LTX2ImageToVideoPipeline"}
 
-    def vae_scale_factor(self) -> int:
-        return self._compression("spatial_compression_ratio", "patch_size", 4)
-
-    def temporal_scale_factor(self) -> int:
-        return self._compression("temporal_compression_ratio", "patch_size_t", 1)
-
-    def _compression(self, stated: str, patch: str, default_patch: int) -> int:
-        """A compression ratio of the video VAE, as AutoencoderKLLTX2Video computes it where its config does not
-        state it: its patch times 2 for each block that scales."""
-        vae = self.configs.get("vae", {})
-        if vae.get(stated) is not None:
-            return int(vae[stated])
-        scaling = vae.get("spatio_temporal_scaling", (True, True, True, True))
-        scaling = scaling if isinstance(scaling, (list, tuple)) else (scaling,) * 4
-        return int(vae.get(patch, default_patch)) * 2 ** sum(bool(flag) for flag in scaling)
-
-    def size_multiple(self) -> int:
-        patch = int(self.configs.get("transformer", {}).get("patch_size", 1))
-        return math.lcm(32, self.vae_scale_factor() * patch)
-
-    def default_size(self) -> int:
-        return self.call_defaults()["height"]  # not square: resolve() takes __call__'s width and height
-
-    def drawn_size(self, image, task):
-        """(width, height) for an input image without --width/--height: its aspect ratio at __call__'s default area."""
-        call_defaults = self.call_defaults()
-        area, step = call_defaults["width"] * call_defaults["height"], self.size_multiple()
-        aspect = image.height / image.width
-        return (max(step, round(math.sqrt(area / aspect)) // step * step),
-                max(step, round(math.sqrt(area * aspect)) // step * step))
+    def _scaling_blocks(self):
+        # AutoencoderKLLTX2Video's default scales in all four blocks; its config may state one flag for them all.
+        scaling = self.configs.get("vae", {}).get("spatio_temporal_scaling", (True, True, True, True))
+        return scaling if isinstance(scaling, (list, tuple)) else (scaling,) * 4
 
     def uses_guidance(self, guidance: float) -> bool:
         # __call__'s audio_guidance_scale (7.0; its `or` falls back to guidance_scale) guides the audio on its own.
         audio = self.call_defaults().get("audio_guidance_scale") or guidance
         return guidance > 1 or audio > 1
 
-    def resolve(self, prompt, negative_prompt, steps, guidance, seed, width, height, defaults=None, *,
-                num_frames=None, conditioning=None, makes_images: bool = True, **options):
-        call_defaults = self.call_defaults()
-        defaults = defaults or {}
-        if conditioning is None or conditioning.image is None:  # with an image, the image's size (drawn_size)
-            width = width if width is not None else defaults.get("width", call_defaults["width"])
-            height = height if height is not None else defaults.get("height", call_defaults["height"])
-        num_frames = num_frames if num_frames is not None else defaults.get("num_frames", self.default_num_frames())
-        settings = super().resolve(prompt, negative_prompt, steps, guidance, seed, width, height, defaults,
-                                   num_frames=num_frames, conditioning=conditioning, makes_images=makes_images,
-                                   **options)
-        check_frame_count(settings.num_frames, self.temporal_scale_factor(), self.class_name)
-        return settings
-
-    def latent_frames(self, settings) -> int:
-        return (settings.num_frames - 1) // self.temporal_scale_factor() + 1
-
     def default_num_frames(self) -> int:
         # __call__'s num_frames is None: 121 where the folder has no duration head, which memfit never loads
         return 121
 
     def call_kwargs(self, settings):
-        kwargs = dict(super().call_kwargs(settings), num_frames=settings.num_frames)
+        kwargs = super().call_kwargs(settings)
         if settings.task == IMG2IMG:
             kwargs["image_crf"] = self.image_crf()
         return kwargs
@@ -152,17 +107,6 @@ class LTX2Adapter(PipelineAdapter):
         per_copy = (int(text.get("num_hidden_layers", 48)) + 1) * int(text.get("hidden_size", 3840))
         return per_copy * (3 if guided else 2)
 
-    def encode(self, pipe, settings, with_negative):
-        positive, positive_mask, negative, negative_mask = pipe.encode_prompt(
-            prompt=settings.prompt,
-            negative_prompt=settings.negative_prompt,
-            do_classifier_free_guidance=with_negative,
-            num_videos_per_prompt=1,
-            max_sequence_length=self.call_defaults()["max_sequence_length"],
-            device=pipe._execution_device,
-        )
-        return masked_embeddings(positive, positive_mask, negative, negative_mask, with_negative)
-
     def fit_lengths(self, pipe, embeddings, lengths):
         # Gemma's tokenizer pads on the left (the connectors read the mask that way): so does memfit.
         length = max(max(pair) for pair in lengths.values())
@@ -173,10 +117,8 @@ class LTX2Adapter(PipelineAdapter):
         return padded, contextlib.nullcontext()
 
     def denoise_call(self, pipe, embeddings, settings, generator, **inputs):
-        if pipe.vae is None:  # what __init__ reads from the VAEs it does not have in this stage
-            pipe.vae_spatial_compression_ratio = self.vae_scale_factor()
-            pipe.vae_temporal_compression_ratio = self.temporal_scale_factor()
-        if pipe.audio_vae is None:
+        self._set_vae_compression(pipe)
+        if pipe.audio_vae is None:  # what __init__ reads from the audio VAE it does not have in this stage
             audio = self.configs.get("audio_vae", {})
             pipe.audio_sampling_rate = audio.get("sample_rate", 16000)
             pipe.audio_hop_length = audio.get("mel_hop_length", 160)
