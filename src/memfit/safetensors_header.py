@@ -22,7 +22,7 @@ import torch
 from memfit.errors import MemfitError
 
 __all__ = ["TORCH_DTYPES", "LazyMapping", "MappedFile", "SafetensorsHeader", "check_complete", "close_unused_mappings",
-           "read_header", "same_samples"]
+           "SAMPLE_COUNT", "read_header", "same_samples", "sample_starts"]
 
 #: The torch dtype of each safetensors dtype name memfit maps into memory.
 TORCH_DTYPES = {
@@ -202,7 +202,15 @@ class MappedFile(LazyMapping):
         return torch.frombuffer(self.mapping, dtype=dtype, count=count, offset=begin).view(shape)
 
 
-def same_samples(view: torch.Tensor, loaded: torch.Tensor, count: int = 4096) -> bool:
+SAMPLE_COUNT = 4096  # elements same_samples compares at each of its places
+
+
+def sample_starts(size: int, count: int = SAMPLE_COUNT) -> set[int]:
+    """Where same_samples compares ``count`` elements of a tensor of ``size`` elements: start, middle and end."""
+    return {0, max(0, size // 2 - count // 2), max(0, size - count)}
+
+
+def same_samples(view: torch.Tensor, loaded: torch.Tensor, count: int = SAMPLE_COUNT) -> bool:
     """Whether a file's tensor (``view``, any dtype) and the loaded one agree at the start, middle and end.
 
     A changed model (a fused LoRA, a merged or requantized weight) changes values everywhere, so
@@ -210,8 +218,7 @@ def same_samples(view: torch.Tensor, loaded: torch.Tensor, count: int = 4096) ->
     is exactly the memory peak that mapping the file exists to avoid.
     """
     flat_view, flat_loaded = view.reshape(-1), loaded.reshape(-1)
-    size = flat_view.numel()
-    for start in {0, max(0, size // 2 - count // 2), max(0, size - count)}:
+    for start in sample_starts(flat_view.numel(), count):
         part = slice(start, start + count)
         if not torch.equal(flat_view[part].to(loaded.dtype), flat_loaded[part].cpu()):
             return False

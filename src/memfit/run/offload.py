@@ -43,7 +43,7 @@ from memfit.devices import DeviceRuntime
 from memfit.errors import MemfitError
 from memfit.text_enum import TextEnum
 from memfit.run.timeline import record_move
-from memfit.safetensors_header import MappedFile
+from memfit.safetensors_header import SAMPLE_COUNT, MappedFile, sample_starts
 
 __all__ = ["ALIGNMENT", "BlockSlots", "HookRegistry", "MappedSafetensors", "ModuleHook", "MappedPages", "Modes", "PhaseSwitch",
            "Phases", "Prefetches", "ReadAhead", "ResidentHook", "Runtime", "Shared", "Slot", "SlotKind", "StagingRing", "SwapHook",
@@ -216,10 +216,24 @@ class MappedPages:
     def prefetch(self) -> None:
         self._advise(getattr(mmap, "MADV_WILLNEED", None))
 
-    def _advise(self, option) -> None:
-        if option is None or self.length <= 0 or self.mapping.closed:
+    def prefetch_samples(self, numel: int, itemsize: int) -> None:
+        """Ask the kernel to read ahead the places same_samples compares (the range holding ``numel`` contiguous
+        elements of ``itemsize`` bytes that ends where this one ends): many tensors' samples are then read at
+        once instead of one synchronous read at a time while each is checked."""
+        option = getattr(mmap, "MADV_WILLNEED", None)
+        begin = self.end - numel * itemsize
+        page = mmap.PAGESIZE
+        for start in sample_starts(numel):
+            first = (begin + start * itemsize) // page * page
+            last = min(self.end, begin + (start + SAMPLE_COUNT) * itemsize)
+            self._advise(option, first, last - first)
+
+    def _advise(self, option, start: int | None = None, length: int | None = None) -> None:
+        start = self.start if start is None else start
+        length = self.length if length is None else length
+        if option is None or length <= 0 or self.mapping.closed:
             return  # not Linux/Unix, or nothing mapped: advice is only ever an optimization
-        self.mapping.madvise(option, self.start, self.length)
+        self.mapping.madvise(option, start, length)
 
 
 class MappedSafetensors:
