@@ -397,7 +397,22 @@ def activation_estimate(
         raise MemfitError(f"Width, height and batch must be positive, got {width}x{height}, batch {batch}.")
     elems = activation_elements(kind, config, width=width, height=height, vae_scale=vae_scale,
                                 text_tokens=text_tokens, class_name=class_name, frames=frames)
-    return int(ACTIVATION_FACTORS[kind] * batch * dtype_bytes(dtype) * elems + ACTIVATION_OFFSETS[kind])
+    workspace = _conv_workspace(config, class_name) if kind.startswith("vae_decoder") else 0
+    return int(ACTIVATION_FACTORS[kind] * batch * dtype_bytes(dtype) * elems + ACTIVATION_OFFSETS[kind] + workspace)
+
+
+def _conv_workspace(config, class_name: str) -> int:
+    """What a VAE's decode holds beyond its feature maps, where that is larger than they are at small sizes.
+
+    HunyuanVideo 1.5's VAE: the first up block's upsampler is a 3D conv from the widest channels to 8 times them
+    (2x2 pixels and 2 frames folded into channels), 226M weights at real size. On the CPU its call held 0.84-1.69 GiB
+    beyond the feature maps, in fp32 and in bf16 alike (measured at 64-128 pixels, 9 frames: once or twice that
+    weight in fp32), which the shape model misses: counted as twice its weight in fp32.
+    """
+    if class_name != "AutoencoderKLHunyuanVideo15":
+        return 0
+    widest = max(config.get("block_out_channels") or (1024,))
+    return 2 * widest * (8 * widest) * 27 * DTYPE_BYTES["fp32"]
 
 
 def activation_elements(kind: str, config: Mapping[str, Any], *, width: int, height: int, vae_scale: int = 8,
