@@ -5,6 +5,8 @@ and `memfit plan` saying so; untiled wherever the budget holds the untiled decod
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 
@@ -111,7 +113,7 @@ def test_a_decode_too_large_untiled_runs_in_diffusers_tiles(family, tiny_models,
 
 
 def test_memfit_plan_names_the_tiles_and_refuses_only_below_the_smallest(capsys):
-    """HunyuanVideo 1.5's default 121 frames: untiled the decode needs about 27 GiB, more than 24; tiled it plans in
+    """HunyuanVideo 1.5's default 121 frames: untiled the decode needs more than 24 GiB; tiled it plans in
     6, 12 and 24 GiB, larger tiles with more room. Below what the smallest tile needs the refusal names it."""
     import json
 
@@ -127,7 +129,8 @@ def test_memfit_plan_names_the_tiles_and_refuses_only_below_the_smallest(capsys)
     assert main(["plan", "--arch", "hunyuanvideo1.5", "--budget", "24GiB", "--dtype", "bf16",
                  "--process-memory", "0"]) == 0
     out = capsys.readouterr().out
-    assert "decode: tiled instead of plain, which would need 2" in out and "vae.enable_tiling(" in out
+    untiled = re.search(r"decode: tiled instead of plain, which would need (\d+\.\d+) GiB", out)
+    assert untiled and float(untiled[1]) > 24 and "vae.enable_tiling(" in out
     assert main(["plan", "--arch", "hunyuanvideo1.5", "--budget", "3GiB", "--dtype", "bf16", "--process-memory", "0",
                  "--width", "1280", "--height", "720"]) != 0
     assert "GiB for the decode stage with every weight streamed" in capsys.readouterr().err

@@ -92,8 +92,9 @@ def run_plan(args: argparse.Namespace) -> int:
     check_model_args(args)
     quiet_libraries()
     name, description, adapter = _source(args)
-    width = args.width or adapter.default_size()
-    height = args.height or adapter.default_size()
+    default_width, default_height = _default_size(adapter)
+    width = args.width or default_width
+    height = args.height or default_height
     if width <= 0 or height <= 0 or args.steps <= 0:
         raise MemfitError(f"--width, --height and --steps must be positive, got {width}, {height}, {args.steps}.")
     if args.frames is not None and (args.frames <= 0 or not adapter.makes_video):
@@ -152,6 +153,16 @@ def run_plan(args: argparse.Namespace) -> int:
         if precision_line:
             print(precision_line)
     return 0
+
+
+def _default_size(adapter) -> tuple[int, int]:
+    """(width, height) a run makes without --width/--height, as the family resolves it (a video's is not square:
+    Wan's 832x480); the family's native square where it needs an input image to say (the editing families)."""
+    try:
+        settings = adapter.resolve("a prompt", None, None, None, 0, None, None)
+    except MemfitError:
+        return adapter.default_size(), adapter.default_size()
+    return settings.width, settings.height
 
 
 def _plan_stages(adapter, args, width: int, height: int, room, *, heap_temporaries: bool):
