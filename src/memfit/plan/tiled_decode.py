@@ -2,13 +2,13 @@
 what they hold.
 
 Why: HunyuanVideo 1.5's and LTX-Video's (and LTX-2's) VAEs decode the whole video in one pass, so their widest
-activation is every frame at full resolution times the last up block's channels: about 28 GiB for HunyuanVideo
-1.5's default 121 frames at 848x480 in bf16, more than the rest of the run together. diffusers decodes such a video
+activation is every frame at full resolution times the last up block's channels: about 90 GiB estimated for
+HunyuanVideo 1.5's default 121 frames at 848x480 in bf16, more than the rest of the run together. diffusers decodes such a video
 in overlapping spatial tiles when ``vae.enable_tiling()`` was called, blending each tile's edges into its
 neighbours'. That changes the frames (the blend is not the untiled arithmetic), so memfit takes it only where the
 untiled decode cannot be planned in the budget at all (a costly strategy, memfit.plan.activations), and then with
 the largest tile that fits: the frames equal diffusers' with ``vae.enable_tiling(**DecodeTiling.enable_kwargs)``,
-which the run's report names. HunyuanImage 2.1's VAE, which decodes a 2048x2048 image in one pass (about 7.6 GiB in
+which the run's report names. HunyuanImage 2.1's VAE, which decodes a 2048x2048 image in one pass (about 7.4 GiB in
 bf16) and is no AutoencoderKL for memfit's exact banded decode, is tiled the same way.
 
 What a tiled decode holds at its peak: one tile's decoder activations (the shape model of an untiled decode at the
