@@ -127,7 +127,7 @@ def test_chunked_is_planned_only_where_batched_cannot_be(tiny_models, monkeypatc
     assert floors["split"] < floors["chunked"] < floors["batched"]
 
     def chosen(budget: int) -> str:  # each stage is chosen on its own: only the denoise stage matters here
-        return choose_strategies([options[1]], Budget(device=budget))[1]["denoise"]
+        return choose_strategies([options[1]], Budget(device=budget))[1]["denoise"].name
 
     assert chosen((floors["chunked"] + floors["batched"]) // 2) == "chunked"
     assert chosen((floors["split"] + floors["chunked"]) // 2) == "split"
