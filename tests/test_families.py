@@ -21,7 +21,8 @@ import memfit
 from memfit.run.embeddings import Embeddings
 from memfit.models.folder import ModelFolder
 from conftest import smallest_budget, with_staging_ring
-from memfit.testing import PIPELINE_KINDS, assert_matches_diffusers, diffusers_output, max_pixel_difference
+from memfit.testing import (PIPELINE_KINDS, assert_matches_diffusers, diffusers_output, generated_output,
+                            max_pixel_difference)
 from memfit.testing import conditioning
 from memfit.testing.conditioning import test_image
 
@@ -90,19 +91,14 @@ def test_the_oracle_can_fail(tiny_models, kind):
     model = tiny_models(kind)
     ours = memfit.generate(model=model, progress=False, **_settings(kind, True))
     other_seed = diffusers_output(model, dataclasses.replace(ours.settings, seed=8), **_images(CASES[kind][True]))
-    assert max_pixel_difference(_output(ours), other_seed) > 0
+    assert max_pixel_difference(generated_output(ours), other_seed) > 0
     unguided = memfit.generate(model=model, progress=False, **_settings(kind, False))
-    assert max_pixel_difference(_output(ours), _output(unguided)) > 0
+    assert max_pixel_difference(generated_output(ours), generated_output(unguided)) > 0
 
 
 def _images(settings):
     """The input images of ``settings`` (memfit.generate's image and mask) as the plain pipeline's arguments."""
     return {name: settings[key] for key, name in (("image", "image"), ("mask", "mask_image")) if key in settings}
-
-
-def _output(result):
-    """A video's frames, or the images."""
-    return result.frames if result.frames is not None else result.images
 
 
 def _smallest_budget(model, settings):

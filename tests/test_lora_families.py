@@ -17,7 +17,7 @@ import memfit
 from conftest import smallest_budget, with_staging_ring
 from memfit.models.families import ADAPTERS
 from memfit.models.lora import check_loras
-from memfit.testing import diffusers_output, max_pixel_difference
+from memfit.testing import diffusers_output, generated_output, max_pixel_difference
 from memfit.testing.conditioning import save_kohya_flux_lora, save_lora, write_lora
 
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("peft") is None,
@@ -33,10 +33,6 @@ SETTINGS = {"flux": dict(guidance=3.5), "sd3": dict(guidance=4.5, negative_promp
             "ltx": dict(guidance=3.0, negative_prompt="blurry", num_frames=5)}
 
 
-def _output(result):
-    return result.frames if result.frames is not None else result.images
-
-
 def _generate(model, loras, kind, **options):
     return memfit.generate(model=model, progress=False, loras=loras, **BASE, **SETTINGS[kind], **options)
 
@@ -45,7 +41,7 @@ def _matches_diffusers(model, loras, kind):
     """memfit.generate with ``loras`` (no budget) equals plain diffusers with them; returns both outputs."""
     ours = _generate(model, loras, kind)
     reference = diffusers_output(model, ours.settings, loras=check_loras(loras))
-    assert max_pixel_difference(_output(ours), reference) == 0
+    assert max_pixel_difference(generated_output(ours), reference) == 0
     return ours, reference
 
 
@@ -59,7 +55,7 @@ def _streams_and_matches(model, loras, kind, streamed_plans, reference, device=N
     else:
         ours = with_staging_ring(lambda gpu_budget: _generate(model, loras, kind, budget=gpu_budget, device=device),
                                  budget, model)
-    assert max_pixel_difference(_output(ours), reference) == 0
+    assert max_pixel_difference(generated_output(ours), reference) == 0
     streamed = {plan.stages[0].name: plan.stages[0].streamed_from_disk_bytes for plan in streamed_plans}
     assert streamed["denoise"] > 0, streamed
 

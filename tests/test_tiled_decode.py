@@ -17,7 +17,7 @@ from memfit.plan import meta
 from memfit.plan.activations import StrategyKind, stage_strategies
 from memfit.plan.meta import decoded_frames
 from memfit.plan.tiled_decode import decode_tilings
-from memfit.testing import diffusers_output, max_pixel_difference
+from memfit.testing import diffusers_output, generated_output, max_pixel_difference
 
 PROMPT = "a red house near the sea"
 VIDEO = dict(steps=2, guidance=4.0, seed=7, width=32, height=32, frames=5, negative_prompt="blurry")
@@ -30,10 +30,6 @@ REQUESTS = {"hunyuan_video15": VIDEO, "ltx": dict(VIDEO, width=64),
 def decoded_shape(output: torch.Tensor) -> tuple:
     """(frames, height, width) of a decoded video, (height, width) of an image."""
     return tuple(output.shape[2:])
-
-
-def pictures(result) -> list:
-    return result.frames if result.frames is not None else result.images
 
 
 def _vae(model: str):
@@ -94,7 +90,7 @@ def test_a_decode_too_large_untiled_runs_in_diffusers_tiles(family, tiny_models,
     video = REQUESTS[family]
     roomy = memfit.generate(PROMPT, model=model, progress=False, budget="+400MiB", **video)
     assert roomy.report.stages[-1].strategy == "plain"
-    assert max_pixel_difference(pictures(roomy), diffusers_output(model, roomy.settings)) == 0
+    assert max_pixel_difference(generated_output(roomy), diffusers_output(model, roomy.settings)) == 0
 
     monkeypatch.setitem(meta.ACTIVATION_FACTORS, "vae_decoder", 4000.0)
     adapter = ModelFolder.open(model).adapter
@@ -108,8 +104,8 @@ def test_a_decode_too_large_untiled_runs_in_diffusers_tiles(family, tiny_models,
     note = next(note for note in ours.report.notes if "vae.enable_tiling(" in note)
     assert f"{tiling.tile}x{tiling.tile}-pixel tiles" in note and "a larger --budget decodes untiled" in note
     theirs = diffusers_output(model, ours.settings, vae_tiling=tiling.enable_kwargs)
-    assert max_pixel_difference(pictures(ours), theirs) == 0
-    assert max_pixel_difference(pictures(ours), pictures(roomy)) > 0  # the blend is not the untiled arithmetic
+    assert max_pixel_difference(generated_output(ours), theirs) == 0
+    assert max_pixel_difference(generated_output(ours), generated_output(roomy)) > 0  # the blend is not the untiled arithmetic
 
 
 def test_memfit_plan_names_the_tiles_and_refuses_only_below_the_smallest(capsys):

@@ -2,7 +2,8 @@
 
 from memfit.testing.pipelines import DEFAULT_SIZE, PIPELINE_KINDS, build_pipeline, save_pipeline
 from memfit.testing.refiner import build_base_and_refiner, build_refiner, diffusers_refined_image, save_base_and_refiner
-from memfit.testing.parity import assert_matches_diffusers, diffusers_image, diffusers_output, max_pixel_difference
+from memfit.testing.parity import (assert_matches_diffusers, diffusers_image, diffusers_output, generated_output,
+                                   max_pixel_difference)
 from memfit.testing.tokenizers import clip_tokenizer, word_tokenizer
 
 __all__ = [
@@ -16,6 +17,7 @@ __all__ = [
     "diffusers_image",
     "diffusers_output",
     "diffusers_refined_image",
+    "generated_output",
     "max_pixel_difference",
     "save_base_and_refiner",
     "save_pipeline",

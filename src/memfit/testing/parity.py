@@ -89,6 +89,11 @@ def diffusers_output(model_dir: str | Path, settings, dtype: torch.dtype = torch
                        sample_rate=int(pipe.vocoder.config.output_sampling_rate))
 
 
+def generated_output(result) -> list:
+    """What a memfit.generate result drew: a video's frames, or the images (as diffusers_output returns them)."""
+    return result.frames if result.frames is not None else result.images
+
+
 def max_pixel_difference(a, b) -> int:
     if isinstance(a, (list, tuple)) or isinstance(b, (list, tuple)):  # video frames
         if len(a) != len(b):
