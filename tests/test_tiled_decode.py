@@ -6,6 +6,7 @@ and `memfit plan` saying so; untiled wherever the budget holds the untiled decod
 from __future__ import annotations
 
 import re
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -15,7 +16,6 @@ from memfit.cli.app import main
 from memfit.models.folder import ModelFolder
 from memfit.plan import meta
 from memfit.plan.activations import StrategyKind, stage_strategies
-from memfit.plan.meta import decoded_frames
 from memfit.plan.tiled_decode import decode_tilings
 from memfit.testing import diffusers_output, generated_output, max_pixel_difference
 
@@ -46,7 +46,8 @@ def test_the_tiles_planned_are_those_diffusers_decodes(family, tiny_models):
     for every tiling memfit may ask for; the largest tile comes first and none covers the whole video."""
     vae, adapter = _vae(tiny_models(family))
     scale, vae_class = adapter.vae_scale_factor(), adapter.classes["vae"][1]
-    width, height, latent_frames = 48, 32, 2
+    width, height, frames = 48, 32, 5
+    latent_frames = adapter.latent_frames(SimpleNamespace(num_frames=frames))
     tilings = decode_tilings(vae_class, vae.config, scale, width, height)
     assert tilings and [t.tile for t in tilings] == sorted((t.tile for t in tilings), reverse=True)
     assert all(t.tile < max(width, height) and t.stride < t.tile and t.stride % scale == 0 for t in tilings)
@@ -64,7 +65,7 @@ def test_the_tiles_planned_are_those_diffusers_decodes(family, tiny_models):
         finally:
             hook.remove()
             vae.disable_tiling()
-        assert decoded_shape(output) == ((decoded_frames(vae.config, vae_class, 2),) if video else ()) + (height, width)
+        assert decoded_shape(output) == ((frames,) if video else ()) + (height, width)
         assert len(decoded) == len(tiling.tile_sides(height // scale)) * len(tiling.tile_sides(width // scale))
         counted = sum(tiling.tile_sides(height // scale)) * sum(tiling.tile_sides(width // scale))
         assert sum(shape[-1] * shape[-2] for shape in decoded) == counted

@@ -136,7 +136,7 @@ def stage_strategies(adapter, stage: str, settings, guided: bool, dtype: str, *,
             options.append(Strategy(StrategyKind.BANDED, activation_estimate("vae_decoder_banded", vae, dtype=vae_dtype, **size)))
         for tiling in decode_tilings(vae_class, vae, size["vae_scale"], settings.width, settings.height):
             tiled = tiled_activation_bytes(tiling, vae, width=settings.width, height=settings.height,
-                                           frames=size["frames"], dtype=vae_dtype)
+                                           frames=size["frames"], video_frames=settings.num_frames, dtype=vae_dtype)
             options.append(Strategy(StrategyKind.TILED, tiled, cheap=False, tiling=tiling))
         return options
     if stage == "pipeline":  # a pipeline's own __call__ runs its parts one after another

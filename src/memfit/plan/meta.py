@@ -39,7 +39,6 @@ __all__ = [
     "activation_elements",
     "activation_estimate",
     "build_on_meta",
-    "decoded_frames",
     "diffusers_module",
     "dtype_bytes",
     "is_model_class",
@@ -461,7 +460,7 @@ def _vae_decoder_elems(config, *, width, height, frames=1, class_name="", **_):
         return width * height * channels[0]
     if class_name in ("AutoencoderKLLTXVideo", "AutoencoderKLLTX2Video"):  # LTX-2's decoder is LTX-Video's design
         return _ltx_decoder_elems(config, width=width, height=height, frames=frames)
-    video_frames = decoded_frames(config, class_name, frames)
+    video_frames = _decoded_frames(config, class_name, frames)
     if class_name in WHOLE_VIDEO_DECODERS:
         return width * height * video_frames * (channels[0] + 3)
     # A video VAE decodes a latent frame at a time (its temporal ratio's video frames, widest at
@@ -469,7 +468,7 @@ def _vae_decoder_elems(config, *, width, height, frames=1, class_name="", **_):
     return width * height * (channels[0] * _temporal_ratio(config, class_name) + 3 * video_frames)
 
 
-def decoded_frames(config: Mapping[str, Any], class_name: str, latent_frames: int) -> int:
+def _decoded_frames(config: Mapping[str, Any], class_name: str, latent_frames: int) -> int:
     """The video frames a video VAE of ``class_name`` decodes ``latent_frames`` latent frames into."""
     return (latent_frames - 1) * _temporal_ratio(config, class_name) + 1
 
@@ -487,7 +486,7 @@ def _ltx_decoder_elems(config, *, width, height, frames):
     unpatchifies its output), so its widest activation is that block's channels over patch_size**2 per output pixel."""
     channels = (config.get("decoder_block_out_channels") or config.get("block_out_channels") or (128,))[0]
     patch = int(config.get("patch_size", 4))
-    return width * height * decoded_frames(config, "AutoencoderKLLTXVideo", frames) * (channels / patch**2 + 3)
+    return width * height * _decoded_frames(config, "AutoencoderKLLTXVideo", frames) * (channels / patch**2 + 3)
 
 
 def _text_output_elems(config, *, text_tokens, **_):

@@ -111,13 +111,14 @@ def decode_tilings(vae_class: str, config, scale: int, width: int, height: int) 
 
 
 def tiled_activation_bytes(tiling: DecodeTiling, config, *, width: int, height: int, frames: int,
-                           dtype: str) -> int:
-    """The planned activations of a tiled decode of ``frames`` latent frames at ``width`` x ``height``."""
-    from memfit.plan.meta import activation_estimate, decoded_frames, dtype_bytes
+                           video_frames: int, dtype: str) -> int:
+    """The planned activations of a tiled decode of ``frames`` latent frames into ``video_frames`` frames (1 for an
+    image) at ``width`` x ``height``."""
+    from memfit.plan.meta import activation_estimate, dtype_bytes
 
     one_tile = activation_estimate("vae_decoder", config, width=min(tiling.tile, width),
                                    height=min(tiling.tile, height), dtype=dtype, vae_scale=tiling.scale,
                                    class_name=tiling.vae_class, frames=frames)
-    pixel_bytes = 3 * decoded_frames(config, tiling.vae_class, frames) * dtype_bytes(dtype)
+    pixel_bytes = 3 * video_frames * dtype_bytes(dtype)
     tiles = sum(tiling.tile_sides(height // tiling.scale)) * sum(tiling.tile_sides(width // tiling.scale))
     return one_tile + pixel_bytes * (tiles + 2 * width * height)
