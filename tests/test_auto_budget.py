@@ -15,6 +15,7 @@ import memfit
 from memfit.cli.app import main
 from memfit.errors import MemfitError
 from memfit.plan import budget as budget_module
+from memfit.plan.budget import CgroupUsage, own_cgroup_usage
 from memfit.run import runner as runner_module
 from memfit.run.report import RunReport
 from memfit.run.options import RunOptions
@@ -189,7 +190,8 @@ def _pixels(png):
 
 
 def test_cpu_watch_warns_once_per_stage_before_the_limit(capsys):
-    readings = iter([(50 * MiB, 100 * MiB), (95 * MiB, 100 * MiB), (97 * MiB, 100 * MiB), (99 * MiB, 100 * MiB)])
+    readings = iter([CgroupUsage(50 * MiB, 100 * MiB), CgroupUsage(95 * MiB, 100 * MiB),
+                     CgroupUsage(97 * MiB, 100 * MiB), CgroupUsage(99 * MiB, 100 * MiB)])
     timeline = Timeline(read_cgroup=lambda: next(readings))
     timeline.stage_started("denoise", None)
     for _ in range(3):
@@ -200,6 +202,32 @@ def test_cpu_watch_warns_once_per_stage_before_the_limit(capsys):
     assert err.count("memfit: during denoise") == 1 and err.count("memfit: during decode") == 1
     assert "95% of this container's limit of 100.00 MiB" in err and "smaller --budget" in err
     assert len(timeline.warnings) == 2
+
+
+def test_cpu_watch_leaves_out_the_file_cache_a_streamed_run_keeps_near_the_limit(capsys):
+    # A run streaming weights from a memory map: its working set sits near the limit, most of it active file pages
+    # the kernel drops (and reads again) rather than kill; only what it cannot reclaim is near a kill.
+    readings = iter([CgroupUsage(96 * MiB, 100 * MiB, active_file=40 * MiB),
+                     CgroupUsage(97 * MiB, 100 * MiB, active_file=4 * MiB)])
+    timeline = Timeline(read_cgroup=lambda: next(readings))
+    timeline.stage_started("denoise", None)
+    timeline.sample()
+    assert capsys.readouterr().err == "" and not timeline.warnings
+    timeline.sample()
+    assert "93% of this container's limit" in capsys.readouterr().err
+    assert [s.cgroup for s in timeline.samples] == [96 * MiB, 97 * MiB]  # the plot keeps the working set
+
+
+def test_the_cgroup_reading_counts_active_file_pages_apart(tmp_path):
+    proc, group = tmp_path / "proc", tmp_path / "sys" / "fs" / "cgroup" / "memory" / "job"
+    (proc / "self").mkdir(parents=True)
+    (proc / "self" / "cgroup").write_text("4:memory:/job\n")
+    group.mkdir(parents=True)
+    (group / "memory.limit_in_bytes").write_text(str(100 * MiB))
+    (group / "memory.usage_in_bytes").write_text(str(90 * MiB))
+    (group / "memory.stat").write_text(f"cache 1\ntotal_inactive_file {10 * MiB}\ntotal_active_file {30 * MiB}\n")
+    usage = own_cgroup_usage(proc_root=proc, sys_root=tmp_path / "sys")
+    assert usage == CgroupUsage(80 * MiB, 100 * MiB, 30 * MiB)
 
 
 @pytest.mark.slow

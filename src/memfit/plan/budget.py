@@ -10,7 +10,7 @@ from __future__ import annotations
 import dataclasses
 import os
 from pathlib import Path
-from typing import Mapping, Union
+from typing import Mapping, NamedTuple, Union
 
 from memfit.errors import MemfitError
 from memfit.sizes import format_bytes, parse_size, round_up_mib
@@ -28,6 +28,7 @@ __all__ = [
     "available_host_memory",
     "cgroup_free_memory",
     "BudgetTooSmall",
+    "CgroupUsage",
     "StageDoesNotFit",
     "above_process_size",
     "detect",
@@ -458,7 +459,7 @@ def read_host_memory(
     limit = _own_cgroup_limit(proc_root=proc_root, sys_root=sys_root)
     if limit is None:
         return HostMemory(available, total)
-    directory, limit_bytes, usage = limit
+    directory, limit_bytes, usage, _ = limit
     return HostMemory(available, total, limit_bytes, usage, str(directory))
 
 
@@ -498,15 +499,26 @@ def cgroup_free_memory(
     return read_host_memory(proc_root=proc_root, sys_root=sys_root).cgroup_room
 
 
+class CgroupUsage(NamedTuple):
+    """This process's memory cgroup now: its working set (usage less the inactive file cache), its limit, and the
+    active file cache inside that working set (pages of files, mapped weights among them, the kernel can still drop
+    and read again: a run near its limit through them slows down but is not killed)."""
+
+    working_set: int
+    limit: int
+    active_file: int = 0
+
+
 def own_cgroup_usage(
     *, proc_root: str | os.PathLike = "/proc", sys_root: str | os.PathLike = "/sys"
-) -> tuple[int, int] | None:
-    """(working-set usage, limit) of this process's memory cgroup now, or None without a limit."""
+) -> CgroupUsage | None:
+    """This process's memory cgroup's usage now, or None without a limit."""
     found = _own_cgroup_limit(proc_root=proc_root, sys_root=sys_root)
-    return None if found is None else (found[2], found[1])
+    return None if found is None else CgroupUsage(found[2], found[1], found[3])
 
 
-def _own_cgroup_limit(*, proc_root, sys_root) -> tuple[Path, int, int] | None:
+def _own_cgroup_limit(*, proc_root, sys_root) -> tuple[Path, int, int, int] | None:
+    """(cgroup directory, limit, working set, active file cache) of this process's memory cgroup."""
     proc, cgroup_fs = Path(proc_root), Path(sys_root) / "fs" / "cgroup"
     try:
         lines = (proc / "self" / "cgroup").read_text().splitlines()
@@ -517,10 +529,10 @@ def _own_cgroup_limit(*, proc_root, sys_root) -> tuple[Path, int, int] | None:
         hierarchy, controllers, path = (line.split(":", 2) + ["", ""])[:3]
         relative = path.lstrip("/")
         if hierarchy == "0" and controllers == "":
-            found = _cgroup_limit(cgroup_fs / relative, "memory.max", "memory.current", "inactive_file")
+            found = _cgroup_limit(cgroup_fs / relative, "memory.max", "memory.current", "")
         elif "memory" in controllers.split(","):
             found = _cgroup_limit(cgroup_fs / "memory" / relative, "memory.limit_in_bytes", "memory.usage_in_bytes",
-                                  "total_inactive_file")
+                                  "total_")
         else:
             continue
         if found is not None:
@@ -528,7 +540,9 @@ def _own_cgroup_limit(*, proc_root, sys_root) -> tuple[Path, int, int] | None:
     return None
 
 
-def _cgroup_limit(directory: Path, limit_file: str, usage_file: str, inactive_key: str) -> tuple[Path, int, int] | None:
+def _cgroup_limit(directory: Path, limit_file: str, usage_file: str,
+                  stat_prefix: str) -> tuple[Path, int, int, int] | None:
+    """``stat_prefix``: "total_" on cgroup v1, whose memory.stat counts the hierarchy's pages under those names."""
     try:
         raw_limit = (directory / limit_file).read_text().strip()
     except OSError:
@@ -542,12 +556,13 @@ def _cgroup_limit(directory: Path, limit_file: str, usage_file: str, inactive_ke
         usage = int((directory / usage_file).read_text().strip())
     except (OSError, ValueError):
         usage = 0  # without a usage figure the limit itself is the best upper bound we have
-    inactive = 0
+    stat = {}
     try:
         for line in (directory / "memory.stat").read_text().splitlines():
             key, _, value = line.partition(" ")
-            if key == inactive_key:
-                inactive = int(value)
+            if key in (stat_prefix + "inactive_file", stat_prefix + "active_file"):
+                stat[key] = int(value)
     except (OSError, ValueError):
         pass
-    return directory, limit, max(0, usage - inactive)
+    working_set = max(0, usage - stat.get(stat_prefix + "inactive_file", 0))
+    return directory, limit, working_set, min(working_set, stat.get(stat_prefix + "active_file", 0))

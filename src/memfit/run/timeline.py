@@ -9,8 +9,10 @@ boundaries with each stage's planned peak, and a background thread samples memor
 on the CPU; allocated and reserved memory on a GPU.
 
 The same sampler is the CPU's out-of-memory watch: the kernel kills a process over its cgroup limit
-instead of raising, so when the cgroup's working set passes ``WARN_FRACTION`` of the limit memfit
-writes one warning to stderr at once (a kill leaves no chance later) and keeps it for the report.
+instead of raising, so when what the kernel cannot reclaim (the cgroup's working set less its active
+file cache: a run streaming weights from a memory map keeps that cache near the limit, and the kernel
+drops it rather than kill) passes ``WARN_FRACTION`` of the limit, memfit writes one warning to stderr
+at once (a kill leaves no chance later) and keeps it for the report.
 
 ``write(path)``: ``.json`` writes the events; ``.png`` plots memory over time with stage boundaries,
 planned peaks and the weight movements (drawn with Pillow, so no extra dependency).
@@ -29,7 +31,7 @@ from typing import Callable
 
 from memfit.devices import runtime_for
 from memfit.errors import MemfitError
-from memfit.plan.budget import own_cgroup_usage
+from memfit.plan.budget import CgroupUsage, own_cgroup_usage
 from memfit.run.memory import current_rss
 from memfit.sizes import format_bytes
 
@@ -83,7 +85,7 @@ class Timeline:
     warnings: list[str] = field(default_factory=list)
     cgroup_limit: int | None = None
     # Where the cgroup reading comes from; tests point it at a fake.
-    read_cgroup: Callable[[], tuple[int, int] | None] = field(default=own_cgroup_usage, repr=False)
+    read_cgroup: Callable[[], CgroupUsage | None] = field(default=own_cgroup_usage, repr=False)
 
     def __post_init__(self) -> None:
         self._t0 = time.perf_counter()
@@ -130,8 +132,8 @@ class Timeline:
             point.rss = current_rss()
             usage = self.read_cgroup()
             if usage is not None:
-                point.cgroup, self.cgroup_limit = usage
-                self._watch(point.cgroup, self.cgroup_limit)
+                point.cgroup, self.cgroup_limit = usage.working_set, usage.limit
+                self._watch(usage.working_set - usage.active_file, usage.limit)
         with self._lock:
             self.samples.append(point)
         return point
@@ -141,8 +143,9 @@ class Timeline:
         if used < WARN_FRACTION * limit or self._warned_stage == stage:
             return
         self._warned_stage = stage
-        message = (f"memfit: during {stage}, memory use {format_bytes(used)} is {used / limit:.0%} of this container's "
-                   f"limit of {format_bytes(limit)}; the kernel may kill the run. If it does, give a smaller --budget "
+        message = (f"memfit: during {stage}, memory the kernel cannot reclaim, {format_bytes(used)}, is {used / limit:.0%} "
+                   f"of this container's limit of {format_bytes(limit)}; the kernel may kill the run. If it does, give "
+                   "a smaller --budget "
                    "(the plan then streams more weights), a smaller size, or a narrower dtype.")
         self.warnings.append(message)
         print(message, file=sys.stderr, flush=True)
