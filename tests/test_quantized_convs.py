@@ -218,3 +218,41 @@ def test_a_lora_over_quantized_convolutions_is_diffusers(sd, tmp_path):
     assert np.array_equal(_pixels(ours), _diffusers_image(pipe))
     without = memfit.generate(model=sd, quantize=quantize, budget="none", progress=False, **SETTINGS)
     assert not np.array_equal(_pixels(ours), _pixels(without))
+
+
+def test_a_banded_decode_runs_a_quantized_vaes_convolutions():
+    """A VAE whose convolutions are int8 QuantizedConv2d decodes as the same VAE with those weights dequantized and
+    loaded, bit for bit, and in bands (memfit.run.banded_decode calls F.conv2d with each layer's weight, which
+    for a quantized one is its dequantized weight) within the banded decode's own tolerance."""
+    from diffusers import AutoencoderKL
+
+    from memfit.quant.formats import INT8_FORMAT, StoredTensor
+    from memfit.quant.layers import use_stored_layers
+    from memfit.quant.writers import quantize_int8_rows, quantized_layers
+    from memfit.run.banded_decode import enable_banded_decode
+
+    def vae():
+        torch.manual_seed(0)
+        return AutoencoderKL(block_out_channels=[32, 64], down_block_types=["DownEncoderBlock2D"] * 2,
+                             up_block_types=["UpDecoderBlock2D"] * 2, latent_channels=4, norm_num_groups=8).eval()
+
+    quantized, plain = vae(), vae()
+    state, stored = plain.state_dict(), {}
+    convs = {path: layer for path, layer in quantized_layers(quantized, "int8").items()
+             if type(layer) is torch.nn.Conv2d and path.startswith("decoder.")}
+    assert convs
+    for path, layer in convs.items():
+        values, scale = quantize_int8_rows(layer.weight.detach().flatten(1))
+        stored[f"{path}.weight"] = StoredTensor(INT8_FORMAT, tuple(values.shape), scale)
+        state[f"{path}.weight"] = values
+    use_stored_layers(quantized, stored)
+    quantized.load_state_dict(state)
+    plain.load_state_dict({name: quantized.get_submodule(name.removesuffix(".weight")).dequantize_weight(torch.float32)
+                           if name in stored else value for name, value in state.items()})
+    z = torch.randn(1, 4, 12, 10, generator=torch.Generator().manual_seed(1))
+    with torch.inference_mode():
+        expected, whole = plain.decode(z).sample, quantized.decode(z).sample
+        enable_banded_decode(quantized, band_bytes=64 * 1024)
+        banded = quantized.decode(z).sample
+    assert torch.equal(whole, expected)
+    assert (banded - expected).abs().max().item() <= 1e-5

@@ -23,7 +23,7 @@ import torch.nn.functional as F
 
 from memfit.quant.formats import INT8_FORMAT, STORAGE_DTYPE, StoredTensor, mark_stored
 
-__all__ = ["INT8_MATMUL", "QuantizedConv2d", "QuantizedLinear", "StoredWeightLayer", "logical_weights",
+__all__ = ["INT8_MATMUL", "QuantizedConv2d", "QuantizedLinear", "StoredWeightLayer", "layer_weight", "logical_weights",
            "use_stored_layers"]
 
 #: Whether an int8 layer on the CPU multiplies its stored weight directly (torch's _weight_int8pack_mm) rather
@@ -69,13 +69,13 @@ class StoredWeightLayer:
         """The weight's values in ``dtype``, in the shape the layer runs with."""
         return self._stored_here().dequantize(self.weight, dtype).reshape(self.logical_shape)
 
-    def _weight_for(self, inputs: torch.Tensor) -> torch.Tensor:
-        """The weight to run ``inputs`` with: the kept copy where it is in their dtype and on the weight's device,
-        else dequantized now."""
+    def weight_in(self, dtype: torch.dtype) -> torch.Tensor:
+        """The weight to run inputs of ``dtype`` with: the kept copy where it is in that dtype and on the weight's
+        device, else dequantized now."""
         kept = self.dequantized
-        if kept is not None and kept.dtype == inputs.dtype and kept.device == self.weight.device:
+        if kept is not None and kept.dtype == dtype and kept.device == self.weight.device:
             return kept
-        return self.dequantize_weight(inputs.dtype)
+        return self.dequantize_weight(dtype)
 
     def _stored_here(self) -> StoredTensor:
         """``stored`` with a per-row scale (int8's) on the weight's device: copied there once per device, not at
@@ -116,7 +116,7 @@ class QuantizedLinear(StoredWeightLayer, torch.nn.Linear):
             out = torch.ops.aten._weight_int8pack_mm(flat, self.weight, self._stored_here().scale.to(inputs.dtype))
             out = out.reshape(*inputs.shape[:-1], self.out_features)
             return out + bias if bias is not None else out
-        return F.linear(inputs, self._weight_for(inputs), bias)
+        return F.linear(inputs, self.weight_in(inputs.dtype), bias)
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, {self._stored_repr()}"
@@ -151,10 +151,16 @@ class QuantizedConv2d(StoredWeightLayer, torch.nn.Conv2d):
 
     def forward(self, inputs: torch.Tensor) -> torch.Tensor:
         bias = self.bias.to(inputs.dtype) if self.bias is not None else None
-        return self._conv_forward(inputs, self._weight_for(inputs), bias)
+        return self._conv_forward(inputs, self.weight_in(inputs.dtype), bias)
 
     def extra_repr(self) -> str:
         return f"{super().extra_repr()}, {self._stored_repr()}"
+
+
+def layer_weight(layer: torch.nn.Module, dtype: torch.dtype) -> torch.Tensor:
+    """The weight ``layer``'s forward runs inputs of ``dtype`` with, for code that calls F.conv2d or F.linear with a
+    layer's weight itself (memfit.run.banded_decode): a quantized layer's dequantized, any other's as it is."""
+    return layer.weight_in(dtype) if isinstance(layer, StoredWeightLayer) else layer.weight
 
 
 def _conv_shapes(conv: torch.nn.Conv2d) -> tuple[tuple[int, ...], tuple[int, ...]]:
