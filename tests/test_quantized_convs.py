@@ -240,7 +240,7 @@ def test_a_banded_decode_runs_a_quantized_vaes_convolutions():
     state, stored = plain.state_dict(), {}
     convs = {path: layer for path, layer in quantized_layers(quantized, "int8").items()
              if type(layer) is torch.nn.Conv2d and path.startswith("decoder.")}
-    assert convs
+    assert convs and "decoder.conv_in" not in convs and "decoder.conv_out" not in convs  # its first and last
     for path, layer in convs.items():
         values, scale = quantize_int8_rows(layer.weight.detach().flatten(1))
         stored[f"{path}.weight"] = StoredTensor(INT8_FORMAT, tuple(values.shape), scale)
@@ -256,3 +256,16 @@ def test_a_banded_decode_runs_a_quantized_vaes_convolutions():
         banded = quantized.decode(z).sample
     assert torch.equal(whole, expected)
     assert (banded - expected).abs().max().item() <= 1e-5
+
+
+def test_a_file_of_an_older_writer_is_not_reused(sd, capsys, monkeypatch):
+    """The cache key names the writer's version: a file written before convolutions were quantized (another
+    version) is quantized anew, not read back with its convolutions in floats."""
+    import memfit.models.quantize as quantize_module
+
+    monkeypatch.setenv("MEMFIT_CACHE", "1")
+    current = quantize_module.WRITER_VERSION
+    for version, quantizes in [("older", True), (current, True), (current, False)]:
+        monkeypatch.setattr(quantize_module, "WRITER_VERSION", version)
+        memfit.generate(model=sd, quantize={"unet": "q8_0"}, budget="none", progress=False, **SETTINGS)
+        assert ("quantizing unet to q8_0" in capsys.readouterr().err) == quantizes

@@ -61,7 +61,8 @@ QUANTIZE_TYPES = ("fp8", "int8", *GGUF_TYPES)
 
 #: Weights this small (a value count) keep their dtype under int8 and the GGUF types: quantizing saves little.
 SMALL_WEIGHT_ELEMENTS = 1024
-#: A model's first and last layers (top-level module names), which int8 and the GGUF types leave in their dtype.
+#: A model's first and last layers (top-level module names; a VAE's encoder's and decoder's first and last
+#: convolutions), which int8 and the GGUF types leave in their dtype.
 FIRST_AND_LAST_LAYERS = (r"^(?:[^.]*embed[^.]*|img_in|txt_in|proj_in|proj_out|norm_out|conv_in|conv_out|final_layer"
                          r"|(?:encoder|decoder)\.(?:conv_in|conv_out))(?:\.|$)")
 
