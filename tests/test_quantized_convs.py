@@ -269,3 +269,38 @@ def test_a_file_of_an_older_writer_is_not_reused(sd, capsys, monkeypatch):
         monkeypatch.setattr(quantize_module, "WRITER_VERSION", version)
         memfit.generate(model=sd, quantize={"unet": "q8_0"}, budget="none", progress=False, **SETTINGS)
         assert ("quantizing unet to q8_0" in capsys.readouterr().err) == quantizes
+
+
+def test_a_scaled_fp8_unet_file_keeps_its_convolutions_fp8(sd, tmp_path):
+    """A UNet file as Comfy's scaled fp8 files hold one (each linear and convolution weight in fp8 beside a float32
+    scale_weight): its convolutions are QuantizedConv2d in their 4-D shape, no longer dequantized when loaded, and
+    the image is that of the same values upcast when loaded, bit for bit."""
+    from safetensors.torch import load_file, save_file
+
+    plain = load_file(str(sd / "unet" / "diffusion_pytorch_model.safetensors"))
+    stored, upcast = {}, {}
+    for key, value in plain.items():
+        if key.endswith(".weight") and value.ndim in (2, 4):
+            scale = value.abs().max() / torch.finfo(torch.float8_e4m3fn).max
+            stored[key], stored[key.removesuffix("weight") + "scale_weight"] = (value / scale).to(torch.float8_e4m3fn), scale
+            upcast[key] = stored[key].to(torch.float32) * scale
+        else:
+            stored[key] = upcast[key] = value
+    stored["scaled_fp8"] = torch.empty(0, dtype=torch.float8_e4m3fn)
+    save_file(stored, str(tmp_path / "unet-fp8-scaled.safetensors"))
+    save_file(upcast, str(tmp_path / "unet-upcast.safetensors"))
+
+    ours = memfit.generate(model=sd, components={"unet": tmp_path / "unet-fp8-scaled.safetensors"}, budget="none",
+                           progress=False, **SETTINGS)
+    expected = memfit.generate(model=sd, components={"unet": tmp_path / "unet-upcast.safetensors"}, budget="none",
+                               progress=False, **SETTINGS)
+    assert np.array_equal(_pixels(ours), _pixels(expected))
+
+    from memfit.models.folder import ModelFolder
+    from memfit.models.single_file import SingleFileModel
+
+    model = SingleFileModel.with_components(ModelFolder.open(sd), {"unet": tmp_path / "unet-fp8-scaled.safetensors"})
+    unet = model.load_stage(["unet"], torch.float32, in_file_dtype=[]).unet
+    conv = unet.down_blocks[0].resnets[0].conv1
+    assert isinstance(conv, QuantizedConv2d) and conv.weight.shape == conv.logical_shape
+    assert conv.stored.scale is not None and conv.stored.scale.ndim == 0
