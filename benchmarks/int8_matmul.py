@@ -106,7 +106,7 @@ def decide(rows: list[dict]) -> str:
     faster = [row for row in rows if row["int8_mm_s"] < row["dequantize_s"]]
     exact_enough = [row for row in rows if row["int8_mm_max_abs_error"] <= 2 * row["dequantize_max_abs_error"]]
     both = [row for row in faster if row in exact_enough]
-    verdict = "so memfit uses it" if len(both) == len(rows) else "so memfit keeps it off (memfit.quant.linear.INT8_MATMUL)"
+    verdict = "so memfit uses it" if len(both) == len(rows) else "so memfit keeps it off (memfit.quant.layers.INT8_MATMUL)"
     where_faster = ", ".join(sorted({f"{row['dtype']} at {row['tokens']} tokens" for row in faster})) or "nowhere"
     return (f"The int8 matmul is faster than dequantize + matmul in {len(faster)} of {len(rows)} cases ({where_faster}) "
             f"and within twice the dequantize path's rounding error in {len(exact_enough)} of {len(rows)}: it takes "

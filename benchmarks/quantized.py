@@ -175,7 +175,7 @@ def quality(models: Path, only: list[str] | None = None, earlier: dict | None = 
 def speed(models: Path, rounds: int, repeats: int) -> dict:
     from diffusers import FluxTransformer2DModel, GGUFQuantizationConfig
 
-    from memfit.quant.linear import QuantizedLinear
+    from memfit.quant.layers import QuantizedLinear
 
     folder = flux_width_folder(models)
     loaded = {kind: load_transformer(folder, None if kind == "bf16" else quantized_file(folder, models, kind),
@@ -186,7 +186,7 @@ def speed(models: Path, rounds: int, repeats: int) -> dict:
                                                                    torch.bfloat16)
     for layer in loaded["Q8_0, room to keep it dequantized"].modules():
         if isinstance(layer, QuantizedLinear):
-            layer.dequantized = layer.stored.dequantize(layer.weight, torch.bfloat16)
+            layer.dequantized = layer.dequantize_weight(torch.bfloat16)
     loaded["diffusers GGUF Q8_0"] = FluxTransformer2DModel.from_single_file(
         str(quantized_file(folder, models, "Q8_0")), config=str(folder), subfolder="transformer",
         quantization_config=GGUFQuantizationConfig(compute_dtype=torch.bfloat16), torch_dtype=torch.bfloat16)

@@ -411,7 +411,7 @@ CASES = [
     ("quantize-no-equals", args("--quantize", "unet"), "--quantize unet: give NAME=TYPE"),
     ("quantize-nothing-to-quantize", lambda model, tmp: {"family": "flux", "args": [
         "--prompt", "a red circle", "--quantize", "text_encoder_2=q8_0"]},
-     "text_encoder_2 (T5EncoderModel) has no linear layer whose rows are whole blocks of the type of more than "
+     "text_encoder_2 (T5EncoderModel) has no linear or convolution layer whose rows are whole blocks of the type of more than "
      "1024 values outside its first and last layers"),
     ("quantize-a-quantized-file", lambda model, tmp: {**_flux_gguf("Q8_0")(model, tmp), "args": [
         *_flux_gguf("Q8_0")(model, tmp)["args"], "--quantize", "transformer=q4_0"]}, "is already quantized"),

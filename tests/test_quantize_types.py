@@ -304,7 +304,7 @@ def test_int8_on_the_fly_is_diffusers_with_the_dequantized_weights(flux, capsys,
 
     from memfit.models.model_path import open_model_path
     from memfit.quant.formats import INT8_FORMAT, is_stored
-    from memfit.quant.linear import QuantizedLinear
+    from memfit.quant.layers import QuantizedLinear
     from memfit.quant.writers import quantized_layers
 
     monkeypatch.setenv("MEMFIT_CACHE", "1")  # the quantized file is kept; streamed_plans turns the cache off
@@ -401,9 +401,9 @@ def test_memfit_plan_sizes_the_new_types_without_writing(wide_flux, capsys, kind
 @pytest.mark.skipif(not hasattr(torch.ops.aten, "_weight_int8pack_mm"), reason="this torch has no int8 matmul")
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_the_int8_matmul_when_turned_on_is_the_dequantized_layer_up_to_rounding(monkeypatch, dtype):
-    """memfit.quant.linear.INT8_MATMUL (off: docs/int8_matmul.md) multiplies the stored int8 weight directly; its
+    """memfit.quant.layers.INT8_MATMUL (off: docs/int8_matmul.md) multiplies the stored int8 weight directly; its
     output is the dequantizing layer's within the compute dtype's rounding, bias and leading dimensions kept."""
-    from memfit.quant import linear
+    from memfit.quant import layers as linear
     from memfit.quant.formats import INT8_FORMAT, StoredTensor
     from memfit.quant.writers import quantize_int8_rows
 

@@ -21,7 +21,7 @@ from memfit.errors import MemfitError
 from memfit.models.folder import ModelFolder
 from memfit.models.single_file import SingleFileModel, file_places
 from memfit.quant.formats import is_stored
-from memfit.quant.linear import QuantizedLinear
+from memfit.quant.layers import QuantizedLinear
 
 pytest.importorskip("gguf")
 

@@ -79,7 +79,7 @@ def test_a_gguf_transformer_in_its_files_keys_draws_diffusers_gguf_image(tmp_pat
     import diffusers
     from diffusers import GGUFQuantizationConfig
 
-    from memfit.quant.linear import QuantizedLinear
+    from memfit.quant.layers import QuantizedLinear
     from memfit.testing.quantized import save_gguf
 
     folder = save_pipeline(kind, tmp_path / kind, seed=0, scale=4 if kind == "wan" else 1)
@@ -133,7 +133,7 @@ def test_a_scaled_fp8_wan_transformer_draws_the_upcast_video(tiny_models, tmp_pa
     scale_weight. Held in fp8, it draws the video of the same values upcast when loaded, bit for bit."""
     from safetensors.torch import load_file
 
-    from memfit.quant.linear import QuantizedLinear
+    from memfit.quant.layers import QuantizedLinear
     from memfit.testing.quantized import save_fp8
 
     folder = Path(tiny_models("wan"))

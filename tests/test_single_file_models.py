@@ -263,7 +263,7 @@ def test_a_denoiser_alone_streams_under_a_budget(denoisers, kind, streamed_plans
 def test_a_gguf_denoiser_alone_as_the_model_is_the_same_file_as_a_component(tmp_path, kind):
     """A GGUF Q8_0 transformer (city96's, QuantStack's) as --model: the family from its header's logical shapes, the
     image that of the same file as --component of the folder (held to diffusers' GGUF loading elsewhere)."""
-    from memfit.quant.linear import QuantizedLinear
+    from memfit.quant.layers import QuantizedLinear
     from memfit.testing.quantized import save_gguf
 
     folder = save_pipeline(kind, tmp_path / kind, seed=0, scale=4 if kind == "wan" else 1)

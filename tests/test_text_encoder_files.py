@@ -20,7 +20,7 @@ import memfit
 from memfit.errors import MemfitError
 from memfit.models.folder import ModelFolder
 from memfit.models.single_file import SingleFileModel, file_places
-from memfit.quant.linear import QuantizedLinear
+from memfit.quant.layers import QuantizedLinear
 
 SETTINGS = {"prompt": "a red house near the sea", "steps": 2, "seed": 3, "width": 32, "height": 32}
 

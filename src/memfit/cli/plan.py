@@ -247,14 +247,14 @@ def _gpu_here() -> bool:
 
 def _source(args: argparse.Namespace):
     """(name, description, adapter) of the built-in architecture or the model folder asked for."""
+    if (args.config is not None or args.component or args.quantize) and args.model is None:
+        raise MemfitError("--config, --component and --quantize are for a model given as --model; --arch needs no "
+                          "files.")
     if args.arch:
         arch = get_arch(args.arch)
         return arch.name, arch.description, arch.adapter()
     from memfit.models.model_path import open_model_path
 
-    if (args.config is not None or args.component or args.quantize) and args.model is None:
-        raise MemfitError("--config, --component and --quantize are for a model given as --model; --arch needs no "
-                          "files.")
     folder = open_model_path(args.model, config=args.config, components=parse_components(args.component),
                              quantize=parse_quantize(args.quantize), plan_only=True)
     adapter = folder.adapter

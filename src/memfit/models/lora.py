@@ -133,7 +133,7 @@ def load_loras(pipe, loras: tuple[tuple[str, float], ...], configs: dict[str, di
 
     if importlib.util.find_spec("peft") is None:
         raise MemfitError("--lora needs the peft package (diffusers loads LoRAs with it): pip install memfit[lora].")
-    from memfit.quant.linear import logical_weights
+    from memfit.quant.layers import logical_weights
 
     names = []
     modules = [module for module in pipe.components.values() if isinstance(module, torch.nn.Module)]

@@ -18,7 +18,7 @@ from memfit.errors import MemfitError
 from memfit.models.folder import ModelFolder
 from memfit.plan.meta import build_on_meta, measure_module
 from memfit.quant.formats import FP8_FORMATS, INT8_FORMAT, StoredTensor, readable_gguf_types
-from memfit.quant.linear import use_stored_linears
+from memfit.quant.layers import use_stored_layers
 from memfit.quant.writers import (
     GGUF_TYPES,
     QUANTIZE_TYPES,
@@ -30,7 +30,8 @@ from memfit.quant.writers import (
 __all__ = ["check_quantize", "plan_quantized", "with_quantized"]
 
 CACHE_KIND = "quantized"
-WRITER_VERSION = "2"  # bump when what write_quantized writes changes: older entries then miss
+# Bump when what write_quantized writes changes: older entries then miss. 3: convolutions quantized too.
+WRITER_VERSION = "3"
 
 
 def check_quantize(model: ModelFolder, quantize: dict[str, str]) -> dict[str, str]:
@@ -65,14 +66,15 @@ def _meta_quantized(model: ModelFolder, name: str, kind: str) -> torch.nn.Module
     library, class_name = model.components[name]
     module = build_on_meta(library, class_name, model.configs[name])
     layers = quantized_layers(module, kind)
-    linears = {path: layer for path, layer in layers.items() if isinstance(layer, torch.nn.Linear)}
-    if not linears:
+    kept_stored = {path: layer for path, layer in layers.items()
+                   if isinstance(layer, torch.nn.Linear) or type(layer) is torch.nn.Conv2d}
+    if not kept_stored:
         if kind == "fp8":
-            what = "linear layer outside its norms and embeddings"
+            what = "linear or convolution layer outside its norms and embeddings"
         else:
             rows = "" if kind == "int8" else " whose rows are whole blocks of the type"
-            what = (f"linear layer{rows} of more than {SMALL_WEIGHT_ELEMENTS} values outside its first and last "
-                    "layers (embedders, output)")
+            what = (f"linear or convolution layer{rows} of more than {SMALL_WEIGHT_ELEMENTS} values outside its "
+                    "first and last layers (embedders, input and output)")
         raise MemfitError(f"--quantize {name}={kind}: {name} ({class_name}) has no {what}, which is what memfit "
                           "stores quantized, so it would not be smaller; leave it out.")
     if kind == "fp8":
@@ -81,8 +83,10 @@ def _meta_quantized(model: ModelFolder, name: str, kind: str) -> torch.nn.Module
         fmt = INT8_FORMAT  # its scales (4 bytes a row) are held beside the weight, not in the module's tensors
     else:
         fmt = next(f for f in readable_gguf_types().values() if f.name == GGUF_TYPES[kind])
-    use_stored_linears(module, {f"{path}.weight": StoredTensor(fmt, (layer.out_features, layer.in_features))
-                                for path, layer in linears.items()})
+    # As the file holds them: fp8 in each weight's own shape, the others a convolution's flattened to its rows.
+    use_stored_layers(module, {f"{path}.weight": StoredTensor(fmt, tuple(layer.weight.shape) if kind == "fp8"
+                                                              else (layer.weight.shape[0], layer.weight[0].numel()))
+                               for path, layer in kept_stored.items()})
     return module
 
 

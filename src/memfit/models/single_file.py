@@ -752,12 +752,13 @@ class SingleFileModel(ModelFolder):
 
     def _use_stored(self, name: str, module: torch.nn.Module, weights: ComponentWeights, converted: dict,
                     stored: dict, source: dict, config_file: Path) -> dict:
-        """``module`` (empty) with a QuantizedLinear wherever a linear weight is stored smaller than it runs; the
-        stored weights of other modules (an embedding, a convolution) dequantized to float32 once, in memory
-        (memfit.quant.linear). Refused, naming both shapes, where a stored weight is not the model's shape."""
-        from memfit.quant.linear import use_stored_linears
+        """``module`` (empty) with a QuantizedLinear or QuantizedConv2d wherever a linear or 2-D convolution weight
+        is stored smaller than it runs; the stored weights of other modules (an embedding, a 3-D convolution)
+        dequantized to float32 once, in memory (memfit.quant.layers). Refused, naming both shapes, where a
+        stored weight is not the model's shape."""
+        from memfit.quant.layers import use_stored_layers
 
-        others, mismatched = use_stored_linears(module, stored)
+        others, mismatched = use_stored_layers(module, stored)
         if mismatched:
             key, found, needed = mismatched[0]
             logical = {**converted, **{key: torch.empty(tensor.shape, device="meta") for key, tensor in stored.items()}}

@@ -6,14 +6,16 @@ patterns: norms, position and patch embeddings, proj_in/proj_out, and a model's 
 the values ``enable_layerwise_casting(storage_dtype=torch.float8_e4m3fn)`` holds: every weight and bias
 of those layers rounded to fp8.
 
-Which layers, int8 and the GGUF types (weight-only: a linear layer's weight is stored quantized, its bias and
-every other tensor keep their dtype): those the GGUF files users download have quantized, so a file memfit
-writes is the size of a downloaded one of the same type. That is every ``nn.Linear``
-whose weight has more than ``SMALL_WEIGHT_ELEMENTS`` values and whose rows are whole blocks of the type, except
+Which layers, int8 and the GGUF types (weight-only: a layer's weight is stored quantized, its bias and every
+other tensor keep their dtype): those the GGUF files users download have quantized, and the 2-D convolutions
+too. That is every ``nn.Linear`` and ``nn.Conv2d`` whose weight has more than ``SMALL_WEIGHT_ELEMENTS`` values
+and whose rows are whole blocks of the type (a convolution's row: its flattened kernel, in/groups * kh * kw
+values), except
 
 * the model's first and last layers, kept in their dtype: its input, timestep, text and guidance embedders and
   its output layers (the top-level modules ``FIRST_AND_LAST_LAYERS`` matches: ``x_embedder``,
-  ``context_embedder``, ``time_text_embed``, ``img_in``, ``txt_in``, ``norm_out``, ``proj_out``, ...);
+  ``context_embedder``, ``time_text_embed``, ``img_in``, ``txt_in``, ``norm_out``, ``proj_out``, ``conv_in``,
+  ``conv_out``, a VAE's ``encoder.conv_in`` ..., ...);
 * the model's ``_keep_in_fp32_modules``, and its ``_skip_layerwise_casting_patterns`` and diffusers' default ones
   other than ``norm``. That pattern keeps normalization layers' scales in their dtype, which holds here anyway
   (they are 1-D, not linear layers); the linear inside an AdaLN norm (a Flux block's ``norm1.linear``,
@@ -23,12 +25,16 @@ whose weight has more than ``SMALL_WEIGHT_ELEMENTS`` values and whose rows are w
 int8 rounds each chosen weight symmetrically, one scale per output row: ``scale = max|row| / 127``, each value
 rounded to the nearest of -127..127. A GGUF type quantizes with the gguf package's quantizers (as those files'
 converter uses them; the K-quants Q2_K to Q6_K with memfit.quant.q2_k's to q6_k's, which the gguf package
-lacks). Convolutions keep their dtype in both (a convolution's stored weight would be
-dequantized when loaded, so nothing would be saved).
+lacks). A convolution's weight is written flattened, [out, in/groups * kh * kw]: a GGUF block runs along a
+row, and a kernel's width (3) is no whole block; memfit reads it back as a QuantizedConv2d
+(memfit.quant.layers), which reshapes it to the kernel's shape after dequantizing. Files of an older memfit
+(``WRITER_VERSION`` in memfit.models.quantize) left convolutions in their dtype.
 
 Files are written one tensor at a time (a model never sits in memory twice): GGUF through the gguf
 package's streaming writer, fp8 and int8 as a safetensors file. An int8 weight ``X.weight`` (I8, its logical
-shape [out, in]) has its scales beside it as ``X.weight_scale`` (F32, shape [out]): value = int8 * scale.
+shape [out, in], a convolution's flattened) has its scales beside it as ``X.weight_scale`` (F32, shape
+[out]): value = int8 * scale. fp8 writes every tensor in its own shape (one value a byte: a convolution's
+4-D weight is whole blocks as it is).
 """
 
 from __future__ import annotations
@@ -55,9 +61,10 @@ QUANTIZE_TYPES = ("fp8", "int8", *GGUF_TYPES)
 
 #: Weights this small (a value count) keep their dtype under int8 and the GGUF types: quantizing saves little.
 SMALL_WEIGHT_ELEMENTS = 1024
-#: A model's first and last layers (top-level module names), which int8 and the GGUF types leave in their dtype.
-FIRST_AND_LAST_LAYERS = (r"^(?:[^.]*embed[^.]*|img_in|txt_in|proj_in|proj_out|norm_out|conv_in|conv_out|final_layer)"
-                         r"(?:\.|$)")
+#: A model's first and last layers (top-level module names; a VAE's encoder's and decoder's first and last
+#: convolutions), which int8 and the GGUF types leave in their dtype.
+FIRST_AND_LAST_LAYERS = (r"^(?:[^.]*embed[^.]*|img_in|txt_in|proj_in|proj_out|norm_out|conv_in|conv_out|final_layer"
+                         r"|(?:encoder|decoder)\.(?:conv_in|conv_out))(?:\.|$)")
 
 
 def _skip_patterns(module: torch.nn.Module, quant_type: str) -> tuple[str, ...]:
@@ -81,8 +88,10 @@ def quantized_layers(module: torch.nn.Module, quant_type: str) -> dict[str, torc
     def chosen(layer: torch.nn.Module) -> bool:
         if quant_type == "fp8":
             return True
-        return (isinstance(layer, torch.nn.Linear) and layer.weight.dim() == 2 and layer.in_features % block == 0
-                and layer.weight.numel() > SMALL_WEIGHT_ELEMENTS)
+        if not (isinstance(layer, torch.nn.Linear) and layer.weight.dim() == 2 or type(layer) is torch.nn.Conv2d):
+            return False  # only these stay stored when loaded (memfit.quant.layers); others would be dequantized then
+        row = layer.weight[0].numel()  # a convolution's flattened kernel
+        return row % block == 0 and layer.weight.numel() > SMALL_WEIGHT_ELEMENTS
 
     def walk(layer: torch.nn.Module, path: str) -> None:
         if any(re.search(pattern, path) for pattern in patterns):
@@ -122,9 +131,11 @@ def write_quantized(module: torch.nn.Module, quant_type: str, folder: Path) -> P
         chosen = {f"{path}.{leaf}" for path, layer in layers.items() for leaf, _ in layer.named_parameters(recurse=False)}
         return _write_fp8(dict(_named_tensors(module)), chosen, folder / "model.safetensors")
     chosen = {f"{path}.weight" for path in layers}
+    # A convolution's weight flattened to its rows (a view: nothing copied).
+    tensors = {name: tensor.flatten(1) if name in chosen else tensor for name, tensor in _named_tensors(module)}
     if quant_type == "int8":
-        return _write_int8(dict(_named_tensors(module)), chosen, folder / "model.safetensors")
-    return _write_gguf(dict(_named_tensors(module)), chosen, GGUF_TYPES[quant_type], folder / "model.gguf")
+        return _write_int8(tensors, chosen, folder / "model.safetensors")
+    return _write_gguf(tensors, chosen, GGUF_TYPES[quant_type], folder / "model.gguf")
 
 
 def _write_gguf(tensors: dict[str, torch.Tensor], chosen: set[str], type_name: str, path: Path) -> Path:

@@ -41,6 +41,7 @@ import functools
 import torch
 import torch.nn.functional as F
 
+from memfit.quant.layers import layer_weight
 from memfit.run.memory import heap_for_temporaries_under
 from memfit.run.offload import weights_ready
 
@@ -302,6 +303,9 @@ def _norm_act_conv(
 
 def _norm_act_conv_bands(x, out, conv, scale, shift, rows, residual, shortcut, output_scale, overwrite) -> None:
     height = x.shape[2]
+    # A quantized convolution's weight dequantized once for every band (memfit.quant.layers).
+    weight = layer_weight(conv, x.dtype)
+    shortcut_weight = layer_weight(shortcut, x.dtype) if shortcut is not None else None
     above = None
     for r0 in range(0, height, rows):
         r1 = min(height, r0 + rows)
@@ -315,11 +319,11 @@ def _norm_act_conv_bands(x, out, conv, scale, shift, rows, residual, shortcut, o
         normalized = torch.addcmul(shift, band if band.dtype == torch.float32 else band.float(), scale)
         activated = F.silu(normalized.to(x.dtype), inplace=True)
         padded = F.pad(activated, (0, 0, 1 if r0 == 0 else 0, 1 if r1 == height else 0))
-        y = F.conv2d(padded, conv.weight, conv.bias, padding=(0, 1))
+        y = F.conv2d(padded, weight, conv.bias, padding=(0, 1))
         if residual is not None:
             skip = residual[:, :, r0:r1]
             if shortcut is not None:
-                skip = F.conv2d(skip, shortcut.weight, shortcut.bias)
+                skip = F.conv2d(skip, shortcut_weight, shortcut.bias)
             y = skip + y
             if output_scale != 1.0:
                 y = y / output_scale
@@ -334,6 +338,7 @@ def _upsample_conv(x: torch.Tensor, conv, band_bytes: int) -> torch.Tensor:
     out_height, out_width = 2 * height, 2 * width
     out = x.new_empty((n, conv.out_channels, out_height, out_width))
     rows = max(2, rows_per_band(channels, conv.out_channels, out_width, x.element_size(), band_bytes) // 2 * 2)
+    weight = layer_weight(conv, x.dtype)
     with band_heap(band_bytes):
         for r0 in range(0, out_height, rows):
             r1 = min(out_height, r0 + rows)
@@ -342,5 +347,5 @@ def _upsample_conv(x: torch.Tensor, conv, band_bytes: int) -> torch.Tensor:
             upsampled = F.interpolate(x[:, :, src0:src1], scale_factor=2.0, mode="nearest")
             band = upsampled[:, :, need0 - 2 * src0:need1 - 2 * src0]
             padded = F.pad(band, (0, 0, 1 if r0 == 0 else 0, 1 if r1 == out_height else 0))
-            out[:, :, r0:r1] = F.conv2d(padded, conv.weight, conv.bias, padding=(0, 1))
+            out[:, :, r0:r1] = F.conv2d(padded, weight, conv.bias, padding=(0, 1))
     return out

@@ -30,6 +30,7 @@ import functools
 import torch
 import torch.nn.functional as F
 
+from memfit.quant.layers import layer_weight
 from memfit.run.banded_decode import (DEFAULT_BAND_BYTES, band_heap, channel_affine, group_stats, rows_per_band,
                                       unsupported_reason, walk_decoder)
 
@@ -96,9 +97,10 @@ def _norm_act_conv_kernel(conv, shortcut, output_scale, x, scale, shift, mask, r
     below (R + 2 rows in, R out); ``mask`` (1, 1, R + 2, 1) zeroes the halo rows outside the image. With
     ``residual`` (the band's R rows of the block input): (shortcut(residual) + that) / output_scale."""
     activated = F.silu(torch.addcmul(shift, x if x.dtype == torch.float32 else x.float(), scale)).to(x.dtype) * mask
-    y = F.conv2d(activated, conv.weight, conv.bias, padding=(0, 1))
+    y = F.conv2d(activated, layer_weight(conv, activated.dtype), conv.bias, padding=(0, 1))
     if residual is not None:
-        skip = residual if shortcut is None else F.conv2d(residual, shortcut.weight, shortcut.bias)
+        skip = residual if shortcut is None else F.conv2d(residual, layer_weight(shortcut, residual.dtype),
+                                                          shortcut.bias)
         y = skip + y
         if output_scale != 1.0:
             y = y / output_scale
@@ -110,7 +112,7 @@ def _upsample_conv_kernel(conv, x):
     (zeros outside the image, which upsample to the conv's zero padding)."""
     upsampled = F.interpolate(x, scale_factor=2.0, mode="nearest")
     rows = upsampled.shape[2] - 4
-    return F.conv2d(upsampled[:, :, 1:rows + 3], conv.weight, conv.bias, padding=(0, 1))
+    return F.conv2d(upsampled[:, :, 1:rows + 3], layer_weight(conv, upsampled.dtype), conv.bias, padding=(0, 1))
 
 
 # --- the decode: bands of fixed height ------------------------------------------------------------

@@ -105,7 +105,7 @@ class _State:
     arenas: list = dataclasses.field(default_factory=list)  # pinned host memory: the host tier's, the staging ring
     # (slot, where its values are read from) for the host tier, placed in one arena once all are known
     host_sources: list = dataclasses.field(default_factory=list)
-    dequantized: list = dataclasses.field(default_factory=list)  # QuantizedLinears keeping their weight dequantized
+    dequantized: list = dataclasses.field(default_factory=list)  # quantized layers keeping their weight dequantized
     phases: Phases | None = None  # components that run one at a time (optimize's ``phases``)
     switched: list = dataclasses.field(default_factory=list)  # the components that carry a PhaseSwitch
     # (arena, what it holds, its stage, the KeptHostTiers it goes back to on release, not to the device)
@@ -480,7 +480,7 @@ def keep_dequantized(pipe, room: int | None, dtype: torch.dtype) -> int:
     A quantized layer dequantizes its weight at every forward: a cost where its matmul is small (on a CPU at
     1024 tokens, about as much as the matmul). Where the budget has room, the stage runs as fast as with
     unquantized weights; where it has none, the weights stay in their stored bytes. restore drops them."""
-    from memfit.quant.linear import QuantizedLinear
+    from memfit.quant.layers import StoredWeightLayer
 
     state = vars(pipe).get(STATE_ATTR)
     if state is None:
@@ -489,12 +489,12 @@ def keep_dequantized(pipe, room: int | None, dtype: torch.dtype) -> int:
     kept = 0
     for module in _components(pipe).values():
         for layer in module.modules():
-            if not isinstance(layer, QuantizedLinear) or id(layer) in streamed or layer.weight.device.type == "meta":
+            if not isinstance(layer, StoredWeightLayer) or id(layer) in streamed or layer.weight.device.type == "meta":
                 continue
-            nbytes = layer.out_features * layer.in_features * dtype.itemsize
+            nbytes = layer.dequantized_bytes(dtype)
             if room is not None and kept + nbytes > room:
                 return kept
-            layer.dequantized = layer.stored.dequantize(layer.weight, dtype)
+            layer.dequantized = layer.dequantize_weight(dtype)
             state.dequantized.append(layer)
             kept += nbytes
     return kept
