@@ -1,6 +1,6 @@
-"""--quantize on a UNet: its 2-D convolutions are quantized too and stay in their stored bytes (QuantizedConv2d,
-dequantized one layer at a time), as its linear layers do. The tiny SD pipeline's UNet quantized to q8_0, q4_0
-and int8 holds less than with its convolutions in floats and draws plain diffusers' image with the file's weights
+"""--quantize on a UNet with an 8-bit type: its 2-D convolutions are quantized too and stay in their stored bytes
+(QuantizedConv2d, dequantized one layer at a time), as its linear layers do; fewer bits leave them in floats. The
+tiny SD pipeline's UNet quantized to q8_0 and int8 holds less than with its convolutions in floats and draws plain diffusers' image with the file's weights
 dequantized (independently: the gguf package's, int8 * scale) and loaded, bit for bit; fp8 still holds what
 diffusers' layerwise casting holds, its convolutions now fp8 in memory too; a streaming budget, ``memfit plan``
 and a LoRA over a quantized convolution agree with the run.
@@ -22,8 +22,8 @@ from memfit.quant.layers import QuantizedConv2d, StoredWeightLayer
 gguf = pytest.importorskip("gguf")
 
 SETTINGS = {"prompt": "a red house near the sea", "steps": 2, "seed": 3, "width": 32, "height": 32}
-#: Stored bytes per value: int8 one (its scale per row beside it), q8_0 34 per 32, q4_0 18 per 32.
-BYTES_PER_VALUE = {"int8": 1.0, "q8_0": 34 / 32, "q4_0": 18 / 32}
+#: Stored bytes per value: int8 one (its scale per row beside it), q8_0 34 per 32.
+BYTES_PER_VALUE = {"int8": 1.0, "q8_0": 34 / 32}
 
 
 @pytest.fixture(scope="module")
@@ -80,7 +80,7 @@ def _unet_bytes(model, quantize) -> tuple[torch.nn.Module, int]:
     return unet, sum(p.numel() * p.element_size() for p in unet.parameters())
 
 
-@pytest.mark.parametrize("kind", ["q8_0", "q4_0", "int8"])
+@pytest.mark.parametrize("kind", ["q8_0", "int8"])
 def test_a_quantized_unet_keeps_its_convolutions_stored_and_draws_diffusers_image(sd, kind, monkeypatch):
     """--quantize unet=KIND: every convolution the type chooses is a QuantizedConv2d in its stored bytes, so the
     UNet holds its chosen weights, convolutions included, at the type's size; the image is plain diffusers'
@@ -112,6 +112,19 @@ def test_a_quantized_unet_keeps_its_convolutions_stored_and_draws_diffusers_imag
     assert np.array_equal(_pixels(ours), theirs)
     unquantized = _pixels(memfit.generate(model=sd, budget="none", progress=False, **SETTINGS))
     assert not np.array_equal(_pixels(ours), unquantized)
+
+
+@pytest.mark.parametrize("kind", ["q4_0", "q5_0"])
+def test_fewer_bits_leave_the_convolutions_in_floats(sd, kind):
+    """A 4- or 5-bit type quantizes the linear layers only: at those bits the convolutions lose too much."""
+    from diffusers import UNet2DConditionModel
+
+    from memfit.quant.writers import quantized_layers
+
+    plain = UNet2DConditionModel.from_pretrained(sd / "unet", torch_dtype=torch.float32)
+    chosen = quantized_layers(plain, kind)
+    assert chosen and all(isinstance(layer, torch.nn.Linear) for layer in chosen.values())
+    assert {path for path, layer in quantized_layers(plain, "q8_0").items() if isinstance(layer, torch.nn.Conv2d)}
 
 
 def test_fp8_keeps_layerwise_castings_image_with_its_convolutions_fp8_in_memory(sd):
@@ -169,17 +182,17 @@ def test_kept_dequantized_convolutions_draw_the_same_image(sd):
 
 
 def test_memfit_plan_sizes_the_quantized_convolutions(sd, capsys):
-    """memfit plan --quantize unet=q4_0 plans the UNet at the size a run loads it at, convolutions quantized, and
+    """memfit plan --quantize unet=q8_0 plans the UNet at the size a run loads it at, convolutions quantized, and
     writes nothing."""
     from memfit.cache import open_store
     from memfit.cli.app import main
 
-    assert main(["plan", "--model", str(sd), "--quantize", "unet=q4_0", "--budget", "1GiB", "--process-memory", "0",
+    assert main(["plan", "--model", str(sd), "--quantize", "unet=q8_0", "--budget", "1GiB", "--process-memory", "0",
                  "--json"]) == 0
     stages = {stage["name"]: stage for stage in json.loads(capsys.readouterr().out)["plan"]["stages"]}
     planned = sum(p["bytes"] for p in stages["denoise"]["placements"])
     assert not open_store().ls("quantized")
-    _, loaded = _unet_bytes(sd, {"unet": "q4_0"})
+    _, loaded = _unet_bytes(sd, {"unet": "q8_0"})
     assert planned == loaded
     # A built-in architecture has no weights to quantize: refused, not planned unquantized.
     assert main(["plan", "--arch", "sd15", "--quantize", "unet=q4_0"]) != 0
