@@ -37,6 +37,17 @@ class QuantizedLinear(torch.nn.Linear):
     the scale they are multiplied by, if any. A Linear to the code that looks for one: a LoRA wraps it as it
     wraps any linear layer (unfused, over the stored weight, as ComfyUI-GGUF applies LoRAs)."""
 
+    #: While torch.export captures the layer for OpenVINO: its weight as a function of the compute dtype, in tensors
+    #: made beforehand (openvino_pattern), instead of the byte arithmetic (memfit.compile.backends.openvino_compressed).
+    export_weight = None
+
+    def openvino_pattern(self):
+        """The weight as OpenVINO's decompression pattern (memfit.quant.openvino_pattern), or None for a format
+        OpenVINO does not keep compressed."""
+        from memfit.quant.openvino_pattern import decompression_pattern
+
+        return decompression_pattern(self)
+
     def __init__(self, in_features: int, out_features: int, stored: StoredTensor, *, bias: bool,
                  bias_dtype: torch.dtype = torch.float32, device: str | torch.device = "meta"):
         torch.nn.Module.__init__(self)  # not Linear's: its weight would be made (and initialised) in floats
@@ -59,6 +70,8 @@ class QuantizedLinear(torch.nn.Linear):
     def forward(self, inputs: torch.Tensor) -> torch.Tensor:
         kept = self.dequantized
         bias = self.bias.to(inputs.dtype) if self.bias is not None else None
+        if self.export_weight is not None and torch.compiler.is_exporting():
+            return F.linear(inputs, self.export_weight(inputs.dtype), bias)
         if kept is not None and kept.dtype == inputs.dtype and kept.device == self.weight.device:
             weight = kept
         else:
