@@ -121,7 +121,7 @@ def flux(tiny_models):
 def test_quantized_transformer_runs_compressed_in_openvino(flux, kind, monkeypatch):
     """--quantize transformer=KIND --backend openvino: refused before; now the run completes with the transformer's
     quantized layers compressed in the compiled model, and draws the eager quantized run's image to a pixel level
-    (measured: int8 identical, q8_0 and q4_0 at most 1 of 255 apart)."""
+    (measured: int8 identical, q8_0 and q4_0 at most 1 of 255 apart); a later run imports the stored model."""
     import memfit.compile.backends.openvino as openvino_backend
 
     monkeypatch.setenv("MEMFIT_CACHE", "1")  # --quantize keeps its file in the store
@@ -137,6 +137,11 @@ def test_quantized_transformer_runs_compressed_in_openvino(flux, kind, monkeypat
     assert COMPRESSED_TYPE[kind.upper() if kind != "int8" else kind] in _weight_types(compiled[0])
     difference = np.abs(np.asarray(ours.images[0], dtype=np.int16) - np.asarray(eager.images[0], dtype=np.int16))
     assert difference.max() <= 2
+    if kind == "q4_0":  # a later run imports the stored model (u4 weights in the blob): nothing compiles, same image
+        again = memfit.generate(model=flux, quantize=quantize, budget="none", progress=False,
+                                backend={"transformer": "openvino"}, **SETTINGS)
+        assert len(compiled) == 1
+        assert np.array_equal(np.asarray(again.images[0]), np.asarray(ours.images[0]))
 
 
 def test_formats_openvino_does_not_keep_are_still_refused(flux):
