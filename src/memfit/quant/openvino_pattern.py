@@ -12,10 +12,10 @@ with them directly (a FullyConnected whose weight input is int8, or u4; memfit.c
     Q4_0  (GGUF: fp16 d + 16 bytes of nibbles, d * (q - 8))  (values 0..15 [out, in/32, 32] - 8) * d
 
 The arithmetic is the stored value in float32, rounded once into the compute dtype (in bf16 for a bf16 run,
-which the plugin fuses only so: the weight then differs from the eager one by bf16 rounding). In float32, int8
+the only form the plugin fuses there: the weight then differs from the eager one by bf16 rounding). In float32, int8
 is memfit's eager arithmetic (StoredTensor.dequantize) exactly; for Q8_0 and Q4_0, diffusers' dequantization
-(which memfit's eager path runs) rounds each product d * q to fp16 first, so the two differ by that rounding. Q4_0's values leave torch
-as uint8 (torch has no 4-bit dtype) and become u4 Constants after the conversion.
+(which memfit's eager path runs) rounds each product d * q to fp16 first, so the two differ by that rounding.
+Q4_0's values leave torch as uint8 (torch has no 4-bit dtype) and become u4 Constants after the conversion.
 
 Other stored formats are not taken: fp8 converts to an f8e4m3 Constant, but the CPU plugin expands it to float32
 when it compiles; Q4_1, Q5_* and the K-quants have no pattern of this kind here.
