@@ -2,7 +2,7 @@
 stable-diffusion.cpp on the same files.
 
     python benchmarks/sdcpp_flux.py --sd /work/sdcpp/build/bin/sd-cli --models /work/bench-models/flux-files \\
-        --size 256 --steps 4 --rounds 1 --cap 6
+        --size 256 --steps 4 --rounds 1 --caps 6,4
 
 The files (built under ``--models`` once, about 12.5 GB; random weights at the real size and layout: speed
 and memory do not depend on the values):
@@ -148,7 +148,8 @@ def _write_clip_l(path: Path) -> None:
 
     torch.manual_seed(2)
     config = transformers.CLIPTextConfig(**dict(_spec("text_encoder").config))
-    state = transformers.CLIPTextModel(config).to(torch.float16).state_dict()
+    state = {("" if key.startswith("text_model.") else "text_model.") + key: value  # ComfyUI's names, any transformers
+             for key, value in transformers.CLIPTextModel(config).to(torch.float16).state_dict().items()}
     state["text_model.embeddings.position_ids"] = torch.arange(config.max_position_embeddings)[None]
     save_file({key: value.contiguous() for key, value in state.items()}, str(path))
 
@@ -167,11 +168,14 @@ def _write_ae(path: Path) -> None:
 
 # --- the runs -----------------------------------------------------------------------------------------
 
-CONFIGS = [  # (system, cap: True for --cap, False for none)
-    ("memfit", True), ("memfit", False), ("sd.cpp", False), ("sd.cpp", True)]
+def configurations(caps: list[float]) -> list[tuple[str, float | None]]:
+    """(system, cap in GiB or None): memfit under every cap and without one, sd.cpp without one and under the
+    largest cap."""
+    return [*(("memfit", cap) for cap in caps), ("memfit", None), ("sd.cpp", None), ("sd.cpp", max(caps))]
 
 
 def sdcpp_command(args, files: dict[str, Path], capped: bool, image: str, prompt: str) -> list[str]:
+    """``capped``: with --mmap, its smallest setting."""
     command = [args.sd]
     for component, flag in SDCPP_FLAGS.items():
         command += [flag, str(files[component])]
@@ -215,13 +219,13 @@ def run_memfit_child(options: dict) -> dict:
     return row
 
 
-def measure(system: str, capped: bool, args, files: dict[str, Path], image: str, prompt: str,
+def measure(system: str, cap: float | None, args, files: dict[str, Path], image: str, prompt: str,
             steps: int | None = None) -> dict:
     from memfit.testing.cgroup import run_capped
 
     if system == "sd.cpp":
         child = [sys.executable, str(Path(__file__).parent / "sdcpp.py"), "--child-sdcpp",
-                 json.dumps(sdcpp_command(args, files, capped, image, prompt))]
+                 json.dumps(sdcpp_command(args, files, cap is not None, image, prompt))]
     else:
         options = {"files": {k: str(v) for k, v in files.items()}, "config": str(args.models / "flux-dev-configs"),
                    "steps": steps or args.steps, "size": args.size, "threads": args.threads, "image": image,
@@ -230,9 +234,9 @@ def measure(system: str, capped: bool, args, files: dict[str, Path], image: str,
     for path in files.values():
         _evict(path)
     env = {**os.environ, "MEMFIT_CACHE_DIR": args.cache_dir, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": str(args.threads)}
-    run = run_capped(child, int(args.cap * GiB) if capped else None, timeout=args.timeout, env=env)
+    run = run_capped(child, None if cap is None else int(cap * GiB), timeout=args.timeout, env=env)
     result = next((json.loads(line[7:]) for line in run.stdout.splitlines() if line.startswith("RESULT ")), None)
-    row = {"system": system, "cap_gib": args.cap if capped else None, "completed": run.completed and result is not None,
+    row = {"system": system, "cap_gib": cap, "completed": run.completed and result is not None,
            "killed": run.killed, "cgroup_peak": run.max_usage_bytes, "process_s": run.seconds, **(result or {})}
     if not row["completed"] and not run.killed:
         row["error"] = (run.stderr.strip().splitlines() or ["(no output)"])[-3:]
@@ -295,8 +299,12 @@ def summarize(rows: list[dict]) -> list[dict]:
     import statistics
 
     out = []
-    for system, capped in CONFIGS:
-        runs = [r for r in rows if r["system"] == system and bool(r["cap_gib"]) == capped]
+    seen = []
+    for row in rows:
+        if (row["system"], row["cap_gib"]) not in seen:
+            seen.append((row["system"], row["cap_gib"]))
+    for system, cap in sorted(seen, key=lambda c: (c[0] != "memfit", c[1] is None, -(c[1] or 0))):
+        runs = [r for r in rows if r["system"] == system and r["cap_gib"] == cap]
         if not runs:
             continue
         done = [r for r in runs if r["completed"]]
@@ -328,9 +336,12 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=4)
     parser.add_argument("--rounds", type=int, default=1)
     parser.add_argument("--threads", type=int, default=2)
-    parser.add_argument("--cap", type=float, default=6.0, help="the container's memory in GiB")
+    parser.add_argument("--caps", default="6", help="the containers' memory in GiB, comma-separated (memfit runs "
+                        "under each, sd.cpp under the largest)")
     parser.add_argument("--timeout", type=float, default=3600)
-    parser.add_argument("--only", default="", help="configurations to run, e.g. 'memfit-cap,sd.cpp' (default: all)")
+    parser.add_argument("--only", default="", help="configurations to run, e.g. 'memfit@4,sd.cpp@none' (default: all)")
+    parser.add_argument("--add", action="store_true", help="add the rows to docs/NAME.json's (a later run of more "
+                        "configurations; its first run is kept)")
     parser.add_argument("--cache-dir")
     parser.add_argument("--build-only", action="store_true")
     parser.add_argument("--name", default="sdcpp_flux")
@@ -352,28 +363,38 @@ def main() -> None:
     reason = cgroup_unavailable_reason()
     if reason:
         sys.exit(f"cannot run in a memory cgroup here ({reason})")
+    caps = [float(cap) for cap in args.caps.split(",")]
     args.cache_dir = args.cache_dir or tempfile.mkdtemp(prefix="sdcpp-flux-cache-")
     images = Path(tempfile.mkdtemp(prefix="sdcpp-flux-images-"))
-    first = measure("memfit", True, args, files, str(images / "first.png"), f"{PROMPT}, first run", steps=1)
+    earlier = json.loads((Path(__file__).resolve().parent.parent / "docs" / f"{args.name}.json").read_text()) \
+        if args.add else None
+    first = earlier["first_run"] if earlier else measure(
+        "memfit", max(caps), args, files, str(images / "first.png"), f"{PROMPT}, first run", steps=1)
     if not first["completed"]:
         sys.exit(f"memfit's first run did not complete: {first.get('error') or 'killed'}")
     print(f"memfit's first run (1 step, unmeasured): {first['wall_s']:.1f} s", flush=True)
-    chosen = [c for c in CONFIGS if not args.only or f"{c[0]}{'-cap' if c[1] else ''}" in args.only.split(",")]
-    rows = []
-    for round_ in range(args.rounds):
-        for system, capped in chosen if round_ % 2 == 0 else chosen[::-1]:
-            prompt = f"{PROMPT}, take {round_}, {system}, {'capped' if capped else 'uncapped'}"
-            image = str(images / f"{system}-{'cap' if capped else 'nocap'}-{round_}.png")
-            row = {**measure(system, capped, args, files, image, prompt), "round": round_, "steps": args.steps}
+    chosen = [c for c in configurations(caps)
+              if not args.only or f"{c[0]}@{'none' if c[1] is None else f'{c[1]:g}'}" in args.only.split(",")]
+    rows = earlier["rows"] if earlier else []
+    commands = earlier["commands"] if earlier else {}
+    start = 1 + max((r["round"] for r in rows), default=-1)
+    for round_ in range(start, start + args.rounds):
+        for system, cap in chosen if round_ % 2 == 0 else chosen[::-1]:
+            where = "uncapped" if cap is None else f"{cap:g} GiB"
+            prompt = f"{PROMPT}, take {round_}, {system}, {where}"
+            image = str(images / f"{system}-{where.replace(' ', '')}-{round_}.png")
+            row = {**measure(system, cap, args, files, image, prompt), "round": round_, "steps": args.steps}
             rows.append(row)
             print(f"round {round_} {label(row)}: " + (f"{row['wall_s']:.1f} s, peak RSS {_gib(row['peak_rss'])}"
                   if row["completed"] else "killed" if row["killed"] else f"failed {row.get('error')}"), flush=True)
-            data = {"command": " ".join(sys.argv[1:]), "settings": {k: str(v) if isinstance(v, Path) else v
+            command = " ".join(sys.argv[1:])
+            data = {"command": f"{earlier['command']}`, then `python benchmarks/sdcpp_flux.py {command}" if earlier
+                    else command, "settings": {k: str(v) if isinstance(v, Path) else v
                                                                      for k, v in vars(args).items()},
                     "machine": machine(), "sdcpp_version": sdcpp_version(args.sd, args.sd_origin),
                     "file_bytes": {str(p): p.stat().st_size for p in files.values()}, "first_run_s": first["wall_s"],
                     "first_run": first, "rows": rows, "summary": summarize(rows),
-                    "commands": {"memfit": memfit_cli(args, files),
+                    "commands": {**commands, "memfit": memfit_cli(args, files),
                                  "sd.cpp": sdcpp_command(args, files, False, "out.png", PROMPT)}}
             write_outputs(args.name, data, render(data))  # after every run: a run cut short keeps what it finished
 

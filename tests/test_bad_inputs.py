@@ -415,10 +415,11 @@ CASES = [
      "1024 values outside its first and last layers"),
     ("quantize-a-quantized-file", lambda model, tmp: {**_flux_gguf("Q8_0")(model, tmp), "args": [
         *_flux_gguf("Q8_0")(model, tmp)["args"], "--quantize", "transformer=q4_0"]}, "is already quantized"),
-    ("openvino-over-a-gguf-file", lambda model, tmp: {**_flux_gguf("Q8_0")(model, tmp), "args": [
-        *_flux_gguf("Q8_0")(model, tmp)["args"], "--backend", "openvino"]},
-     "flux1-dev-Q8_0.gguf, and the openvino backend compiles a model of its own from float weights, which it "
-     "cannot read from stored ones. Compile the transformer with --backend inductor"),
+    ("openvino-over-a-gguf-file-it-does-not-keep", lambda model, tmp: {**_flux_gguf("Q4_1")(model, tmp), "args": [
+        *_flux_gguf("Q4_1")(model, tmp)["args"], "--backend", "openvino"]},
+     "flux1-dev-Q4_1.gguf, and the openvino backend compiles a model of its own, which "
+     "takes quantized weights stored as int8, Q4_0, Q8_0 only (--quantize transformer=int8, q4_0, q8_0). Compile the "
+     "transformer with --backend inductor"),
     ("lora-file-missing", lora(lambda model, tmp: tmp / "no-such-lora.safetensors"),
      "no-such-lora.safetensors: no such file"),
     ("lora-of-another-family", lora(_flux_lora),

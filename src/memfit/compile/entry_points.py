@@ -516,7 +516,8 @@ class _Entry:
         try:
             if self.weights is None:
                 fingerprint = self._entry_fingerprint(leaves, tensor_positions, spec) if self.cache is not None else None
-                run = self.backend.compile(CompileRequest(fn, tensors, self.options, cache, fingerprint))
+                run = self.backend.compile(CompileRequest(fn, tensors, self.options, cache, fingerprint,
+                                                          module=self.module))
             else:
                 # A cold build reads them, so they are brought in when it starts; a stored artifact does not.
                 with self.weights.held(until_needed=True) as bring_in:
@@ -526,6 +527,7 @@ class _Entry:
                     run = self.backend.compile(CompileRequest(
                         fn, tensors, self.options, cache, fingerprint,
                         on_build=lambda: (built.append(True), bring_in()), before_load=self.weights.drop,
+                        module=self.module,
                     ))
         except Exception as exc:
             if isinstance(exc, MemfitError) and "MEMFIT_CACHE=require" in str(exc):
@@ -646,8 +648,10 @@ def compiled_weight_bytes(pipe, names, backend: BackendSpec | None, dtype: torch
     """{component: bytes its compiled model holds} for the components of ``names`` whose backend keeps
     its own copy of the weights (their torch weights are then memory-mapped, not in memory): every
     parameter at the precision the backend holds it in (Backend.held_precision: its compute precision, or
-    ``dtype`` where it has none set; f32 where its device cannot compute in that). A budget counts
-    this, not the torch weights, for such a component: it cannot be streamed block by block."""
+    ``dtype`` where it has none set; f32 where its device cannot compute in that), but a quantized layer's stored
+    bytes (the parameters that are not floats) at their own size where the backend keeps them compressed
+    (``Backend.stored_formats``). A budget counts this, not the torch weights, for such a component: it cannot be
+    streamed block by block."""
     components = dict(getattr(pipe, "components", {}))
     costs = {}
     for name, be in served_by_own_weights(components, names, backend).items():
@@ -655,7 +659,8 @@ def compiled_weight_bytes(pipe, names, backend: BackendSpec | None, dtype: torch
         if not entry_points(name, module):
             continue
         held = DTYPES.get(be.held_precision(dtype_name(dtype)), torch.float32)  # a dtype memfit has no name for: f32
-        costs[name] = sum(p.numel() for p in module.parameters()) * held.itemsize
+        costs[name] = sum(p.numel() * (p.element_size() if be.stored_formats and not p.is_floating_point()
+                                       else held.itemsize) for p in module.parameters())
     return costs
 
 

@@ -47,6 +47,17 @@ class StoredWeightLayer:
     stored: StoredTensor
     logical_shape: tuple[int, ...]  # the weight's shape as the layer runs it
 
+    #: While torch.export captures the layer for OpenVINO: its weight as a function of the compute dtype, in tensors
+    #: made beforehand (openvino_pattern), instead of the byte arithmetic (memfit.compile.backends.openvino_compressed).
+    export_weight = None
+
+    def openvino_pattern(self):
+        """The weight as OpenVINO's decompression pattern (memfit.quant.openvino_pattern), or None for a format
+        OpenVINO does not keep compressed."""
+        from memfit.quant.openvino_pattern import decompression_pattern
+
+        return decompression_pattern(self)
+
     def _hold_stored(self, stored: StoredTensor, device) -> None:
         self.stored, self.format = stored, stored.format
         self.weight = torch.nn.Parameter(torch.empty(self.format.stored_shape(stored.shape), dtype=STORAGE_DTYPE,
@@ -71,7 +82,9 @@ class StoredWeightLayer:
 
     def weight_in(self, dtype: torch.dtype) -> torch.Tensor:
         """The weight to run inputs of ``dtype`` with: the kept copy where it is in that dtype and on the weight's
-        device, else dequantized now."""
+        device, else dequantized now (while OpenVINO's export captures the layer: its pattern)."""
+        if self.export_weight is not None and torch.compiler.is_exporting():
+            return self.export_weight(dtype)
         kept = self.dequantized
         if kept is not None and kept.dtype == dtype and kept.device == self.weight.device:
             return kept

@@ -58,26 +58,44 @@ def open_model(model: str | Path | ModelFolder | None, *, allow_pickle: bool = F
 
 
 def check_backend_takes_stored_weights(folder: ModelFolder, backend, fallback) -> None:
-    """Refuse, before anything loads, a backend that compiles a model of its own from float weights (OpenVINO,
-    ONNX Runtime) for a component stored quantized (a GGUF or fp8 file, --quantize): its export fails on the
+    """Refuse, before anything loads, a backend that compiles a model of its own (OpenVINO, ONNX Runtime) for a
+    component stored quantized (a GGUF or fp8 file, --quantize) in a format it does not compile from
+    (``Backend.stored_formats``; OpenVINO keeps int8, Q8_0 and Q4_0 compressed): its export would fail on the
     stored weights only once the stages before it have run. With a fallback the component runs eagerly, as asked."""
     stored = list(folder.adapter.measured_sizes)  # the components sized from stored weights (memfit.quant)
     if backend is None or fallback is not None or not stored:
         return
     from memfit.compile.entry_points import served_by_own_weights
 
-    refused = served_by_own_weights(folder.components, stored, backend)
-    if not refused:
-        return
-    name, chosen = next(iter(refused.items()))
+    for name, chosen in served_by_own_weights(folder.components, stored, backend).items():
+        formats = _stored_formats(folder, name)
+        if formats is not None and formats <= chosen.stored_formats:
+            continue
+        weights = getattr(folder, "weights", {}).get(name)
+        source = f" in {weights.path}" if weights is not None else ""
+        stored_as = f" as {', '.join(sorted(formats))}" if formats else ""
+        if chosen.stored_formats:
+            taken = sorted(chosen.stored_formats, key=str.lower)
+            why = (f", which takes quantized weights stored as {', '.join(taken)} only (--quantize "
+                   f"{name}={', '.join(f.lower() for f in taken)})")
+        else:
+            why = " from float weights, which it cannot read from stored ones"
+        raise MemfitError(
+            f"The {name} is stored quantized{stored_as}{source}, and the {chosen.name} backend compiles a model of "
+            f"its own{why}. Compile the {name} with --backend inductor (or run it eagerly: no --backend), compile "
+            f"only the other components (--backend vae={chosen.name}), or pass --fallback eager to run the {name} "
+            "eagerly."
+        )
+
+
+def _stored_formats(folder: ModelFolder, name: str) -> set[str] | None:
+    """The formats (StoredFormat.name) component ``name`` of ``folder`` stores its quantized weights in; None where
+    the folder does not say (a plan of --quantize, which writes nothing)."""
     weights = getattr(folder, "weights", {}).get(name)
-    source = f" in {weights.path}" if weights is not None else ""
-    raise MemfitError(
-        f"The {name} is stored quantized{source}, and the {chosen.name} backend compiles a model of its own from "
-        f"float weights, which it cannot read from stored ones. Compile the {name} with --backend inductor (or run "
-        f"it eagerly: no --backend), compile only the other components (--backend vae={chosen.name}), or pass "
-        f"--fallback eager to run the {name} eagerly."
-    )
+    if weights is None:
+        return None
+    stored = weights.checkpoint.stored
+    return {stored[key].format.name for key in weights.keys() if key in stored}
 
 
 def source_notes(folder: ModelFolder) -> list[str]:

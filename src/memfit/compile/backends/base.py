@@ -47,6 +47,8 @@ class CompileRequest:
                          which reads the torch weights), before building starts.
     before_load:         called once the artifact is built or found, before it is loaded, so the caller
                          can let the torch weights go before the artifact's own copy comes in.
+    module:              the module whose method ``fn`` calls, where there is one: a backend that captures
+                         ``fn`` can prepare its layers for the capture (OpenVINO's compressed weights).
     """
 
     fn: Callable[..., Any]
@@ -56,6 +58,7 @@ class CompileRequest:
     weights_fingerprint: str | None = None
     on_build: Callable[[], None] | None = None
     before_load: Callable[[], None] | None = None
+    module: Any = None
 
     def notify_build(self) -> None:
         """A backend that holds its own weights calls this when it starts building its artifact."""
@@ -83,6 +86,9 @@ class Backend:
     # True when the backend computes in a precision of its own, set by ``configured(precision)``
     # (memfit.compile.precision); otherwise it computes in the weights' dtype.
     has_own_precision: bool = False
+    # For a backend that holds its own weights: the stored formats (memfit.quant, StoredFormat.name) of the
+    # quantized layers it compiles from, keeping them compressed; a component stored in others is refused.
+    stored_formats: frozenset[str] = frozenset()
     precision: str | None = None  # None: the dtype the component runs in
 
     def available(self) -> Availability:

@@ -37,6 +37,9 @@ OpenVINO's own caches stay refused, because memfit must be the only writer of wh
 
 Learned on openvino 2026.4, torch 2.13, CPU:
 
+* The CPU plugin quantizes the activations of layers with compressed weights (memfit's quantized layers:
+  openvino_compressed) to int8 by default (DYNAMIC_QUANTIZATION_GROUP_SIZE 32), which moves their outputs by
+  about 1% of their scale; memfit sets it to 0 (_DEFAULT_CONFIG) unless the config sets it.
 * The CPU plugin defaults to bf16 inference on CPUs that support it, also when importing a blob
   compiled for f32: ``INFERENCE_PRECISION_HINT`` is pinned to the dtype the model runs in, at
   compile and at import, so fp32 stays fp32.
@@ -66,6 +69,7 @@ import torch
 
 from memfit.compile.backends._common import check_signature, graph_id, run_dtype, tensor_signature, uses_store
 from memfit.compile.backends.base import Availability, Backend, CompileRequest
+from memfit.compile.backends.openvino_compressed import COMPRESSED_FORMATS, compressed_for_export, pack_u4
 from memfit.compile.backends.outputs import plain_outputs
 from memfit.compile.backends.output_layout import LAYOUT_FILE, FlatOutputs, OutputLayout, name_of
 from memfit.compile.backends.torch_settings import preserved_torch_settings
@@ -79,6 +83,10 @@ _ENTRY_FORMAT = "openvino-export/1"
 
 _PRECISION_HINTS = {"torch.float32": "f32", "torch.float16": "f16", "torch.bfloat16": "bf16",
                     "fp32": "f32", "fp16": "f16", "bf16": "bf16"}
+# Properties memfit sets unless the user's config does. DYNAMIC_QUANTIZATION_GROUP_SIZE 0: the CPU plugin would
+# quantize the activations of a layer with compressed weights to int8 (groups of 32), which moved Flux-width
+# layers' outputs by about 1% of their scale (docs/openvino_quantized.md); layers with float weights it leaves alone.
+_DEFAULT_CONFIG = {"DYNAMIC_QUANTIZATION_GROUP_SIZE": "0"}
 # Properties that would make OpenVINO (or its torch.compile backend) cache on its own; see above.
 _REFUSED_CONFIG = {
     "model_caching": "it replaces weights with fake tensors and breaks the second run",
@@ -91,9 +99,11 @@ class OpenVINOBackend(Backend):
     float32_tolerance = 1e-4
     holds_own_weights = True  # the CPU plugin repacks every weight into memory of its own
     has_own_precision = True  # INFERENCE_PRECISION_HINT
+    stored_formats = COMPRESSED_FORMATS  # kept compressed: memfit.compile.backends.openvino_compressed
     default_options: Mapping[str, Any] = {
         "device": "CPU",  # OpenVINO device: "CPU", "GPU" (Intel iGPU/dGPU), "NPU"
-        "config": {},  # OpenVINO properties; INFERENCE_PRECISION_HINT defaults to the run dtype
+        # OpenVINO properties; INFERENCE_PRECISION_HINT defaults to the run dtype, DYNAMIC_QUANTIZATION_GROUP_SIZE to 0
+        "config": {},
         # Free the model's intermediate buffers after each call (CompiledModel.release_memory). For a
         # component compiled as many block models (memfit.compile.entry_points.compile_blocks), each of
         # which would otherwise keep its own: measured on the SD 1.5 UNet's blocks, 0.29 GiB less at the
@@ -131,14 +141,15 @@ class OpenVINOBackend(Backend):
         signature = tensor_signature(self.name, example_inputs)
         device = opts["device"]
         hint = _PRECISION_HINTS[self.precision] if self.precision else _precision_hint(example_inputs)
-        ov_config = {"INFERENCE_PRECISION_HINT": hint, **opts["config"]}
+        ov_config = {"INFERENCE_PRECISION_HINT": hint, **_default_config(device), **opts["config"]}
+        module = request.module if request.module is not None or not isinstance(fn, torch.nn.Module) else fn
 
         if not uses_store(request.cache, request.weights_fingerprint):
             request.notify_build()
             # The IR a build compiles from lives on disk for the build only: in a directory of its own here.
             with tempfile.TemporaryDirectory(prefix="memfit-openvino-ir-", ignore_cleanup_errors=True) as ir_dir:
                 compiled, layout, _, weights = _build(fn, example_inputs, device, ov_config, Path(ir_dir),
-                                                      request.notify_load)
+                                                      request.notify_load, module)
             return _runner(compiled, layout, signature, keep_alive=weights, release_memory=opts["release_memory"])
 
         key = _cache_key(request.weights_fingerprint, graph_id(fn), signature, device, ov_config)
@@ -147,7 +158,7 @@ class OpenVINOBackend(Backend):
         def build(out_dir: Path) -> dict[str, Any]:
             request.notify_build()
             compiled, layout, weights, meta = _build_entry(fn, example_inputs, device, ov_config, out_dir,
-                                                           request.notify_load)
+                                                           request.notify_load, module)
             built[:] = [(compiled, layout, weights)]
             return meta
 
@@ -170,6 +181,16 @@ def _refuse_own_caching(config: Mapping[str, Any]) -> None:
                 f"OpenVINO's {name} is not supported by memfit: {why}. Remove it from the "
                 "openvino backend's config; memfit stores compiled models itself (MEMFIT_CACHE_DIR)."
             )
+
+
+@functools.lru_cache(maxsize=None)
+def _default_config(device: str) -> dict[str, Any]:
+    """_DEFAULT_CONFIG's properties that ``device`` has (a plugin refuses a property it does not know)."""
+    try:
+        supported = set(_core().get_property(device, "SUPPORTED_PROPERTIES"))
+    except Exception:  # no such device: compiling says so
+        return {}
+    return {name: value for name, value in _DEFAULT_CONFIG.items() if name in supported}
 
 
 @functools.lru_cache(maxsize=None)
@@ -286,7 +307,7 @@ def _compile_model(model: Any, device: str, ov_config: Mapping[str, Any]) -> Any
 
 def _build(
     fn: Callable[..., Any], example_inputs: Sequence[Any], device: str, ov_config: Mapping[str, Any], ir_dir: Path,
-    before_compile: Callable[[], None],
+    before_compile: Callable[[], None], module: Any = None,
 ) -> tuple[Any, OutputLayout, str, Any]:
     """Compile ``fn`` through an IR saved in ``ir_dir``: the compiled model, its output layout, the layout's JSON and
     the map of the IR's weights, which must live as long as the compiled model (see _read_ir).
@@ -298,10 +319,11 @@ def _build(
     are mapped from the component's files, and their pages leave this process), and the plugin compiles from
     the IR read back memory-mapped, whose pages are dropped again and again while it copies the weights into
     its own layout (the whole file would stay resident beside that copy otherwise).
+    ``module``: what ``fn`` calls, whose quantized layers are captured as compressed weights (_save_ir).
     """
     ir_dir.mkdir(parents=True, exist_ok=True)
     xml = ir_dir / "model.xml"
-    layout = _save_ir(fn, example_inputs, xml)
+    layout = _save_ir(fn, example_inputs, xml, module)
     layout_json = layout.to_json()  # fails early, before compiling, on an output it cannot store
     gc.collect()  # torch.export's graphs hold their tensors in reference cycles
     before_compile()
@@ -331,20 +353,26 @@ def _read_ir(xml: Path) -> tuple[Any, Any]:
         raise MemfitError(f"OpenVINO could not read back the IR it saved in {xml.parent} ({exc}).") from exc
 
 
-def _save_ir(fn: Callable[..., Any], example_inputs: Sequence[Any], xml: Path) -> OutputLayout:
+def _save_ir(fn: Callable[..., Any], example_inputs: Sequence[Any], xml: Path, module: Any = None) -> OutputLayout:
     """Capture and convert ``fn``, write it as IR at ``xml`` (and its .bin), and return its output layout;
-    the capture and the converted model are gone when this returns."""
+    the capture and the converted model are gone when this returns. The quantized layers of ``module`` that
+    OpenVINO keeps compressed are captured as its decompression pattern (openvino_compressed), whose tensors
+    live until the IR is written."""
     import openvino as ov
 
-    model, layout = _convert(fn, example_inputs)
-    try:
-        # Weights as they are: save_model compresses floating point weights to f16 unless told not to.
-        ov.save_model(model, str(xml), compress_to_fp16=False)
-    except RuntimeError as exc:
-        raise MemfitError(
-            f"OpenVINO could not save {name_of(fn)} as IR in {xml.parent} ({exc}); check the free space there "
-            "(MEMFIT_CACHE_DIR, or the temporary directory without a store)."
-        ) from exc
+    with compressed_for_export(module) as compressed:
+        model, layout = _convert(fn, example_inputs)
+        if compressed:
+            pack_u4(model)  # Q4_0's values, uint8 in torch: half a byte each in the IR, as stored
+        try:
+            # Weights as they are: save_model compresses floating point weights to f16 unless told not to.
+            ov.save_model(model, str(xml), compress_to_fp16=False)
+        except RuntimeError as exc:
+            raise MemfitError(
+                f"OpenVINO could not save {name_of(fn)} as IR in {xml.parent} ({exc}); check the free space there "
+                "(MEMFIT_CACHE_DIR, or the temporary directory without a store)."
+            ) from exc
+        del model  # its Constants share the prepared tensors' memory
     return layout
 
 
@@ -373,13 +401,13 @@ class _FileStream(io.BytesIO):
 
 def _build_entry(
     fn: Callable[..., Any], example_inputs: Sequence[Any], device: str, ov_config: Mapping[str, Any], out_dir: Path,
-    before_compile: Callable[[], None],
+    before_compile: Callable[[], None], module: Any = None,
 ) -> tuple[Any, OutputLayout, Any, dict[str, Any]]:
     """Build and write the store entry's files into ``out_dir`` (the store's staging directory): the compiled
     model, its output layout, the map of the IR's weights it reads (see _build) and the manifest's metadata. The IR it compiles from is removed again: the entry
     holds the exported blob, which later starts import (see the module doc)."""
     ir_dir = out_dir / IR_DIR
-    compiled, layout, layout_json, weights = _build(fn, example_inputs, device, ov_config, ir_dir, before_compile)
+    compiled, layout, layout_json, weights = _build(fn, example_inputs, device, ov_config, ir_dir, before_compile, module)
     # The export reads the weights back from the mapped IR (the CPU plugin exports the model it compiled from),
     # whose pages are let go again as it goes.
     with (out_dir / MODEL_FILE).open("wb") as handle, _pages_dropped_meanwhile(weights):
