@@ -144,6 +144,20 @@ def test_quantized_transformer_runs_compressed_in_openvino(flux, kind, monkeypat
         assert np.array_equal(np.asarray(again.images[0]), np.asarray(ours.images[0]))
 
 
+def test_a_unet_with_quantized_convolutions_runs_in_openvino(tiny_models):
+    """--quantize unet=q8_0 quantizes the UNet's convolutions too (QuantizedConv2d): they are captured in the same
+    pattern, reshaped to their kernels, and the compiled run draws the eager quantized image to a pixel level."""
+    sd = Path(tiny_models("sd"))
+    settings = {"prompt": "a red circle", "steps": 2, "width": 32, "height": 32, "seed": 0}
+    quantize = {"unet": "q8_0"}
+    eager = memfit.generate(model=sd, quantize=quantize, budget="none", progress=False, **settings)
+    ours = memfit.generate(model=sd, quantize=quantize, budget="none", progress=False, backend={"unet": "openvino"},
+                           **settings)
+    assert [c["status"] for s in ours.report.stages for c in s.compiled if c["component"] == "unet"] == ["compiled"]
+    difference = np.abs(np.asarray(ours.images[0], dtype=np.int16) - np.asarray(eager.images[0], dtype=np.int16))
+    assert difference.max() <= 2
+
+
 def test_formats_openvino_does_not_keep_are_still_refused(flux):
     """fp8 (OpenVINO expands it to float when it compiles) and the other GGUF types: one sentence, before loading."""
     with pytest.raises(MemfitError, match=r"stored quantized as fp8_e4m3fn in .*, and the openvino backend compiles "
