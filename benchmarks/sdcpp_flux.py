@@ -346,9 +346,17 @@ def main() -> None:
     parser.add_argument("--build-only", action="store_true")
     parser.add_argument("--name", default="sdcpp_flux")
     parser.add_argument("--child-memfit", help=argparse.SUPPRESS)
+    parser.add_argument("--rerender", action="store_true", help="rewrite docs/NAME.md from its JSON (its remarks "
+                        "included)")
     args = parser.parse_args()
     if args.child_memfit:
         print("RESULT " + json.dumps(run_memfit_child(json.loads(args.child_memfit))))
+        return
+    if args.rerender:
+        from common import write_outputs
+
+        data = json.loads((Path(__file__).resolve().parent.parent / "docs" / f"{args.name}.json").read_text())
+        write_outputs(args.name, data, render(data))
         return
     files = build_files(args.models)
     if args.build_only:
@@ -394,6 +402,7 @@ def main() -> None:
                     "machine": machine(), "sdcpp_version": sdcpp_version(args.sd, args.sd_origin),
                     "file_bytes": {str(p): p.stat().st_size for p in files.values()}, "first_run_s": first["wall_s"],
                     "first_run": first, "rows": rows, "summary": summarize(rows),
+                    "remarks": earlier.get("remarks", []) if earlier else [],
                     "commands": {**commands, "memfit": memfit_cli(args, files),
                                  "sd.cpp": sdcpp_command(args, files, False, "out.png", PROMPT)}}
             write_outputs(args.name, data, render(data))  # after every run: a run cut short keeps what it finished
