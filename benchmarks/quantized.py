@@ -242,7 +242,7 @@ def flux_configs(models: Path) -> Path:
 
 def real_gguf(models: Path, kind: str) -> Path:
     """flux1-dev-{kind}.gguf: FLUX.1-dev's transformer in Black Forest Labs' keys, as city96's files hold it:
-    weights whose rows are whole blocks in ``kind`` (random valid blocks), the rest F32."""
+    weights whose rows are whole blocks in ``kind`` (random valid blocks: Q8_0, Q4_0, Q4_K), the rest F32."""
     import gguf
     from build_flux_random import meta_model, random_tensor
 
@@ -258,7 +258,7 @@ def real_gguf(models: Path, kind: str) -> Path:
     quant = gguf.GGMLQuantizationType[kind]
     block = gguf.GGML_QUANT_SIZES[quant][0]
     chosen = {key for key, shape in shapes.items() if len(shape) == 2 and shape[-1] % block == 0}
-    scale = {"Q8_0": 2e-4, "Q4_0": 4e-3}[kind]  # values about N(0, 0.02), as the bf16 benchmark models'
+    scale = {"Q8_0": 2e-4, "Q4_0": 4e-3, "Q4_K": 1e-4}[kind]  # values about N(0, 0.02), as the bf16 benchmark models'
     partial = path.with_suffix(".partial")
     writer = gguf.GGUFWriter(partial, "flux")
     for key, shape in shapes.items():
@@ -273,13 +273,24 @@ def real_gguf(models: Path, kind: str) -> Path:
     generator = torch.Generator().manual_seed(0)
     for number, (key, shape) in enumerate(shapes.items()):
         if key in chosen:
-            writer.write_tensor_data(random_blocks(kind, shape, seed=number, scale=scale))
+            writer.write_tensor_data(_centred(random_blocks(kind, shape, seed=number, scale=scale), kind))
         else:
             writer.write_tensor_data(random_tensor(key, shape, torch.float32, generator).numpy())
     writer.close()
     partial.rename(path)
     print(f"wrote {path} ({path.stat().st_size / 1e9:.1f} GB)", flush=True)
     return path
+
+
+def _centred(data: np.ndarray, kind: str) -> np.ndarray:
+    """Q4_K's random blocks with values centred on zero: a value is d * sc * q - dmin * m with q in 0..15 and sc, m
+    in 0..63 drawn alike, so dmin = 7.5 d cancels the mean of d * sc * q. The other types centre already."""
+    if kind != "Q4_K":
+        return data
+    blocks = data.reshape(-1, 144)
+    d = blocks[:, 0:2].copy().view(np.float16).astype(np.float32)
+    blocks[:, 2:4] = (d * 7.5).astype(np.float16).view(np.uint8)
+    return data
 
 
 MEMORY_ROWS = [  # (row, type, cap in GiB or None, memfit's budget: None for the automatic one)

@@ -59,18 +59,18 @@ SDCPP_FLAGS = {"transformer": "--diffusion-model", "text_encoder_2": "--t5xxl", 
 
 def build_files(models: Path) -> dict[str, Path]:
     """The four files and the configs folder under ``models``, each written once (a partial file never stays)."""
-    from quantized import flux_configs
+    from quantized import flux_configs, real_gguf
 
     models.mkdir(parents=True, exist_ok=True)
     flux_configs(models)
-    writers = {"transformer": _write_transformer, "text_encoder_2": _write_t5, "text_encoder": _write_clip_l,
-               "vae": _write_ae}
-    for component, name in FILES.items():
-        path = models / name
+    real_gguf(models, "Q4_K")  # FILES["transformer"]
+    writers = {"text_encoder_2": _write_t5, "text_encoder": _write_clip_l, "vae": _write_ae}
+    for component, write in writers.items():
+        path = models / FILES[component]
         if not path.exists():
             started = time.perf_counter()
             partial = path.with_name(path.name + ".partial")
-            writers[component](partial)
+            write(partial)
             partial.rename(path)
             print(f"wrote {path} ({path.stat().st_size / 1e9:.2f} GB, {time.perf_counter() - started:.0f} s)",
                   flush=True)
@@ -81,48 +81,6 @@ def _spec(name: str):
     from memfit.models.archs import get_arch
 
     return next(spec for spec in get_arch("flux").components if spec.name == name)
-
-
-def _centred_q4_k(shape: tuple[int, ...], seed: int, scale: float = 1e-4):
-    """Random Q4_K blocks whose values centre on zero: a value is d * sc * q - dmin * m with q in 0..15 and sc, m
-    in 0..63 drawn alike, so dmin = 7.5 d cancels the mean of d * sc * q."""
-    import numpy as np
-
-    from memfit.testing.quantized import random_blocks
-
-    data = random_blocks("Q4_K", shape, seed=seed, scale=scale)
-    blocks = data.reshape(-1, 144)
-    d = blocks[:, 0:2].copy().view(np.float16).astype(np.float32)
-    blocks[:, 2:4] = (d * 7.5).astype(np.float16).view(np.uint8)
-    return data
-
-
-def _write_transformer(path: Path) -> None:
-    import gguf
-    import numpy as np
-    import torch
-    from build_flux_random import meta_model, random_tensor
-
-    from memfit.testing.single_file import flux_bfl_state_dict
-
-    shapes = {key: tuple(value.shape) for key, value in flux_bfl_state_dict(meta_model(_spec("transformer"))).items()}
-    quant = gguf.GGMLQuantizationType.Q4_K
-    chosen = {key for key, shape in shapes.items() if len(shape) == 2 and shape[-1] % 256 == 0}
-    writer = gguf.GGUFWriter(path, "flux")
-    for key, shape in shapes.items():
-        if key in chosen:
-            stored = gguf.quant_shape_to_byte_shape(shape, quant)
-            writer.add_tensor_info(key, stored, np.dtype(np.uint8), int(np.prod(stored)), raw_dtype=quant)
-        else:
-            writer.add_tensor_info(key, shape, np.dtype(np.float32), int(np.prod(shape)) * 4)
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_ti_data_to_file()
-    generator = torch.Generator().manual_seed(0)
-    for number, (key, shape) in enumerate(shapes.items()):
-        writer.write_tensor_data(_centred_q4_k(shape, seed=number) if key in chosen
-                                 else random_tensor(key, shape, torch.float32, generator).numpy())
-    writer.close()
 
 
 def _write_t5(path: Path) -> None:
