@@ -119,6 +119,19 @@ def test_weight_only_types_quantize_the_adaln_modulation_linears_and_fp8_does_no
 
 
 @pytest.mark.parametrize("kind", ["q8_0", "int8"])
+def test_a_linear_subclass_stays_in_floats_as_it_loads(kind):
+    """A run keeps stored exactly nn.Linear and nn.Conv2d layers (a subclass would be dequantized when loaded and held
+    in floats): the writer leaves a subclass alone, so the file, the plan and the run agree on its size."""
+    from memfit.quant.writers import quantized_layers
+
+    class Subclass(torch.nn.Linear):
+        pass
+
+    model = torch.nn.Sequential(torch.nn.Linear(64, 2048), Subclass(2048, 64))
+    assert list(quantized_layers(model, kind)) == ["0"]
+
+
+@pytest.mark.parametrize("kind", ["q8_0", "int8"])
 def test_a_written_file_holds_the_chosen_weights_at_the_types_bits(kind, tmp_path):
     """The file's bytes are the chosen weights at the type's bits (Q8_0: 34 bytes a block of 32; int8: a byte a value
     and a float32 scale a row) and every other value at float32, plus a header: smaller than the file the earlier

@@ -66,8 +66,9 @@ def _meta_quantized(model: ModelFolder, name: str, kind: str) -> torch.nn.Module
     library, class_name = model.components[name]
     module = build_on_meta(library, class_name, model.configs[name])
     layers = quantized_layers(module, kind)
-    kept_stored = {path: layer for path, layer in layers.items()
-                   if isinstance(layer, torch.nn.Linear) or type(layer) is torch.nn.Conv2d}
+    # The layers a run keeps stored (memfit.quant.layers swaps exactly these types; fp8 may choose others, which
+    # are dequantized when loaded and sized so here).
+    kept_stored = {path: layer for path, layer in layers.items() if type(layer) in (torch.nn.Linear, torch.nn.Conv2d)}
     if not kept_stored:
         if kind == "fp8":
             what = "linear or convolution layer outside its norms and embeddings"

@@ -95,8 +95,10 @@ def quantized_layers(module: torch.nn.Module, quant_type: str) -> dict[str, torc
         if quant_type == "fp8":
             return True
         convolution = type(layer) is torch.nn.Conv2d and quant_type in CONVOLUTION_TYPES
-        if not (isinstance(layer, torch.nn.Linear) and layer.weight.dim() == 2 or convolution):
-            return False  # only these stay stored when loaded (memfit.quant.layers); others would be dequantized then
+        if not (type(layer) is torch.nn.Linear and layer.weight.dim() == 2 or convolution):
+            # Only these stay stored when loaded (memfit.quant.layers swaps exactly these types); others, a Linear
+            # subclass among them, would be dequantized then and held in floats, larger than planned.
+            return False
         row = layer.weight[0].numel()  # a convolution's flattened kernel
         return row % block == 0 and layer.weight.numel() > SMALL_WEIGHT_ELEMENTS
 
