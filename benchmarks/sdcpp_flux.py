@@ -19,10 +19,11 @@ and memory do not depend on the values):
 
 memfit: ``memfit generate --model flux1-dev-Q4_K.gguf --config flux-dev-configs --component
 text_encoder_2=t5xxl_fp8_e4m3fn.safetensors --component text_encoder=clip_l.safetensors --component
-vae=ae.safetensors`` and no other flag (its automatic budget reads the container's limit), once under the
-cap and once without. sd.cpp: ``sd-cli --diffusion-model ... --t5xxl ... --clip_l ... --vae ...`` with
-the same size, steps, guidance 3.5 (no CFG, as FLUX.1-dev), Euler, without a cap and under it with
-``--mmap`` (its smallest setting). Both at ``--threads`` threads. One unmeasured memfit run (one step) first
+vae=ae.safetensors`` and no other flag (its automatic budget reads the container's limit), under each of
+``--caps`` and without one. sd.cpp: ``sd-cli --diffusion-model ... --t5xxl ... --clip_l ... --vae ...`` with
+the same size, steps, guidance 3.5 (no CFG, as FLUX.1-dev), Euler, without a cap and under the largest with
+``--mmap`` (its smallest setting). ``--add`` runs more rounds (or ``--only`` some configurations) into the
+page's JSON; ``--rerender`` rewrites the page from it (with the remarks written there). Both at ``--threads`` threads. One unmeasured memfit run (one step) first
 hashes the files into a cache of the benchmark's own, as a user's first run does (its time is reported).
 
 Each run a fresh process in a child memory cgroup, every file evicted from the page cache first; rounds
