@@ -182,3 +182,16 @@ def test_budget_counts_compressed_weights_at_their_stored_size():
     if importlib.util.find_spec("onnxruntime") is not None:
         assert compiled_weight_bytes(pipe, ["transformer"], "onnxruntime", torch.float32) == {
             "transformer": stored * 4 + biases}
+
+    # A quantized convolution: OpenVINO folds its pattern into floats when it compiles (its runtime Convolution
+    # takes an f32 weight), so its stored bytes count at the held precision, four bytes each here.
+    from memfit.quant.formats import StoredTensor, readable_gguf_types
+    from memfit.quant.layers import QuantizedConv2d, use_stored_layers
+
+    q8_0 = next(f for f in readable_gguf_types().values() if f.name == "Q8_0")
+    convs = torch.nn.Sequential(torch.nn.Conv2d(64, 64, 3, padding=1, bias=False))
+    use_stored_layers(convs, {"0.weight": StoredTensor(q8_0, (64, 576))})
+    assert isinstance(convs[0], QuantizedConv2d)
+    stored = convs[0].weight.numel()  # 34 bytes for each 32 values
+    assert compiled_weight_bytes(SimpleNamespace(components={"unet": convs}), ["unet"], "openvino",
+                                 torch.float32) == {"unet": stored * 4}

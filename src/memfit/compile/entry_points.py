@@ -648,10 +648,12 @@ def compiled_weight_bytes(pipe, names, backend: BackendSpec | None, dtype: torch
     """{component: bytes its compiled model holds} for the components of ``names`` whose backend keeps
     its own copy of the weights (their torch weights are then memory-mapped, not in memory): every
     parameter at the precision the backend holds it in (Backend.held_precision: its compute precision, or
-    ``dtype`` where it has none set; f32 where its device cannot compute in that), but a quantized layer's stored
-    bytes (the parameters that are not floats) at their own size where the backend keeps them compressed
-    (``Backend.stored_formats``). A budget counts this, not the torch weights, for such a component: it cannot be
-    streamed block by block."""
+    ``dtype`` where it has none set; f32 where its device cannot compute in that), but a quantized linear layer's
+    stored bytes (the parameters that are not floats) at their own size where the backend keeps them compressed
+    (``Backend.stored_formats``). A convolution's stored bytes count at the held precision: OpenVINO's CPU plugin
+    folds a convolution's pattern into floats when it compiles (a byte per value or a little more: counted a
+    little high). A budget counts this, not the torch weights, for such a component: it cannot be streamed block
+    by block."""
     components = dict(getattr(pipe, "components", {}))
     costs = {}
     for name, be in served_by_own_weights(components, names, backend).items():
@@ -660,7 +662,8 @@ def compiled_weight_bytes(pipe, names, backend: BackendSpec | None, dtype: torch
             continue
         held = DTYPES.get(be.held_precision(dtype_name(dtype)), torch.float32)  # a dtype memfit has no name for: f32
         costs[name] = sum(p.numel() * (p.element_size() if be.stored_formats and not p.is_floating_point()
-                                       else held.itemsize) for p in module.parameters())
+                                       and not isinstance(layer, torch.nn.Conv2d) else held.itemsize)
+                          for layer in module.modules() for p in layer.parameters(recurse=False))
     return costs
 
 
