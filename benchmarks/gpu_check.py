@@ -21,6 +21,9 @@ within a deadline (``--deadline``: parts that would start after it are skipped, 
                streamed per forward, the copy-bound estimate (those bytes / pinned bandwidth), the
                compute-bound one (the all-resident forward) and the ratio to the larger. The all-resident
                row also gives the activation peak measured against memfit's estimate (the GPU margin).
+  quantized    the sweep's transformer as GGUF Q8_0 and Q4_0: memfit resident, streamed from pinned memory and
+               from the file, and planned from a device budget, against diffusers' GGUF loading resident and
+               with group offloading; outputs compared (benchmarks/gpu_quantized.py).
   profile      one forward at 25% resident under torch.profiler: the kernels and copies that took most
                device time, the copy total, and a trace (profile_trace.json.gz).
   sanitizer    TORCH_CUDA_SANITIZER=1 (torch's stream-race checker) over the tiny pipeline's streamed
@@ -74,7 +77,8 @@ class Check:
     """The run's results and its deadline; written to ``out_dir`` after every part, so a run stopped by its
     time limit still leaves what it measured."""
 
-    def __init__(self, deadline: float, out_dir: Path):
+    def __init__(self, deadline: float, out_dir: Path, only: set[str] = frozenset()):
+        self.only = only
         self.started = time.perf_counter()
         self.deadline = deadline
         self.out_dir = out_dir
@@ -85,6 +89,8 @@ class Check:
 
     def part(self, name: str, run, *, needs: float = 0.0):
         """Run ``run()`` as part ``name``; its result, its error, or why it was skipped goes into the data."""
+        if self.only and name not in self.only:
+            return None
         if self.left() < needs:
             self.data["parts"][name] = {"skipped": f"{self.left():.0f} s left of the deadline, {needs:.0f} s needed"}
             print(f"[gpu_check] {name}: skipped (deadline)", flush=True)
@@ -327,11 +333,12 @@ def profile(runtime, folder: Path, out_dir: Path, *, size: int, text_tokens: int
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if on_gpu else [])
     memfit.optimize(holder, force_tiers=tiers, device=runtime)
     try:
-        transformer(**inputs)  # learns the order: the profiled forward prefetches
-        runtime.synchronize()
-        with torch.profiler.profile(activities=activities) as profiler:
-            transformer(**inputs)
+        with torch.no_grad():
+            transformer(**inputs)  # learns the order: the profiled forward prefetches
             runtime.synchronize()
+            with torch.profiler.profile(activities=activities) as profiler:
+                transformer(**inputs)
+                runtime.synchronize()
     finally:
         memfit.restore(holder)
     key = "self_device_time_total" if on_gpu else "self_cpu_time_total"
@@ -401,10 +408,15 @@ def _seconds(value) -> str:
     return "-" if value is None else f"{value:.3f}"
 
 
+def budget_note(row: dict) -> str:
+    return f"device budget {_size(row['device_budget'])}" if row.get("device_budget") else ""
+
+
 def markdown(data: dict) -> str:
     parts = data["parts"]
     lines = [f"# GPU check ({data['device']})", "", f"torch {data['torch']}, {data['wall_seconds']:.0f} s in all; "
              "see benchmarks/gpu_check.py for what each part does.", ""]
+    lines += [f"- run {run}" for run in data.get("runs", [])] + ([""] if data.get("runs") else [])
     for name, part in parts.items():
         if "skipped" in part or "error" in part:
             lines += [f"**{name}**: {part.get('skipped') or part.get('error')}", ""]
@@ -436,6 +448,23 @@ def markdown(data: dict) -> str:
                          f"{_seconds(r.get('ratio_to_bound'))} | {_size(r.get('max_allocated_bytes'))} | "
                          f"{_size(r.get('max_reserved_bytes'))} | {_size(r.get('pinned_bytes'))} | {note} |")
         lines.append("")
+    found = parts.get("quantized", {})
+    if found.get("rows"):
+        files = ", ".join(f"{kind} {_size(size)}" for kind, size in found["file_bytes"].items())
+        lines += [f"Quantized: the Flux-width transformer as GGUF ({files}) at {found['size']}x{found['size']}, "
+                  f"{found['forwards_timed']} "
+                  "forwards timed after a warm-up; outputs against memfit's all-resident one "
+                  "(benchmarks/gpu_quantized.py).", "",
+                  "| type | run | streamed per forward | s/forward | peak allocated | peak reserved | "
+                  "bitwise | max relative difference | note |", "|---|---|---|---|---|---|---|---|---|"]
+        for r in found["rows"]:
+            relative = r.get("relative_difference_to_memfit_resident")
+            lines.append(f"| {r['type']} | {r['run']} | {_size(r.get('streamed_bytes_per_forward'))} | "
+                         f"{_seconds(r.get('seconds_per_forward'))} | {_size(r.get('max_allocated_bytes'))} | "
+                         f"{_size(r.get('max_reserved_bytes'))} | {r.get('bitwise_to_memfit_resident', '-')} | "
+                         f"{'-' if relative is None else format(relative, '.2e')} | "
+                         f"{r.get('skipped') or r.get('error') or budget_note(r)} |")
+        lines.append("")
     found = parts.get("profile", {})
     if found.get("top"):
         lines += [f"Profiled forward (25% resident; {found['time_column']}, copies {found['copy_us']:.0f} us; trace "
@@ -461,11 +490,13 @@ def main(argv=None) -> int:
     parser.add_argument("--single", type=int, default=8, help="single-stream blocks of the sweep's transformer")
     parser.add_argument("--steps", type=int, default=5, help="forwards timed per sweep row, after a warm-up")
     parser.add_argument("--deadline", type=float, default=420.0, help="seconds after which parts are skipped")
+    parser.add_argument("--parts", help="run only these parts, comma-separated (the sweep and the profile need build)")
     parser.add_argument("--sanitizer-run", metavar="FOLDER", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.sanitizer_run:
         return sanitizer_run(Path(args.sanitizer_run))
 
+    import gpu_quantized
     import torch
 
     from memfit.devices import runtime_for
@@ -479,7 +510,7 @@ def main(argv=None) -> int:
         Path(tempfile.mkdtemp(prefix="gpu-check-")) if args.fake else HERE.parent / "docs")
     out_dir.mkdir(parents=True, exist_ok=True)
     work = Path(tempfile.mkdtemp(prefix="gpu-check-models-"))
-    check = Check(args.deadline, out_dir)
+    check = Check(args.deadline, out_dir, set(args.parts.split(",")) if args.parts else set())
     size = args.size or (64 if args.fake else 1024)
     text_tokens = 8 if args.fake else 512
     dtype = torch.float32 if args.fake else torch.bfloat16
@@ -502,6 +533,9 @@ def main(argv=None) -> int:
                       "num_single_layers": args.single}
             built = check.part("build", lambda: build_transformer(flux, config, "cpu" if args.fake else runtime.device,
                                                                   dtype) or {"folder": str(flux)}, needs=60)
+            check.part("quantized", lambda: gpu_quantized.quantized(
+                runtime, work, config, size=size, text_tokens=text_tokens, steps=args.steps, dtype=dtype,
+                with_diffusers=not args.fake, check=check), needs=90)
             if built and "error" not in built:
                 check.part("sweep", lambda: sweep(runtime, flux, size=size, text_tokens=text_tokens, steps=args.steps,
                                                   dtype=dtype, bandwidth_per_s=per_s, group_offload=not args.fake,
@@ -516,6 +550,7 @@ def main(argv=None) -> int:
     failed = [name for name, part in parts.items() if "error" in part]
     failed += ["correctness"] if any(not row["bitwise"] for row in parts.get("correctness", {}).get("rows", [])) else []
     failed += ["sanitizer"] if parts.get("sanitizer", {}).get("passed") is False else []
+    failed += ["quantized"] if gpu_quantized.failed(parts.get("quantized", {})) else []
     if failed:
         print(f"[gpu_check] failed: {', '.join(failed)}", flush=True)
     return 1 if failed else 0

@@ -63,13 +63,14 @@ class Holder:
 # --- the speed benchmark ---------------------------------------------------------------------------
 
 
-def flux_inputs(transformer, size: int, text_tokens: int, device) -> dict:
-    """One denoising forward's inputs at ``size`` x ``size`` (VAE 8x down, 2x2 patches)."""
+def flux_inputs(transformer, size: int, text_tokens: int, device, dtype=None) -> dict:
+    """One denoising forward's inputs at ``size`` x ``size`` (VAE 8x down, 2x2 patches), in ``dtype`` (default: the
+    first parameter's, which a quantized model does not compute in)."""
     config = transformer.config
     tokens = (size // 16) ** 2
     side = size // 16
     generator = torch.Generator().manual_seed(0)
-    dtype = next(transformer.parameters()).dtype
+    dtype = dtype or next(transformer.parameters()).dtype
     img_ids = torch.zeros(side, side, 3)
     img_ids[..., 1] = torch.arange(side)[:, None]
     img_ids[..., 2] = torch.arange(side)[None, :]
@@ -125,17 +126,19 @@ def pinned_bandwidth(runtime, nbytes: int, repeats: int = 5) -> float:
 
 
 def time_steps(transformer, inputs: dict, runtime, steps: int) -> tuple[list[float], dict]:
-    """Seconds of each forward after one warm-up, and the device's memory figures while stepping."""
-    transformer(**inputs)  # warm-up: kernels chosen, first blocks brought in
-    runtime.synchronize()
-    runtime.reset_peak_memory_stats()
-    retries = runtime.alloc_retries()
-    seconds = []
-    for _ in range(steps):
-        started = time.perf_counter()
-        transformer(**inputs)
+    """Seconds of each forward after one warm-up, and the device's memory figures while stepping; under no_grad, as
+    a pipeline denoises (with autograd on, every activation would be kept for a backward)."""
+    with torch.no_grad():
+        transformer(**inputs)  # warm-up: kernels chosen, first blocks brought in
         runtime.synchronize()
-        seconds.append(time.perf_counter() - started)
+        runtime.reset_peak_memory_stats()
+        retries = runtime.alloc_retries()
+        seconds = []
+        for _ in range(steps):
+            started = time.perf_counter()
+            transformer(**inputs)
+            runtime.synchronize()
+            seconds.append(time.perf_counter() - started)
     return seconds, {
         "max_allocated_bytes": runtime.max_memory_allocated(),
         "max_reserved_bytes": runtime.max_memory_reserved(),

@@ -243,18 +243,28 @@ def flux_configs(models: Path) -> Path:
 def real_gguf(models: Path, kind: str) -> Path:
     """flux1-dev-{kind}.gguf: FLUX.1-dev's transformer in Black Forest Labs' keys, as city96's files hold it:
     weights whose rows are whole blocks in ``kind`` (random valid blocks: Q8_0, Q4_0, Q4_K), the rest F32."""
-    import gguf
-    from build_flux_random import meta_model, random_tensor
+    from build_flux_random import meta_model
 
     from memfit.models.archs import get_arch
-    from memfit.testing.quantized import random_blocks
     from memfit.testing.single_file import flux_bfl_state_dict
 
     path = models / f"flux1-dev-{kind}.gguf"
     if path.exists():
         return path
     spec = next(spec for spec in get_arch("flux").components if spec.name == "transformer")
-    shapes = {key: tuple(value.shape) for key, value in flux_bfl_state_dict(meta_model(spec)).items()}
+    random_gguf(path, {key: tuple(value.shape) for key, value in flux_bfl_state_dict(meta_model(spec)).items()}, kind)
+    print(f"wrote {path} ({path.stat().st_size / 1e9:.1f} GB)", flush=True)
+    return path
+
+
+def random_gguf(path: Path, shapes: dict[str, tuple[int, ...]], kind: str) -> Path:
+    """A GGUF file of tensors ``shapes`` (key -> logical shape): the 2-D ones whose rows are whole blocks in ``kind``
+    (random valid blocks, values about N(0, 0.02)), the rest random F32; written under a partial name first."""
+    import gguf
+    from build_flux_random import random_tensor
+
+    from memfit.testing.quantized import random_blocks
+
     quant = gguf.GGMLQuantizationType[kind]
     block = gguf.GGML_QUANT_SIZES[quant][0]
     chosen = {key for key, shape in shapes.items() if len(shape) == 2 and shape[-1] % block == 0}
@@ -278,7 +288,6 @@ def real_gguf(models: Path, kind: str) -> Path:
             writer.write_tensor_data(random_tensor(key, shape, torch.float32, generator).numpy())
     writer.close()
     partial.rename(path)
-    print(f"wrote {path} ({path.stat().st_size / 1e9:.1f} GB)", flush=True)
     return path
 
 

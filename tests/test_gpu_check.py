@@ -35,3 +35,10 @@ def test_the_gpu_check_dry_runs_on_the_fake_runtime(tmp_path):
     assert parts["profile"]["top"] and (tmp_path / parts["profile"]["trace"]).stat().st_size > 0
     assert parts["sanitizer"] == {"skipped": "needs CUDA"}
     assert "| memfit 25% resident, from disk |" in (tmp_path / "gpu_check.md").read_text()
+    quantized = parts["quantized"]["rows"]  # every memfit row of each GGUF type ran and drew the resident output
+    memfit_rows = [row for row in quantized if row["run"].startswith("memfit")]
+    assert {row["type"] for row in memfit_rows} == {"Q8_0", "Q4_0"} and len(memfit_rows) == 12
+    assert all(row["bitwise_to_memfit_resident"] and row["seconds_per_forward"] > 0 for row in memfit_rows)
+    assert all(row["streamed_bytes_per_forward"] > 0 for row in memfit_rows if "100%" not in row["run"])
+    assert all("needs CUDA" in row["skipped"] for row in quantized if row["run"].startswith("diffusers"))
+    assert "| Q4_0 | memfit 25% resident, from the GGUF file |" in (tmp_path / "gpu_check.md").read_text()
