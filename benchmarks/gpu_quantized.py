@@ -115,6 +115,9 @@ def rows_for(kind: str, folder: Path, path: Path, runtime, *, size: int, text_to
                 tiers = {key: where for key in streamed_blocks(transformer, resident)[0]}
                 memfit.optimize(holder, force_tiers=tiers, device=runtime)
                 row.update(streamed_bytes_per_forward=streamed)
+            plan = holder._memfit_plan  # what the row ran with, for a row that goes wrong
+            row.update(plan_prefetch=plan.prefetch, stream_window_bytes=plan.stages[0].stream_window_bytes,
+                       streamed_blocks=[p.block for p in plan.stages[0].placements if p.where.value != "device"])
             try:
                 output = _output(transformer, inputs)
                 _timed(row, transformer, inputs, runtime, steps)
