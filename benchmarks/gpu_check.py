@@ -1,5 +1,5 @@
 """The GPU check of memfit's streaming path, for one call on a machine with one GPU (benchmarks/gpu_check.sh
-runs it; about 8 minutes on a bare H100).
+runs it; about 2.5 minutes on an H200, its models built there).
 
     bash benchmarks/gpu_check.sh                         # a CUDA machine: docs/gpu_check.{json,md}
     bash benchmarks/gpu_check.sh --fake --out-dir /tmp/x # no GPU: the same code on memfit's fake CUDA runtime

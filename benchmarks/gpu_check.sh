@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# memfit's GPU check in one command (benchmarks/gpu_check.py says what it measures): about 8 minutes on a
+# memfit's GPU check in one command (benchmarks/gpu_check.py says what it measures): about 2.5 minutes on a
 # bare machine with one H100 or H200, python3 and a CUDA build of torch there; it writes docs/gpu_check.json
 # and docs/gpu_check.md.
 #
