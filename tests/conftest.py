@@ -194,3 +194,21 @@ def with_staging_ring(run, device_budget: int, disk):
 
     return _until_it_fits(lambda host: run(memfit.Budget(device=device_budget, host=host, disk=str(disk))), 0,
                           r"cannot hold the pinned staging ring.*host budget to at least (\d+) bytes")[1]
+
+
+def benchmark_script(name: str, module_name: str):
+    """benchmarks/NAME.py loaded as ``module_name`` (yielded, for a module-scoped fixture), with benchmarks/ on the
+    path while it is used: the script imports its neighbours (common, quantized, ...)."""
+    import importlib.util
+    import sys
+    from pathlib import Path
+
+    script = Path(__file__).resolve().parent.parent / "benchmarks" / f"{name}.py"
+    spec = importlib.util.spec_from_file_location(module_name, script)
+    module = importlib.util.module_from_spec(spec)
+    sys.path.insert(0, str(script.parent))
+    try:
+        spec.loader.exec_module(module)
+        yield module
+    finally:
+        sys.path.remove(str(script.parent))

@@ -3,26 +3,15 @@ machine is known to work before one is lent (its figures here mean nothing)."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
-import sys
-from pathlib import Path
 
 import pytest
-
-SCRIPT = Path(__file__).resolve().parent.parent / "benchmarks" / "gpu_streaming.py"
+from conftest import benchmark_script
 
 
 @pytest.fixture(scope="module")
 def benchmark():
-    spec = importlib.util.spec_from_file_location("gpu_streaming", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    sys.path.insert(0, str(SCRIPT.parent))
-    try:
-        spec.loader.exec_module(module)
-        yield module
-    finally:
-        sys.path.remove(str(SCRIPT.parent))
+    yield from benchmark_script("gpu_streaming", "gpu_streaming")
 
 
 def test_the_speed_rows_stream_more_as_less_stays_resident(benchmark, tmp_path):

@@ -3,13 +3,11 @@ for sd-cli that prints the log lines the real one prints (the real binary is not
 
 from __future__ import annotations
 
-import importlib.util
-import sys
 from pathlib import Path
 
 import pytest
+from conftest import benchmark_script
 
-SCRIPT = Path(__file__).resolve().parent.parent / "benchmarks" / "sdcpp.py"
 
 # Lines as stable-diffusion.cpp's src/model.cpp and src/stable-diffusion.cpp write them.
 SDCPP_LOG = """\
@@ -24,14 +22,7 @@ SDCPP_LOG = """\
 
 @pytest.fixture(scope="module")
 def benchmark():
-    spec = importlib.util.spec_from_file_location("sdcpp_benchmark", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    sys.path.insert(0, str(SCRIPT.parent))
-    try:
-        spec.loader.exec_module(module)
-        yield module
-    finally:
-        sys.path.remove(str(SCRIPT.parent))
+    yield from benchmark_script("sdcpp", "sdcpp_benchmark")
 
 
 def _fake_sd(tmp_path: Path, log: str, code: int = 0) -> Path:

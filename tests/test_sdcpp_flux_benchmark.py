@@ -3,26 +3,18 @@ runs themselves take the files it builds: about 12 GB)."""
 
 from __future__ import annotations
 
-import importlib.util
-import sys
 from pathlib import Path
 
 import pytest
+from conftest import benchmark_script
 
-SCRIPT = Path(__file__).resolve().parent.parent / "benchmarks" / "sdcpp_flux.py"
+
 GiB = 2**30
 
 
 @pytest.fixture(scope="module")
 def benchmark():
-    spec = importlib.util.spec_from_file_location("sdcpp_flux_benchmark", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    sys.path.insert(0, str(SCRIPT.parent))
-    try:
-        spec.loader.exec_module(module)
-        yield module
-    finally:
-        sys.path.remove(str(SCRIPT.parent))
+    yield from benchmark_script("sdcpp_flux", "sdcpp_flux_benchmark")
 
 
 def test_memfit_runs_under_every_cap_and_sdcpp_under_the_largest_with_mmap(benchmark):
