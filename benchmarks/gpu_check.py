@@ -231,19 +231,12 @@ def load_transformer(folder: Path, dtype):
     return FluxTransformer2DModel.from_pretrained(folder, torch_dtype=dtype).eval()
 
 
-def tiers_for(transformer, resident: float, where: str) -> tuple[dict, int, int]:
-    from gpu_streaming import streamed_blocks
-
-    tiers, streamed, total = streamed_blocks(transformer, resident)
-    return {key: where for key in tiers}, streamed, total
-
-
 def sweep(runtime, folder: Path, *, size: int, text_tokens: int, steps: int, dtype, bandwidth_per_s: float,
           group_offload: bool, check: Check) -> dict:
     import torch
 
     import memfit
-    from gpu_streaming import Holder, flux_inputs, host_pinned_bytes, time_steps
+    from gpu_streaming import Holder, flux_inputs, host_pinned_bytes, record_row, streamed_blocks, time_steps
     from memfit.plan.meta import activation_estimate
 
     transformer = load_transformer(folder, dtype)
@@ -258,7 +251,7 @@ def sweep(runtime, folder: Path, *, size: int, text_tokens: int, steps: int, dty
             rows.append({"run": label, "skipped": "deadline"})
             continue
         holder = Holder("transformer", transformer)
-        tiers, streamed, total = tiers_for(transformer, resident, where)
+        tiers, streamed, total = streamed_blocks(transformer, resident, where)
         row = {"run": label, "resident_fraction": resident, "weights_bytes": total,
                "streamed_bytes_per_forward": streamed}
         try:
@@ -279,9 +272,7 @@ def sweep(runtime, folder: Path, *, size: int, text_tokens: int, steps: int, dty
                            activation_margin=measured / estimate if estimate else None)
         except Exception as exc:
             row["error"] = f"{type(exc).__name__}: {exc}"[:300]
-        rows.append(row)
-        runtime.empty_cache()
-        print(json.dumps({k: v for k, v in row.items() if k != "step_seconds"}), flush=True)
+        record_row(rows, row, runtime)
     del transformer
     gc.collect()
     if group_offload:
@@ -303,10 +294,8 @@ def sweep(runtime, folder: Path, *, size: int, text_tokens: int, steps: int, dty
                 del model
             except Exception as exc:
                 row["error"] = f"{type(exc).__name__}: {exc}"[:300]
-            rows.append(row)
             gc.collect()
-            runtime.empty_cache()
-            print(json.dumps({k: v for k, v in row.items() if k != "step_seconds"}), flush=True)
+            record_row(rows, row, runtime)
     for row in rows:
         if "seconds_per_forward" in row and compute:
             copy_bound = row["streamed_bytes_per_forward"] / bandwidth_per_s
@@ -323,11 +312,11 @@ def profile(runtime, folder: Path, out_dir: Path, *, size: int, text_tokens: int
     from torch.profiler import ProfilerActivity
 
     import memfit
-    from gpu_streaming import Holder, flux_inputs
+    from gpu_streaming import Holder, flux_inputs, streamed_blocks
 
     transformer = load_transformer(folder, dtype)
     holder = Holder("transformer", transformer)
-    tiers, streamed, _ = tiers_for(transformer, 0.25, "host")
+    tiers, streamed, _ = streamed_blocks(transformer, 0.25)
     inputs = flux_inputs(transformer, size, text_tokens, runtime.device)
     on_gpu = runtime.device.type == "cuda"
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if on_gpu else [])

@@ -18,7 +18,6 @@ dequantization arithmetic: max absolute difference, relative to the output's lar
 from __future__ import annotations
 
 import gc
-import json
 import shutil
 import statistics
 from pathlib import Path
@@ -94,7 +93,7 @@ def _timed(row: dict, transformer, inputs, runtime, steps: int) -> None:
 def rows_for(kind: str, folder: Path, path: Path, runtime, *, size: int, text_tokens: int, steps: int, dtype,
              with_diffusers: bool, check) -> list[dict]:
     import memfit
-    from gpu_streaming import Holder, flux_inputs, streamed_blocks
+    from gpu_streaming import Holder, flux_inputs, record_row, streamed_blocks
 
     rows, resident_output = [], None
     transformer = memfit_transformer(folder, path, dtype)
@@ -105,19 +104,20 @@ def rows_for(kind: str, folder: Path, path: Path, runtime, *, size: int, text_to
             continue
         row = {"type": kind, "run": label}
         holder = Holder("transformer", transformer)
-        _, streamed, total = streamed_blocks(transformer, resident)
+        planned = where == "budget"
+        tiers, streamed, total = streamed_blocks(transformer, resident, "host" if planned else where)
         row.update(stored_bytes=total)
         try:
-            if where == "budget":
-                row.update(device_budget=plan_within(holder, int(total * resident), runtime),
-                           streamed_bytes_per_forward=memfit_streamed(holder))
+            if planned:
+                row.update(device_budget=plan_within(holder, int(total * resident), runtime))
             else:
-                tiers = {key: where for key in streamed_blocks(transformer, resident)[0]}
                 memfit.optimize(holder, force_tiers=tiers, device=runtime)
-                row.update(streamed_bytes_per_forward=streamed)
             plan = holder._memfit_plan  # what the row ran with, for a row that goes wrong
-            row.update(plan_prefetch=plan.prefetch, stream_window_bytes=plan.stages[0].stream_window_bytes,
-                       streamed_blocks=[p.block for p in plan.stages[0].placements if p.where.value != "device"])
+            stage = plan.stages[0]
+            row.update(streamed_bytes_per_forward=stage.streamed_from_host_bytes + stage.streamed_from_disk_bytes
+                       if planned else streamed, plan_prefetch=plan.prefetch,
+                       stream_window_bytes=stage.stream_window_bytes,
+                       streamed_blocks=[p.block for p in stage.placements if p.where.value != "device"])
             try:
                 output = _output(transformer, inputs)
                 _timed(row, transformer, inputs, runtime, steps)
@@ -128,9 +128,7 @@ def rows_for(kind: str, folder: Path, path: Path, runtime, *, size: int, text_to
             _compare(row, output, resident_output, "memfit_resident")
         except Exception as exc:
             row["error"] = f"{type(exc).__name__}: {exc}"[:4000]
-        rows.append(row)
-        runtime.empty_cache()
-        print(json.dumps({k: v for k, v in row.items() if k != "step_seconds"}), flush=True)
+        record_row(rows, row, runtime)
     del transformer
     gc.collect()
     for label in ("diffusers GGUF, all on the device", "diffusers GGUF, group offload (block_level, use_stream)"):
@@ -155,10 +153,8 @@ def rows_for(kind: str, folder: Path, path: Path, runtime, *, size: int, text_to
             del model
         except Exception as exc:
             row["error"] = f"{type(exc).__name__}: {exc}"[:4000]
-        rows.append(row)
         gc.collect()
-        runtime.empty_cache()
-        print(json.dumps({k: v for k, v in row.items() if k != "step_seconds"}), flush=True)
+        record_row(rows, row, runtime)
     return rows
 
 
@@ -174,11 +170,6 @@ def plan_within(holder, budget: int, runtime) -> int:
         budget = refused.needed
         memfit.optimize(holder, budget=memfit.Budget(device=budget), device=runtime, activation_bytes=0)
     return budget
-
-
-def memfit_streamed(holder) -> int:
-    stage = holder._memfit_plan.stages[0]
-    return stage.streamed_from_host_bytes + stage.streamed_from_disk_bytes
 
 
 def quantized(runtime, work: Path, config: dict, *, size: int, text_tokens: int, steps: int, dtype,

@@ -89,9 +89,9 @@ def flux_inputs(transformer, size: int, text_tokens: int, device, dtype=None) ->
     return {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in inputs.items()}
 
 
-def streamed_blocks(transformer, resident: float) -> tuple[dict[str, str], int, int]:
-    """force_tiers that stream the last blocks until at most ``resident`` of the weights stay on the
-    device; returns them with the bytes streamed per forward and the total."""
+def streamed_blocks(transformer, resident: float, where: str = "host") -> tuple[dict[str, str], int, int]:
+    """force_tiers that stream the last blocks (from ``where``: "host" or "disk") until at most ``resident`` of the
+    weights stay on the device; returns them with the bytes streamed per forward and the total."""
     from memfit.run.executor import live_blocks
 
     blocks = live_blocks("transformer", transformer)
@@ -100,7 +100,7 @@ def streamed_blocks(transformer, resident: float) -> tuple[dict[str, str], int, 
     for block in reversed([b for b in blocks if not b.key.endswith("/rest")]):
         if total - streamed <= resident * total:
             break
-        tiers[block.key] = "host"
+        tiers[block.key] = where
         streamed += block.bytes
     return tiers, streamed, total
 
@@ -145,6 +145,13 @@ def time_steps(transformer, inputs: dict, runtime, steps: int) -> tuple[list[flo
         "alloc_retries": runtime.alloc_retries() - retries,
         "rss_bytes": psutil.Process().memory_info().rss,
     }
+
+
+def record_row(rows: list, row: dict, runtime) -> None:
+    """Keep a finished row, give its device memory back to the next, and print it (without its per-step times)."""
+    rows.append(row)
+    runtime.empty_cache()
+    print(json.dumps({k: v for k, v in row.items() if k != "step_seconds"}), flush=True)
 
 
 def host_pinned_bytes() -> int | None:
