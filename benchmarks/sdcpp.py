@@ -128,7 +128,7 @@ def run_sdcpp_child(command: list[str]) -> dict:
 
 
 def measure(config: dict, args, image: str, prompt: str) -> dict:
-    from memfit.testing.cgroup import evict_page_cache, run_capped
+    from memfit.testing.cgroup import evict_page_cache
 
     if config["system"] == "sd.cpp":
         child = [sys.executable, __file__, "--child-sdcpp", json.dumps(sdcpp_command(args, config["precision"], image,
@@ -138,26 +138,26 @@ def measure(config: dict, args, image: str, prompt: str) -> dict:
                    "threads": args.threads, "precision": config["precision"], "budget": config["budget"],
                    "image": image, "prompt": prompt}
         child = [sys.executable, __file__, "--child-memfit", json.dumps(options)]
-    _evict_file(args.file)
+    evict_page_cache(args.file)  # the file alone: its folder holds other models
     evict_page_cache(args.cache_dir)  # memfit's quantized UNet is read afresh too
     env = {**os.environ, "MEMFIT_CACHE_DIR": args.cache_dir, "HF_HUB_OFFLINE": "1",
            "OMP_NUM_THREADS": str(args.threads)}
-    run = run_capped(child, None if args.cap is None else int(args.cap * GiB), timeout=3600, env=env)
+    return capped_row(child, config, args.cap, timeout=3600, env=env)
+
+
+def capped_row(child: list[str], fields: dict, cap_gib: float | None, *, timeout: float, env: dict) -> dict:
+    """Run ``child`` in a memory cgroup capped at ``cap_gib`` (None: no cap) and make its row: ``fields``, how it
+    ended, its cgroup peak and seconds, the figures its RESULT line printed, and where it failed unkilled the last
+    lines of its stderr."""
+    from memfit.testing.cgroup import run_capped
+
+    run = run_capped(child, None if cap_gib is None else int(cap_gib * GiB), timeout=timeout, env=env)
     result = next((json.loads(line[7:]) for line in run.stdout.splitlines() if line.startswith("RESULT ")), None)
-    row = {**config, "completed": run.completed and result is not None, "killed": run.killed,
+    row = {**fields, "completed": run.completed and result is not None, "killed": run.killed,
            "cgroup_peak": run.max_usage_bytes, "process_s": run.seconds, **(result or {})}
     if not row["completed"] and not run.killed:
-        row["error"] = run.stderr.strip().splitlines()[-3:]
+        row["error"] = (run.stderr.strip().splitlines() or ["(no output)"])[-3:]
     return row
-
-
-def _evict_file(path: str) -> None:
-    """Drop one file's page cache (evict_page_cache takes a folder; the checkpoint's holds other models)."""
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-    finally:
-        os.close(fd)
 
 
 def configurations(types: list[str], memfit_budget: str) -> list[dict]:

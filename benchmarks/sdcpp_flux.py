@@ -180,7 +180,9 @@ def run_memfit_child(options: dict) -> dict:
 
 def measure(system: str, cap: float | None, args, files: dict[str, Path], image: str, prompt: str,
             steps: int | None = None) -> dict:
-    from memfit.testing.cgroup import run_capped
+    from sdcpp import capped_row
+
+    from memfit.testing.cgroup import evict_page_cache
 
     if system == "sd.cpp":
         child = [sys.executable, str(Path(__file__).parent / "sdcpp.py"), "--child-sdcpp",
@@ -191,23 +193,9 @@ def measure(system: str, cap: float | None, args, files: dict[str, Path], image:
                    "prompt": prompt}
         child = [sys.executable, __file__, "--child-memfit", json.dumps(options)]
     for path in files.values():
-        _evict(path)
+        evict_page_cache(path)
     env = {**os.environ, "MEMFIT_CACHE_DIR": args.cache_dir, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": str(args.threads)}
-    run = run_capped(child, None if cap is None else int(cap * GiB), timeout=args.timeout, env=env)
-    result = next((json.loads(line[7:]) for line in run.stdout.splitlines() if line.startswith("RESULT ")), None)
-    row = {"system": system, "cap_gib": cap, "completed": run.completed and result is not None,
-           "killed": run.killed, "cgroup_peak": run.max_usage_bytes, "process_s": run.seconds, **(result or {})}
-    if not row["completed"] and not run.killed:
-        row["error"] = (run.stderr.strip().splitlines() or ["(no output)"])[-3:]
-    return row
-
-
-def _evict(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-    finally:
-        os.close(fd)
+    return capped_row(child, {"system": system, "cap_gib": cap}, cap, timeout=args.timeout, env=env)
 
 
 def label(row: dict) -> str:

@@ -100,10 +100,11 @@ def run_capped(command: list[str], limit_bytes: int | None, *, timeout: float = 
         _remove(group)
 
 
-def evict_page_cache(folder: str | Path) -> None:
-    """Drop the page cache of every file under `folder`, so the next run reads (and is charged
-    for) them afresh instead of finding them cached and charged to whoever read them first."""
-    for path in Path(folder).rglob("*"):
+def evict_page_cache(target: str | Path) -> None:
+    """Drop the page cache of `target`, a file or every file under a folder, so the next run reads (and
+    is charged for) them afresh instead of finding them cached and charged to whoever read them first."""
+    target = Path(target)
+    for path in [target] if target.is_file() else target.rglob("*"):
         if path.is_file():
             fd = os.open(path, os.O_RDONLY)
             try:
