@@ -212,3 +212,23 @@ def benchmark_script(name: str, module_name: str):
         yield module
     finally:
         sys.path.remove(str(script.parent))
+
+
+def seeded_image(pipe, settings: dict):
+    """``pipe``'s first image for ``settings`` (prompt, steps, width, height, seed) with a seeded CPU generator, as
+    int16 pixels: the reference a test builds itself (a component swapped in) rather than from a folder."""
+    import numpy as np
+    import torch
+
+    out = pipe(prompt=settings["prompt"], num_inference_steps=settings["steps"], width=settings["width"],
+               height=settings["height"], generator=torch.Generator().manual_seed(settings["seed"]))
+    return np.asarray(out.images[0], dtype=np.int16)
+
+
+def quantized_file_written(kind: str):
+    """The one file memfit's cache holds for the quantized type ``kind``."""
+    from memfit.cache import open_store
+
+    entries = [entry for entry in open_store().ls("quantized") if entry.meta.get("type") == kind]
+    assert len(entries) == 1
+    return next(path for path in entries[0].path.rglob("*") if path.suffix in (".gguf", ".safetensors"))

@@ -19,6 +19,7 @@ import pytest
 import torch
 
 import memfit
+from conftest import quantized_file_written, seeded_image
 
 gguf = pytest.importorskip("gguf")
 
@@ -32,21 +33,6 @@ def _pixels(result) -> np.ndarray:
 def _psnr(a: np.ndarray, b: np.ndarray) -> float:
     mse = float(((a.astype(np.float64) - b) ** 2).mean())
     return math.inf if mse == 0 else 10 * math.log10(255**2 / mse)
-
-
-def _diffusers_image(pipe) -> np.ndarray:
-    out = pipe(prompt=SETTINGS["prompt"], num_inference_steps=SETTINGS["steps"], width=SETTINGS["width"],
-               height=SETTINGS["height"], generator=torch.Generator().manual_seed(SETTINGS["seed"]))
-    return np.asarray(out.images[0], dtype=np.int16)
-
-
-def _written(kind: str) -> Path:
-    """The one file memfit's cache holds for ``kind``."""
-    from memfit.cache import open_store
-
-    entries = [entry for entry in open_store().ls("quantized") if entry.meta.get("type") == kind]
-    assert len(entries) == 1
-    return next(path for path in entries[0].path.rglob("*") if path.suffix in (".gguf", ".safetensors"))
 
 
 def _weights(rows: int, width: int) -> torch.Tensor:
@@ -327,7 +313,7 @@ def test_int8_on_the_fly_is_diffusers_with_the_dequantized_weights(flux, capsys,
     unquantized = _pixels(memfit.generate(model=flux, budget="none", progress=False, **SETTINGS))
     assert not np.array_equal(_pixels(ours), unquantized) and _psnr(_pixels(ours), unquantized) > 40
 
-    written = load_file(str(_written("int8")))
+    written = load_file(str(quantized_file_written("int8")))
     transformer = FluxTransformer2DModel.from_pretrained(flux / "transformer", torch_dtype=torch.float32)
     chosen = quantized_layers(transformer, "int8")
     assert chosen and all(isinstance(layer, torch.nn.Linear) for layer in chosen.values())
@@ -339,7 +325,8 @@ def test_int8_on_the_fly_is_diffusers_with_the_dequantized_weights(flux, capsys,
         if value.dtype == torch.int8:
             state[key] = value.float() * written[key + "_scale"][:, None]
     transformer.load_state_dict(state)
-    theirs = _diffusers_image(FluxPipeline.from_pretrained(flux, transformer=transformer, torch_dtype=torch.float32))
+    reference = FluxPipeline.from_pretrained(flux, transformer=transformer, torch_dtype=torch.float32)
+    theirs = seeded_image(reference, SETTINGS)
     assert np.array_equal(_pixels(ours), theirs)
 
     again = memfit.generate(model=flux, quantize=quantize, budget="none", progress=False, **SETTINGS)
@@ -375,7 +362,7 @@ def test_k_quants_on_the_fly_are_diffusers_gguf_loading(wide_flux, capsys, kind)
     unquantized = _pixels(memfit.generate(model=wide_flux, budget="none", progress=False, **SETTINGS))
     assert not np.array_equal(_pixels(ours), unquantized) and _psnr(_pixels(ours), unquantized) > 35
 
-    path = _written(kind)
+    path = quantized_file_written(kind)
     types = {tensor.name: tensor.tensor_type.name for tensor in gguf.GGUFReader(path).tensors}
     assert types["transformer_blocks.0.attn.to_q.weight"] == GGUF_TYPES[kind]
     assert types["transformer_blocks.0.norm1.linear.weight"] == GGUF_TYPES[kind]
@@ -383,7 +370,8 @@ def test_k_quants_on_the_fly_are_diffusers_gguf_loading(wide_flux, capsys, kind)
     transformer = FluxTransformer2DModel.from_single_file(
         str(path), config=str(wide_flux), subfolder="transformer",
         quantization_config=GGUFQuantizationConfig(compute_dtype=torch.float32), torch_dtype=torch.float32)
-    theirs = _diffusers_image(FluxPipeline.from_pretrained(wide_flux, transformer=transformer, torch_dtype=torch.float32))
+    reference = FluxPipeline.from_pretrained(wide_flux, transformer=transformer, torch_dtype=torch.float32)
+    theirs = seeded_image(reference, SETTINGS)
     assert np.array_equal(_pixels(ours), theirs)
 
     again = memfit.generate(model=wide_flux, quantize=quantize, budget="none", progress=False, **SETTINGS)

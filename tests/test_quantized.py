@@ -17,6 +17,7 @@ import pytest
 import torch
 
 import memfit
+from conftest import seeded_image
 from memfit.errors import MemfitError
 from memfit.models.folder import ModelFolder
 from memfit.models.single_file import SingleFileModel, file_places
@@ -55,12 +56,6 @@ def _pixels(result):
     return np.asarray(result.images[0], dtype=np.int16)
 
 
-def _diffusers_image(pipe) -> np.ndarray:
-    out = pipe(prompt=SETTINGS["prompt"], num_inference_steps=SETTINGS["steps"], width=SETTINGS["width"],
-               height=SETTINGS["height"], generator=torch.Generator().manual_seed(SETTINGS["seed"]))
-    return np.asarray(out.images[0], dtype=np.int16)
-
-
 def _gguf_transformer_draws_diffusers_image(flux, quant_type):
     """memfit's image with the transformer read from a GGUF file in Black Forest Labs' keys is diffusers' GGUF
     loading's of the same weights in its own keys, bit for bit, and not the unquantized image; returns memfit's
@@ -73,7 +68,8 @@ def _gguf_transformer_draws_diffusers_image(flux, quant_type):
     transformer = FluxTransformer2DModel.from_single_file(
         str(_gguf(flux, quant_type, "diffusers")), config=str(folder), subfolder="transformer",
         quantization_config=GGUFQuantizationConfig(compute_dtype=torch.float32), torch_dtype=torch.float32)
-    theirs = _diffusers_image(FluxPipeline.from_pretrained(folder, transformer=transformer, torch_dtype=torch.float32))
+    reference = FluxPipeline.from_pretrained(folder, transformer=transformer, torch_dtype=torch.float32)
+    theirs = seeded_image(reference, SETTINGS)
     assert np.array_equal(_pixels(ours), theirs)
     unquantized = _pixels(memfit.generate(model=folder, budget="none", progress=False, **SETTINGS))
     assert not np.array_equal(_pixels(ours), unquantized)  # the quantized weights were used, not the folder's
@@ -218,7 +214,7 @@ def test_fp8_files_draw_the_upcast_image(flux, scaled):
                                                for key, value in flux[2].items()})
         reference.text_encoder_2.load_state_dict(load_file(str(upcast["text_encoder_2"])), strict=False)
         reference.text_encoder_2.tie_weights()
-        assert np.array_equal(_pixels(ours), _diffusers_image(reference))
+        assert np.array_equal(_pixels(ours), seeded_image(reference, SETTINGS))
 
     model = SingleFileModel.with_components(ModelFolder.open(folder), components)
     pipe = model.load_stage(["transformer", "text_encoder_2"], torch.float32, in_file_dtype=[])
@@ -322,7 +318,7 @@ def test_a_lora_over_a_gguf_transformer_is_diffusers(flux, tmp_path, streamed_pl
     pipe = FluxPipeline.from_pretrained(folder, transformer=transformer, torch_dtype=torch.float32)
     pipe.load_lora_weights(loras[0][0], adapter_name="style")
     pipe.set_adapters(["style"], [loras[0][1]])
-    assert np.array_equal(_pixels(ours), _diffusers_image(pipe))
+    assert np.array_equal(_pixels(ours), seeded_image(pipe, SETTINGS))
     budget = smallest_budget(model=folder, components=components, loras=loras, **SETTINGS)
     streamed = memfit.generate(model=folder, components=components, loras=loras, budget=budget, progress=False,
                                **SETTINGS)
@@ -386,7 +382,7 @@ def test_quantize_on_the_fly_once(flux, capsys):
     assert ours.report.notes[0] == "quantized on the fly (kept in memfit's cache): transformer to fp8"
     reference = FluxPipeline.from_pretrained(folder, torch_dtype=torch.float32)
     reference.transformer.enable_layerwise_casting(storage_dtype=torch.float8_e4m3fn, compute_dtype=torch.float32)
-    assert np.array_equal(_pixels(ours), _diffusers_image(reference))
+    assert np.array_equal(_pixels(ours), seeded_image(reference, SETTINGS))
     again = memfit.generate(model=folder, quantize={"transformer": "fp8"}, budget="none", progress=False, **SETTINGS)
     assert "quantizing" not in capsys.readouterr().err and np.array_equal(_pixels(again), _pixels(ours))
 
@@ -397,7 +393,8 @@ def test_quantize_on_the_fly_once(flux, capsys):
     transformer = FluxTransformer2DModel.from_single_file(
         str(written), config=str(folder), subfolder="transformer",
         quantization_config=GGUFQuantizationConfig(compute_dtype=torch.float32), torch_dtype=torch.float32)
-    theirs = _diffusers_image(FluxPipeline.from_pretrained(folder, transformer=transformer, torch_dtype=torch.float32))
+    reference = FluxPipeline.from_pretrained(folder, transformer=transformer, torch_dtype=torch.float32)
+    theirs = seeded_image(reference, SETTINGS)
     assert np.array_equal(_pixels(ours), theirs)
 
 

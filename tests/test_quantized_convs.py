@@ -16,6 +16,7 @@ import pytest
 import torch
 
 import memfit
+from conftest import quantized_file_written, seeded_image
 from memfit.quant.formats import is_stored
 from memfit.quant.layers import QuantizedConv2d, StoredWeightLayer
 
@@ -33,21 +34,6 @@ def sd(tiny_models):
 
 def _pixels(result) -> np.ndarray:
     return np.asarray(result.images[0], dtype=np.int16)
-
-
-def _diffusers_image(pipe) -> np.ndarray:
-    out = pipe(prompt=SETTINGS["prompt"], num_inference_steps=SETTINGS["steps"], width=SETTINGS["width"],
-               height=SETTINGS["height"], generator=torch.Generator().manual_seed(SETTINGS["seed"]))
-    return np.asarray(out.images[0], dtype=np.int16)
-
-
-def _written(kind: str) -> Path:
-    """The one file memfit's cache holds for ``kind``."""
-    from memfit.cache import open_store
-
-    entries = [entry for entry in open_store().ls("quantized") if entry.meta.get("type") == kind]
-    assert len(entries) == 1
-    return next(path for path in entries[0].path.rglob("*") if path.suffix in (".gguf", ".safetensors"))
 
 
 def _dequantized_file(path: Path, shapes: dict[str, torch.Size]) -> dict[str, torch.Tensor]:
@@ -107,8 +93,9 @@ def test_a_quantized_unet_keeps_its_convolutions_stored_and_draws_diffusers_imag
     assert stored == floats - saved
 
     shapes = {key: value.shape for key, value in plain.state_dict().items()}
-    plain.load_state_dict(_dequantized_file(_written(kind), shapes))
-    theirs = _diffusers_image(StableDiffusionPipeline.from_pretrained(sd, unet=plain, torch_dtype=torch.float32))
+    plain.load_state_dict(_dequantized_file(quantized_file_written(kind), shapes))
+    reference = StableDiffusionPipeline.from_pretrained(sd, unet=plain, torch_dtype=torch.float32)
+    theirs = seeded_image(reference, SETTINGS)
     assert np.array_equal(_pixels(ours), theirs)
     unquantized = _pixels(memfit.generate(model=sd, budget="none", progress=False, **SETTINGS))
     assert not np.array_equal(_pixels(ours), unquantized)
@@ -135,7 +122,7 @@ def test_fp8_keeps_layerwise_castings_image_with_its_convolutions_fp8_in_memory(
     ours = memfit.generate(model=sd, quantize={"unet": "fp8"}, budget="none", progress=False, **SETTINGS)
     reference = StableDiffusionPipeline.from_pretrained(sd, torch_dtype=torch.float32)
     reference.unet.enable_layerwise_casting(storage_dtype=torch.float8_e4m3fn, compute_dtype=torch.float32)
-    assert np.array_equal(_pixels(ours), _diffusers_image(reference))
+    assert np.array_equal(_pixels(ours), seeded_image(reference, SETTINGS))
     unet, _ = _unet_bytes(sd, {"unet": "fp8"})
     conv = unet.down_blocks[0].resnets[0].conv1
     assert isinstance(conv, QuantizedConv2d) and conv.format.name == "fp8_e4m3fn"
@@ -228,7 +215,7 @@ def test_a_lora_over_quantized_convolutions_is_diffusers(sd, tmp_path):
     pipe = StableDiffusionPipeline.from_pretrained(sd, unet=plain, torch_dtype=torch.float32)
     pipe.load_lora_weights(loras[0][0], adapter_name="style")
     pipe.set_adapters(["style"], [loras[0][1]])
-    assert np.array_equal(_pixels(ours), _diffusers_image(pipe))
+    assert np.array_equal(_pixels(ours), seeded_image(pipe, SETTINGS))
     without = memfit.generate(model=sd, quantize=quantize, budget="none", progress=False, **SETTINGS)
     assert not np.array_equal(_pixels(ours), _pixels(without))
 
