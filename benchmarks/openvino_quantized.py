@@ -49,35 +49,14 @@ VARIANTS = ("eager fp32", "openvino fp32",
 
 def build(kind: str | None) -> torch.nn.Module:
     """The MLP with float32 weights (``kind`` None) or its weights stored as ``kind``."""
-    from memfit.quant.formats import INT8_FORMAT, StoredTensor, readable_gguf_types
-    from memfit.quant.layers import use_stored_layers
-    from memfit.quant.writers import quantize_int8_rows
+    from memfit.testing.quantized import store_weights
 
     torch.manual_seed(0)
     module = torch.nn.Sequential(torch.nn.Linear(WIDTH, HIDDEN), torch.nn.GELU(approximate="tanh"),
                                  torch.nn.Linear(HIDDEN, WIDTH)).eval().requires_grad_(False)
     for index in (0, 2):
         torch.nn.init.normal_(module[index].weight, std=0.02)
-    if kind is None:
-        return module
-    import gguf
-
-    stored, data = {}, {}
-    for index in (0, 2):
-        weight = module[index].weight.detach()
-        if kind == "int8":
-            values, scale = quantize_int8_rows(weight)
-            stored[f"{index}.weight"] = StoredTensor(INT8_FORMAT, tuple(weight.shape), scale)
-        else:
-            fmt = next(f for f in readable_gguf_types().values() if f.name == kind)
-            values = torch.from_numpy(gguf.quants.quantize(weight.numpy(), gguf.GGMLQuantizationType[kind])).view(
-                torch.int8)
-            stored[f"{index}.weight"] = StoredTensor(fmt, tuple(weight.shape))
-        data[index] = (values, module[index].bias.detach().clone())
-    use_stored_layers(module, stored)
-    for index, (values, bias) in data.items():
-        module[index].weight.data, module[index].bias.data = values, bias
-    return module
+    return module if kind is None else store_weights(module, kind, ("0", "2"))
 
 
 def compile_variant(variant: str, module: torch.nn.Module, inputs: torch.Tensor, threads: int):

@@ -26,28 +26,11 @@ COMPRESSED_TYPE = {"int8": "i8", "Q8_0": "i8", "Q4_0": "u4"}
 
 def _quantized_mlp(kind: str, width: int = 128, hidden: int = 256) -> torch.nn.Module:
     """Two linear layers (and a GELU) with their weights stored as ``kind``, as memfit loads them from a file."""
-    from memfit.quant.formats import INT8_FORMAT, StoredTensor, readable_gguf_types
-    from memfit.quant.layers import use_stored_layers
-    from memfit.quant.writers import quantize_int8_rows
+    from memfit.testing.quantized import store_weights
 
     torch.manual_seed(0)
     module = torch.nn.Sequential(torch.nn.Linear(width, hidden), torch.nn.GELU(), torch.nn.Linear(hidden, width))
-    stored, data, biases = {}, {}, {index: module[index].bias.detach().clone() for index in (0, 2)}
-    for index in (0, 2):
-        weight = module[index].weight.detach()
-        if kind == "int8":
-            values, scale = quantize_int8_rows(weight)
-            stored[f"{index}.weight"] = StoredTensor(INT8_FORMAT, tuple(weight.shape), scale)
-        else:
-            fmt = next(f for f in readable_gguf_types().values() if f.name == kind)
-            blocks = gguf.quants.quantize(weight.numpy(), gguf.GGMLQuantizationType[kind])
-            values = torch.from_numpy(blocks).view(torch.int8)
-            stored[f"{index}.weight"] = StoredTensor(fmt, tuple(weight.shape))
-        data[index] = values
-    use_stored_layers(module, stored)  # new layers, empty: loading fills them
-    for index, values in data.items():
-        module[index].weight.data, module[index].bias.data = values, biases[index]
-    return module.eval()
+    return store_weights(module, kind, ("0", "2")).eval()
 
 
 def _weight_types(compiled) -> list[str]:

@@ -13,7 +13,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-__all__ = ["fp8_weights", "random_blocks", "save_fp8", "save_gguf"]
+__all__ = ["fp8_weights", "random_blocks", "save_fp8", "save_gguf", "store_weights"]
 
 
 def save_gguf(state: dict[str, torch.Tensor], path: str | Path, quant_type: str, *, architecture: str = "flux",
@@ -89,3 +89,33 @@ def save_fp8(state: dict[str, torch.Tensor], path: str | Path, **options) -> Pat
     save_file(fp8_weights(state, **options), str(path))
     return Path(path)
 
+
+
+def store_weights(module: torch.nn.Module, kind: str, names) -> torch.nn.Module:
+    """``module`` with its Linear layers ``names`` turned into memfit's stored-weight layers holding their weights
+    as ``kind`` ("int8", or a type the gguf package quantizes: Q8_0, Q4_0, ...) and their biases as they were, as
+    memfit loads them from such a file; returns ``module``."""
+    from memfit.quant.formats import INT8_FORMAT, StoredTensor, readable_gguf_types
+    from memfit.quant.layers import use_stored_layers
+    from memfit.quant.writers import quantize_int8_rows
+
+    stored, data = {}, {}
+    for name in names:
+        layer = module.get_submodule(name)
+        weight = layer.weight.detach()
+        if kind == "int8":
+            values, scale = quantize_int8_rows(weight)
+            stored[f"{name}.weight"] = StoredTensor(INT8_FORMAT, tuple(weight.shape), scale)
+        else:
+            import gguf
+
+            fmt = next(f for f in readable_gguf_types().values() if f.name == kind)
+            blocks = gguf.quants.quantize(weight.numpy(), gguf.GGMLQuantizationType[kind])
+            values = torch.from_numpy(blocks).view(torch.int8)
+            stored[f"{name}.weight"] = StoredTensor(fmt, tuple(weight.shape))
+        data[name] = (values, layer.bias.detach().clone())
+    use_stored_layers(module, stored)  # new layers, empty: loading fills them
+    for name, (values, bias) in data.items():
+        layer = module.get_submodule(name)
+        layer.weight.data, layer.bias.data = values, bias
+    return module
