@@ -11,8 +11,8 @@ the stage runner (memfit.run.runner) records it. What it does, in order:
    costs for the plan), compiled block by block, or (with --fallback eager) run eagerly. A compiled VAE decodes
    in bands (memfit.run.compiled_banded_decode, bounded activations) where decoding whole does not fit the
    budget beside what the process holds, or, with no budget, beside a Session's kept stages where it would lift
-   the process above its measured peak (memfit.plan.compiled.decode_in_bands); kept pipelines go, smallest
-   first, where even the bands do not fit (WarmPool.release_smallest).
+   the process above its measured peak and the bands by clearly less (memfit.plan.compiled.decode_in_bands);
+   kept pipelines go, smallest first, where even the bands do not fit (WarmPool.release_smallest).
 2. The plan. The budget left once the process's own memory is counted (memfit.plan.budget.stage_budget)
    is planned for the stage's components together with the activations of each strategy the family
    allows (memfit.plan.activations), and the first strategy that keeps every weight resident wins (else

@@ -8,8 +8,9 @@ the next run's stage takes it back instead of loading, planning and compiling ag
 are the same as memfit.generate's, bit for bit (tests/test_serve.py holds the server to that).
 
 A compiled VAE decodes in bands (memfit.run.compiled_banded_decode) where decoding it whole does not fit beside
-the kept stages (with no budget: where it would lift the process above the peak it already reached): bounded, the
-decode runs beside the kept compiled denoiser instead of making the pool let it go. Where even the bands do not
+the kept stages (with no budget: where it would lift the process above the peak it already reached and the
+bands clearly less): bounded, the decode runs beside the kept compiled denoiser instead of making the pool let
+it go. Where even the bands do not
 fit, the pool first lets the smallest kept pipelines go (a text encoder before the denoiser: WarmPool.release_smallest,
 counted in ``released``), keeps the rest, and loads the stages it let go per run from then on; with no budget it
 never lets the largest go.
