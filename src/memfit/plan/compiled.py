@@ -72,11 +72,11 @@ def decode_in_bands(*, ceiling: int | None, already_used: int, compiled_bytes: i
     pass the peak by about as much (a small image, whose activations are small beside the kept denoiser), the
     decode runs whole.
     """
-    if banded is None or ceiling is None or banded >= plain:
+    if banded is None or ceiling is None:
         return False
-    whole_rise = already_used + compiled_bytes + plain - ceiling
-    banded_rise = already_used + compiled_bytes + banded - ceiling
-    return whole_rise > 0 and banded_rise < whole_rise / 2
+    room = ceiling - already_used - compiled_bytes  # what the decode's activations may take under the peak
+    whole_rise, banded_rise = plain - room, banded - room
+    return whole_rise > 0 and banded_rise < whole_rise / 2  # bands no smaller than whole never pass this
 
 
 def compiled_blocks_extra(block_bytes: Collection[int]) -> int:

@@ -10,10 +10,9 @@ are the same as memfit.generate's, bit for bit (tests/test_serve.py holds the se
 A compiled VAE decodes in bands (memfit.run.compiled_banded_decode) where decoding it whole does not fit beside
 the kept stages (with no budget: where it would lift the process above the peak it already reached and the
 bands clearly less): bounded, the decode runs beside the kept compiled denoiser instead of making the pool let
-it go. Where even the bands do not
-fit, the pool first lets the smallest kept pipelines go (a text encoder before the denoiser: WarmPool.release_smallest,
-counted in ``released``), keeps the rest, and loads the stages it let go per run from then on; with no budget it
-never lets the largest go.
+it go. Where even the bands do not fit, the pool first lets the smallest kept pipelines go (a text encoder before
+the denoiser: WarmPool.release_smallest, counted in ``released``), keeps the rest, and loads the stages it let go
+per run from then on; with no budget it never lets the largest go.
 
 The rule that keeps a session inside the budget: a stage's plan is made with the memory the process
 holds at the time, warm stages included, so nothing is ever planned past the budget. Stages are
