@@ -92,3 +92,112 @@ def test_the_holes_a_loop_left_in_the_heap_count_in_each_later_stage_plan(tiny_m
         if peak is None or planned[64 * 2**20][stage] is None:
             continue  # an encode from the prompt cache plans nothing
         assert abs(planned[64 * 2**20][stage] - peak - 64 * 2**20) < 4 * 2**20, stage
+
+
+
+def _mapped_bytes() -> int:
+    """The bytes glibc serves with mmap now (mallinfo2's hblkhd)."""
+    import ctypes
+
+    info = ctypes.CDLL("libc.so.6").mallinfo2
+    info.restype = memory._MallocInfo
+    return int(info().hblkhd)
+
+
+@pytest.fixture
+def threshold_left_to_glibc(monkeypatch):
+    """This test as a process in which memfit fixed no mmap threshold; the process's own setting back after it."""
+    fixed = memory._fixed_threshold
+    monkeypatch.setattr(memory, "_fixed_threshold", None)
+    yield
+    if fixed is not None:
+        memory._set_mmap_threshold(fixed)
+
+
+def test_with_no_threshold_fixed_a_stretch_takes_temporaries_of_every_size_from_the_heap(threshold_left_to_glibc):
+    """Inside every_temporary_from_heap a block over glibc's 32 MiB ceiling comes from the heap, not from a fresh
+    mapping; glibc maps such blocks again after it. Under a fixed threshold (a budget) nothing changes."""
+    import torch
+
+    try:
+        _mapped_bytes()
+    except (OSError, AttributeError):
+        pytest.skip("glibc's mallinfo2 is not there")
+    wide = 4 * DENOISE_HEAP_THRESHOLD  # bytes, over glibc's ceiling
+
+    def mapped_while_held() -> int:
+        """Bytes newly mapped while a block no free chunk of the heap can hold is alive (wider than all of them)."""
+        nbytes = memory._heap_free_bytes() + wide
+        before = _mapped_bytes()
+        held = torch.empty(nbytes, dtype=torch.uint8)
+        grown = _mapped_bytes() - before
+        del held
+        return grown
+
+    assert mapped_while_held() >= wide
+    with memory.every_temporary_from_heap():
+        assert mapped_while_held() == 0
+    assert mapped_while_held() >= wide
+    assert not memory.mmap_threshold_fixed()  # glibc's thresholds, not one memfit fixed
+
+    memory.return_large_frees_to_os()
+    with memory.every_temporary_from_heap():
+        assert mapped_while_held() >= wide
+
+
+def test_the_plain_decode_takes_the_heap_only_where_no_threshold_is_fixed_and_plans_its_holes(
+        tiny_models, threshold_left_to_glibc, monkeypatch):
+    """Where memfit fixed no mmap threshold (the automatic budget holds everything), the plain decode runs inside
+    every_temporary_from_heap and its planned peak counts the activations once more; after a budgeted run (the
+    threshold fixed) it does not. The images are the same."""
+    from memfit.run import stages
+
+    model = tiny_models("sd")
+    entered = []
+
+    def recorded():
+        entered.append(True)
+        return memory.every_temporary_from_heap()
+
+    monkeypatch.setattr(stages, "every_temporary_from_heap", recorded)
+    runs = {}
+    for fixed in (False, True):
+        if fixed:
+            memory.return_large_frees_to_os()
+        entered.clear()
+        result = memfit.generate("a red circle", model=model, steps=2, width=SIZE, height=SIZE, progress=False)
+        runs[fixed] = (result, bool(entered))
+    (heap, heap_entered), (plain, plain_entered) = runs[False], runs[True]
+    assert heap_entered and not plain_entered
+    assert any("temporaries of every size from the heap" in note for note in heap.report.notes)
+    assert not any("temporaries of every size from the heap" in note for note in plain.report.notes)
+    decode = {run: next(s for s in result.report.stages if s.stage == "decode") for run, result in
+              (("heap", heap), ("plain", plain))}
+    assert decode["heap"].strategy == decode["plain"].strategy == "plain"
+    assert decode["heap"].planned_peak_bytes > decode["plain"].planned_peak_bytes
+    assert heap.images[0].tobytes() == plain.images[0].tobytes()
+
+
+def test_memfit_plan_counts_the_decode_heap_where_a_run_takes_it(tiny_models, capsys):
+    """`memfit plan` decides as a run does: under the automatic budget on the CPU, where everything stays
+    resident, the plain decode's activations include its heap (decode_heap_slack); under an explicit budget
+    (a run then fixes the mmap threshold) or for a GPU, they do not."""
+    import json
+
+    from memfit.cli.app import main
+    from memfit.plan.activations import decode_heap_slack
+
+    model = tiny_models("sd")
+    options = stage_options(open_model(model).adapter, dtype="fp32", width=SIZE, height=SIZE, steps=2)
+    plain = next(stage.activation_bytes for opts in options for _, stage in opts[:1] if stage.name == "decode")
+
+    def planned_decode(*budget: str) -> int:
+        main(["plan", "--model", model, "--width", str(SIZE), "--height", str(SIZE), "--steps", "2", "--json",
+              *budget])
+        stages = {s["name"]: s for s in json.loads(capsys.readouterr().out)["plan"]["stages"]}
+        return stages["decode"]["activation_bytes"]
+
+    assert planned_decode() == plain + decode_heap_slack(next(
+        strategy.activation_bytes for opts in options for strategy, stage in opts[:1] if stage.name == "decode"))
+    assert planned_decode("--budget", "4GiB") == plain
+    assert planned_decode("--budget", "4GiB", "--device", "cuda") == plain

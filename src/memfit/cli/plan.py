@@ -25,6 +25,7 @@ passes only when the batched pass cannot be planned.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 from types import SimpleNamespace
 from typing import Any
@@ -33,7 +34,7 @@ from memfit.cli.run_args import (COMPONENT_HELP, CONFIG_HELP, QUANTIZE_HELP, che
                                  parse_components, parse_quantize)
 from memfit.errors import MemfitError
 from memfit.models.archs import ARCHS, get_arch
-from memfit.plan.budget import Budget, BudgetTooSmall, stage_budget
+from memfit.plan.budget import AUTO, Budget, BudgetTooSmall, stage_budget
 from memfit.plan.planner import Plan, make_plan
 from memfit.plan.stages import (DEFAULT_STEPS, choose_strategies, default_frames, planned_models,
                                 planned_with_heap_where_it_fits, stage_options)
@@ -129,6 +130,8 @@ def run_plan(args: argparse.Namespace) -> int:
             heap_temporaries=not runtime.separate_memory)
     except BudgetTooSmall as exc:
         raise exc.counting(budget.device, held) if held else exc from None
+    if str(args.budget).strip().lower() == AUTO and not runtime.separate_memory:
+        plan = _with_decode_heap(options, strategies, plan, room, args.prefetch)
     if args.json:
         extra = {"precision": precision_line} if precision_line else {}
         print(json.dumps({**_report(name, args.dtype, width, height, plan, strategies), "budget_source": source,
@@ -163,6 +166,32 @@ def _default_size(adapter) -> tuple[int, int]:
     except MemfitError:
         return adapter.default_size(), adapter.default_size()
     return settings.width, settings.height
+
+
+def _with_decode_heap(options, strategies, plan, room, prefetch: int):
+    """``plan`` with the plain decode's heap counted where a run takes its temporaries from the heap
+    (memfit.run.fit._decodes_from_heap): an automatic budget on the CPU in which every stage keeps every weight
+    its own way, an AutoencoderKL-style VAE, and room for the heap beside the decode's activations."""
+    from memfit.plan.activations import StrategyKind, decode_heap_slack
+
+    chosen_options = list(zip(options, strategies.values()))
+    if not all(chosen is stage_options_[0][0] for stage_options_, chosen in chosen_options) or _streams(plan):
+        return plan
+    plain, decode = options[-1][0]
+    if plain.name != StrategyKind.PLAIN or not any(option.name == StrategyKind.BANDED for option, _ in options[-1]):
+        return plan
+    heaped = dataclasses.replace(decode, activation_bytes=decode.activation_bytes
+                                 + decode_heap_slack(plain.activation_bytes))
+    inputs = [stage_options_[0][1] for stage_options_, _ in chosen_options][:-1] + [heaped]
+    try:
+        with_heap = make_plan(inputs, room, prefetch=prefetch)
+    except MemfitError:
+        return plan
+    return plan if _streams(with_heap) else with_heap
+
+
+def _streams(plan) -> bool:
+    return any(stage.streamed_from_host_bytes or stage.streamed_from_disk_bytes for stage in plan.stages)
 
 
 def _plan_stages(adapter, args, width: int, height: int, room, *, heap_temporaries: bool):
@@ -222,7 +251,7 @@ def _budget(args: argparse.Namespace, runtime, held: int) -> tuple[Budget, str]:
     """The budget to plan with and where it came from. auto: as a run on this machine detects it (what is
     free now and the ``held`` bytes this process holds). On a GPU with no --host, the host tier is what
     this machine has available (unlimited where it has no GPU)."""
-    from memfit.plan.budget import AUTO, above_process_size, resolve_budget
+    from memfit.plan.budget import above_process_size, resolve_budget
 
     if above_process_size(args.budget) is not None:
         budget = Budget(device=above_process_size(args.budget), host=args.host, disk=args.disk)

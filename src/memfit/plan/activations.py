@@ -39,8 +39,8 @@ from memfit.errors import MemfitError
 from memfit.plan.tiled_decode import DecodeTiling, decode_tilings, tiled_activation_bytes
 from memfit.text_enum import TextEnum
 
-__all__ = ["DENOISE_HEAP_THRESHOLD", "DEVICE_ACTIVATION_MARGIN", "HEAP_SLACK_CEILING", "HEAP_SLACK_TEMPORARIES", "Strategy", "StrategyKind", "banded_decode_unsupported",
-           "choose", "heap_slack", "stage_strategies", "vae_execution_dtype"]
+__all__ = ["DECODE_HEAP_SLACK", "DENOISE_HEAP_THRESHOLD", "DEVICE_ACTIVATION_MARGIN", "HEAP_SLACK_CEILING", "HEAP_SLACK_TEMPORARIES", "Strategy", "StrategyKind", "banded_decode_unsupported",
+           "choose", "decode_heap_slack", "heap_slack", "stage_strategies", "vae_execution_dtype"]
 
 # The activation estimates are calibrated on CPU RSS. On a GPU the caching allocator rounds each
 # block up (512 B, and 2 MiB segments for large ones) and keeps freed blocks that do not fit the next
@@ -58,6 +58,17 @@ DEVICE_ACTIVATION_MARGIN = 1.25
 DENOISE_HEAP_THRESHOLD = 32 * 2**20
 HEAP_SLACK_TEMPORARIES = 7
 HEAP_SLACK_CEILING = 128 * 2**20
+
+
+# The plain decode on the CPU takes its temporaries of every size from the heap where the budget has room
+# (memfit.run.memory.every_temporary_from_heap): the heap then holds freed blocks beside the live ones, measured
+# (SD 1.5 fp32 VAE at 512x512) up to 1.3x the decode's estimated activations beyond them; counted as this many.
+DECODE_HEAP_SLACK = 1.5
+
+
+def decode_heap_slack(activation_bytes: int) -> int:
+    """What the plain decode's heap may hold beside its ``activation_bytes`` of live activations."""
+    return int(DECODE_HEAP_SLACK * activation_bytes)
 
 
 def heap_slack(widest_bytes: int) -> int:

@@ -43,14 +43,14 @@ from memfit.errors import MemfitError
 from memfit.models.families import Settings
 from memfit.models.folder import ModelFolder
 from memfit.plan.activations import (DENOISE_HEAP_THRESHOLD, DEVICE_ACTIVATION_MARGIN, StrategyKind, choose,
-                                     stage_strategies)
+                                     decode_heap_slack, stage_strategies)
 from memfit.plan.budget import Budget, BudgetTooSmall, StageDoesNotFit, stage_budget
 from memfit.plan.compiled import (COMPILED_BANDS_EXTRA, COMPILED_BLOCK_BUILD, COMPILED_BLOCK_OVERHEAD, choose_compiled, compiled_blocks_extra,
                                   decode_in_bands)
 from memfit.plan.stages import planned_with_heap_where_it_fits
 from memfit.run.executor import (blocks_not_run, host_tier_reused, keep_dequantized, live_blocks, optimize, plan_stage,
                                  reads_in_place)
-from memfit.run.memory import process_peak_rss, return_large_frees_to_os
+from memfit.run.memory import mmap_threshold_fixed, process_peak_rss, return_large_frees_to_os
 from memfit.run.options import RunOptions
 from memfit.sizes import format_bytes
 
@@ -71,8 +71,9 @@ class StageFit:
     tiers:          per planned component, its weights' bytes by tier ({"unet": {"device": .., "disk": ..}});
     compiled:       the compile records of the load (they fill in as entries compile during the stage);
     notes:          what the run report says about it, in order;
-    heap_temporaries: the plan counted the denoising loop's heap (memfit.plan.activations.heap_slack), so its
-                    temporaries may come from there (memfit.run.memory.DENOISE_HEAP_THRESHOLD).
+    heap_temporaries: the plan counted the heap the stage's temporaries come from: the denoising loop's under
+                    memfit.run.memory.DENOISE_HEAP_THRESHOLD (memfit.plan.activations.heap_slack), the plain decode's
+                    of every size (memfit.run.memory.every_temporary_from_heap).
     """
 
     strategy: StrategyKind | str = ""
@@ -418,8 +419,28 @@ def _plan_and_place(pipe, folder: ModelFolder, options: RunOptions, *, stage: st
             planned_peak += kept
             notes.append(f"{stage}: {format_bytes(kept)} of resident quantized weights kept dequantized, which the "
                          "budget has room for, so they are not dequantized at each step")
+    heap_slack = decode_heap_slack(strategy.activation_bytes)
+    if _decodes_from_heap(plan_as, strategy, choices, options, [*compiled, *in_blocks], streamed, phases, budget,
+                          planned_peak + heap_slack):
+        planned_peak += heap_slack
+        with_heap = True
+        notes.append(f"{stage}: temporaries of every size from the heap (no fresh pages for each), the "
+                     f"{format_bytes(heap_slack)} it may hold beside them counted")
     return StageFit(strategy=strategy.name, planned_peak=planned_peak, streamed_bytes=streamed, tiers=tiers,
                     notes=tuple(notes), heap_temporaries=with_heap)
+
+
+def _decodes_from_heap(plan_as: str, strategy, choices, options: RunOptions, compiled: Collection[str],
+                       streamed: int, phases, budget: Budget, peak_with_heap: int) -> bool:
+    """Whether the plain decode takes its temporaries of every size from the heap
+    (memfit.run.memory.every_temporary_from_heap): on the CPU, an eager decode of an AutoencoderKL-style VAE (one
+    that could be banded: what was measured) that keeps every weight, in a process whose mmap threshold memfit
+    left to glibc, with room in the budget for what the heap holds beside the activations
+    (memfit.plan.activations.decode_heap_slack); `memfit plan` decides the same (memfit.cli.plan)."""
+    return (plan_as == "decode" and not options.runtime.separate_memory and "vae" not in compiled
+            and strategy is choices[0] and strategy.name == StrategyKind.PLAIN
+            and any(choice.name == StrategyKind.BANDED for choice in choices) and not streamed and not phases
+            and not mmap_threshold_fixed() and budget.device is not None and peak_with_heap <= budget.device)
 
 
 def _placements(plan) -> list:

@@ -101,7 +101,7 @@ class StageContext:
 
     @property
     def heap_temporaries(self) -> bool:
-        """Whether the last planned load counted the denoising loop's heap (StageFit.heap_temporaries)."""
+        """Whether the last planned load counted the heap its temporaries come from (StageFit.heap_temporaries)."""
         return next((fit.heap_temporaries for fit in reversed(self.fits) if fit.strategy), False)
 
     @property

@@ -23,7 +23,7 @@ from memfit.models.folder import ModelFolder
 from memfit.models.model_path import open_model_path, with_components
 from memfit.plan.activations import DENOISE_HEAP_THRESHOLD, StrategyKind
 from memfit.run.media import IMAGE_SUFFIXES, VIDEO_SUFFIXES, save_png, save_video
-from memfit.run.memory import heap_for_temporaries_under
+from memfit.run.memory import every_temporary_from_heap, heap_for_temporaries_under
 from memfit.run.runner import Stage, StageContext
 
 __all__ = ["Generation", "check_backend_takes_stored_weights", "check_embeddings", "check_frame_rate", "decode_stage", "denoise_stage",
@@ -290,7 +290,8 @@ def decode_stage(folder: ModelFolder, settings: Settings, generator, latents_fro
             lambda module, args, out: bad.append(isinstance(out, torch.Tensor) and not torch.isfinite(out).all())
         ) if isinstance(decoder, torch.nn.Module) and not is_compiled(vae) else None
         try:
-            with torch.inference_mode():
+            with torch.inference_mode(), (every_temporary_from_heap() if context.heap_temporaries
+                                          else contextlib.nullcontext()):
                 images = folder.adapter.decode(pipe, results.pop(latents_from), settings, generator)
         finally:
             if hook is not None:
