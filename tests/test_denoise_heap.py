@@ -161,14 +161,16 @@ def test_the_plain_decode_takes_the_heap_only_where_no_threshold_is_fixed_and_pl
 
     monkeypatch.setattr(stages, "every_temporary_from_heap", recorded)
     runs = {}
-    for fixed in (False, True):
+    for fixed, dtype in ((False, "bf16"), (False, "fp32"), (True, "fp32")):
         if fixed:
             memory.return_large_frees_to_os()
         entered.clear()
-        result = memfit.generate("a red circle", model=model, steps=2, width=SIZE, height=SIZE, progress=False)
-        runs[fixed] = (result, bool(entered))
-    (heap, heap_entered), (plain, plain_entered) = runs[False], runs[True]
+        result = memfit.generate("a red circle", model=model, steps=2, width=SIZE, height=SIZE, dtype=dtype,
+                                 progress=False)
+        runs[fixed, dtype] = (result, bool(entered))
+    (heap, heap_entered), (plain, plain_entered) = runs[False, "fp32"], runs[True, "fp32"]
     assert heap_entered and not plain_entered
+    assert not runs[False, "bf16"][1]  # a bf16 decode: not measured to gain from the heap
     assert any("temporaries of every size from the heap" in note for note in heap.report.notes)
     assert not any("temporaries of every size from the heap" in note for note in plain.report.notes)
     decode = {run: next(s for s in result.report.stages if s.stage == "decode") for run, result in
@@ -201,3 +203,7 @@ def test_memfit_plan_counts_the_decode_heap_where_a_run_takes_it(tiny_models, ca
         strategy.activation_bytes for opts in options for strategy, stage in opts[:1] if stage.name == "decode"))
     assert planned_decode("--budget", "4GiB") == plain
     assert planned_decode("--budget", "4GiB", "--device", "cuda") == plain
+    # A bf16 decode: the heap was not measured to speed it up (memfit.plan.activations.decode_gains_from_heap).
+    options = stage_options(open_model(model).adapter, dtype="bf16", width=SIZE, height=SIZE, steps=2)
+    plain_bf16 = next(stage.activation_bytes for opts in options for _, stage in opts[:1] if stage.name == "decode")
+    assert planned_decode("--dtype", "bf16") == plain_bf16

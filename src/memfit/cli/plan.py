@@ -131,7 +131,8 @@ def run_plan(args: argparse.Namespace) -> int:
     except BudgetTooSmall as exc:
         raise exc.counting(budget.device, held) if held else exc from None
     if str(args.budget).strip().lower() == AUTO and not runtime.separate_memory:
-        plan = _with_decode_heap(options, strategies, plan, room, args.prefetch)
+        plan = _with_decode_heap(options, strategies, plan, room, args.prefetch, adapter.configs.get("vae", {}),
+                                 args.dtype)
     if args.json:
         extra = {"precision": precision_line} if precision_line else {}
         print(json.dumps({**_report(name, args.dtype, width, height, plan, strategies), "budget_source": source,
@@ -168,17 +169,18 @@ def _default_size(adapter) -> tuple[int, int]:
     return settings.width, settings.height
 
 
-def _with_decode_heap(options, strategies, plan, room, prefetch: int):
+def _with_decode_heap(options, strategies, plan, room, prefetch: int, vae_config, dtype: str):
     """``plan`` with the plain decode's heap counted where a run takes its temporaries from the heap
     (memfit.run.fit._decodes_from_heap): an automatic budget on the CPU in which every stage keeps every weight
-    its own way, an AutoencoderKL-style VAE, and room for the heap beside the decode's activations."""
-    from memfit.plan.activations import StrategyKind, decode_heap_slack
+    its own way, a decode the heap speeds up, and room for the heap beside the decode's activations."""
+    from memfit.plan.activations import StrategyKind, decode_gains_from_heap, decode_heap_slack
 
     chosen_options = list(zip(options, strategies.values()))
     if not all(chosen is stage_options_[0][0] for stage_options_, chosen in chosen_options) or _streams(plan):
         return plan
     plain, decode = options[-1][0]
-    if plain.name != StrategyKind.PLAIN or not any(option.name == StrategyKind.BANDED for option, _ in options[-1]):
+    if plain.name != StrategyKind.PLAIN or not decode_gains_from_heap([option for option, _ in options[-1]],
+                                                                       vae_config, dtype):
         return plan
     heaped = dataclasses.replace(decode, activation_bytes=decode.activation_bytes
                                  + decode_heap_slack(plain.activation_bytes))

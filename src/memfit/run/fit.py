@@ -43,7 +43,7 @@ from memfit.errors import MemfitError
 from memfit.models.families import Settings
 from memfit.models.folder import ModelFolder
 from memfit.plan.activations import (DENOISE_HEAP_THRESHOLD, DEVICE_ACTIVATION_MARGIN, StrategyKind, choose,
-                                     decode_heap_slack, stage_strategies)
+                                     decode_gains_from_heap, decode_heap_slack, stage_strategies)
 from memfit.plan.budget import Budget, BudgetTooSmall, StageDoesNotFit, stage_budget
 from memfit.plan.compiled import (COMPILED_BANDS_EXTRA, COMPILED_BLOCK_BUILD, COMPILED_BLOCK_OVERHEAD, choose_compiled, compiled_blocks_extra,
                                   decode_in_bands)
@@ -420,8 +420,8 @@ def _plan_and_place(pipe, folder: ModelFolder, options: RunOptions, *, stage: st
             notes.append(f"{stage}: {format_bytes(kept)} of resident quantized weights kept dequantized, which the "
                          "budget has room for, so they are not dequantized at each step")
     heap_slack = decode_heap_slack(strategy.activation_bytes)
-    if _decodes_from_heap(plan_as, strategy, choices, options, [*compiled, *in_blocks], streamed, phases, budget,
-                          planned_peak + heap_slack):
+    if _decodes_from_heap(plan_as, strategy, choices, options, adapter.configs.get("vae", {}),
+                          [*compiled, *in_blocks], streamed, phases, budget, planned_peak + heap_slack):
         planned_peak += heap_slack
         with_heap = True
         notes.append(f"{stage}: temporaries of every size from the heap (no fresh pages for each), the "
@@ -430,16 +430,16 @@ def _plan_and_place(pipe, folder: ModelFolder, options: RunOptions, *, stage: st
                     notes=tuple(notes), heap_temporaries=with_heap)
 
 
-def _decodes_from_heap(plan_as: str, strategy, choices, options: RunOptions, compiled: Collection[str],
+def _decodes_from_heap(plan_as: str, strategy, choices, options: RunOptions, vae_config, compiled: Collection[str],
                        streamed: int, phases, budget: Budget, peak_with_heap: int) -> bool:
     """Whether the plain decode takes its temporaries of every size from the heap
-    (memfit.run.memory.every_temporary_from_heap): on the CPU, an eager decode of an AutoencoderKL-style VAE (one
-    that could be banded: what was measured) that keeps every weight, in a process whose mmap threshold memfit
-    left to glibc, with room in the budget for what the heap holds beside the activations
+    (memfit.run.memory.every_temporary_from_heap): on the CPU, an eager decode the heap was measured to speed up
+    (memfit.plan.activations.decode_gains_from_heap) that keeps every weight, in a process whose mmap threshold
+    memfit left to glibc, with room in the budget for what the heap holds beside the activations
     (memfit.plan.activations.decode_heap_slack); `memfit plan` decides the same (memfit.cli.plan)."""
     return (plan_as == "decode" and not options.runtime.separate_memory and "vae" not in compiled
             and strategy is choices[0] and strategy.name == StrategyKind.PLAIN
-            and any(choice.name == StrategyKind.BANDED for choice in choices) and not streamed and not phases
+            and decode_gains_from_heap(choices, vae_config, options.dtype) and not streamed and not phases
             and not mmap_threshold_fixed() and budget.device is not None and peak_with_heap <= budget.device)
 
 

@@ -228,7 +228,7 @@ def every_temporary_from_heap():
     """While inside, allocations of every size come from the heap, and freed ones stay there for the next
     allocation; only where memfit fixed no mmap threshold (mmap_threshold_fixed), otherwise nothing changes.
 
-    For the plain VAE decode on the CPU, whose temporaries are mostly over glibc's 32 MiB ceiling (SD 1.5 at
+    For the plain fp32 VAE decode on the CPU, whose temporaries are mostly over glibc's 32 MiB ceiling (SD 1.5 at
     512x512: 64-256 MiB each): glibc serves each with a fresh mapping whose pages the kernel faults in and
     zeroes, 3 million page faults per decode. Measured, SD 1.5 fp32 VAE at 512x512 on 2 threads, fresh
     processes: 12.1-12.5 s against 15.4-17.3 s, 0.1-0.4 million faults; the heap then holds freed blocks
