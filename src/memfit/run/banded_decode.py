@@ -238,11 +238,13 @@ def rows_per_band(channels_in: int, channels_out: int, width: int, element_size:
 
 
 def group_stats(x: torch.Tensor, norm: torch.nn.GroupNorm, band_bytes: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per (sample, group) mean and 1/std over the whole tensor, a few groups at a time.
+    """Per (sample, group) mean and 1/std over the whole tensor, a few groups at a time, in fp32.
 
-    For fp32 the statistics come from torch's own group-norm kernel run on channel slices (groups
-    are independent, so they are the full tensor's statistics, bit for bit); for other dtypes they
-    are reduced in fp32 with var_mean, as torch's kernel also accumulates in fp32.
+    The statistics come from torch's own group-norm kernel run on channel slices (groups are
+    independent, so they are the full tensor's statistics, bit for bit in fp32). For other dtypes the
+    kernel runs with fp32 weights, which makes it return its fp32 statistics rather than rounding them
+    to the tensor's dtype: SDXL's VAE at 1024x1024 in bf16, 0.24 s a tensor against 1.1 s for var_mean
+    over an fp32 copy, which agrees to 1e-10 (mean) and 1.2e-7 (relative, 1/std).
     """
     n, channels = x.shape[:2]
     groups = norm.num_groups
@@ -252,16 +254,13 @@ def group_stats(x: torch.Tensor, norm: torch.nn.GroupNorm, band_bytes: int) -> t
     means, rstds = [], []
     for g0 in range(0, groups, step):
         g1 = min(groups, g0 + step)
-        part = x[:, g0 * per_group:g1 * per_group]
-        if x.dtype == torch.float32:
-            part = part.contiguous()
-            _, mean, rstd = torch.native_group_norm(part, None, None, n, part.shape[1], part[0, 0].numel(), g1 - g0, norm.eps)
-            mean, rstd = mean.view(n, -1), rstd.view(n, -1)
-        else:
-            var, mean = torch.var_mean(part.reshape(n, g1 - g0, -1).float(), dim=2, unbiased=False)
-            rstd = torch.rsqrt(var + norm.eps)
-        means.append(mean)
-        rstds.append(rstd)
+        part = x[:, g0 * per_group:g1 * per_group].contiguous()
+        ones = None if x.dtype == torch.float32 else torch.ones(part.shape[1])
+        zeros = None if ones is None else torch.zeros_like(ones)
+        _, mean, rstd = torch.native_group_norm(part, ones, zeros, n, part.shape[1], part[0, 0].numel(), g1 - g0,
+                                                norm.eps)
+        means.append(mean.view(n, -1).float())
+        rstds.append(rstd.view(n, -1).float())
     return torch.cat(means, 1), torch.cat(rstds, 1)
 
 
