@@ -40,14 +40,20 @@ class _MallocInfo(ctypes.Structure):
                 ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks", "fsmblks", "uordblks", "fordblks", "keepcost")]
 
 
-def _heap_free_bytes() -> int:
-    """The bytes of free chunks glibc's heaps hold (0 where glibc's mallinfo2 is not there)."""
+def _mallinfo() -> _MallocInfo | None:
+    """glibc's allocator figures now (mallinfo2); None where it is not there."""
     try:
         info = ctypes.CDLL("libc.so.6").mallinfo2
     except (OSError, AttributeError):
-        return 0
+        return None
     info.restype = _MallocInfo
-    return int(info().fordblks)
+    return info()
+
+
+def _heap_free_bytes() -> int:
+    """The bytes of free chunks glibc's heaps hold (0 where glibc's mallinfo2 is not there)."""
+    info = _mallinfo()
+    return 0 if info is None else int(info.fordblks)
 
 
 _heap_holes = 0  # the most free heap a stretch under heap_for_temporaries_under left behind
