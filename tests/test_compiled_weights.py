@@ -46,6 +46,28 @@ def test_released_weights_are_the_files_and_come_back_equal(tiny_models):
     assert all(p.dtype == torch.bfloat16 and torch.equal(p, before[name]) for name, p in unet.named_parameters())
 
 
+def _mapped_ranges(path: Path) -> list[tuple[int, int]]:
+    ranges = []
+    for line in Path("/proc/self/maps").read_text().splitlines():
+        if line.endswith(str(path)):
+            start, end = line.split()[0].split("-")
+            ranges.append((int(start, 16), int(end, 16)))
+    return ranges
+
+
+@pytest.mark.skipif(not Path("/proc/self/maps").exists(), reason="needs /proc/self/maps")
+def test_what_stays_in_memory_of_a_released_module_is_no_view_of_the_loaders_map(tiny_models):
+    """A module loaded in its files' dtype may be views of the loader's map of the whole file: the first parameter
+    and the buffers it keeps in memory are copies, so that map (and every page read from it) can go."""
+    file = Path(tiny_models("sd")) / "unet" / "diffusion_pytorch_model.safetensors"
+    unet = _unet(tiny_models("sd"), torch.float32)
+    weights = FileWeights(unet, file.parent)
+    assert weights.release(), weights.kept_because
+    in_memory = [next(unet.parameters()), *unet.buffers()]
+    ranges = _mapped_ranges(file.resolve()) + _mapped_ranges(file)
+    assert all(not start <= tensor.data_ptr() < end for tensor in in_memory for start, end in ranges)
+
+
 def test_weights_changed_after_loading_stay_in_memory(tiny_models):
     unet = _unet(tiny_models("sd"), torch.float32)
     with torch.no_grad():

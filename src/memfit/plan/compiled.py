@@ -34,11 +34,14 @@ COMPILED_BLOCK_BUILD = 3
 # the caller's ``converted``, which costs more only where it is larger than the model.
 COMPILED_WHOLE_BUILD = 0.25
 # What a VAE decoded in bands by compiled kernels (memfit.run.compiled_banded_decode) holds beyond its compiled
-# weights and the eager banded decode's calibrated activations, as a share of the compiled VAE: the kernels' own
-# runtime structures and the buffers of the band in flight. Measured once, SD 1.5 fp32 512x512 beside a kept
-# compiled UNet under a 4.7 GiB budget: the decode peaked 0.15 GiB (first image) and 0.22 GiB (the next, warm)
-# above the budget the plan had fitted it in without this, 0.71x the 0.31 GiB compiled VAE (docs/backends.md).
-COMPILED_BANDS_EXTRA = 0.75
+# weights and the eager banded decode's calibrated activations, as a multiple of the decode's full-resolution
+# feature map (width x height x the last up block's channels, in the VAE's dtype): the kernels' own runtime
+# structures, the band in flight and its copies, all of which grow with the image. Measured beside a kept compiled
+# UNet: SD 1.5 fp32 512x512 (a 0.125 GiB feature map) 0.15-0.22 GiB above the eager banded figure, 1.2-1.8x;
+# SDXL bf16 1024x1024 (0.25 GiB) 0.41-0.51 GiB above it, 1.6-2.0x (docs/backends.md). Counted as a share of the
+# compiled VAE instead (0.75x, from the SD 1.5 point alone), SDXL's bands were planned at 0.86 GiB and peaked at
+# 1.15-1.25 GiB, which made them look twice as lean as decoding whole when they saved a third.
+COMPILED_BANDS_EXTRA = 2.0
 
 
 @dataclasses.dataclass(frozen=True)

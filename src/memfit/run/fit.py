@@ -43,10 +43,11 @@ from memfit.errors import MemfitError
 from memfit.models.families import Settings
 from memfit.models.folder import ModelFolder
 from memfit.plan.activations import (DENOISE_HEAP_THRESHOLD, DEVICE_ACTIVATION_MARGIN, StrategyKind, choose,
-                                     decode_gains_from_heap, decode_heap_slack, stage_strategies)
+                                     decode_gains_from_heap, decode_heap_slack, stage_strategies, vae_execution_dtype)
 from memfit.plan.budget import Budget, BudgetTooSmall, StageDoesNotFit, stage_budget
 from memfit.plan.compiled import (COMPILED_BANDS_EXTRA, COMPILED_BLOCK_BUILD, COMPILED_BLOCK_OVERHEAD, choose_compiled, compiled_blocks_extra,
                                   decode_in_bands)
+from memfit.plan.meta import activation_elements, dtype_bytes
 from memfit.plan.stages import planned_with_heap_where_it_fits
 from memfit.run.executor import (blocks_not_run, host_tier_reused, keep_dequantized, live_blocks, optimize, plan_stage,
                                  reads_in_place)
@@ -100,7 +101,7 @@ def fit_stage(pipe, folder: ModelFolder, names: Sequence[str], options: RunOptio
     notes: list[str] = []
     backend, in_blocks = options.backend, ()
     # A compiled VAE whose decode can run in bands: (plain, banded) activations, else None.
-    band_options = _band_options(pipe, folder, names, options, plan_as, settings, guided, backend)
+    band_options = _band_options(pipe, folder, names, options, plan_as, settings, guided)
     # A component compiled by a backend with its own copy of the weights costs that copy, not its torch
     # weights (memory-mapped once compiled: memfit.compile.weights), and is planned as such.
     compiled = compiled_weight_bytes(pipe, names, backend, options.torch_dtype) if budget is not None else {}
@@ -221,10 +222,11 @@ def _release_smallest(pool, *, spare_largest: bool = False) -> bool:
 
 
 def _band_options(pipe, folder: ModelFolder, names: Sequence[str], options: RunOptions, plan_as: str,
-                  settings: Settings, guided: bool, backend) -> tuple[int, int] | None:
+                  settings: Settings, guided: bool) -> tuple[int, int] | None:
     """(plain, banded) planned activations of the decode where its VAE is compiled by a backend with its own
     copy of the weights on the CPU and can be decoded in bands (memfit.run.compiled_banded_decode); else None.
-    The banded figure counts what the band kernels hold beyond the compiled weights (COMPILED_BANDS_EXTRA)."""
+    The banded figure counts what the band kernels hold beyond the compiled weights (COMPILED_BANDS_EXTRA times the
+    decode's full-resolution feature map)."""
     from memfit.run.banded_decode import unsupported_reason
 
     vae = getattr(pipe, "vae", None)
@@ -236,8 +238,9 @@ def _band_options(pipe, folder: ModelFolder, names: Sequence[str], options: RunO
     banded = next((choice for choice in choices if choice.name == StrategyKind.BANDED), None)
     if banded is None:
         return None
-    vae_bytes = compiled_weight_bytes(pipe, ["vae"], backend, options.torch_dtype).get("vae", 0)
-    return choices[0].activation_bytes, banded.activation_bytes + int(COMPILED_BANDS_EXTRA * vae_bytes)
+    feature_map = (activation_elements("vae_decoder_banded", vae.config, width=settings.width, height=settings.height)
+                   * dtype_bytes(vae_execution_dtype(vae.config, options.dtype)))
+    return choices[0].activation_bytes, banded.activation_bytes + int(COMPILED_BANDS_EXTRA * feature_map)
 
 
 def _choose_compiled(pipe, folder: ModelFolder, options: RunOptions, stage: str, plan_as: str, budget: Budget,
