@@ -81,18 +81,20 @@ def _stat(busy: list[int]) -> str:
 
 @pytest.fixture
 def fake_stat(tmp_path, monkeypatch):
-    """A /proc with no CPU quota whose /proc/stat moves on by ``busy`` ticks per CPU during the 0.1 s look."""
+    """A /proc with no CPU quota whose /proc/stat moves on by ``busy`` ticks per CPU during the 0.1 s look. The look's
+    clock moves by what it sleeps only: on a loaded machine a real 0.1 s sleep can last twice that, which would halve
+    the share of a CPU the ticks stand for."""
     roots = _cgroups(tmp_path, "0::/\n", {"cpu.max": "max 100000\n"})
     monkeypatch.setattr(threads, "_last_sample", None)
-
-    real_sleep = time.sleep
+    clock = [1000.0]
+    monkeypatch.setattr(threads.time, "monotonic", lambda: clock[0])
 
     def during_look(busy: list[int]):
         stat = roots["proc_root"] / "stat"
         stat.write_text(_stat([0] * len(busy)))
 
         def sleep(seconds):
-            real_sleep(seconds)
+            clock[0] += seconds
             stat.write_text(_stat(busy))
 
         monkeypatch.setattr(threads.time, "sleep", sleep)
