@@ -11,10 +11,11 @@ import dataclasses
 from collections.abc import Collection, Mapping
 
 from memfit.plan.budget import BudgetTooSmall
+from memfit.plan.meta import activation_elements, dtype_bytes
 from memfit.sizes import format_bytes, round_up_mib
 
 __all__ = ["COMPILED_BANDS_EXTRA", "COMPILED_BLOCK_BUILD", "COMPILED_BLOCK_OVERHEAD", "COMPILED_WHOLE_BUILD", "CompiledChoice",
-           "choose_compiled", "compiled_blocks_extra", "decode_in_bands"]
+           "choose_compiled", "compiled_bands_extra", "compiled_blocks_extra", "decode_in_bands"]
 
 # What a block compiled as a model of its own holds beyond its weights, as a share of them: the runtime's
 # structures and buffers, intermediate buffers freed after each call (measured with openvino on the SD 1.5
@@ -42,6 +43,13 @@ COMPILED_WHOLE_BUILD = 0.25
 # compiled VAE instead (0.75x, from the SD 1.5 point alone), SDXL's bands were planned at 0.86 GiB and peaked at
 # 1.15-1.25 GiB, which made them look twice as lean as decoding whole when they saved a third.
 COMPILED_BANDS_EXTRA = 2.0
+
+
+def compiled_bands_extra(vae_config: Mapping, *, width: int, height: int, dtype: str) -> int:
+    """Bytes the compiled band kernels hold beyond the eager banded decode's activations (COMPILED_BANDS_EXTRA
+    times the decode's full-resolution feature map), for a VAE that runs in ``dtype``."""
+    feature_map = activation_elements("vae_decoder_banded", vae_config, width=width, height=height) * dtype_bytes(dtype)
+    return int(COMPILED_BANDS_EXTRA * feature_map)
 
 
 @dataclasses.dataclass(frozen=True)

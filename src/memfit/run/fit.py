@@ -45,9 +45,8 @@ from memfit.models.folder import ModelFolder
 from memfit.plan.activations import (DENOISE_HEAP_THRESHOLD, DEVICE_ACTIVATION_MARGIN, StrategyKind, choose,
                                      decode_gains_from_heap, decode_heap_slack, stage_strategies, vae_execution_dtype)
 from memfit.plan.budget import Budget, BudgetTooSmall, StageDoesNotFit, stage_budget
-from memfit.plan.compiled import (COMPILED_BANDS_EXTRA, COMPILED_BLOCK_BUILD, COMPILED_BLOCK_OVERHEAD, choose_compiled, compiled_blocks_extra,
-                                  decode_in_bands)
-from memfit.plan.meta import activation_elements, dtype_bytes
+from memfit.plan.compiled import (COMPILED_BLOCK_BUILD, COMPILED_BLOCK_OVERHEAD, choose_compiled, compiled_bands_extra,
+                                  compiled_blocks_extra, decode_in_bands)
 from memfit.plan.stages import planned_with_heap_where_it_fits
 from memfit.run.executor import (blocks_not_run, host_tier_reused, keep_dequantized, live_blocks, optimize, plan_stage,
                                  reads_in_place)
@@ -225,8 +224,7 @@ def _band_options(pipe, folder: ModelFolder, names: Sequence[str], options: RunO
                   settings: Settings, guided: bool) -> tuple[int, int] | None:
     """(plain, banded) planned activations of the decode where its VAE is compiled by a backend with its own
     copy of the weights on the CPU and can be decoded in bands (memfit.run.compiled_banded_decode); else None.
-    The banded figure counts what the band kernels hold beyond the compiled weights (COMPILED_BANDS_EXTRA times the
-    decode's full-resolution feature map)."""
+    The banded figure counts what the band kernels hold beyond the compiled weights (compiled_bands_extra)."""
     from memfit.run.banded_decode import unsupported_reason
 
     vae = getattr(pipe, "vae", None)
@@ -238,9 +236,9 @@ def _band_options(pipe, folder: ModelFolder, names: Sequence[str], options: RunO
     banded = next((choice for choice in choices if choice.name == StrategyKind.BANDED), None)
     if banded is None:
         return None
-    feature_map = (activation_elements("vae_decoder_banded", vae.config, width=settings.width, height=settings.height)
-                   * dtype_bytes(vae_execution_dtype(vae.config, options.dtype)))
-    return choices[0].activation_bytes, banded.activation_bytes + int(COMPILED_BANDS_EXTRA * feature_map)
+    extra = compiled_bands_extra(vae.config, width=settings.width, height=settings.height,
+                                 dtype=vae_execution_dtype(vae.config, options.dtype))
+    return choices[0].activation_bytes, banded.activation_bytes + extra
 
 
 def _choose_compiled(pipe, folder: ModelFolder, options: RunOptions, stage: str, plan_as: str, budget: Budget,
