@@ -37,6 +37,11 @@ in the same process (--images N; diffusers: further __call__s; memfit warm: furt
 calls, each loading its stages again; the Session and optimum-intel: further images from what they
 hold). Budgets are "none" (what each system holds when nothing limits it) except in the row that names one.
 --store reuses an existing memfit store (kept afterwards) instead of a fresh one that the cold row fills.
+--page-cache warm reads every file a row reads (memfit: the model folder, then the store; optimum-intel: its IR)
+before launching it, so that no row's first image depends on what the row before pushed out of the page cache
+(optimum-intel's SDXL process, 15.6 GiB, pushes out memfit's 4.8 GiB compiled UNet; memfit's does not push out
+optimum-intel's IR); cold drops those files of every row from the page cache instead (posix_fadvise; a VM's host may
+still hold them). Default: as the row before left it.
 
 Slow on a small machine: keep --steps and --rounds small (4 and 2 by default), and say so in the doc.
 """
@@ -66,6 +71,13 @@ SESSION_BUDGET_ROW = SESSION_ROW + ", budget {}"
 OPTIMUM_ROWS = ("optimum-intel static", "optimum-intel dynamic")
 OPTIMUM_FP16_ROW = "optimum-intel static, fp16 IR"
 ARCH_NAMES = {"sd15": "SD 1.5", "sdxl": "SDXL"}
+PAGE_CACHE_NOTES = {
+    "as-left": "Each row starts with the page cache the row before left (every other round in the reverse order). ",
+    "warm": "Each row starts with its own files read into the page cache just before it (memfit: the model folder "
+            "and the store; optimum-intel: its IR), so no first image depends on what the row before pushed out. ",
+    "cold": "Each row starts with every row's files dropped from the page cache (posix_fadvise; the VM's host may "
+            "still hold them). ",
+}
 
 
 def child(spec: dict) -> dict:
@@ -138,6 +150,31 @@ def run_optimum(python: str, ir: str, static: bool, args) -> dict:
     return {"ok": True, **json.loads(line)}
 
 
+def _row_files(row: str, model: Path, store: str, args) -> list[Path]:
+    """The files a row reads, in the order to read them (what is read last stays cached longest)."""
+    if row == OPTIMUM_FP16_ROW:
+        folders = [Path(args.optimum_fp16_ir)]
+    elif row in OPTIMUM_ROWS:
+        folders = [Path(args.optimum_ir)]
+    elif row.startswith("diffusers"):
+        folders = [model]
+    else:
+        folders = [model, Path(store)]
+    return [file for folder in folders for file in sorted(folder.rglob("*")) if file.is_file()]
+
+
+def set_page_cache(policy: str, files: list[Path]) -> None:
+    """warm: read ``files`` into the page cache; cold: drop them from it."""
+    buffer = bytearray(16 * 2**20)
+    for file in files:
+        with open(file, "rb", buffering=0) as handle:
+            if policy == "cold":
+                os.posix_fadvise(handle.fileno(), 0, 0, os.POSIX_FADV_DONTNEED)
+            else:
+                while handle.readinto(buffer):
+                    pass
+
+
 def _paired_ratios(runs: list[dict], ours: str, theirs: str) -> list[tuple[int, float, float]]:
     """(round, first image ratio, steady image ratio) of ``ours`` against ``theirs`` in each round both completed."""
     by_round = {(r["row"], r["round"]): r for r in runs if r["ok"]}
@@ -163,7 +200,8 @@ def render(data: dict) -> str:
            "at every stage, so they show the peak of each process's last stage (the decode), not its peak; later runs "
            "of this benchmark read memfit.process_peak_rss().** ")
         + f"Steady image: the median time of images 2..{a['images']} in the same process. "
-        "Budgets: none, except where a row names one.\n",
+        + PAGE_CACHE_NOTES[a.get("page_cache", "as-left")]
+        + "Budgets: none, except where a row names one.\n",
         "| row | peak RSS (GiB) | vs diffusers | first image (s) | steady image (s) |",
         "|---|---|---|---|---|",
     ]
@@ -271,6 +309,9 @@ def main() -> None:
     parser.add_argument("--baseline-src", metavar="DIR", help="adds the row '" + BASELINE_ROW.format("LABEL") + "': a cold "
                         "run with memfit imported from DIR (another checkout's src/), on an empty store of its own")
     parser.add_argument("--baseline-label", default="before", help="LABEL of the --baseline-src row")
+    parser.add_argument("--page-cache", choices=("as-left", "warm", "cold"), default="as-left", help="the page cache "
+                        "each row starts with: warm reads the row's files first, cold drops every row's files "
+                        "(default: as the row before left it)")
     parser.add_argument("--store", help="an existing memfit store to run on, kept afterwards (default: a fresh one, "
                         "filled by the cold row and removed at the end)")
     args = parser.parse_args()
@@ -334,6 +375,10 @@ def main() -> None:
             for row in (rows if round_index % 2 == 0 else rows[::-1]):
                 if row in ("memfit openvino cold", baseline_row) and round_index:
                     continue
+                if args.page_cache == "warm":
+                    set_page_cache("warm", _row_files(row, model, store, args))
+                elif args.page_cache == "cold":
+                    set_page_cache("cold", [file for other in rows for file in _row_files(other, model, store, args)])
                 if row == OPTIMUM_FP16_ROW:
                     result = run_optimum(args.optimum_python, args.optimum_fp16_ir, True, args)
                 elif row in OPTIMUM_ROWS:
