@@ -227,6 +227,30 @@ def test_a_budgeted_session_lets_its_denoiser_go_where_even_the_banded_decode_do
 
 
 @needs_openvino
+def test_a_budgeted_session_decodes_whole_once_the_denoiser_it_let_go_left_room_for_that(
+        tiny_models, decode_estimates, monkeypatch):
+    import memfit
+    from memfit.run.session import Session
+
+    folder = tiny_models("sd")
+    session = Session(folder, budget="8GiB", backend={"vae": "openvino"})
+    # Neither whole nor in bands does the decode fit beside the kept denoiser; alone, whole fits, and runs faster.
+    plain = 7 * GiB - _weighs("unet") // 2
+    decode_estimates(plain=plain, banded=plain - _weighs("unet") // 8, session=session)
+    loads = _counting_loads(monkeypatch)
+    runs = _run_three(session)
+    assert sum("unet" in names for names in loads) == 3, loads  # let go for the decode, loaded for every image
+    assert sum("vae" in names for names in loads) == 1, loads  # the decode's VAE kept, as it was fitted: whole
+    assert "banded" not in [stage.strategy for run in runs for stage in run.report.stages if stage.stage == "decode"]
+    assert "decode" not in session.pool.bounded and session.warm_state()["released"] == 2
+    assert "decode: let the kept encode:text_encoder, denoise:unet go to make room" in "\n".join(runs[0].report.notes)
+    session.close()
+    alone = memfit.generate("a red circle", model=folder, steps=1, width=32, height=32, seed=2, budget="8GiB",
+                            backend={"vae": "openvino"}, progress=False)
+    assert np.array_equal(np.asarray(runs[2].images[0]), np.asarray(alone.images[0]))
+
+
+@needs_openvino
 def test_an_unbudgeted_session_decodes_in_bands_where_whole_would_pass_the_peak(tiny_models, decode_estimates):
     import memfit.run.fit as fit
     from memfit.run.session import Session

@@ -11,8 +11,9 @@ A compiled VAE decodes in bands (memfit.run.compiled_banded_decode) where decodi
 the kept stages (with no budget: where it would lift the process above the peak it already reached and the
 bands clearly less): bounded, the decode runs beside the kept compiled denoiser instead of making the pool let
 it go. Where even the bands do not fit, the pool first lets the smallest kept pipelines go (a text encoder before
-the denoiser: WarmPool.release_smallest, counted in ``released``), keeps the rest, and loads the stages it let go
-per run from then on; with no budget it never lets the largest go.
+the denoiser: WarmPool.release_smallest, counted in ``released``, named in the run's notes), keeps the rest, and
+loads the stages it let go per run from then on; the decode then runs whole where that fits in the room they left
+(faster than in bands). With no budget it never lets the largest go.
 
 The rule that keeps a session inside the budget: a stage's plan is made with the memory the process
 holds at the time, warm stages included, so nothing is ever planned past the budget. Stages are
@@ -77,6 +78,7 @@ class WarmPool:
         # the kept weights only, so the kept compiled models' buffers are freed before each of their runs.
         self.bounded: set[str] = set()
         self.released = 0  # kept pipelines let go to make room for a stage while the pool went on keeping the rest
+        self.let_go: list[str] = []  # their components, as stage:component
         self._not_kept: set[tuple] = set()  # their slots: loaded per run from then on (see release_smallest)
 
     def take(self, slot: tuple, made_for: tuple):
@@ -118,9 +120,12 @@ class WarmPool:
         if len(sizes) <= (1 if spare_largest else 0):
             return False
         smallest = min(sizes, key=sizes.get)
-        del self._pipes[smallest]
+        _, pipe = self._pipes.pop(smallest)
         self._not_kept.add(smallest)
         self.released += 1
+        self.let_go += [f"{smallest[3]}:{smallest[4]}{name}" for name in smallest[1]
+                        if isinstance(getattr(pipe, name, None), torch.nn.Module)]  # not its tokenizer, scheduler
+        del pipe
         release_freed_memory()
         return True
 
