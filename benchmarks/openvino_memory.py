@@ -378,7 +378,9 @@ def main() -> None:
                 if args.page_cache == "warm":
                     set_page_cache("warm", _row_files(row, model, store, args))
                 elif args.page_cache == "cold":
-                    set_page_cache("cold", [file for other in rows for file in _row_files(other, model, store, args)])
+                    # each file once, though several memfit rows read the same model folder and store
+                    set_page_cache("cold", list(dict.fromkeys(
+                        file for other in rows for file in _row_files(other, model, store, args))))
                 if row == OPTIMUM_FP16_ROW:
                     result = run_optimum(args.optimum_python, args.optimum_fp16_ir, True, args)
                 elif row in OPTIMUM_ROWS:
