@@ -243,7 +243,7 @@ def test_a_budgeted_session_decodes_whole_once_the_denoiser_it_let_go_left_room_
     assert sum("vae" in names for names in loads) == 1, loads  # the decode's VAE kept, as it was fitted: whole
     assert "banded" not in [stage.strategy for run in runs for stage in run.report.stages if stage.stage == "decode"]
     assert "decode" not in session.pool.bounded and session.warm_state()["released"] == 2
-    assert "decode: let the kept encode:text_encoder, denoise:unet go to make room" in "\n".join(runs[0].report.notes)
+    assert "decode: does not fit beside the kept encode:text_encoder, denoise:unet: let go" in "\n".join(runs[0].report.notes)
     session.close()
     alone = memfit.generate("a red circle", model=folder, steps=1, width=32, height=32, seed=2, budget="8GiB",
                             backend={"vae": "openvino"}, progress=False)

@@ -112,8 +112,8 @@ def fit_stage(pipe, folder: ModelFolder, names: Sequence[str], options: RunOptio
                                                       backend=backend)
     let_go = getattr(options.pool, "let_go", [])[let_go_before:]
     if let_go:
-        notes.append(f"{stage}: let the kept {', '.join(let_go)} go to make room (not fitting beside it); "
-                     "loaded again for each run from now on")
+        notes.append(f"{stage}: does not fit beside the kept {', '.join(let_go)}: let go, loaded again for each run "
+                     "from now on")
     if choice is not None:
         compiled, in_blocks = dict(choice.kept), choice.in_blocks
         backend = without_components(backend, [*choice.dropped, *in_blocks])
