@@ -168,3 +168,38 @@ def test_run_under_a_chunked_budget_makes_the_same_image(tiny_models, monkeypatc
     assert any("denoise: chunked" in note for note in fitted.report.notes)
     difference = np.abs(np.asarray(fitted.images[0], dtype=int) - np.asarray(reference.images[0], dtype=int))
     assert difference.max() <= 1
+
+
+@pytest.mark.slow
+def test_a_session_runs_its_kept_denoiser_chunked_as_planned(tiny_models, monkeypatch):
+    """A stage a Session keeps runs its next images with what its plan chose (chunked attention here), not
+    with the plain strategy an unplanned load would: the budget was planned with the chunked activations."""
+    from memfit.models.folder import ModelFolder
+    from memfit.plan.activations import stage_strategies
+    from memfit.devices import runtime_for
+    from memfit.run.session import Session
+
+    factors = dict.fromkeys(meta.ACTIVATION_FACTORS, 0.0)
+    factors.update(unet=60.0, unet_chunked=30.0)
+    monkeypatch.setattr(meta, "ACTIVATION_FACTORS", factors)
+    monkeypatch.setattr(meta, "ACTIVATION_OFFSETS", dict.fromkeys(meta.ACTIVATION_OFFSETS, 0))
+    monkeypatch.setenv("MEMFIT_CACHE", "0")
+    folder = tiny_models("sd")
+    adapter = ModelFolder.open(folder).adapter
+    settings = adapter.resolve("a red circle", None, 2, 4.0, 0, 128, 128)
+    batched, chunked, _ = stage_strategies(adapter, "denoise", settings, True, "fp32")
+    calls = []
+    original = ChunkedAttnProcessor.__call__
+    monkeypatch.setattr(ChunkedAttnProcessor, "__call__",
+                        lambda self, *args, **kw: calls.append(1) or original(self, *args, **kw))
+    # As WeightsOnlyCpu (which a Session, made for a device name, does not take): the process holds nothing.
+    monkeypatch.setattr(type(runtime_for("cpu")), "memory_in_use", lambda self: 0)
+    session = Session(folder, budget=(chunked.activation_bytes + batched.activation_bytes) // 2)
+    runs = []
+    for seed in (0, 1):
+        calls.clear()
+        runs.append(session.generate("a red circle", steps=2, guidance=4.0, width=128, height=128, seed=seed))
+        assert calls, f"image {seed + 1} did not run the chunked attention"
+    denoise = [next(stage for stage in run.report.stages if stage.stage == "denoise") for run in runs]
+    assert [stage.note for stage in denoise] == ["", "warm"]
+    assert [stage.strategy for stage in denoise] == ["chunked", "chunked"]

@@ -171,9 +171,9 @@ def test_a_size_change_under_a_budget_refits_and_holds_one_fit(tiny_models):
     folder = tiny_models("sd")
     session = Session(folder, budget="4GiB")
     session.generate("a red circle", steps=1, width=32, height=32)
-    first = {slot: made_for for slot, (made_for, _) in session.pool._pipes.items()}
+    first = {slot: made_for for slot, (made_for, *_) in session.pool._pipes.items()}
     result = session.generate("a red circle", steps=1, width=48, height=48)
-    now = {slot: made_for for slot, (made_for, _) in session.pool._pipes.items()}
+    now = {slot: made_for for slot, (made_for, *_) in session.pool._pipes.items()}
     assert first.keys() == now.keys() and len(now) == 3  # one fit per stage, never two
     # encode's prompt came from the prompt cache, so its entry stays; denoise and decode were fitted again
     assert [first[slot] != now[slot] for slot in now] == [False, True, True]

@@ -30,8 +30,9 @@ _PLAIN_DEVICES = {
 class StagePool(Protocol):
     """Stage pipelines kept loaded between runs (memfit.run.session.WarmPool is the one memfit has).
 
-    A stage hands its fitted pipeline to the pool instead of dropping it (``keep``), and the next run's
-    stage takes it back (``take``) instead of loading and fitting again; ``slot`` names the stage's load,
+    A stage hands its fitted pipeline to the pool instead of dropping it (``keep``, with its StageFit), and the
+    next run's stage takes both back (``take``) instead of loading and fitting again, and runs as that fit
+    decided (its strategy: chunked attention, a split batch, the heap for temporaries); ``slot`` names the stage's load,
     ``made_for`` what the pipeline was made for (a pipe made for something else is never handed out).
     ``host_tiers`` (memfit.run.executor.KeptHostTiers) keeps the pinned host tiers of streaming stages on a
     GPU between runs.
@@ -39,9 +40,9 @@ class StagePool(Protocol):
 
     host_tiers: Any
 
-    def take(self, slot: tuple, made_for: tuple) -> Any: ...
+    def take(self, slot: tuple, made_for: tuple) -> tuple[Any, Any]: ...
 
-    def keep(self, slot: tuple, made_for: tuple, pipe: Any) -> None: ...
+    def keep(self, slot: tuple, made_for: tuple, pipe: Any, fit: Any) -> None: ...
 
     def holds_any(self) -> bool: ...
 

@@ -91,18 +91,22 @@ class StageContext:
         self.components: list[str] = []
         self.compiled: list = []  # the compile records of every load
         self.fits: list[StageFit] = []  # what fitting each load of the stage decided
+        # What fitting decided for the pipelines taken back from the pool (warm): they run as it planned
+        self.kept_fits: list[StageFit] = []
         self.loaded_any = False  # whether a load fitted a pipeline rather than taking a kept one
-        self._loaded: list[tuple[Any, list[str], tuple, tuple]] = []
+        self._loaded: list[tuple[Any, list[str], tuple, tuple, StageFit | None]] = []
 
     @property
     def strategy(self) -> str:
-        """How the stage holds its activations: the last planned load's strategy ("" where none was planned)."""
-        return next((fit.strategy for fit in reversed(self.fits) if fit.strategy), "")
+        """How the stage holds its activations: the last planned load's strategy, or that of the kept pipeline's
+        plan ("" where none was planned)."""
+        return next((fit.strategy for fit in reversed([*self.kept_fits, *self.fits]) if fit.strategy), "")
 
     @property
     def heap_temporaries(self) -> bool:
-        """Whether the last planned load counted the heap its temporaries come from (StageFit.heap_temporaries)."""
-        return next((fit.heap_temporaries for fit in reversed(self.fits) if fit.strategy), False)
+        """Whether the last planned load (or the kept pipeline's plan) counted the heap its temporaries come from
+        (StageFit.heap_temporaries)."""
+        return next((fit.heap_temporaries for fit in reversed([*self.kept_fits, *self.fits]) if fit.strategy), False)
 
     @property
     def planned_peak(self) -> int | None:
@@ -152,10 +156,12 @@ class StageContext:
         key = (str(folder.path), tuple(to_load), tuple(sorted(shared)), plan_as or self.stage, label)
         made_for = self._made_for(pipeline_class, external, loras)
         pool = options.pool
-        pipe = pool.take(key, made_for) if pool is not None else None
+        pipe, fit = pool.take(key, made_for) if pool is not None else (None, None)
         limit = None if self.budget is None else self.budget.device
         if pipe is not None:
             self.note = "warm" if not self.note else f"{self.note}, warm"
+            if fit is not None:
+                self.kept_fits.append(fit)
             pool.make_room(self.stage, options.runtime.memory_in_use(), limit)
         else:
             self.loaded_any = True
@@ -195,7 +201,7 @@ class StageContext:
         watch_steps(pipe, self.stage, runner.on_step)
         pipe.set_progress_bar_config(disable=not options.progress, desc=self.stage, leave=False)
         self.components += [label + name for name in to_load]
-        self._loaded.append((pipe, to_load, key, made_for))
+        self._loaded.append((pipe, to_load, key, made_for, fit))
         if runner._peak is not None:
             runner._peak.loaded()  # the stage's device peaks from here on are its run's, not its load's
         return pipe
@@ -249,14 +255,14 @@ class StageContext:
     def _release(self) -> int:
         """Drop every pipeline this stage loaded (or hand it to the run's pool, which may keep it
         loaded for the next run); returns the weight bytes they held."""
-        weights = sum(resident_bytes(pipe, names) for pipe, names, _, _ in self._loaded)
+        weights = sum(resident_bytes(pipe, names) for pipe, names, *_ in self._loaded)
         for pipe, *_ in self._loaded:
             vars(pipe).pop("progress_bar", None)  # watch_steps' closure would keep this run's runner alive
         pool = self.runner.options.pool
         if pool is not None:
-            for pipe, _, key, made_for in self._loaded:
+            for pipe, _, key, made_for, fit in self._loaded:
                 # With its compiled models' buffers: the pool frees them when a stage needs the room.
-                pool.keep(key, made_for, pipe)
+                pool.keep(key, made_for, pipe, fit)
         self._loaded.clear()
         return weights
 

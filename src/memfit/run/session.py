@@ -21,7 +21,9 @@ kept warm only while every stage fits fully resident that way; the first stage t
 stream weights because others are kept makes the pool release them and plan that stage as a one-shot
 run would, and from then on the session runs like memfit.generate (releasing every stage), which
 the pool's ``gave_up`` says and the session's ``warm_state`` reports. A stage that cannot be planned
-at all beside the kept ones (memfit.plan.budget.StageDoesNotFit) is handled the same way.
+at all beside the kept ones (memfit.plan.budget.StageDoesNotFit) is handled the same way. A kept stage
+runs every later image as its plan decided (the pool keeps its StageFit): chunked attention or a split
+batch where that is what fitted the budget, the heap for temporaries where the plan counted it.
 
 Compiled models (OpenVINO) also keep their intermediate buffers between calls, so that the next image
 need not allocate and fault them in again (SDXL's decode at 1024x1024: 1.0 s). Under a budget the pool
@@ -66,7 +68,9 @@ class WarmPool:
     what it was made for (task, LoRAs and, under a budget, the sizes planned for: StageContext.load)."""
 
     def __init__(self) -> None:
-        self._pipes: dict[tuple, tuple[tuple, Any]] = {}  # slot -> (made_for, pipe)
+        # slot -> (made_for, pipe, fit): the pipe with what it was made for and what fitting it decided (StageFit: its
+        # strategy and heap, which each of its runs applies again)
+        self._pipes: dict[tuple, tuple[tuple, Any, Any]] = {}
         self.gave_up = ""  # why the pool stopped keeping stages (empty while it keeps them)
         # stage -> the most its memory grew by while it ran, measured since it last loaded a pipeline
         # (that run's growth counts the loading too: an over-estimate for a warm run, never an under-one)
@@ -81,19 +85,19 @@ class WarmPool:
         self.let_go: list[str] = []  # their components, as stage:component
         self._not_kept: set[tuple] = set()  # their slots: loaded per run from then on (see release_smallest)
 
-    def take(self, slot: tuple, made_for: tuple):
-        """The kept pipeline for ``slot`` (removed from the pool until the stage hands it back) if it was
-        made for ``made_for``, else None; one made for something else is released first, so a slot
+    def take(self, slot: tuple, made_for: tuple) -> tuple[Any, Any]:
+        """(pipeline, fit) kept for ``slot`` (removed from the pool until the stage hands it back) if it was
+        made for ``made_for``, else (None, None); one made for something else is released first, so a slot
         never holds two fits of its components."""
-        kept_for, pipe = self._pipes.pop(slot, (None, None))
+        kept_for, pipe, fit = self._pipes.pop(slot, (None, None, None))
         if pipe is not None and kept_for != made_for:
-            pipe = None
+            pipe = fit = None
             release_freed_memory()  # gone before the new fit measures the memory in use
-        return pipe
+        return pipe, fit
 
-    def keep(self, slot: tuple, made_for: tuple, pipe) -> None:
+    def keep(self, slot: tuple, made_for: tuple, pipe, fit) -> None:
         if not self.gave_up and slot not in self._not_kept:
-            self._pipes[slot] = (made_for, pipe)
+            self._pipes[slot] = (made_for, pipe, fit)
 
     def holds_any(self) -> bool:
         return bool(self._pipes)
@@ -116,11 +120,11 @@ class WarmPool:
         (``spare_largest``: never the one with the most, which a run without a budget keeps whatever it costs: the
         denoiser a Session is for). That slot is not kept again: the stage that needed the room was fitted without
         it and, kept, runs warm (unplanned) from then on. False where there is nothing (else) to let go."""
-        sizes = {slot: resident_bytes(pipe, slot[1]) for slot, (_, pipe) in self._pipes.items()}
+        sizes = {slot: resident_bytes(pipe, slot[1]) for slot, (_, pipe, _) in self._pipes.items()}
         if len(sizes) <= (1 if spare_largest else 0):
             return False
         smallest = min(sizes, key=sizes.get)
-        _, pipe = self._pipes.pop(smallest)
+        _, pipe, _ = self._pipes.pop(smallest)
         self._not_kept.add(smallest)
         self.released += 1
         self.let_go += [f"{smallest[3]}:{smallest[4]}{name}" for name in smallest[1]
@@ -132,7 +136,7 @@ class WarmPool:
     def free_buffers(self) -> None:
         """Free the kept compiled models' intermediate buffers (they are allocated again on their next call): before
         a stage is planned under a budget, so that its plan sees only the kept weights."""
-        for _, pipe in self._pipes.values():
+        for _, pipe, _ in self._pipes.values():
             release_buffers(pipe)
         release_freed_memory()
 
@@ -153,7 +157,7 @@ class WarmPool:
         return [f"{slot[3]}:{slot[4]}{name}" for slot in self._pipes for name in slot[1]]
 
     def weights_bytes(self) -> int:
-        return sum(resident_bytes(pipe, slot[1]) for slot, (_, pipe) in self._pipes.items())
+        return sum(resident_bytes(pipe, slot[1]) for slot, (_, pipe, _) in self._pipes.items())
 
 
 class Session:
