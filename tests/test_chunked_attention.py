@@ -134,15 +134,13 @@ def test_chunked_is_planned_only_where_batched_cannot_be(tiny_models, monkeypatc
     assert chosen(floors["batched"] + sum(block.bytes for block in denoise["batched"].blocks)) == "batched"
 
 
-@pytest.mark.slow
-def test_run_under_a_chunked_budget_makes_the_same_image(tiny_models, monkeypatch):
-    """A budget only the chunked strategy fits: the run reports chunked and makes plain diffusers' image
-    (within PNG rounding of the float tolerance)."""
+def _chunked_only_budget(tiny_models, monkeypatch) -> tuple:
+    """(tiny SD folder, a budget only the chunked strategy fits at 128x128, 2 steps). Only the denoiser's
+    activations count (the tiny model's weights are far smaller than real-size workspace, and the process's own
+    memory would swamp it); nothing is cached."""
     from memfit.models.folder import ModelFolder
     from memfit.plan.activations import stage_strategies
 
-    # Only the denoiser's activations count (the tiny model's weights are far smaller than real-size
-    # workspace, and the process's own memory would swamp it).
     factors = dict.fromkeys(meta.ACTIVATION_FACTORS, 0.0)
     factors.update(unet=60.0, unet_chunked=30.0)
     monkeypatch.setattr(meta, "ACTIVATION_FACTORS", factors)
@@ -151,16 +149,28 @@ def test_run_under_a_chunked_budget_makes_the_same_image(tiny_models, monkeypatc
     folder = tiny_models("sd")
     adapter = ModelFolder.open(folder).adapter
     settings = adapter.resolve("a red circle", None, 2, 4.0, 0, 128, 128)
-    batched, chunked, split = stage_strategies(adapter, "denoise", settings, True, "fp32")
+    batched, chunked, _ = stage_strategies(adapter, "denoise", settings, True, "fp32")
     assert chunked.name == "chunked" and chunked.activation_bytes < batched.activation_bytes
-    budget = (chunked.activation_bytes + batched.activation_bytes) // 2
+    return folder, (chunked.activation_bytes + batched.activation_bytes) // 2
 
-    kwargs = dict(model=folder, steps=2, guidance=4.0, width=128, height=128, progress=False)
-    reference = memfit.generate("a red circle", budget="none", **kwargs)
+
+def _count_chunked_calls(monkeypatch) -> list:
+    """A list that gets an item at every call of the chunked attention processor from now on."""
     calls = []
     original = ChunkedAttnProcessor.__call__
     monkeypatch.setattr(ChunkedAttnProcessor, "__call__",
                         lambda self, *args, **kw: calls.append(1) or original(self, *args, **kw))
+    return calls
+
+
+@pytest.mark.slow
+def test_run_under_a_chunked_budget_makes_the_same_image(tiny_models, monkeypatch):
+    """A budget only the chunked strategy fits: the run reports chunked and makes plain diffusers' image
+    (within PNG rounding of the float tolerance)."""
+    folder, budget = _chunked_only_budget(tiny_models, monkeypatch)
+    kwargs = dict(model=folder, steps=2, guidance=4.0, width=128, height=128, progress=False)
+    reference = memfit.generate("a red circle", budget="none", **kwargs)
+    calls = _count_chunked_calls(monkeypatch)
     fitted = memfit.generate("a red circle", budget=budget, device=WeightsOnlyCpu(), **kwargs)
     assert calls  # the chunked attention really ran
     denoise = next(stage for stage in fitted.report.stages if stage.stage == "denoise")
@@ -174,27 +184,14 @@ def test_run_under_a_chunked_budget_makes_the_same_image(tiny_models, monkeypatc
 def test_a_session_runs_its_kept_denoiser_chunked_as_planned(tiny_models, monkeypatch):
     """A stage a Session keeps runs its next images with what its plan chose (chunked attention here), not
     with the plain strategy an unplanned load would: the budget was planned with the chunked activations."""
-    from memfit.models.folder import ModelFolder
-    from memfit.plan.activations import stage_strategies
     from memfit.devices import runtime_for
     from memfit.run.session import Session
 
-    factors = dict.fromkeys(meta.ACTIVATION_FACTORS, 0.0)
-    factors.update(unet=60.0, unet_chunked=30.0)
-    monkeypatch.setattr(meta, "ACTIVATION_FACTORS", factors)
-    monkeypatch.setattr(meta, "ACTIVATION_OFFSETS", dict.fromkeys(meta.ACTIVATION_OFFSETS, 0))
-    monkeypatch.setenv("MEMFIT_CACHE", "0")
-    folder = tiny_models("sd")
-    adapter = ModelFolder.open(folder).adapter
-    settings = adapter.resolve("a red circle", None, 2, 4.0, 0, 128, 128)
-    batched, chunked, _ = stage_strategies(adapter, "denoise", settings, True, "fp32")
-    calls = []
-    original = ChunkedAttnProcessor.__call__
-    monkeypatch.setattr(ChunkedAttnProcessor, "__call__",
-                        lambda self, *args, **kw: calls.append(1) or original(self, *args, **kw))
+    folder, budget = _chunked_only_budget(tiny_models, monkeypatch)
+    calls = _count_chunked_calls(monkeypatch)
     # As WeightsOnlyCpu (which a Session, made for a device name, does not take): the process holds nothing.
     monkeypatch.setattr(type(runtime_for("cpu")), "memory_in_use", lambda self: 0)
-    session = Session(folder, budget=(chunked.activation_bytes + batched.activation_bytes) // 2)
+    session = Session(folder, budget=budget)
     runs = []
     for seed in (0, 1):
         calls.clear()

@@ -97,16 +97,19 @@ class StageContext:
         self._loaded: list[tuple[Any, list[str], tuple, tuple, StageFit | None]] = []
 
     @property
+    def _planned(self) -> StageFit | None:
+        """The last planned load's fit, or the kept pipeline's (None where nothing was planned)."""
+        return next((fit for fit in reversed([*self.kept_fits, *self.fits]) if fit.strategy), None)
+
+    @property
     def strategy(self) -> str:
-        """How the stage holds its activations: the last planned load's strategy, or that of the kept pipeline's
-        plan ("" where none was planned)."""
-        return next((fit.strategy for fit in reversed([*self.kept_fits, *self.fits]) if fit.strategy), "")
+        """How the stage holds its activations: the planned strategy ("" where none was planned)."""
+        return self._planned.strategy if self._planned is not None else ""
 
     @property
     def heap_temporaries(self) -> bool:
-        """Whether the last planned load (or the kept pipeline's plan) counted the heap its temporaries come from
-        (StageFit.heap_temporaries)."""
-        return next((fit.heap_temporaries for fit in reversed([*self.kept_fits, *self.fits]) if fit.strategy), False)
+        """Whether the plan counted the heap its temporaries come from (StageFit.heap_temporaries)."""
+        return self._planned is not None and self._planned.heap_temporaries
 
     @property
     def planned_peak(self) -> int | None:
